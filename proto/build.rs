@@ -1,0 +1,15 @@
+//! Compiles `proto/trainyard/v1/*.proto` with the protoc that the `protoc-bin-vendored`
+//! crate ships, so a fresh machine needs no system protobuf compiler.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    // SAFETY: build scripts are single-threaded; nothing else reads the environment here.
+    unsafe { std::env::set_var("PROTOC", protoc) };
+    // No transport helpers: the `Connect` rpc would clash with the client's `connect` constructor;
+    // callers build a `tonic::transport::Channel` and pass it to `XxxClient::new`.
+    tonic_prost_build::configure()
+        .build_transport(false)
+        .compile_protos(&["proto/trainyard/v1/trainyard.proto"], &["proto"])?;
+    println!("cargo:rerun-if-changed=proto");
+    Ok(())
+}

@@ -1,0 +1,13 @@
+//! The `trainyard.v1` gRPC contract: generated types and services, nothing else.
+//!
+//! `trainyard.proto` is the source of truth; see its comments for field meanings.
+
+/// Version of the agent protocol. An agent whose hello carries another number is refused
+/// with `FailedPrecondition`, and the agent refuses a controller that answers with another.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+#[allow(clippy::all, missing_docs)]
+#[rustfmt::skip]
+pub mod v1 {
+    tonic::include_proto!("trainyard.v1");
+}
