@@ -1,0 +1,265 @@
+//! The controller's durable store.
+//!
+//! # What we persist
+//! - `jobs`: one row per job with its spec (protobuf bytes plus plain columns an operator
+//!   filters on), its current state, reason and attempt. The state is a cache of the newest
+//!   row of `job_events`, written in the same transaction, so the two never disagree.
+//! - `job_events`: every state transition with its reason.
+//! - `allocations`: the placement of every rank of every attempt (intent), and what the agent
+//!   last reported about it (observed: state, pid, exit code, skipped receipt lines).
+//! - `agents` and `gpus`: every host that ever said hello, with its inventory.
+//! - `receipts`: every receipt line, keyed on (job, attempt, rank, seq) so a replay is ignored.
+//!
+//! What is *not* persisted: which agents are connected right now, and the in-memory fleet
+//! view the scheduler works on. Both are rebuilt at start-up from these tables plus the
+//! agents' hellos.
+//!
+//! The trait is narrow on purpose (see STYLE.md on Ballista's deleted backends): every method
+//! is one transaction, and every implementation runs the same test suite.
+
+pub mod sqlite;
+
+use async_trait::async_trait;
+use trainyard_proto::v1::{HostInventory, JobSpec};
+
+pub use sqlite::SqliteStore;
+
+/// A job's id, assigned by the store.
+pub type JobId = u64;
+
+/// Errors of the store, mapped to `tonic::Status` in one place (`crate::service::status`).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("job {0} not found")]
+    JobNotFound(JobId),
+    /// A transition was asked from a state the job is no longer in (someone else moved it).
+    #[error("job {job} is {actual}, not {expected}")]
+    StateConflict { job: JobId, expected: JobState, actual: JobState },
+    #[error("corrupt row in {table}: {detail}")]
+    Corrupt { table: &'static str, detail: String },
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// The states of DESIGN.md: `pending → scheduled → launching → running → succeeded | failed |
+/// cancelled`, plus `restarting` between attempts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JobState {
+    Pending,
+    Scheduled,
+    Launching,
+    Running,
+    Restarting,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 8] = [
+        JobState::Pending,
+        JobState::Scheduled,
+        JobState::Launching,
+        JobState::Running,
+        JobState::Restarting,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Scheduled => "scheduled",
+            JobState::Launching => "launching",
+            JobState::Running => "running",
+            JobState::Restarting => "restarting",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<JobState> {
+        JobState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+
+    /// No transition leaves a terminal state.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
+    }
+}
+
+impl std::fmt::Display for JobState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A row of `jobs`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobRecord {
+    pub id: JobId,
+    pub spec: JobSpec,
+    pub state: JobState,
+    pub reason: String,
+    pub attempt: u32,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+/// A row of `job_events`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobEventRecord {
+    pub job_id: JobId,
+    pub at_ms: i64,
+    /// `None` for the event that created the job.
+    pub from_state: Option<JobState>,
+    pub to_state: JobState,
+    pub reason: String,
+}
+
+/// Identity of one rank of one attempt of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RankId {
+    pub job_id: JobId,
+    pub attempt: u32,
+    pub rank: u32,
+}
+
+/// A row of `allocations`: where a rank runs (intent) and what its agent reported (observed).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Allocation {
+    pub id: RankId,
+    pub agent_id: String,
+    pub gpu_index: u32,
+    pub node_rank: u32,
+    pub local_rank: u32,
+    pub observed: RankObserved,
+}
+
+/// What the agent last reported about a rank.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RankObserved {
+    /// `planned` until the agent reports; then `launching`, `running`, `exited` or `lost`.
+    pub state: String,
+    pub pid: Option<u32>,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub message: String,
+    pub skipped_lines: u64,
+    pub updated_at_ms: i64,
+}
+
+/// A row of `agents`, with its inventory (also flattened into `gpus`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentRecord {
+    pub agent_id: String,
+    pub address: String,
+    pub agent_version: String,
+    pub inventory: HostInventory,
+    /// `connected`, `disconnected` or `leaving`.
+    pub state: String,
+    pub last_seen_ms: i64,
+}
+
+/// One receipt to store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewReceipt {
+    pub id: RankId,
+    pub seq: u64,
+    pub kind: String,
+    /// The receipt's `step` field, if it had one.
+    pub step: Option<i64>,
+    /// The line as the rank wrote it.
+    pub body: String,
+}
+
+/// A stored receipt with its position (monotonic across the store) for `Watch` cursors.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredReceiptRecord {
+    pub position: u64,
+    pub id: RankId,
+    pub seq: u64,
+    pub kind: String,
+    pub step: Option<i64>,
+    pub body: String,
+}
+
+/// Everything the controller reloads at start-up.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// Jobs not in a terminal state, oldest first.
+    pub active_jobs: Vec<JobRecord>,
+    /// Allocations of the current attempt of every active job.
+    pub allocations: Vec<Allocation>,
+    pub agents: Vec<AgentRecord>,
+}
+
+/// The controller's store. Every method is one transaction.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Stores a new job in `pending` with a creation event, and returns it.
+    async fn create_job(&self, spec: &JobSpec, reason: &str, now_ms: i64) -> Result<JobRecord>;
+
+    /// Moves a job from `from` to `to`, writing the event; fails with `StateConflict` if the job
+    /// is not in `from`. `attempt` is the job's attempt after the transition.
+    async fn transition(
+        &self,
+        job: JobId,
+        from: JobState,
+        to: JobState,
+        attempt: u32,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<JobRecord>;
+
+    /// Writes the allocations of one attempt and moves the job `pending → scheduled` in the
+    /// same transaction, so a placement is never half-recorded.
+    async fn schedule(
+        &self,
+        job: JobId,
+        attempt: u32,
+        allocations: &[Allocation],
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<JobRecord>;
+
+    async fn get_job(&self, job: JobId) -> Result<Option<JobRecord>>;
+
+    /// Newest first; `active_only` leaves out terminal jobs.
+    async fn list_jobs(&self, active_only: bool, limit: u32) -> Result<Vec<JobRecord>>;
+
+    /// Oldest first.
+    async fn job_events(&self, job: JobId) -> Result<Vec<JobEventRecord>>;
+
+    async fn allocations(&self, job: JobId, attempt: u32) -> Result<Vec<Allocation>>;
+
+    /// Records what an agent reported about one rank. Unknown ranks are ignored (returns false).
+    async fn observe_rank(&self, id: RankId, observed: &RankObserved) -> Result<bool>;
+
+    /// Inserts or replaces an agent and its `gpus` rows.
+    async fn upsert_agent(&self, agent: &AgentRecord) -> Result<()>;
+
+    async fn set_agent_state(&self, agent_id: &str, state: &str, now_ms: i64) -> Result<()>;
+
+    /// Jobs, allocations and agents to rebuild the in-memory view after a restart.
+    async fn snapshot(&self) -> Result<Snapshot>;
+
+    /// Stores a batch in one transaction; receipts already stored are skipped. Returns how many
+    /// rows were new.
+    async fn insert_receipts(&self, receipts: &[NewReceipt], now_ms: i64) -> Result<u64>;
+
+    /// Receipts of a job with `position > after`, in position order, at most `limit`.
+    async fn receipts_after(&self, job: JobId, after: u64, limit: u32) -> Result<Vec<StoredReceiptRecord>>;
+
+    /// Highest stored seq per rank of one attempt (ranks with no receipt are absent).
+    async fn last_seqs(&self, job: JobId, attempt: u32) -> Result<Vec<(u32, u64)>>;
+
+    /// Number of receipts stored for a job, all attempts.
+    async fn receipt_count(&self, job: JobId) -> Result<u64>;
+}
