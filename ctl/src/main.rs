@@ -1,1 +1,125 @@
-fn main() {}
+//! `ctl`: the operator's command line for trainyard.
+//!
+//! # Layout
+//! - `spec`: the TOML job spec file and its conversion to the proto `JobSpec`.
+//! - `client`: the connection to the controller; gRPC failures become actionable sentences.
+//! - `commands`: one module per subcommand (submit, status, cancel, watch).
+//! - `progress`: the rate-limited progress line of `submit --follow`.
+//! - `output`: the stable JSON rendering behind `-o json`.
+//! - `render`: tables, ages, timestamps and receipt lines for people.
+//!
+//! Errors are printed as one line on stderr with a non-zero exit status.
+
+mod client;
+mod commands;
+mod output;
+mod progress;
+mod render;
+mod spec;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "ctl", version, about = "Submit, inspect, watch and cancel trainyard jobs")]
+struct Cli {
+    /// Address of the controller's gRPC endpoint.
+    #[arg(long, global = true, env = "TRAINYARD_CONTROLLER", default_value = "http://127.0.0.1:7070")]
+    controller: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Submit a job spec (TOML); prints the job id on stdout.
+    Submit {
+        /// The job spec file.
+        file: PathBuf,
+        /// Stream progress to stderr until the job ends; exit 0 only if it succeeded.
+        #[arg(long)]
+        follow: bool,
+    },
+    /// Show all jobs, or one job's events and ranks.
+    Status {
+        job: Option<u64>,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
+        output: Format,
+    },
+    /// Cancel a job and wait until its ranks have stopped.
+    Cancel { job: u64 },
+    /// Stream a job's receipts until it ends.
+    Watch {
+        job: u64,
+        /// Only receipts stored after this position (as printed by `-o json`).
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
+        output: Format,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("ctl: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ctl: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    // Parse the spec before dialing, so a typo is reported even with no controller around.
+    let spec = match &cli.command {
+        Command::Submit { file, .. } => Some(spec::load(file)?),
+        _ => None,
+    };
+    let mut ctl = client::connect(&cli.controller).await?;
+    match cli.command {
+        Command::Submit { follow, .. } => {
+            let spec = spec.unwrap_or_default();
+            commands::submit::run(&mut ctl, spec, follow).await
+        }
+        Command::Status { job, output } => commands::status::run(&mut ctl, job, output == Format::Json).await,
+        Command::Cancel { job } => commands::cancel::run(&mut ctl, job).await,
+        Command::Watch { job, from, output } => {
+            commands::watch::run(&mut ctl, job, from, output == Format::Json).await
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn global_controller_flag_after_the_subcommand() {
+        let cli = Cli::try_parse_from(["ctl", "status", "3", "-o", "json", "--controller", "http://x:1"])
+            .expect("parse");
+        assert_eq!(cli.controller, "http://x:1");
+        assert!(matches!(cli.command, Command::Status { job: Some(3), output: Format::Json }));
+    }
+}

@@ -1,0 +1,97 @@
+//! The connection to the controller, and the one place where gRPC failures become sentences
+//! an operator can act on.
+
+use std::time::Duration;
+
+use anyhow::anyhow;
+use tonic::{Code, Status, transport::Channel, transport::Endpoint};
+use trainyard_proto::v1::jobs_client::JobsClient;
+
+/// A connected Jobs client that remembers the address, for the error messages.
+pub struct Controller {
+    pub jobs: JobsClient<Channel>,
+    pub url: String,
+}
+
+/// Dials the controller at `url`; fails with the "cannot reach" message when nobody answers.
+pub async fn connect(url: &str) -> anyhow::Result<Controller> {
+    let endpoint = Endpoint::from_shared(url.to_string())
+        .map_err(|e| anyhow!("invalid controller URL {url:?}: {e} (expected e.g. http://127.0.0.1:7070)"))?
+        .connect_timeout(Duration::from_secs(5));
+    let channel = endpoint.connect().await.map_err(|e| unreachable_error(url, &error_chain(&e)))?;
+    Ok(Controller { jobs: JobsClient::new(channel), url: url.to_string() })
+}
+
+impl Controller {
+    /// Turns a failed call into one actionable line. `job` is the id the call was about, if any.
+    pub fn error(&self, status: Status, job: Option<u64>) -> anyhow::Error {
+        describe(&self.url, &status, job)
+    }
+}
+
+fn unreachable_error(url: &str, detail: &str) -> anyhow::Error {
+    anyhow!(
+        "cannot reach the controller at {url}: {detail} \
+         (is trainyard-controller running? set --controller or TRAINYARD_CONTROLLER)"
+    )
+}
+
+/// Maps a tonic status to the message the operator sees.
+pub fn describe(url: &str, status: &Status, job: Option<u64>) -> anyhow::Error {
+    let message = status.message();
+    match (status.code(), job) {
+        (Code::Unavailable, _) => unreachable_error(url, message),
+        (Code::NotFound, Some(id)) => anyhow!("job {id} not found"),
+        (Code::NotFound, None) => anyhow!("not found: {message}"),
+        (Code::InvalidArgument, None) => anyhow!("job spec rejected: {message}"),
+        (Code::InvalidArgument, Some(_)) => anyhow!("request rejected: {message}"),
+        (Code::FailedPrecondition, _) => anyhow!("{message}"),
+        (Code::DeadlineExceeded, _) => anyhow!("the controller at {url} did not answer in time"),
+        (code, _) => anyhow!("controller error ({code:?}): {message}"),
+    }
+}
+
+/// "transport error: tcp connect error: Connection refused (os error 111)" from a source chain.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        source = s.source();
+    }
+    parts.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const URL: &str = "http://127.0.0.1:7070";
+
+    #[test]
+    fn statuses_become_actionable_lines() {
+        let unavailable = describe(URL, &Status::unavailable("connection refused"), None);
+        assert!(unavailable.to_string().starts_with("cannot reach the controller at http://"));
+        assert!(unavailable.to_string().contains("TRAINYARD_CONTROLLER"));
+        let missing = describe(URL, &Status::not_found("no such job"), Some(7));
+        assert_eq!(missing.to_string(), "job 7 not found");
+        let rejected = describe(URL, &Status::invalid_argument("resources.gpus: must be >= 1"), None);
+        assert_eq!(rejected.to_string(), "job spec rejected: resources.gpus: must be >= 1");
+    }
+
+    #[tokio::test]
+    async fn nobody_listening_is_reported_as_unreachable() {
+        // Bind then drop to get a port that is very likely closed.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("bind a free port");
+        let url = format!("http://127.0.0.1:{port}");
+        let err = connect(&url).await.err().expect("nothing listens there");
+        let text = err.to_string();
+        assert!(text.starts_with(&format!("cannot reach the controller at {url}")), "{text}");
+    }
+}

@@ -1,0 +1,44 @@
+//! `ctl status [JOB] [-o json]`.
+
+use trainyard_proto::v1::{GetJobRequest, ListJobsRequest};
+
+use crate::client::Controller;
+use crate::output::{JobJson, to_json};
+use crate::render;
+
+pub async fn run(ctl: &mut Controller, job: Option<u64>, json: bool) -> anyhow::Result<()> {
+    match job {
+        Some(job_id) => one(ctl, job_id, json).await,
+        None => list(ctl, json).await,
+    }
+}
+
+async fn one(ctl: &mut Controller, job_id: u64, json: bool) -> anyhow::Result<()> {
+    let job = match ctl.jobs.get(GetJobRequest { job_id }).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => return Err(ctl.error(status, Some(job_id))),
+    };
+    if json {
+        println!("{}", to_json(&JobJson::from(&job))?);
+    } else {
+        print!("{}", render::job_details(&job, render::now_ms()));
+    }
+    Ok(())
+}
+
+async fn list(ctl: &mut Controller, json: bool) -> anyhow::Result<()> {
+    let request = ListJobsRequest { active_only: false, limit: 0 };
+    let jobs = match ctl.jobs.list(request).await {
+        Ok(r) => r.into_inner().jobs,
+        Err(status) => return Err(ctl.error(status, None)),
+    };
+    if json {
+        let jobs: Vec<JobJson> = jobs.iter().map(JobJson::from).collect();
+        println!("{}", to_json(&jobs)?);
+    } else if jobs.is_empty() {
+        println!("no jobs");
+    } else {
+        print!("{}", render::job_list(&jobs, render::now_ms()));
+    }
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! `-o json`: a stable JSON rendering of jobs and receipts.
+//!
+//! The structs mirror the proto fields by name but are ours, so a proto change (a new field, a
+//! renumbering) never silently changes what scripts parse; fields are added here on purpose.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use trainyard_proto::v1::{Job, JobEvent, JobSpec, RankStatus, StoredReceipt, job_spec::Engine};
+
+#[derive(Debug, Serialize)]
+pub struct JobJson {
+    pub id: u64,
+    pub name: String,
+    pub state: String,
+    pub reason: String,
+    pub attempt: u32,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub receipts: u64,
+    pub spec: Option<SpecJson>,
+    pub ranks: Vec<RankJson>,
+    pub events: Vec<EventJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SpecJson {
+    pub name: String,
+    pub priority: i32,
+    pub preflight: String,
+    pub resources: ResourcesJson,
+    pub engine: Option<EngineJson>,
+    /// Sorted by name, so the rendering is stable.
+    pub env: BTreeMap<String, String>,
+    pub restart: RestartJson,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct ResourcesJson {
+    pub gpus: u32,
+    pub gpus_per_node: u32,
+    pub gpu_model: String,
+    pub min_gpu_memory_mib: u64,
+    pub interconnect: String,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum EngineJson {
+    Exec { argv: Vec<String>, workdir: String, source_dir: String },
+    Builtin { preset: String, data: String, settings: BTreeMap<String, String> },
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct RestartJson {
+    pub max_restarts: u32,
+    pub resume: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RankJson {
+    pub rank: u32,
+    pub node_rank: u32,
+    pub local_rank: u32,
+    pub agent_id: String,
+    pub gpu_index: u32,
+    pub state: String,
+    pub pid: u32,
+    pub exit_code: i32,
+    pub signal: i32,
+    pub last_seq: i64,
+    pub skipped_lines: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EventJson {
+    pub at_ms: i64,
+    pub from_state: String,
+    pub to_state: String,
+    pub reason: String,
+}
+
+/// One receipt as `ctl watch -o json` prints it: where it belongs, and the body as written.
+#[derive(Debug, Serialize)]
+pub struct ReceiptJson {
+    pub job_id: u64,
+    pub attempt: u32,
+    pub rank: u32,
+    pub seq: u64,
+    pub position: u64,
+    pub kind: String,
+    /// The rank's JSON object, embedded as JSON (or as a string if it is somehow not JSON).
+    pub body: serde_json::Value,
+}
+
+impl From<&Job> for JobJson {
+    fn from(j: &Job) -> Self {
+        JobJson {
+            id: j.id,
+            name: j.spec.as_ref().map(|s| s.name.clone()).unwrap_or_default(),
+            state: j.state.clone(),
+            reason: j.reason.clone(),
+            attempt: j.attempt,
+            created_at_ms: j.created_at_ms,
+            updated_at_ms: j.updated_at_ms,
+            receipts: j.receipts,
+            spec: j.spec.as_ref().map(SpecJson::from),
+            ranks: j.ranks.iter().map(RankJson::from).collect(),
+            events: j.events.iter().map(EventJson::from).collect(),
+        }
+    }
+}
+
+impl From<&JobSpec> for SpecJson {
+    fn from(s: &JobSpec) -> Self {
+        let resources = s.resources.as_ref().map_or_else(ResourcesJson::default, |r| ResourcesJson {
+            gpus: r.gpus,
+            gpus_per_node: r.gpus_per_node,
+            gpu_model: r.gpu_model.clone(),
+            min_gpu_memory_mib: r.min_gpu_memory_mib,
+            interconnect: r.interconnect.clone(),
+        });
+        let restart = s.restart.as_ref().map_or_else(RestartJson::default, |r| RestartJson {
+            max_restarts: r.max_restarts,
+            resume: r.resume,
+        });
+        SpecJson {
+            name: s.name.clone(),
+            priority: s.priority,
+            preflight: s.preflight.clone(),
+            resources,
+            engine: s.engine.as_ref().map(EngineJson::from),
+            env: s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            restart,
+        }
+    }
+}
+
+impl From<&Engine> for EngineJson {
+    fn from(e: &Engine) -> Self {
+        match e {
+            Engine::Exec(x) => EngineJson::Exec {
+                argv: x.argv.clone(),
+                workdir: x.workdir.clone(),
+                source_dir: x.source_dir.clone(),
+            },
+            Engine::Builtin(b) => EngineJson::Builtin {
+                preset: b.preset.clone(),
+                data: b.data.clone(),
+                settings: b.settings.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            },
+        }
+    }
+}
+
+impl From<&RankStatus> for RankJson {
+    fn from(r: &RankStatus) -> Self {
+        RankJson {
+            rank: r.rank,
+            node_rank: r.node_rank,
+            local_rank: r.local_rank,
+            agent_id: r.agent_id.clone(),
+            gpu_index: r.gpu_index,
+            state: r.state.clone(),
+            pid: r.pid,
+            exit_code: r.exit_code,
+            signal: r.signal,
+            last_seq: r.last_seq,
+            skipped_lines: r.skipped_lines,
+        }
+    }
+}
+
+impl From<&JobEvent> for EventJson {
+    fn from(e: &JobEvent) -> Self {
+        EventJson {
+            at_ms: e.at_ms,
+            from_state: e.from_state.clone(),
+            to_state: e.to_state.clone(),
+            reason: e.reason.clone(),
+        }
+    }
+}
+
+impl ReceiptJson {
+    pub fn new(job_id: u64, r: &StoredReceipt) -> Self {
+        let body =
+            serde_json::from_str(&r.body).unwrap_or_else(|_| serde_json::Value::String(r.body.clone()));
+        ReceiptJson {
+            job_id,
+            attempt: r.attempt,
+            rank: r.rank,
+            seq: r.seq,
+            position: r.position,
+            kind: r.kind.clone(),
+            body,
+        }
+    }
+}
+
+/// Pretty JSON for one value, for `status -o json`.
+pub fn to_json<T: Serialize>(value: &T) -> anyhow::Result<String> {
+    Ok(serde_json::to_string_pretty(value)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trainyard_proto::v1::{ExecEngine, Resources};
+
+    #[test]
+    fn job_json_is_stable_and_named_like_the_proto() {
+        let job = Job {
+            id: 3,
+            spec: Some(JobSpec {
+                name: "demo".into(),
+                resources: Some(Resources { gpus: 16, ..Default::default() }),
+                engine: Some(Engine::Exec(ExecEngine {
+                    argv: vec!["true".into()],
+                    workdir: "/w".into(),
+                    source_dir: String::new(),
+                })),
+                ..Default::default()
+            }),
+            state: "running".into(),
+            ranks: vec![RankStatus { rank: 0, state: "running".into(), last_seq: -1, ..Default::default() }],
+            ..Default::default()
+        };
+        let v = serde_json::to_value(JobJson::from(&job)).expect("serialize");
+        assert_eq!(v["id"], 3);
+        assert_eq!(v["name"], "demo");
+        assert_eq!(v["spec"]["resources"]["gpus"], 16);
+        assert_eq!(v["spec"]["engine"]["kind"], "exec");
+        assert_eq!(v["spec"]["engine"]["workdir"], "/w");
+        assert_eq!(v["ranks"][0]["last_seq"], -1);
+    }
+
+    #[test]
+    fn receipt_body_is_embedded_as_json() {
+        let r = StoredReceipt {
+            position: 9,
+            attempt: 1,
+            rank: 2,
+            seq: 4,
+            kind: "step".into(),
+            body: r#"{"kind":"step","step":3,"loss":2.5}"#.into(),
+        };
+        let v = serde_json::to_value(ReceiptJson::new(5, &r)).expect("serialize");
+        assert_eq!(v["job_id"], 5);
+        assert_eq!(v["body"]["loss"], 2.5);
+    }
+}
