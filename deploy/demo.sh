@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The trainyard demo on one machine, no GPU needed:
+#   a controller on embedded SQLite, two agents standing in for 8xH100 SXM nodes,
+#   a 16-rank job of examples/rank.py, its status, and its receipts read straight from SQL.
+# Everything it starts is stopped when it exits. Each run keeps its files in demo-data/<time>/.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+say() { printf '\n==> %s\n' "$*"; }
+
+PIDS=()
+JOB=""
+URL=""
+CTL="$ROOT/target/debug/ctl"
+
+cleanup() {
+    local rc=$?
+    set +e
+    if [[ -n "$JOB" && -n "$URL" ]]; then
+        state="$("$CTL" --controller "$URL" status "$JOB" -o json 2>/dev/null |
+            python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' 2>/dev/null)"
+        case "$state" in
+            succeeded | failed | cancelled | "") ;;
+            *)
+                say "Cancelling job $JOB (still $state) so no rank outlives the demo"
+                "$CTL" --controller "$URL" cancel "$JOB"
+                ;;
+        esac
+    fi
+    if ((${#PIDS[@]})); then
+        say "Stopping the agents and the controller"
+        # Agents first (in reverse start order), so they leave cleanly while the controller is up.
+        for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+            kill -TERM "${PIDS[i]}" 2>/dev/null
+            for _ in $(seq 50); do
+                kill -0 "${PIDS[i]}" 2>/dev/null || break
+                sleep 0.1
+            done
+            kill -KILL "${PIDS[i]}" 2>/dev/null
+            wait "${PIDS[i]}" 2>/dev/null
+        done
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+say "Building trainyard (deploy/setup.sh)"
+bash deploy/setup.sh
+
+DATA="$ROOT/demo-data/$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$DATA"
+say "This run's files (database, logs, receipts files) go to $DATA"
+
+say "Starting the controller on embedded SQLite, on a free port"
+"$ROOT/target/debug/trainyard-controller" --listen 127.0.0.1:0 --data-dir "$DATA/controller" \
+    --addr-file "$DATA/controller.addr" 2>"$DATA/controller.log" &
+PIDS+=($!)
+for _ in $(seq 300); do
+    [[ -s "$DATA/controller.addr" ]] && break
+    if ! kill -0 "${PIDS[0]}" 2>/dev/null; then
+        echo "the controller exited at start; its log ($DATA/controller.log) ends with:" >&2
+        tail -n 20 "$DATA/controller.log" >&2
+        exit 1
+    fi
+    sleep 0.1
+done
+if [[ ! -s "$DATA/controller.addr" ]]; then
+    echo "the controller did not report its address within 30 s; see $DATA/controller.log" >&2
+    exit 1
+fi
+URL="http://$(cat "$DATA/controller.addr")"
+export TRAINYARD_CONTROLLER="$URL"
+echo "controller listening at $URL; database $DATA/controller/trainyard.db"
+
+for node in a b; do
+    say "Starting agent demo-node-$node (8 stand-in H100 SXM GPUs from deploy/hosts/demo-node-$node.json)"
+    "$ROOT/target/debug/trainyard-agent" --controller "$URL" \
+        --host-file "$ROOT/deploy/hosts/demo-node-$node.json" --data-dir "$DATA/node-$node" \
+        2>"$DATA/agent-$node.log" &
+    PIDS+=($!)
+done
+
+say "Submitting deploy/demo-job.toml: 16 ranks, 8 per node, 30 steps of examples/rank.py"
+# The workdir must be absolute: write this checkout's path into a copy of the spec.
+sed "s|^workdir = .*|workdir = \"$ROOT\"|" deploy/demo-job.toml >"$DATA/demo-job.toml"
+set +e
+JOB="$("$CTL" submit --follow "$DATA/demo-job.toml")"
+follow_rc=$?
+set -e
+if [[ -z "$JOB" ]]; then
+    echo "the job was not submitted (see the message above)" >&2
+    exit 1
+fi
+
+say "Job $JOB as the controller sees it (ctl status $JOB)"
+"$CTL" status "$JOB"
+
+DB="$DATA/controller/trainyard.db"
+SQL="SELECT rank, sum(kind = 'launch') AS launch, sum(kind = 'step') AS step,
+        sum(kind = 'exit') AS exit, count(*) AS total
+     FROM receipts WHERE job_id = $JOB GROUP BY rank ORDER BY rank;"
+say "Receipts per rank and kind, straight from SQLite ($DB)"
+if command -v sqlite3 >/dev/null 2>&1; then
+    sqlite3 -header -column "$DB" "$SQL"
+else
+    python3 - "$DB" "$SQL" <<'PY'
+import sqlite3, sys
+con = sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True)
+cur = con.execute(sys.argv[2])
+print("  ".join(f"{d[0]:>6}" for d in cur.description))
+for row in cur:
+    print("  ".join(f"{v:>6}" for v in row))
+PY
+fi
+
+say "Try it yourself while nothing runs: the loss curve of rank 0"
+echo "  sqlite3 $DB \\"
+echo "    \"SELECT step, json_extract(body,'\$.loss') FROM receipts WHERE job_id=$JOB AND rank=0 AND kind='step' ORDER BY step;\""
+
+if ((follow_rc != 0)); then
+    echo "job $JOB did not succeed; logs: $DATA/*.log, rank output: $DATA/node-*/runs/job-$JOB/" >&2
+    exit "$follow_rc"
+fi
+say "Demo done: job $JOB succeeded"

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""A stand-in training rank for trainyard: no GPU, no PyTorch, Python 3 standard library only.
+
+It reads the rank environment that the agent sets (the torchrun variables plus TRAINYARD_*),
+and appends receipts to TRAINYARD_RECEIPTS as JSON lines, the same schema the built-in engine
+writes:
+
+    launch   once: python version, hostname, pid, rank/world, the environment it saw, CPU affinity
+    step     per step: step, loss (a plausible decaying curve), lr, tokens, step_time_ms, tokens_per_s
+    exit     at the end: code, or signal 15 when stopped with SIGTERM (then it exits 143)
+
+Each receipt is one `write` of a whole line followed by a flush, on a file opened in append
+mode, so the agent tailing the file never sees half a receipt from us.
+
+Flags for tests: --fail-at-step K exits 1 at step K; --garbage also writes a line that is not
+JSON, a line of invalid UTF-8 and a 10 MB line among the valid ones (the agent must skip them).
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import sys
+import time
+
+# Tokens one rank processes per step: a micro-batch of 8 sequences of 2,048 tokens.
+TOKENS_PER_STEP = 8 * 2048
+
+# Variables worth recording in the launch receipt when present.
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50, help="number of steps (default 50)")
+    p.add_argument("--step-ms", type=float, default=50.0, help="sleep per step in ms (default 50)")
+    p.add_argument("--fail-at-step", type=int, default=None, metavar="K", help="exit 1 at step K")
+    p.add_argument("--garbage", action="store_true", help="also write invalid receipt lines")
+    return p.parse_args(argv)
+
+
+class Receipts:
+    """Appends receipts to the rank's receipts file, one whole line per write."""
+
+    def __init__(self, path):
+        self.path = path
+        self.file = open(path, "ab")
+
+    def emit(self, kind, **fields):
+        record = {"kind": kind, **fields}
+        self.write_raw(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+
+    def write_raw(self, line):
+        self.file.write(line)
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+def cpu_list(cpus):
+    """{0,1,2,3,8} -> "0-3,8" (the kernel's list format)."""
+    ranges, start, prev = [], None, None
+    for c in sorted(cpus):
+        if start is None:
+            start = prev = c
+        elif c == prev + 1:
+            prev = c
+        else:
+            ranges.append((start, prev))
+            start = prev = c
+    if start is not None:
+        ranges.append((start, prev))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def env_int(name, default):
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def launch_fields(rank, local_rank, world):
+    seen = {k: v for k, v in os.environ.items() if k.startswith("TRAINYARD_") or k in TORCHRUN_VARS}
+    try:
+        affinity = cpu_list(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    return {
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world,
+        "gpu": os.environ.get("TRAINYARD_GPU"),
+        "cpu_affinity": affinity,
+        "argv": sys.argv,
+        "env": dict(sorted(seen.items())),
+    }
+
+
+def loss_at(step, steps, rng):
+    """A curve that looks like training: fast early descent towards a floor, a little noise."""
+    scale = max(steps / 4.0, 1.0)
+    return 2.5 + 8.5 * math.exp(-step / scale) + rng.gauss(0.0, 0.02)
+
+
+def lr_at(step, steps, peak=0.02, warmup=5):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(steps - warmup, 1)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def write_garbage(receipts):
+    receipts.write_raw(b"this line is not a receipt\n")
+    receipts.write_raw(b'{"kind":"step","note":"\xff\xfe not utf-8"}\n')
+    pad = "x" * (10 * 1024 * 1024)
+    receipts.write_raw(json.dumps({"kind": "blob", "pad": pad}).encode() + b"\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank = env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
+    world = env_int("WORLD_SIZE", 1)
+    path = os.environ.get("TRAINYARD_RECEIPTS")
+    if not path:
+        path = "receipts.jsonl"
+        print(f"TRAINYARD_RECEIPTS is not set; writing receipts to {path}", file=sys.stderr)
+
+    stop = {"signal": None}
+
+    def on_sigterm(signum, _frame):
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    receipts = Receipts(path)
+    receipts.emit("launch", **launch_fields(rank, local_rank, world))
+    rng = random.Random(rank)
+    step_s = args.step_ms / 1000.0
+    for step in range(args.steps):
+        if args.fail_at_step is not None and step == args.fail_at_step:
+            receipts.emit("exit", code=1, step=step, reason="--fail-at-step")
+            print(f"rank {rank}: failing at step {step} as asked", file=sys.stderr)
+            return 1
+        started = time.monotonic()
+        # Sleep in slices so SIGTERM is honoured promptly even with long steps.
+        while time.monotonic() - started < step_s and stop["signal"] is None:
+            time.sleep(min(0.01, step_s))
+        if stop["signal"] is not None:
+            break  # a step cut short is not a step
+        elapsed = max(time.monotonic() - started, 1e-6)
+        receipts.emit(
+            "step",
+            step=step,
+            loss=round(loss_at(step, args.steps, rng), 5),
+            lr=round(lr_at(step, args.steps), 7),
+            tokens=TOKENS_PER_STEP,
+            step_time_ms=round(elapsed * 1000.0, 3),
+            tokens_per_s=round(TOKENS_PER_STEP / elapsed, 1),
+        )
+        if args.garbage and step == 1:
+            write_garbage(receipts)
+    if stop["signal"] is not None:
+        signum = stop["signal"]
+        receipts.emit("exit", signal=signum, code=128 + signum, reason="terminated")
+        receipts.close()
+        return 128 + signum
+    receipts.emit("exit", code=0, steps=args.steps, reason="completed")
+    receipts.close()
+    print(f"rank {rank}/{world}: {args.steps} steps done", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
