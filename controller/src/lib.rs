@@ -1,7 +1,20 @@
 //! trainyard's controller: schedules training jobs onto GPU hosts and stores what they report.
 //!
 //! # Layout
+//! - [`config`]: the controller's settings, a plain struct.
 //! - [`spec`]: validation of job specs at submit (pure).
 //! - [`scheduler`]: gang placement over the fleet view (pure).
+//! - [`store`]: the durable store (SQLite; PostgreSQL follows) behind one narrow trait.
+//! - [`core`]: the in-memory state and the job state machine; the one place that mutates state.
+//! - [`service`]: the gRPC services (`Jobs` for operators, `Agents` for hosts).
+//! - [`server`]: `run(listener, controller, shutdown)`, the entry point.
+pub mod config;
+pub mod core;
 pub mod scheduler;
+pub mod server;
+pub mod service;
 pub mod spec;
+pub mod store;
+
+pub use config::ControllerConfig;
+pub use core::Controller;

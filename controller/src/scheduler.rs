@@ -97,16 +97,12 @@ pub fn feasible(req: &Request, nodes: &[NodeView]) -> Result<(), String> {
         (false, 0) => format!("{} GPUs", req.gpu_model),
         (false, mem) => format!("{} GPUs with at least {mem} MiB", req.gpu_model),
     };
-    Err(if req.gpus_per_node > 0 {
-        format!(
-            "needs {} nodes with {} {what} each; the fleet has {} {what} in all, at most {} on one node",
-            req.gpus / req.gpus_per_node,
-            req.gpus_per_node,
-            total,
-            largest
-        )
-    } else {
-        format!("needs {} {what}; the fleet has {total}", req.gpus)
+    Err(match req.gpus.checked_div(req.gpus_per_node) {
+        Some(nodes) => format!(
+            "needs {nodes} nodes with {} {what} each; the fleet has {total} {what} in all, at most {largest} on one node",
+            req.gpus_per_node
+        ),
+        None => format!("needs {} {what}; the fleet has {total}", req.gpus),
     })
 }
 

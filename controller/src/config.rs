@@ -1,0 +1,36 @@
+//! The controller's settings as a plain struct; the binary's clap `Cli` converts into it.
+
+use std::time::Duration;
+
+/// Settings of a [`crate::core::Controller`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControllerConfig {
+    /// Between SIGTERM and SIGKILL when ranks are stopped (cancel, or a failed peer rank).
+    pub cancel_grace: Duration,
+    /// How long an agent may stay disconnected before its ranks count as lost.
+    pub agent_timeout: Duration,
+    /// `MASTER_PORT` of a job is this plus a hash of job and attempt (below 10,000).
+    pub master_port_base: u16,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            cancel_grace: Duration::from_secs(10),
+            agent_timeout: Duration::from_secs(60),
+            master_port_base: 29_500,
+        }
+    }
+}
+
+impl ControllerConfig {
+    pub fn with_cancel_grace(mut self, grace: Duration) -> Self {
+        self.cancel_grace = grace;
+        self
+    }
+
+    pub fn with_agent_timeout(mut self, timeout: Duration) -> Self {
+        self.agent_timeout = timeout;
+        self
+    }
+}

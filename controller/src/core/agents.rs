@@ -1,0 +1,251 @@
+//! Agents: hellos, disconnects, rank reports, receipts, and the reaper of vanished agents.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+use trainyard_proto::v1::{
+    CancelRanks, ControllerMessage, ForgetRanks, Hello, HelloAck, RankAck, RankKey, RankReport, ReceiptAck,
+    ReceiptBatch, controller_message::Msg,
+};
+
+use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, now_ms, rank_done};
+use crate::store::{AgentRecord, JobState, NewReceipt, RankId, RankObserved};
+
+/// Largest batch an agent may send; larger ones are refused as a protocol error.
+pub const MAX_BATCH: usize = 20_000;
+
+impl Controller {
+    /// Registers an agent's stream: stores its inventory, adopts the ranks it reports, and sends
+    /// again whatever it missed while away (launches of placed jobs, cancels of ended ones).
+    /// Sends the hello ack first; returns the connection id (for [`Controller::agent_disconnected`]).
+    pub async fn agent_hello(&self, hello: Hello, tx: mpsc::Sender<ControllerMessage>) -> Result<u64> {
+        let agent_id = hello.agent_id.clone();
+        let record = AgentRecord {
+            agent_id: agent_id.clone(),
+            address: hello.address.clone(),
+            agent_version: hello.agent_version.clone(),
+            inventory: hello.inventory.clone().unwrap_or_default(),
+            state: "connected".into(),
+            last_seen_ms: now_ms(),
+        };
+        self.store.upsert_agent(&record).await?;
+        let reported: BTreeSet<RankId> = hello.ranks.iter().filter_map(|r| r.key.map(rank_id)).collect();
+        let acks = self.acks_for(&reported).await?;
+        let ack = HelloAck { protocol_version: trainyard_proto::PROTOCOL_VERSION, acks };
+        // The ack goes first, so the agent knows where to resume before any launch arrives.
+        if tx.try_send(ControllerMessage { msg: Some(Msg::HelloAck(ack)) }).is_err() {
+            return Err(ControllerError::AgentGone(agent_id));
+        }
+        let mut core = self.core.lock().await;
+        core.next_conn_id += 1;
+        let conn_id = core.next_conn_id;
+        let link = Some(AgentLink { conn_id, tx });
+        core.agents
+            .insert(agent_id.clone(), AgentEntry { record, link, leaving: false, disconnected_since: None });
+        tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
+        for report in &hello.ranks {
+            self.apply_report(&mut core, &agent_id, report).await?;
+        }
+        self.resend_missed(&mut core, &agent_id, &reported).await?;
+        self.schedule_pass(&mut core).await?;
+        Ok(conn_id)
+    }
+
+    /// After a hello: ranks placed on this agent that it does not know are launched again if
+    /// their job is still starting, or marked lost if it was already running.
+    async fn resend_missed(
+        &self,
+        core: &mut super::Core,
+        agent_id: &str,
+        reported: &BTreeSet<RankId>,
+    ) -> Result<()> {
+        let mut relaunch = Vec::new();
+        let mut lost = Vec::new();
+        for job in core.jobs.values() {
+            let unknown: Vec<RankId> = job
+                .allocations
+                .iter()
+                .filter(|a| a.agent_id == agent_id && !rank_done(a) && !reported.contains(&a.id))
+                .map(|a| a.id)
+                .collect();
+            if unknown.is_empty() {
+                continue;
+            }
+            let starting = matches!(job.record.state, JobState::Scheduled | JobState::Launching);
+            let never_started = job
+                .allocations
+                .iter()
+                .filter(|a| unknown.contains(&a.id))
+                .all(|a| a.observed.state == "planned");
+            if starting && never_started {
+                relaunch.push(job.record.id);
+            } else {
+                lost.extend(unknown);
+            }
+        }
+        for job_id in relaunch {
+            tracing::info!(job_id, agent_id, "agent missed a launch; sending it again");
+            self.send_launches(core, job_id, Some(agent_id));
+        }
+        for id in lost {
+            let message = format!("agent {agent_id} came back without it");
+            let report = lost_report(id, &message);
+            self.apply_report(core, agent_id, &report).await?;
+        }
+        Ok(())
+    }
+
+    async fn acks_for(&self, reported: &BTreeSet<RankId>) -> Result<Vec<RankAck>> {
+        let attempts: BTreeSet<(u64, u32)> = reported.iter().map(|r| (r.job_id, r.attempt)).collect();
+        let mut acks = Vec::new();
+        for (job_id, attempt) in attempts {
+            for (rank, seq) in self.store.last_seqs(job_id, attempt).await? {
+                let id = RankId { job_id, attempt, rank };
+                if reported.contains(&id) {
+                    acks.push(RankAck { key: Some(rank_key(id)), seq });
+                }
+            }
+        }
+        Ok(acks)
+    }
+
+    /// A rank changed state on an agent.
+    pub async fn rank_update(&self, agent_id: &str, report: &RankReport) -> Result<()> {
+        let mut core = self.core.lock().await;
+        self.apply_report(&mut core, agent_id, report).await
+    }
+
+    async fn apply_report(&self, core: &mut super::Core, agent_id: &str, report: &RankReport) -> Result<()> {
+        let Some(id) = report.key.map(rank_id) else { return Ok(()) };
+        let known = core.jobs.get(&id.job_id).and_then(|j| {
+            let current = j.record.attempt == id.attempt;
+            j.allocations.iter().position(|a| a.id == id && a.agent_id == agent_id && current)
+        });
+        let Some(pos) = known else {
+            // A rank of a job or attempt the controller is done with: stop it, then forget it.
+            let (job_id, attempt) = (id.job_id, id.attempt);
+            if report.state == "exited" || report.state == "lost" {
+                core.send(agent_id, Msg::Forget(ForgetRanks { job_id, attempt }));
+            } else {
+                let reason = "the controller no longer runs this job attempt".to_string();
+                let grace_ms = self.config.cancel_grace.as_millis() as u64;
+                core.send(agent_id, Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason }));
+            }
+            return Ok(());
+        };
+        let observed = RankObserved {
+            state: report.state.clone(),
+            pid: (report.pid > 0).then_some(report.pid),
+            exit_code: (report.state == "exited" && report.signal == 0).then_some(report.exit_code),
+            signal: (report.signal != 0).then_some(report.signal),
+            message: report.message.clone(),
+            skipped_lines: report.skipped_lines,
+            updated_at_ms: now_ms(),
+        };
+        let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
+        if unchanged(&job.allocations[pos].observed, &observed) {
+            return Ok(());
+        }
+        self.store.observe_rank(id, &observed).await?;
+        job.allocations[pos].observed = observed;
+        tracing::debug!(job_id = id.job_id, rank = id.rank, state = %report.state, "rank update");
+        self.bump();
+        self.settle(core, id.job_id).await
+    }
+
+    /// The agent said it is stopping: place nothing new there.
+    pub async fn agent_leaving(&self, agent_id: &str, reason: &str) -> Result<()> {
+        let mut core = self.core.lock().await;
+        if let Some(entry) = core.agents.get_mut(agent_id) {
+            entry.leaving = true;
+        }
+        tracing::info!(agent_id, reason, "agent is leaving");
+        self.store.set_agent_state(agent_id, "leaving", now_ms()).await?;
+        Ok(())
+    }
+
+    /// The stream `conn_id` of an agent ended. A newer stream of the same agent is left alone.
+    pub async fn agent_disconnected(&self, agent_id: &str, conn_id: u64) -> Result<()> {
+        let mut core = self.core.lock().await;
+        let Some(entry) = core.agents.get_mut(agent_id) else { return Ok(()) };
+        if entry.link.as_ref().is_none_or(|l| l.conn_id != conn_id) {
+            return Ok(());
+        }
+        entry.link = None;
+        entry.disconnected_since = Some(Instant::now());
+        let state = if entry.leaving { "left" } else { "disconnected" };
+        tracing::info!(agent_id, conn_id, state, "agent stream ended");
+        self.store.set_agent_state(agent_id, state, now_ms()).await?;
+        Ok(())
+    }
+
+    /// Ranks on agents gone for longer than `agent_timeout` are lost; their jobs fail (or
+    /// restart) instead of waiting forever.
+    pub(super) async fn reap_vanished_agents(&self) -> Result<()> {
+        let mut core = self.core.lock().await;
+        let timeout = self.config.agent_timeout;
+        let gone: Vec<String> = core
+            .agents
+            .values()
+            .filter(|e| e.link.is_none() && e.disconnected_since.is_some_and(|t| t.elapsed() > timeout))
+            .map(|e| e.record.agent_id.clone())
+            .collect();
+        let mut lost: Vec<(String, RankId)> = Vec::new();
+        for job in core.jobs.values() {
+            for a in job.allocations.iter().filter(|a| gone.contains(&a.agent_id) && !rank_done(a)) {
+                lost.push((a.agent_id.clone(), a.id));
+            }
+        }
+        for (agent_id, id) in lost {
+            let message = format!("agent {agent_id} unreachable for more than {}s", timeout.as_secs());
+            tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, "rank lost with its agent");
+            self.apply_report(&mut core, &agent_id, &lost_report(id, &message)).await?;
+        }
+        Ok(())
+    }
+
+    /// Stores a batch of receipts (one transaction) and returns the ack to send back: the
+    /// highest seq per rank of the batch. Takes no lock on the controller's state.
+    pub async fn ingest(&self, batch: ReceiptBatch) -> Result<ReceiptAck> {
+        let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();
+        let mut rows = Vec::with_capacity(batch.receipts.len());
+        for r in batch.receipts {
+            let Some(id) = r.key.map(rank_id) else { continue };
+            let seq = highest.entry(id).or_insert(r.seq);
+            *seq = (*seq).max(r.seq);
+            let step = (r.step >= 0).then_some(r.step);
+            rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body: r.body });
+        }
+        if !rows.is_empty() {
+            self.store.insert_receipts(&rows, now_ms()).await?;
+            self.bump();
+        }
+        let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();
+        Ok(ReceiptAck { acks })
+    }
+}
+
+/// Same report apart from its time: nothing to write.
+fn unchanged(a: &RankObserved, b: &RankObserved) -> bool {
+    (&a.state, a.pid, a.exit_code, a.signal, &a.message, a.skipped_lines)
+        == (&b.state, b.pid, b.exit_code, b.signal, &b.message, b.skipped_lines)
+}
+
+fn lost_report(id: RankId, message: &str) -> RankReport {
+    RankReport {
+        key: Some(rank_key(id)),
+        state: "lost".into(),
+        exit_code: -1,
+        message: message.to_string(),
+        ..Default::default()
+    }
+}
+
+pub(crate) fn rank_id(k: RankKey) -> RankId {
+    RankId { job_id: k.job_id, attempt: k.attempt, rank: k.rank }
+}
+
+pub(crate) fn rank_key(id: RankId) -> RankKey {
+    RankKey { job_id: id.job_id, attempt: id.attempt, rank: id.rank }
+}

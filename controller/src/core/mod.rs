@@ -1,0 +1,178 @@
+//! The controller's state and the single place that changes it.
+//!
+//! Intent and observation meet here: the scheduler writes placements (intent), agents report
+//! what their ranks do (observed), and [`Controller`] drives each job from one to the other.
+//! Every change goes to the store first and to memory second, so a controller killed at any
+//! moment restarts from the store ([`Controller::start`]) and the agents' hellos fill in the rest.
+//!
+//! The in-memory state sits behind one `tokio::sync::Mutex`: a job transition awaits the store
+//! while it holds the lock, which keeps transitions of one job strictly ordered. Receipt
+//! ingestion, the hot path, never takes this lock.
+//!
+//! - `jobs`: submit, cancel, the per-job state machine and the scheduling pass.
+//! - `agents`: hellos, disconnects, rank reports and the reaper of vanished agents.
+//! - `view`: the read side (`Get`, `List`), served from the store.
+
+mod agents;
+pub use agents::MAX_BATCH;
+mod jobs;
+mod view;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Mutex, mpsc, watch};
+use trainyard_proto::v1::ControllerMessage;
+
+use crate::config::ControllerConfig;
+use crate::spec::SpecError;
+use crate::store::{AgentRecord, Allocation, JobId, JobRecord, Store, StoreError};
+
+/// Errors an operator or agent request can end in; mapped to `tonic::Status` in
+/// `crate::service::to_status`.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("job spec rejected: {0}")]
+    InvalidSpec(#[from] SpecError),
+    #[error("job spec rejected: resources: {0}")]
+    Unsatisfiable(String),
+    #[error("job {0} not found")]
+    JobNotFound(JobId),
+    #[error("agent {0} closed its stream")]
+    AgentGone(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+pub type Result<T, E = ControllerError> = std::result::Result<T, E>;
+
+/// The controller: its store, its in-memory view of the fleet and its jobs, and a change
+/// counter that watchers wait on.
+pub struct Controller {
+    store: Arc<dyn Store>,
+    config: ControllerConfig,
+    core: Mutex<Core>,
+    /// Bumped whenever receipts are stored or a job changes; `Watch` streams wait on it.
+    changes: watch::Sender<u64>,
+}
+
+/// What lives only in memory, rebuilt at start-up from the store and the agents' hellos.
+#[derive(Default)]
+struct Core {
+    agents: HashMap<String, AgentEntry>,
+    /// Jobs that are not finished, plus finished ones whose ranks have not all stopped yet.
+    jobs: BTreeMap<JobId, ActiveJob>,
+    next_conn_id: u64,
+}
+
+struct AgentEntry {
+    record: AgentRecord,
+    link: Option<AgentLink>,
+    /// The agent announced it is stopping: no new work goes there.
+    leaving: bool,
+    /// When the link went away (or the controller started without one).
+    disconnected_since: Option<Instant>,
+}
+
+/// The send side of an agent's stream.
+struct AgentLink {
+    conn_id: u64,
+    tx: mpsc::Sender<ControllerMessage>,
+}
+
+struct ActiveJob {
+    record: JobRecord,
+    /// Allocations of the current attempt; empty while pending.
+    allocations: Vec<Allocation>,
+}
+
+impl Controller {
+    /// Rebuilds the in-memory state from the store. Agents count as disconnected until they
+    /// say hello again; those that do not come back within `agent_timeout` lose their ranks.
+    pub async fn start(store: Arc<dyn Store>, config: ControllerConfig) -> Result<Arc<Controller>> {
+        let snapshot = store.snapshot().await?;
+        let now = Instant::now();
+        let mut core = Core::default();
+        for record in snapshot.agents {
+            let entry = AgentEntry { record, link: None, leaving: false, disconnected_since: Some(now) };
+            core.agents.insert(entry.record.agent_id.clone(), entry);
+        }
+        for record in snapshot.active_jobs {
+            core.jobs.insert(record.id, ActiveJob { record, allocations: Vec::new() });
+        }
+        for alloc in snapshot.allocations {
+            if let Some(job) = core.jobs.get_mut(&alloc.id.job_id) {
+                job.allocations.push(alloc);
+            }
+        }
+        for job in core.jobs.values_mut() {
+            job.allocations.sort_by_key(|a| a.id.rank);
+        }
+        tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
+        let (changes, _) = watch::channel(0);
+        Ok(Arc::new(Controller { store, config, core: Mutex::new(core), changes }))
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    pub fn config(&self) -> &ControllerConfig {
+        &self.config
+    }
+
+    /// A receiver that changes whenever receipts are stored or a job changes state.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn bump(&self) {
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Runs periodic work (the reaper of vanished agents) until `shutdown` resolves.
+    pub async fn run_background(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {
+                    if let Err(e) = self.reap_vanished_agents().await {
+                        tracing::error!(error = %e, "failed to reap vanished agents");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// A rank is done when it exited or was lost.
+fn rank_done(a: &Allocation) -> bool {
+    matches!(a.observed.state.as_str(), "exited" | "lost")
+}
+
+/// Why a rank failed, or `None` if it has not failed.
+fn rank_failure(a: &Allocation) -> Option<String> {
+    let o = &a.observed;
+    let on = format!("rank {} on {}", a.id.rank, a.agent_id);
+    match o.state.as_str() {
+        "lost" if o.message.is_empty() => Some(format!("{on} was lost")),
+        "lost" => Some(format!("{on} was lost: {}", o.message)),
+        "exited" => match (o.exit_code, o.signal) {
+            (Some(0), _) => None,
+            (Some(code), _) => Some(format!("{on} exited with code {code}")),
+            (None, Some(sig)) => Some(format!("{on} was killed by signal {sig}")),
+            (None, None) if o.message.is_empty() => Some(format!("{on} ended without an exit status")),
+            (None, None) => Some(format!("{on} ended: {}", o.message)),
+        },
+        _ => None,
+    }
+}

@@ -1,0 +1,162 @@
+//! `Jobs`: submit, get, list, cancel and watch, for operators.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use trainyard_proto::v1::jobs_server::Jobs;
+use trainyard_proto::v1::{
+    CancelRequest, CancelResponse, GetJobRequest, Job, JobStateChange, ListJobsRequest, ListJobsResponse,
+    StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+};
+
+use super::to_status;
+use crate::core::{Controller, ControllerError};
+use crate::store::{JobState, StoreError};
+
+/// Receipts read from the store per round trip of a watcher.
+const WATCH_PAGE: u32 = 2_000;
+
+pub struct JobsService {
+    controller: Arc<Controller>,
+    shutdown: CancellationToken,
+}
+
+impl JobsService {
+    pub fn new(controller: Arc<Controller>, shutdown: CancellationToken) -> Self {
+        JobsService { controller, shutdown }
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Jobs for JobsService {
+    async fn submit(&self, request: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
+        let spec = request
+            .into_inner()
+            .spec
+            .ok_or_else(|| Status::invalid_argument("job spec rejected: the request carries no spec"))?;
+        let job_id = self.controller.submit(spec).await.map_err(to_status)?;
+        Ok(Response::new(SubmitResponse { job_id }))
+    }
+
+    async fn get(&self, request: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
+        let job = self.controller.job_view(request.into_inner().job_id).await.map_err(to_status)?;
+        Ok(Response::new(job))
+    }
+
+    async fn list(&self, request: Request<ListJobsRequest>) -> Result<Response<ListJobsResponse>, Status> {
+        let req = request.into_inner();
+        let jobs = self.controller.list_view(req.active_only, req.limit).await.map_err(to_status)?;
+        Ok(Response::new(ListJobsResponse { jobs }))
+    }
+
+    async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
+        let req = request.into_inner();
+        self.controller.cancel(req.job_id, &req.reason).await.map_err(to_status)?;
+        let job = self.controller.job_view(req.job_id).await.map_err(to_status)?;
+        Ok(Response::new(CancelResponse { job: Some(job) }))
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(&self, request: Request<WatchRequest>) -> Result<Response<WatchStream>, Status> {
+        let req = request.into_inner();
+        let store = self.controller.store();
+        if store.get_job(req.job_id).await.map_err(|e| to_status(e.into()))?.is_none() {
+            return Err(to_status(ControllerError::JobNotFound(req.job_id)));
+        }
+        let (tx, rx) = mpsc::channel(16);
+        let watcher =
+            Watcher { controller: self.controller.clone(), job_id: req.job_id, cursor: req.after_position };
+        let shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = watcher.run(&tx, shutdown).await {
+                let _ = tx.send(Err(to_status(e.into()))).await;
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Streams one job's receipts and state changes until the job has ended and its ranks stopped.
+struct Watcher {
+    controller: Arc<Controller>,
+    job_id: u64,
+    cursor: u64,
+}
+
+type Sink = mpsc::Sender<Result<WatchEvent, Status>>;
+
+impl Watcher {
+    async fn run(mut self, tx: &Sink, shutdown: CancellationToken) -> Result<(), StoreError> {
+        let mut changes = self.controller.subscribe();
+        let mut last_state: Option<JobState> = None;
+        loop {
+            changes.borrow_and_update();
+            // Read the job before the receipts: if it has ended here, every receipt its ranks
+            // wrote is already stored (agents report an exit only after sending its receipts).
+            let store = self.controller.store().clone();
+            let Some(job) = store.get_job(self.job_id).await? else { return Ok(()) };
+            let ranks_done = store
+                .allocations(self.job_id, job.attempt)
+                .await?
+                .iter()
+                .all(|a| matches!(a.observed.state.as_str(), "exited" | "lost" | "planned"));
+            if last_state != Some(job.state) {
+                last_state = Some(job.state);
+                let change = JobStateChange {
+                    state: job.state.to_string(),
+                    reason: job.reason.clone(),
+                    at_ms: job.updated_at_ms,
+                };
+                if tx.send(Ok(WatchEvent { event: Some(Event::State(change)) })).await.is_err() {
+                    return Ok(());
+                }
+            }
+            if !self.drain(tx).await? {
+                return Ok(());
+            }
+            if job.state.is_terminal() && ranks_done {
+                return Ok(());
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tx.closed() => return Ok(()),
+                _ = changes.changed() => {}
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
+    /// Sends every stored receipt past the cursor; false when the client went away.
+    async fn drain(&mut self, tx: &Sink) -> Result<bool, StoreError> {
+        loop {
+            let rows = self.controller.store().receipts_after(self.job_id, self.cursor, WATCH_PAGE).await?;
+            let full = rows.len() == WATCH_PAGE as usize;
+            for r in rows {
+                self.cursor = r.position;
+                let receipt = StoredReceipt {
+                    position: r.position,
+                    attempt: r.id.attempt,
+                    rank: r.id.rank,
+                    seq: r.seq,
+                    kind: r.kind,
+                    body: r.body,
+                };
+                if tx.send(Ok(WatchEvent { event: Some(Event::Receipt(receipt)) })).await.is_err() {
+                    return Ok(false);
+                }
+            }
+            if !full {
+                return Ok(true);
+            }
+        }
+    }
+}
