@@ -1,1 +1,28 @@
+//! trainyard's host agent: describes the host, runs ranks, and relays their receipts.
+//!
+//! # Layout
+//!
+//! - [`config`]: [`AgentConfig`], the plain settings struct the binary builds from its flags.
+//! - [`host`]: the [`host::HostProbe`] seam and the JSON host-description file behind it.
+//! - [`layout`]: where things live under the data directory (run directories, state files).
+//! - [`procfs`]: the few `/proc` and signal helpers the launcher needs (liveness, start times).
+//! - [`env`]: the rank environment (torchrun variables, `TRAINYARD_*`, the job's overlay).
+//! - [`state`]: the durable per-rank record in `DATA/state/ranks/`, written before reporting.
+//! - [`supervise`]: the per-rank shim (`trainyard-agent supervise`) that outlives the agent.
+//! - [`launcher`]: turns a `Launch` into shims and ranks, cancels, detects exits, adopts.
+//! - [`tail`]: the receipts tailer: lines to receipts, acknowledged positions, rewinds.
+//! - [`connection`]: one stream to the controller: hello, then the select loop.
+//! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
+pub mod config;
+
+pub mod host;
+
+pub mod layout;
+pub mod procfs;
+
+pub mod state;
+
+pub mod tail;
+
+pub use config::AgentConfig;

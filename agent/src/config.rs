@@ -1,0 +1,53 @@
+//! The agent's settings, as a plain struct: the binary fills it from its flags, tests fill it
+//! by hand. No clap here, so the library never depends on how it is invoked.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything the agent daemon needs to run.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Controller URL, e.g. `http://127.0.0.1:7070`.
+    pub controller: String,
+    /// JSON host-description file (stands in for NVML).
+    pub host_file: PathBuf,
+    /// Root of `runs/` and `state/`.
+    pub data_dir: PathBuf,
+    /// Identity in the fleet; `None` means the host file's hostname.
+    pub agent_id: Option<String>,
+    /// What other hosts dial for `MASTER_ADDR` when this host holds rank 0.
+    pub address: String,
+    /// Program run as `PROGRAM supervise ...` for every rank. The daemon passes its own
+    /// executable; tests pass the built `trainyard-agent` binary.
+    pub shim_program: PathBuf,
+    /// How often the connection reads receipts and checks ranks.
+    pub tick: Duration,
+    /// Heartbeat period on the stream.
+    pub heartbeat: Duration,
+    /// Receipts per batch, at most.
+    pub max_batch_receipts: usize,
+    /// Bytes of receipt bodies per batch, at most (a single longer line still goes alone).
+    pub max_batch_bytes: usize,
+    /// Batches sent but not yet acknowledged, at most; beyond it the agent stops reading.
+    pub max_unacked_batches: usize,
+}
+
+impl AgentConfig {
+    /// Settings with the documented defaults; the shim is this process's own executable.
+    pub fn new(controller: impl Into<String>, host_file: PathBuf, data_dir: PathBuf) -> Self {
+        let shim_program = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("trainyard-agent"));
+        Self {
+            controller: controller.into(),
+            host_file,
+            data_dir,
+            agent_id: None,
+            address: "127.0.0.1".to_string(),
+            shim_program,
+            tick: Duration::from_millis(50),
+            heartbeat: Duration::from_secs(2),
+            max_batch_receipts: 2000,
+            max_batch_bytes: 1 << 20,
+            max_unacked_batches: 8,
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! What the host has: GPUs, their links, NUMA nodes and their CPUs.
+//!
+//! [`HostProbe`] is the seam: the JSON host-description file ([`HostFile`]) implements it today
+//! so every code path runs on machines without GPUs; NVML comes later behind the same trait.
+//! The file is validated completely at load, and every error names the offending field, because
+//! an operator reads it once at start-up and has to fix the file from that one line.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use trainyard_proto::v1::{Gpu, HostInventory, NumaNode};
+
+/// Source of the host's inventory.
+pub trait HostProbe: Send + Sync {
+    /// The host as it is now.
+    fn inventory(&self) -> anyhow::Result<HostInventory>;
+}
+
+/// Why a host file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum HostFileError {
+    #[error("cannot read host file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    /// serde's message names the field (unknown field, missing field, wrong type) and the line.
+    #[error("host file {path} is not valid: {source}")]
+    Parse { path: PathBuf, source: serde_json::Error },
+    #[error("host file {path}: {field}: {reason}")]
+    Invalid { path: PathBuf, field: String, reason: String },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileJson {
+    hostname: String,
+    gpus: Vec<GpuJson>,
+    links: Vec<Vec<String>>,
+    numa_nodes: Vec<NumaJson>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GpuJson {
+    index: u32,
+    uuid: String,
+    model: String,
+    memory_mib: u64,
+    pci_bus_id: String,
+    numa_node: i32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NumaJson {
+    id: u32,
+    cpus: String,
+}
+
+/// A validated host-description file.
+#[derive(Debug, Clone)]
+pub struct HostFile {
+    inventory: HostInventory,
+}
+
+impl HostFile {
+    /// Reads and validates the file at `path`.
+    pub fn load(path: &Path) -> Result<Self, HostFileError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| HostFileError::Read { path: path.to_path_buf(), source })?;
+        Self::parse(&text, path)
+    }
+
+    /// Validates `text`; `path` only names the file in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, HostFileError> {
+        let file: FileJson = serde_json::from_str(text)
+            .map_err(|source| HostFileError::Parse { path: path.to_path_buf(), source })?;
+        validate(&file).map_err(|(field, reason)| HostFileError::Invalid {
+            path: path.to_path_buf(),
+            field,
+            reason,
+        })?;
+        Ok(Self { inventory: to_inventory(file) })
+    }
+
+    /// The inventory without going through the trait (it cannot fail once loaded).
+    pub fn host_inventory(&self) -> &HostInventory {
+        &self.inventory
+    }
+}
+
+impl HostProbe for HostFile {
+    fn inventory(&self) -> anyhow::Result<HostInventory> {
+        Ok(self.inventory.clone())
+    }
+}
+
+type Invalid = (String, String);
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Invalid {
+    (field.into(), reason.into())
+}
+
+fn validate(file: &FileJson) -> Result<(), Invalid> {
+    if file.hostname.trim().is_empty() {
+        return Err(invalid("hostname", "must not be empty"));
+    }
+    let mut numa_ids = BTreeSet::new();
+    for (i, node) in file.numa_nodes.iter().enumerate() {
+        if !numa_ids.insert(node.id) {
+            return Err(invalid(format!("numa_nodes[{i}].id"), format!("duplicate id {}", node.id)));
+        }
+        parse_cpu_list(&node.cpus).map_err(|reason| invalid(format!("numa_nodes[{i}].cpus"), reason))?;
+    }
+    for (i, gpu) in file.gpus.iter().enumerate() {
+        if gpu.index as usize != i {
+            return Err(invalid(
+                format!("gpus[{i}].index"),
+                format!("is {}, expected {i} (indices are 0..n-1 in order)", gpu.index),
+            ));
+        }
+        let known = u32::try_from(gpu.numa_node).is_ok_and(|id| numa_ids.contains(&id));
+        if !known {
+            return Err(invalid(
+                format!("gpus[{i}].numa_node"),
+                format!("{} is not an id in numa_nodes", gpu.numa_node),
+            ));
+        }
+    }
+    validate_links(&file.links, file.gpus.len())
+}
+
+fn validate_links(links: &[Vec<String>], n: usize) -> Result<(), Invalid> {
+    if links.len() != n {
+        return Err(invalid("links", format!("has {} rows, expected {n} (one per GPU)", links.len())));
+    }
+    for (i, row) in links.iter().enumerate() {
+        if row.len() != n {
+            return Err(invalid(format!("links[{i}]"), format!("has {} cells, expected {n}", row.len())));
+        }
+        for (j, cell) in row.iter().enumerate() {
+            let diagonal = i == j;
+            if diagonal && cell != "X" {
+                return Err(invalid(
+                    format!("links[{i}][{j}]"),
+                    format!("is {cell:?}, expected \"X\" on the diagonal"),
+                ));
+            }
+            if !diagonal && (cell == "X" || cell.trim().is_empty()) {
+                return Err(invalid(
+                    format!("links[{i}][{j}]"),
+                    format!("is {cell:?}, expected a link code such as \"NV18\" or \"SYS\""),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Parses a kernel CPU list such as `0-3,8-11` into CPU ids, in the order written.
+pub fn parse_cpu_list(list: &str) -> Result<Vec<u32>, String> {
+    let list = list.trim();
+    if list.is_empty() {
+        return Err("empty CPU list".to_string());
+    }
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        let number =
+            |s: &str| s.parse::<u32>().map_err(|_| format!("{part:?} is not a CPU id or range like \"0-3\""));
+        match part.split_once('-') {
+            Some((lo, hi)) => {
+                let (lo, hi) = (number(lo)?, number(hi)?);
+                if lo > hi {
+                    return Err(format!("range {part:?} runs backwards"));
+                }
+                cpus.extend(lo..=hi);
+            }
+            None => cpus.push(number(part)?),
+        }
+    }
+    Ok(cpus)
+}
+
+fn to_inventory(file: FileJson) -> HostInventory {
+    HostInventory {
+        hostname: file.hostname,
+        gpus: file
+            .gpus
+            .into_iter()
+            .map(|g| Gpu {
+                index: g.index,
+                uuid: g.uuid,
+                model: g.model,
+                memory_mib: g.memory_mib,
+                pci_bus_id: g.pci_bus_id,
+                numa_node: g.numa_node,
+            })
+            .collect(),
+        numa_nodes: file.numa_nodes.into_iter().map(|n| NumaNode { id: n.id, cpus: n.cpus }).collect(),
+        links: file.links.into_iter().flatten().collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    fn good() -> Value {
+        json!({
+            "hostname": "sxm-a",
+            "gpus": [
+                {"index": 0, "uuid": "GPU-0", "model": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
+                 "pci_bus_id": "00000000:18:00.0", "numa_node": 0},
+                {"index": 1, "uuid": "GPU-1", "model": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
+                 "pci_bus_id": "00000000:2a:00.0", "numa_node": 1}
+            ],
+            "links": [["X", "NV18"], ["NV18", "X"]],
+            "numa_nodes": [{"id": 0, "cpus": "0-55,112-167"}, {"id": 1, "cpus": "56-111,168-223"}]
+        })
+    }
+
+    fn parse(v: &Value) -> Result<HostFile, HostFileError> {
+        HostFile::parse(&v.to_string(), Path::new("host.json"))
+    }
+
+    /// The error's text, which must name `field`.
+    fn error_naming(v: &Value, field: &str) -> String {
+        let err = parse(v).expect_err("file should be refused").to_string();
+        assert!(err.contains(field), "error {err:?} does not name {field:?}");
+        err
+    }
+
+    #[test]
+    fn good_file_becomes_inventory() {
+        let host = parse(&good()).unwrap();
+        let inv = host.inventory().unwrap();
+        assert_eq!(inv.hostname, "sxm-a");
+        assert_eq!(inv.gpus.len(), 2);
+        assert_eq!(inv.gpus[1].numa_node, 1);
+        assert_eq!(inv.links, vec!["X", "NV18", "NV18", "X"]);
+        assert_eq!(inv.numa_nodes[1].cpus, "56-111,168-223");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let mut v = good();
+        v["gpus"][0]["colour"] = json!("green");
+        error_naming(&v, "colour");
+        let mut v = good();
+        v["extra"] = json!(1);
+        error_naming(&v, "extra");
+    }
+
+    #[test]
+    fn missing_field_is_named() {
+        let mut v = good();
+        v["gpus"][1].as_object_mut().unwrap().remove("uuid");
+        error_naming(&v, "uuid");
+    }
+
+    #[test]
+    fn gpu_indices_must_run_in_order() {
+        let mut v = good();
+        v["gpus"][1]["index"] = json!(2);
+        error_naming(&v, "gpus[1].index");
+    }
+
+    #[test]
+    fn links_must_be_square_with_x_on_the_diagonal() {
+        let mut v = good();
+        v["links"] = json!([["X", "NV18"]]);
+        error_naming(&v, "links");
+        let mut v = good();
+        v["links"] = json!([["X", "NV18"], ["NV18"]]);
+        error_naming(&v, "links[1]");
+        let mut v = good();
+        v["links"] = json!([["X", "NV18"], ["NV18", "NV18"]]);
+        error_naming(&v, "links[1][1]");
+        let mut v = good();
+        v["links"] = json!([["X", "X"], ["NV18", "X"]]);
+        error_naming(&v, "links[0][1]");
+    }
+
+    #[test]
+    fn gpu_numa_node_must_exist() {
+        let mut v = good();
+        v["gpus"][0]["numa_node"] = json!(3);
+        error_naming(&v, "gpus[0].numa_node");
+        v["gpus"][0]["numa_node"] = json!(-1);
+        error_naming(&v, "gpus[0].numa_node");
+    }
+
+    #[test]
+    fn cpu_lists_are_checked() {
+        for bad in ["", "0-", "a", "3-1", "0,,1", "0-3;8"] {
+            let mut v = good();
+            v["numa_nodes"][1]["cpus"] = json!(bad);
+            error_naming(&v, "numa_nodes[1].cpus");
+        }
+        let mut v = good();
+        v["numa_nodes"][1]["id"] = json!(0);
+        error_naming(&v, "numa_nodes[1].id");
+    }
+
+    #[test]
+    fn cpu_list_expands_ranges() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11").unwrap(), vec![0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(parse_cpu_list("5\n").unwrap(), vec![5]);
+    }
+
+    #[test]
+    fn empty_hostname_is_refused() {
+        let mut v = good();
+        v["hostname"] = json!(" ");
+        error_naming(&v, "hostname");
+    }
+}

@@ -1,0 +1,97 @@
+//! Process facts from `/proc` and the signals the launcher sends, in one place so the `unsafe`
+//! calls into libc stay few and small.
+
+use std::io;
+
+/// A process as `/proc/<pid>/stat` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcStat {
+    /// Field 3: `R`, `S`, `Z` (zombie), ...
+    pub state: char,
+    /// Field 5.
+    pub pgrp: i32,
+    /// Field 22: start time in clock ticks after boot. With the pid it identifies a process
+    /// across pid reuse, which is how a restarted agent recognises its own shims.
+    pub start_time: u64,
+}
+
+/// Reads `/proc/<pid>/stat`; `None` when there is no such process.
+pub fn stat(pid: u32) -> Option<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&text)
+}
+
+/// Parses the text of a stat file. The command name (field 2) may hold spaces and parentheses,
+/// so fields are counted from the last `)`.
+pub fn parse_stat(text: &str) -> Option<ProcStat> {
+    let rest = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is field 3 of the file.
+    Some(ProcStat {
+        state: fields.first()?.chars().next()?,
+        pgrp: fields.get(2)?.parse().ok()?,
+        start_time: fields.get(19)?.parse().ok()?,
+    })
+}
+
+/// Whether `pid` is a live (not zombie) process that started at `start_time`.
+pub fn is_same_live_process(pid: u32, start_time: u64) -> bool {
+    stat(pid).is_some_and(|s| s.state != 'Z' && s.start_time == start_time)
+}
+
+/// Sends `signal` to the process group `pgid`. `Ok(false)` when the group no longer exists.
+pub fn killpg(pgid: u32, signal: i32) -> io::Result<bool> {
+    let pgid = i32::try_from(pgid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    if pgid <= 1 {
+        // Never signal "every process" or init's group by accident.
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    // SAFETY: plain syscall with integer arguments.
+    if unsafe { libc::killpg(pgid, signal) } == 0 {
+        return Ok(true);
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::ESRCH) { Ok(false) } else { Err(err) }
+}
+
+/// Whether the process group `pgid` still has a member that is not a zombie.
+///
+/// `kill(-pgid, 0)` also succeeds for zombies, which would make a cancelled rank whose parent
+/// has not reaped it yet look alive, so this scans `/proc` instead.
+pub fn group_has_live_member(pgid: u32) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(stat)
+        .any(|s| s.pgrp as i64 == pgid as i64 && s.state != 'Z')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat_with_odd_command_name() {
+        let text = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 200";
+        let s = parse_stat(text).unwrap();
+        assert_eq!(s.state, 'S');
+        assert_eq!(s.pgrp, 4242);
+        assert_eq!(s.start_time, 987654);
+    }
+
+    #[test]
+    fn own_process_is_live_and_stable() {
+        let pid = std::process::id();
+        let s = stat(pid).unwrap();
+        assert!(is_same_live_process(pid, s.start_time));
+        assert!(!is_same_live_process(pid, s.start_time + 1));
+    }
+
+    #[test]
+    fn refuses_dangerous_groups() {
+        assert!(killpg(0, 0).is_err());
+        assert!(killpg(1, 0).is_err());
+    }
+}

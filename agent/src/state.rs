@@ -1,0 +1,125 @@
+//! The agent's durable record of each rank, one JSON file per rank in `DATA/state/ranks/`.
+//!
+//! What we persist: enough to adopt a rank after an agent restart (shim pid and start time, rank
+//! pid, run files), what the controller was last told it could rely on (phase, exit status), and
+//! how far its receipts were acknowledged. The file is written (tmp + rename) before any report
+//! of the change leaves the agent, so the controller never knows more than the disk. No fsync:
+//! after a host crash the ranks are gone anyway, and replayed receipts are deduplicated.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use trainyard_proto::v1::RankReport;
+
+use crate::layout::{Layout, RankFiles, RankId, write_atomic};
+use crate::tail::Position;
+
+/// Where a rank is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// The shim was started; the rank's pid is not known yet.
+    Launching,
+    Running,
+    /// The rank ended and its exit status is known (or it never started: see `message`).
+    Exited,
+    /// The shim vanished without writing `exit.json`: the status is unknowable.
+    Lost,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Launching => "launching",
+            Phase::Running => "running",
+            Phase::Exited => "exited",
+            Phase::Lost => "lost",
+        }
+    }
+
+    /// Exited or lost: nothing more will happen to the rank.
+    pub fn is_final(self) -> bool {
+        matches!(self, Phase::Exited | Phase::Lost)
+    }
+}
+
+/// The durable state of one rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankRecord {
+    pub id: RankId,
+    pub local_rank: u32,
+    pub node_rank: u32,
+    pub gpu_index: u32,
+    pub files: RankFiles,
+    pub phase: Phase,
+    pub shim_pid: Option<u32>,
+    pub shim_start_time: Option<u64>,
+    /// The rank's pid, which is also its process group id.
+    pub pid: Option<u32>,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    /// Free text for the operator, e.g. why a spawn failed.
+    #[serde(default)]
+    pub message: String,
+    /// Receipts acknowledged up to here.
+    #[serde(default)]
+    pub acked: Position,
+    /// The controller sent `ForgetRanks`: drop the record once every receipt is acknowledged.
+    #[serde(default)]
+    pub forget: bool,
+}
+
+impl RankRecord {
+    /// Writes the record to its state file.
+    pub fn save(&self, layout: &Layout) -> std::io::Result<()> {
+        let bytes = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        write_atomic(&layout.state_file(self.id), &bytes)
+    }
+
+    /// Removes the record's state file (the run files stay).
+    pub fn remove(&self, layout: &Layout) -> std::io::Result<()> {
+        match std::fs::remove_file(layout.state_file(self.id)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// The report the controller gets for this rank.
+    pub fn report(&self, skipped_lines: u64) -> RankReport {
+        RankReport {
+            key: Some(self.id.into()),
+            state: self.phase.as_str().to_string(),
+            pid: self.pid.unwrap_or(0),
+            exit_code: self.exit_code.unwrap_or(-1),
+            signal: self.signal.unwrap_or(0),
+            message: self.message.clone(),
+            skipped_lines,
+        }
+    }
+}
+
+/// Reads every state file. Unreadable files are logged and left in place for an operator:
+/// deleting them would lose the only record of a possibly running rank.
+pub fn load_all(layout: &Layout) -> std::io::Result<Vec<RankRecord>> {
+    let dir = layout.state_dir();
+    let mut records = Vec::new();
+    for entry in std::fs::read_dir(&dir)? {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        match load_one(&path) {
+            Ok(record) => records.push(record),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "skipping unreadable rank state file")
+            }
+        }
+    }
+    records.sort_by_key(|r| r.id);
+    Ok(records)
+}
+
+fn load_one(path: &Path) -> anyhow::Result<RankRecord> {
+    let bytes = std::fs::read(path)?;
+    Ok(serde_json::from_slice(&bytes)?)
+}

@@ -1,0 +1,272 @@
+use std::io::Write;
+
+use super::*;
+
+const ID: RankId = RankId { job_id: 7, attempt: 1, rank: 3 };
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("receipts.jsonl");
+        Self { _dir: dir, path }
+    }
+
+    fn append(&self, bytes: &[u8]) {
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).unwrap();
+        f.write_all(bytes).unwrap();
+    }
+
+    fn tailer(&self, acked: Position) -> Tailer {
+        Tailer::new(ID, &self.path, acked)
+    }
+}
+
+fn big_budget() -> Budget {
+    Budget::new(10_000, 64 << 20)
+}
+
+/// Polls once with a large budget; returns the receipts and whether it caught up.
+fn poll(t: &mut Tailer) -> (Vec<Receipt>, bool) {
+    let mut out = Vec::new();
+    let caught_up = t.poll(&mut out, &mut big_budget(), false).unwrap();
+    (out, caught_up)
+}
+
+fn seqs(receipts: &[Receipt]) -> Vec<u64> {
+    receipts.iter().map(|r| r.seq).collect()
+}
+
+#[test]
+fn missing_file_is_empty() {
+    let fx = Fixture::new();
+    let (out, caught_up) = poll(&mut fx.tailer(Position::default()));
+    assert!(out.is_empty());
+    assert!(caught_up);
+}
+
+#[test]
+fn lines_become_receipts_with_kind_step_and_body() {
+    let fx = Fixture::new();
+    fx.append(b"{\"kind\":\"launch\"}\n{\"kind\":\"step\",\"step\":12,\"loss\":2.5}\n");
+    let mut t = fx.tailer(Position::default());
+    let (out, caught_up) = poll(&mut t);
+    assert!(caught_up);
+    assert_eq!(seqs(&out), vec![0, 1]);
+    assert_eq!(out[0].kind, "launch");
+    assert_eq!(out[0].step, -1);
+    assert_eq!(out[1].kind, "step");
+    assert_eq!(out[1].step, 12);
+    assert_eq!(out[1].body, "{\"kind\":\"step\",\"step\":12,\"loss\":2.5}");
+    let key = out[1].key.unwrap();
+    assert_eq!((key.job_id, key.attempt, key.rank), (7, 1, 3));
+}
+
+#[test]
+fn partial_line_waits_for_its_newline() {
+    let fx = Fixture::new();
+    fx.append(b"{\"kind\":\"step\",\"step\":1}\n{\"kind\":\"st");
+    let mut t = fx.tailer(Position::default());
+    let (out, caught_up) = poll(&mut t);
+    assert_eq!(seqs(&out), vec![0]);
+    assert!(!caught_up, "a pending partial line is not caught up");
+    let (out, _) = poll(&mut t);
+    assert!(out.is_empty(), "nothing new until the newline");
+    fx.append(b"ep\",\"step\":2}\n");
+    let (out, caught_up) = poll(&mut t);
+    assert!(caught_up);
+    assert_eq!(seqs(&out), vec![1]);
+    assert_eq!(out[0].body, "{\"kind\":\"step\",\"step\":2}");
+    assert_eq!(t.skipped_lines(), 0);
+}
+
+#[test]
+fn final_read_takes_the_last_line_without_newline() {
+    let fx = Fixture::new();
+    fx.append(b"{\"kind\":\"exit\"}");
+    let mut t = fx.tailer(Position::default());
+    let mut out = Vec::new();
+    assert!(t.poll(&mut out, &mut big_budget(), true).unwrap());
+    assert_eq!(seqs(&out), vec![0]);
+    assert!(t.ack(0));
+    assert!(t.fully_acked());
+    assert_eq!(t.acked().offset, 15);
+}
+
+#[test]
+fn invalid_lines_are_skipped_counted_and_use_their_seq() {
+    let fx = Fixture::new();
+    fx.append(b"{\"kind\":\"a\"}\n");
+    fx.append(b"this is not json\n");
+    fx.append(b"[1,2,3]\n");
+    fx.append(b"{\"step\":3}\n");
+    fx.append(b"{\"kind\":5}\n");
+    fx.append(b"{\"kind\":\"bad\xff\xfe\"}\n");
+    fx.append(b"\n");
+    fx.append(b"{\"kind\":\"b\",\"step\":\"x\"}\n");
+    let mut t = fx.tailer(Position::default());
+    let (out, caught_up) = poll(&mut t);
+    assert!(caught_up);
+    assert_eq!(seqs(&out), vec![0, 7]);
+    assert_eq!(out[1].kind, "b");
+    assert_eq!(out[1].step, -1, "a non-integer step keeps the receipt, without a step");
+    assert_eq!(t.skipped_lines(), 6);
+}
+
+#[test]
+fn ten_megabyte_line_is_skipped_without_buffering_it() {
+    let fx = Fixture::new();
+    fx.append(b"{\"kind\":\"a\"}\n");
+    let mut huge = b"{\"kind\":\"huge\",\"pad\":\"".to_vec();
+    huge.resize(10 << 20, b'x');
+    huge.extend_from_slice(b"\"}\n");
+    fx.append(&huge);
+    fx.append(b"{\"kind\":\"b\"}\n");
+    let mut t = fx.tailer(Position::default());
+    let (out, caught_up) = poll(&mut t);
+    assert!(caught_up);
+    assert_eq!(seqs(&out), vec![0, 2]);
+    assert_eq!(t.skipped_lines(), 1);
+    assert!(t.partial.capacity() <= 2 * MAX_LINE_BYTES, "buffered {} bytes", t.partial.capacity());
+    // The skip rides on the ack of seq 0; acking seq 2 lands after the last line.
+    t.ack(0);
+    assert_eq!(t.acked().next_seq, 2);
+    assert_eq!(t.acked().skipped, 1);
+    t.ack(2);
+    assert!(t.fully_acked());
+}
+
+#[test]
+fn line_of_exactly_the_limit_is_kept() {
+    let fx = Fixture::new();
+    let mut line = b"{\"kind\":\"edge\",\"pad\":\"".to_vec();
+    line.resize(MAX_LINE_BYTES - 2, b'y');
+    line.extend_from_slice(b"\"}");
+    assert_eq!(line.len(), MAX_LINE_BYTES);
+    line.push(b'\n');
+    fx.append(&line);
+    let (out, _) = poll(&mut fx.tailer(Position::default()));
+    assert_eq!(seqs(&out), vec![0]);
+    assert_eq!(out[0].body.len(), MAX_LINE_BYTES);
+}
+
+#[test]
+fn over_long_partial_line_is_skipped_once_its_newline_arrives() {
+    let fx = Fixture::new();
+    fx.append(&vec![b'z'; MAX_LINE_BYTES + 10]);
+    let mut t = fx.tailer(Position::default());
+    let (out, caught_up) = poll(&mut t);
+    assert!(out.is_empty() && !caught_up);
+    fx.append(b"zz\n{\"kind\":\"after\"}\n");
+    let (out, caught_up) = poll(&mut t);
+    assert!(caught_up);
+    assert_eq!(seqs(&out), vec![1]);
+    assert_eq!(t.skipped_lines(), 1);
+}
+
+#[test]
+fn ack_advances_durable_position_to_just_after_the_line() {
+    let fx = Fixture::new();
+    let lines = ["{\"kind\":\"a\"}\n", "{\"kind\":\"bb\"}\n", "{\"kind\":\"ccc\"}\n"];
+    for line in lines {
+        fx.append(line.as_bytes());
+    }
+    let mut t = fx.tailer(Position::default());
+    poll(&mut t);
+    assert_eq!(t.acked(), Position::default());
+    assert!(t.ack(7_000), "an ack past the last sent line acks them all");
+    assert_eq!(t.acked().next_seq, 3);
+    assert!(t.fully_acked());
+    let mut t = fx.tailer(Position::default());
+    poll(&mut t);
+    assert!(t.ack(1));
+    assert!(t.take_acked_dirty());
+    assert!(!t.take_acked_dirty());
+    let expected = (lines[0].len() + lines[1].len()) as u64;
+    assert_eq!(t.acked(), Position { offset: expected, next_seq: 2, skipped: 0 });
+    assert!(!t.ack(1), "an old ack moves nothing");
+    assert!(t.has_unacked());
+    assert!(!t.fully_acked());
+}
+
+#[test]
+fn rewind_after_reconnect_replays_exactly_the_unacked_lines() {
+    let fx = Fixture::new();
+    for i in 0..5 {
+        fx.append(format!("{{\"kind\":\"step\",\"step\":{i}}}\n").as_bytes());
+    }
+    fx.append(b"garbage\n");
+    fx.append(b"{\"kind\":\"step\",\"step\":6}\n");
+    let mut t = fx.tailer(Position::default());
+    let (out, _) = poll(&mut t);
+    assert_eq!(seqs(&out), vec![0, 1, 2, 3, 4, 6]);
+    assert_eq!(t.skipped_lines(), 1);
+    t.ack(2);
+    t.rewind();
+    let (out, caught_up) = poll(&mut t);
+    assert!(caught_up);
+    assert_eq!(seqs(&out), vec![3, 4, 6]);
+    assert_eq!(out[0].step, 3);
+    assert_eq!(t.skipped_lines(), 1, "the garbage line is not counted twice");
+    t.ack(6);
+    t.rewind();
+    let (out, _) = poll(&mut t);
+    assert!(out.is_empty());
+    assert!(t.fully_acked());
+}
+
+#[test]
+fn restart_from_persisted_position_resumes_there() {
+    let fx = Fixture::new();
+    for i in 0..4 {
+        fx.append(format!("{{\"kind\":\"step\",\"step\":{i}}}\n").as_bytes());
+    }
+    let mut t = fx.tailer(Position::default());
+    poll(&mut t);
+    t.ack(1);
+    let persisted: Position = serde_json::from_str(&serde_json::to_string(&t.acked()).unwrap()).unwrap();
+    drop(t);
+    fx.append(b"{\"kind\":\"step\",\"step\":4}\n");
+    let mut t = fx.tailer(persisted);
+    let (out, _) = poll(&mut t);
+    assert_eq!(seqs(&out), vec![2, 3, 4]);
+    assert_eq!(out[0].step, 2);
+}
+
+#[test]
+fn skipped_lines_with_nothing_in_flight_advance_the_durable_position() {
+    let fx = Fixture::new();
+    fx.append(b"nope\nnope\n");
+    let mut t = fx.tailer(Position::default());
+    poll(&mut t);
+    assert_eq!(t.acked(), Position { offset: 10, next_seq: 2, skipped: 2 });
+    assert!(t.take_acked_dirty());
+    assert!(t.fully_acked());
+}
+
+#[test]
+fn budget_limits_a_batch_and_the_rest_follows() {
+    let fx = Fixture::new();
+    for i in 0..10 {
+        fx.append(format!("{{\"kind\":\"step\",\"step\":{i}}}\n").as_bytes());
+    }
+    let mut t = fx.tailer(Position::default());
+    let mut out = Vec::new();
+    assert!(!t.poll(&mut out, &mut Budget::new(4, 1 << 20), false).unwrap());
+    assert_eq!(seqs(&out), vec![0, 1, 2, 3]);
+    let mut out = Vec::new();
+    // 30 bytes: one 24-byte line fits, the second does not.
+    assert!(!t.poll(&mut out, &mut Budget::new(100, 30), false).unwrap());
+    assert_eq!(seqs(&out), vec![4]);
+    let mut out = Vec::new();
+    // A line longer than the whole byte budget still goes into an empty batch.
+    assert!(!t.poll(&mut out, &mut Budget::new(100, 3), false).unwrap());
+    assert_eq!(seqs(&out), vec![5]);
+    let mut out = Vec::new();
+    assert!(t.poll(&mut out, &mut big_budget(), false).unwrap());
+    assert_eq!(seqs(&out), vec![6, 7, 8, 9]);
+}
