@@ -1,0 +1,698 @@
+//! The embedded store: one SQLite file (WAL), schema in `migrations/sqlite`.
+//!
+//! Everything SQLite-specific lives in this module and its migration folder; the rest of the
+//! controller sees only [`Store`].
+
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use prost::Message;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{AssertSqlSafe, Row, SqlitePool};
+use tracing::Instrument;
+use trainyard_proto::v1::{HostInventory, JobSpec, job_spec::Engine};
+
+use super::{
+    AgentRecord, Allocation, JobEventRecord, JobId, JobRecord, JobState, NewReceipt, RankId, RankObserved,
+    Result, Snapshot, Store, StoreError, StoredReceiptRecord,
+};
+
+/// Connections in the pool. SQLite has one writer at a time anyway; a few connections let
+/// readers (`Watch`, `ctl status`) run beside the writer under WAL.
+const POOL_SIZE: u32 = 4;
+
+/// How long a writer waits for another writer's lock before failing with `SQLITE_BUSY`.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Columns bound per receipt row in [`INSERT_RECEIPTS`](insert_receipts_sql).
+const RECEIPT_PARAMS: usize = 8;
+
+/// Largest multi-row insert, in rows: a power of two with `RECEIPT_PARAMS * rows` well under
+/// SQLite's limit of 32,766 bound parameters. Smaller remainders are inserted with the power
+/// of two sizes below it, so at most 11 distinct statements exist and all stay in the
+/// connection's prepared-statement cache.
+const MAX_CHUNK_LOG2: u32 = 10;
+
+/// Selected columns of `jobs`, in the order [`job_from_row`] reads them by name.
+macro_rules! job_columns {
+    () => {
+        "id, state, reason, attempt, spec_pb, created_at_ms, updated_at_ms"
+    };
+}
+
+/// Selected columns of `allocations`, read by [`allocation_from_row`].
+macro_rules! allocation_columns {
+    () => {
+        "a.job_id, a.attempt, a.rank, a.agent_id, a.gpu_index, a.node_rank, a.local_rank, \
+         a.state, a.pid, a.exit_code, a.signal, a.message, a.skipped_lines, a.updated_at_ms"
+    };
+}
+
+/// The SQLite store.
+///
+/// # What we persist
+/// See the [module documentation of the store](super); the schema with a comment on every
+/// column is `migrations/sqlite/0001_init.sql`, and `docs/schema.md` explains it to operators.
+///
+/// Durability: the file runs in WAL mode with `synchronous=FULL`. A receipt is acknowledged to
+/// the agent only after its transaction commits, and the agent then moves its resend cursor
+/// past it. A SIGKILL of the controller alone loses nothing once `write()` returned (the data
+/// sits in the kernel's page cache), but a kernel panic or power cut would; `FULL` makes every
+/// commit fsync the WAL, so an acknowledged receipt survives those too. With `NORMAL` the WAL
+/// is only synced at checkpoints and the last acknowledged batches could vanish for good.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+/// Whether an operation writes: writers take the write lock at `BEGIN IMMEDIATE`, so they wait
+/// in SQLite's busy handler instead of failing when a read lock cannot be upgraded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Read,
+    Write,
+}
+
+impl SqliteStore {
+    /// Opens `sqlite://...` URLs (options in the URL are kept, ours are applied on top) or a
+    /// plain file path; see [`SqliteStore::open_file`].
+    pub async fn open(url_or_path: &str) -> Result<Self> {
+        if url_or_path.starts_with("sqlite:") {
+            let options = SqliteConnectOptions::from_str(url_or_path)?;
+            Self::open_with(options, POOL_SIZE).await
+        } else {
+            Self::open_file(Path::new(url_or_path)).await
+        }
+    }
+
+    /// Opens (creating it if missing) the database file at `path` and applies the migrations.
+    pub async fn open_file(path: &Path) -> Result<Self> {
+        Self::open_with(SqliteConnectOptions::new().filename(path), POOL_SIZE).await
+    }
+
+    /// A private in-memory database, for tests. One connection that never expires: every
+    /// connection to `:memory:` would otherwise see its own empty database.
+    pub async fn open_in_memory() -> Result<Self> {
+        let options = SqliteConnectOptions::from_str("sqlite::memory:")?;
+        Self::open_with(options, 1).await
+    }
+
+    async fn open_with(options: SqliteConnectOptions, max_connections: u32) -> Result<Self> {
+        let options = options
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(BUSY_TIMEOUT);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(max_connections)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect_with(options)
+            .await?;
+        sqlx::migrate!("../migrations/sqlite").run(&pool).await?;
+        Ok(SqliteStore { pool })
+    }
+
+    /// The pool, for read-only SQL that is not part of the [`Store`] contract (operator views,
+    /// tests). Writes go through the trait.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The one helper every operation goes through: a span with the operation's label, one
+    /// transaction, committed if `body` succeeds and rolled back (by drop) if it fails.
+    async fn run<T>(
+        &self,
+        op: &'static str,
+        mode: Mode,
+        body: impl AsyncFnOnce(&mut SqliteConnection) -> Result<T>,
+    ) -> Result<T> {
+        let span = tracing::debug_span!("store", op);
+        async move {
+            let mut tx = match mode {
+                Mode::Read => self.pool.begin().await?,
+                Mode::Write => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+            };
+            let value = body(&mut tx).await?;
+            tx.commit().await?;
+            Ok(value)
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn create_job(&self, spec: &JobSpec, reason: &str, now_ms: i64) -> Result<JobRecord> {
+        self.run("create_job", Mode::Write, async |c| {
+            let (engine_kind, argv_json, workdir) = engine_columns(spec);
+            let resources = spec.resources.clone().unwrap_or_default();
+            let id: i64 = sqlx::query_scalar(
+                "INSERT INTO jobs (name, state, reason, attempt, priority, gpus, gpus_per_node, \
+                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms) \
+                 VALUES (?, 'pending', ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+            )
+            .bind(spec.name.clone())
+            .bind(reason.to_owned())
+            .bind(spec.priority)
+            .bind(resources.gpus)
+            .bind(resources.gpus_per_node)
+            .bind(engine_kind)
+            .bind(argv_json)
+            .bind(workdir)
+            .bind(spec.encode_to_vec())
+            .bind(now_ms)
+            .bind(now_ms)
+            .fetch_one(&mut *c)
+            .await?;
+            let id = job_id_from(id)?;
+            insert_event(c, id, None, JobState::Pending, 0, reason, now_ms).await?;
+            fetch_job(c, id).await?.ok_or(StoreError::JobNotFound(id))
+        })
+        .await
+    }
+
+    async fn transition(
+        &self,
+        job: JobId,
+        from: JobState,
+        to: JobState,
+        attempt: u32,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<JobRecord> {
+        self.run("transition", Mode::Write, async |c| {
+            move_job(c, job, from, to, attempt, reason, now_ms).await
+        })
+        .await
+    }
+
+    async fn schedule(
+        &self,
+        job: JobId,
+        attempt: u32,
+        allocations: &[Allocation],
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<JobRecord> {
+        self.run("schedule", Mode::Write, async |c| {
+            let record =
+                move_job(c, job, JobState::Pending, JobState::Scheduled, attempt, reason, now_ms).await?;
+            for a in allocations {
+                insert_allocation(c, job, attempt, a, now_ms).await?;
+            }
+            Ok(record)
+        })
+        .await
+    }
+
+    async fn get_job(&self, job: JobId) -> Result<Option<JobRecord>> {
+        self.run("get_job", Mode::Read, async |c| fetch_job(c, job).await).await
+    }
+
+    async fn list_jobs(&self, active_only: bool, limit: u32) -> Result<Vec<JobRecord>> {
+        self.run("list_jobs", Mode::Read, async |c| {
+            let rows = sqlx::query(concat!(
+                "SELECT ",
+                job_columns!(),
+                " FROM jobs WHERE (? = 0 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
+                 ORDER BY id DESC LIMIT ?"
+            ))
+            .bind(active_only)
+            .bind(limit)
+            .fetch_all(&mut *c)
+            .await?;
+            rows.iter().map(job_from_row).collect()
+        })
+        .await
+    }
+
+    async fn job_events(&self, job: JobId) -> Result<Vec<JobEventRecord>> {
+        self.run("job_events", Mode::Read, async |c| {
+            let rows = sqlx::query(
+                "SELECT job_id, at_ms, from_state, to_state, reason FROM job_events \
+                 WHERE job_id = ? ORDER BY id",
+            )
+            .bind(int(job)?)
+            .fetch_all(&mut *c)
+            .await?;
+            rows.iter().map(event_from_row).collect()
+        })
+        .await
+    }
+
+    async fn allocations(&self, job: JobId, attempt: u32) -> Result<Vec<Allocation>> {
+        self.run("allocations", Mode::Read, async |c| {
+            let rows = sqlx::query(concat!(
+                "SELECT ",
+                allocation_columns!(),
+                " FROM allocations a WHERE a.job_id = ? AND a.attempt = ? ORDER BY a.rank"
+            ))
+            .bind(int(job)?)
+            .bind(attempt)
+            .fetch_all(&mut *c)
+            .await?;
+            rows.iter().map(allocation_from_row).collect()
+        })
+        .await
+    }
+
+    async fn observe_rank(&self, id: RankId, observed: &RankObserved) -> Result<bool> {
+        self.run("observe_rank", Mode::Write, async |c| {
+            let done = sqlx::query(
+                "UPDATE allocations SET state = ?, pid = ?, exit_code = ?, signal = ?, \
+                 message = ?, skipped_lines = ?, updated_at_ms = ? \
+                 WHERE job_id = ? AND attempt = ? AND rank = ?",
+            )
+            .bind(observed.state.clone())
+            .bind(observed.pid)
+            .bind(observed.exit_code)
+            .bind(observed.signal)
+            .bind(observed.message.clone())
+            .bind(int(observed.skipped_lines)?)
+            .bind(observed.updated_at_ms)
+            .bind(int(id.job_id)?)
+            .bind(id.attempt)
+            .bind(id.rank)
+            .execute(&mut *c)
+            .await?;
+            Ok(done.rows_affected() > 0)
+        })
+        .await
+    }
+
+    async fn upsert_agent(&self, agent: &AgentRecord) -> Result<()> {
+        self.run("upsert_agent", Mode::Write, async |c| {
+            let inv = &agent.inventory;
+            sqlx::query(
+                "INSERT INTO agents (agent_id, hostname, address, agent_version, state, \
+                 gpu_count, inventory_pb, first_seen_ms, last_seen_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) \
+                 ON CONFLICT (agent_id) DO UPDATE SET hostname = excluded.hostname, \
+                 address = excluded.address, agent_version = excluded.agent_version, \
+                 state = excluded.state, gpu_count = excluded.gpu_count, \
+                 inventory_pb = excluded.inventory_pb, last_seen_ms = excluded.last_seen_ms",
+            )
+            .bind(agent.agent_id.clone())
+            .bind(inv.hostname.clone())
+            .bind(agent.address.clone())
+            .bind(agent.agent_version.clone())
+            .bind(agent.state.clone())
+            .bind(inv.gpus.len() as i64)
+            .bind(inv.encode_to_vec())
+            .bind(agent.last_seen_ms)
+            .bind(agent.last_seen_ms)
+            .execute(&mut *c)
+            .await?;
+            sqlx::query("DELETE FROM gpus WHERE agent_id = ?")
+                .bind(agent.agent_id.clone())
+                .execute(&mut *c)
+                .await?;
+            for gpu in &inv.gpus {
+                sqlx::query(
+                    "INSERT INTO gpus (agent_id, gpu_index, uuid, model, memory_mib, \
+                     pci_bus_id, numa_node) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                )
+                .bind(agent.agent_id.clone())
+                .bind(gpu.index)
+                .bind(gpu.uuid.clone())
+                .bind(gpu.model.clone())
+                .bind(int(gpu.memory_mib)?)
+                .bind(gpu.pci_bus_id.clone())
+                .bind(gpu.numa_node)
+                .execute(&mut *c)
+                .await?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// An unknown agent is ignored: it has never said hello, so there is nothing to update.
+    async fn set_agent_state(&self, agent_id: &str, state: &str, now_ms: i64) -> Result<()> {
+        self.run("set_agent_state", Mode::Write, async |c| {
+            sqlx::query("UPDATE agents SET state = ?, last_seen_ms = ? WHERE agent_id = ?")
+                .bind(state.to_owned())
+                .bind(now_ms)
+                .bind(agent_id.to_owned())
+                .execute(&mut *c)
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn snapshot(&self) -> Result<Snapshot> {
+        self.run("snapshot", Mode::Read, async |c| {
+            let jobs = sqlx::query(concat!(
+                "SELECT ",
+                job_columns!(),
+                " FROM jobs WHERE state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id"
+            ))
+            .fetch_all(&mut *c)
+            .await?;
+            let allocations = sqlx::query(concat!(
+                "SELECT ",
+                allocation_columns!(),
+                " FROM allocations a JOIN jobs j ON j.id = a.job_id AND j.attempt = a.attempt \
+                 WHERE j.state NOT IN ('succeeded', 'failed', 'cancelled') \
+                 ORDER BY a.job_id, a.rank"
+            ))
+            .fetch_all(&mut *c)
+            .await?;
+            let agents = sqlx::query(
+                "SELECT agent_id, address, agent_version, inventory_pb, state, last_seen_ms \
+                 FROM agents ORDER BY agent_id",
+            )
+            .fetch_all(&mut *c)
+            .await?;
+            Ok(Snapshot {
+                active_jobs: jobs.iter().map(job_from_row).collect::<Result<_>>()?,
+                allocations: allocations.iter().map(allocation_from_row).collect::<Result<_>>()?,
+                agents: agents.iter().map(agent_from_row).collect::<Result<_>>()?,
+            })
+        })
+        .await
+    }
+
+    async fn insert_receipts(&self, receipts: &[NewReceipt], now_ms: i64) -> Result<u64> {
+        if receipts.is_empty() {
+            return Ok(0);
+        }
+        self.run("insert_receipts", Mode::Write, async |c| {
+            let mut inserted = 0;
+            let mut rest = receipts;
+            while !rest.is_empty() {
+                let log2 = rest.len().ilog2().min(MAX_CHUNK_LOG2);
+                let (chunk, tail) = rest.split_at(1 << log2);
+                let mut query = sqlx::query(AssertSqlSafe(insert_receipts_sql(log2)));
+                for r in chunk {
+                    query = query
+                        .bind(int(r.id.job_id)?)
+                        .bind(r.id.attempt)
+                        .bind(r.id.rank)
+                        .bind(int(r.seq)?)
+                        .bind(r.kind.clone())
+                        .bind(r.step)
+                        .bind(r.body.clone())
+                        .bind(now_ms);
+                }
+                inserted += query.execute(&mut *c).await?.rows_affected();
+                rest = tail;
+            }
+            Ok(inserted)
+        })
+        .await
+    }
+
+    async fn receipts_after(&self, job: JobId, after: u64, limit: u32) -> Result<Vec<StoredReceiptRecord>> {
+        self.run("receipts_after", Mode::Read, async |c| {
+            let rows = sqlx::query(
+                "SELECT position, job_id, attempt, rank, seq, kind, step, body FROM receipts \
+                 WHERE job_id = ? AND position > ? ORDER BY position LIMIT ?",
+            )
+            .bind(int(job)?)
+            .bind(int(after)?)
+            .bind(limit)
+            .fetch_all(&mut *c)
+            .await?;
+            rows.iter().map(receipt_from_row).collect()
+        })
+        .await
+    }
+
+    async fn last_seqs(&self, job: JobId, attempt: u32) -> Result<Vec<(u32, u64)>> {
+        self.run("last_seqs", Mode::Read, async |c| {
+            let rows = sqlx::query(
+                "SELECT rank, max(seq) AS seq FROM receipts WHERE job_id = ? AND attempt = ? \
+                 GROUP BY rank ORDER BY rank",
+            )
+            .bind(int(job)?)
+            .bind(attempt)
+            .fetch_all(&mut *c)
+            .await?;
+            rows.iter().map(|row| Ok((col(row, "receipts", "rank")?, col(row, "receipts", "seq")?))).collect()
+        })
+        .await
+    }
+
+    async fn receipt_count(&self, job: JobId) -> Result<u64> {
+        self.run("receipt_count", Mode::Read, async |c| {
+            let row = sqlx::query("SELECT count(*) AS n FROM receipts WHERE job_id = ?")
+                .bind(int(job)?)
+                .fetch_one(&mut *c)
+                .await?;
+            col(&row, "receipts", "n")
+        })
+        .await
+    }
+}
+
+/// `INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING` for `2^log2` receipts, built once per
+/// size and shared, so the statement text (the key of sqlx's statement cache) is identical
+/// every time.
+fn insert_receipts_sql(log2: u32) -> Arc<str> {
+    static SQL: OnceLock<Vec<Arc<str>>> = OnceLock::new();
+    let all = SQL.get_or_init(|| {
+        (0..=MAX_CHUNK_LOG2)
+            .map(|l| {
+                let row = format!("({})", ["?"; RECEIPT_PARAMS].join(", "));
+                let rows = vec![row.as_str(); 1 << l].join(", ");
+                format!(
+                    "INSERT INTO receipts (job_id, attempt, rank, seq, kind, step, body, \
+                     stored_at_ms) VALUES {rows} ON CONFLICT (job_id, attempt, rank, seq) \
+                     DO NOTHING"
+                )
+                .into()
+            })
+            .collect()
+    });
+    Arc::clone(&all[log2 as usize])
+}
+
+/// Moves `job` from `from` to `to` inside the caller's transaction.
+async fn move_job(
+    c: &mut SqliteConnection,
+    job: JobId,
+    from: JobState,
+    to: JobState,
+    attempt: u32,
+    reason: &str,
+    now_ms: i64,
+) -> Result<JobRecord> {
+    let current = fetch_job(c, job).await?.ok_or(StoreError::JobNotFound(job))?;
+    if current.state != from {
+        return Err(StoreError::StateConflict { job, expected: from, actual: current.state });
+    }
+    sqlx::query("UPDATE jobs SET state = ?, reason = ?, attempt = ?, updated_at_ms = ? WHERE id = ?")
+        .bind(to.as_str())
+        .bind(reason.to_owned())
+        .bind(attempt)
+        .bind(now_ms)
+        .bind(int(job)?)
+        .execute(&mut *c)
+        .await?;
+    insert_event(c, job, Some(from), to, attempt, reason, now_ms).await?;
+    Ok(JobRecord { state: to, reason: reason.to_owned(), attempt, updated_at_ms: now_ms, ..current })
+}
+
+async fn insert_event(
+    c: &mut SqliteConnection,
+    job: JobId,
+    from: Option<JobState>,
+    to: JobState,
+    attempt: u32,
+    reason: &str,
+    now_ms: i64,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO job_events (job_id, at_ms, from_state, to_state, attempt, reason) \
+         VALUES (?, ?, ?, ?, ?, ?)",
+    )
+    .bind(int(job)?)
+    .bind(now_ms)
+    .bind(from.map(JobState::as_str))
+    .bind(to.as_str())
+    .bind(attempt)
+    .bind(reason.to_owned())
+    .execute(&mut *c)
+    .await?;
+    Ok(())
+}
+
+/// Writes one planned rank; `job` and `attempt` come from the `schedule` call, the rank from
+/// the allocation. An empty observed state is stored as `planned`.
+async fn insert_allocation(
+    c: &mut SqliteConnection,
+    job: JobId,
+    attempt: u32,
+    a: &Allocation,
+    now_ms: i64,
+) -> Result<()> {
+    let o = &a.observed;
+    let state = if o.state.is_empty() { "planned" } else { o.state.as_str() };
+    sqlx::query(
+        "INSERT INTO allocations (job_id, attempt, rank, agent_id, gpu_index, node_rank, \
+         local_rank, state, pid, exit_code, signal, message, skipped_lines, updated_at_ms) \
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(int(job)?)
+    .bind(attempt)
+    .bind(a.id.rank)
+    .bind(a.agent_id.clone())
+    .bind(a.gpu_index)
+    .bind(a.node_rank)
+    .bind(a.local_rank)
+    .bind(state.to_owned())
+    .bind(o.pid)
+    .bind(o.exit_code)
+    .bind(o.signal)
+    .bind(o.message.clone())
+    .bind(int(o.skipped_lines)?)
+    .bind(if o.updated_at_ms == 0 { now_ms } else { o.updated_at_ms })
+    .execute(&mut *c)
+    .await?;
+    Ok(())
+}
+
+async fn fetch_job(c: &mut SqliteConnection, job: JobId) -> Result<Option<JobRecord>> {
+    let row = sqlx::query(concat!("SELECT ", job_columns!(), " FROM jobs WHERE id = ?"))
+        .bind(int(job)?)
+        .fetch_optional(&mut *c)
+        .await?;
+    row.as_ref().map(job_from_row).transpose()
+}
+
+/// The plain engine columns of `jobs`: kind, argv as JSON, working directory.
+fn engine_columns(spec: &JobSpec) -> (Option<&'static str>, Option<String>, Option<String>) {
+    match &spec.engine {
+        Some(Engine::Exec(exec)) => {
+            (Some("exec"), serde_json::to_string(&exec.argv).ok(), Some(exec.workdir.clone()))
+        }
+        Some(Engine::Builtin(_)) => (Some("builtin"), None, None),
+        None => (None, None, None),
+    }
+}
+
+/// Ids and counters are `u64` in Rust and `INTEGER` (i64) in SQL; values past `i64::MAX`
+/// cannot be stored and are refused as an encode error.
+fn int(v: u64) -> Result<i64> {
+    i64::try_from(v).map_err(|e| StoreError::Database(sqlx::Error::Encode(Box::new(e))))
+}
+
+fn job_id_from(v: i64) -> Result<JobId> {
+    u64::try_from(v).map_err(|_| corrupt("jobs", format!("negative id {v}")))
+}
+
+fn corrupt(table: &'static str, detail: impl Into<String>) -> StoreError {
+    StoreError::Corrupt { table, detail: detail.into() }
+}
+
+/// Reads one column, naming the table when the value does not decode.
+fn col<'r, T>(row: &'r SqliteRow, table: &'static str, name: &str) -> Result<T>
+where
+    T: sqlx::Decode<'r, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>,
+{
+    row.try_get(name).map_err(|e| corrupt(table, format!("column {name}: {e}")))
+}
+
+fn state_col(row: &SqliteRow, table: &'static str, name: &str) -> Result<JobState> {
+    let s: String = col(row, table, name)?;
+    JobState::parse(&s).ok_or_else(|| corrupt(table, format!("column {name}: unknown state {s:?}")))
+}
+
+fn job_from_row(row: &SqliteRow) -> Result<JobRecord> {
+    let t = "jobs";
+    let spec_pb: Vec<u8> = col(row, t, "spec_pb")?;
+    Ok(JobRecord {
+        id: col(row, t, "id")?,
+        spec: JobSpec::decode(spec_pb.as_slice()).map_err(|e| corrupt(t, format!("column spec_pb: {e}")))?,
+        state: state_col(row, t, "state")?,
+        reason: col(row, t, "reason")?,
+        attempt: col(row, t, "attempt")?,
+        created_at_ms: col(row, t, "created_at_ms")?,
+        updated_at_ms: col(row, t, "updated_at_ms")?,
+    })
+}
+
+fn event_from_row(row: &SqliteRow) -> Result<JobEventRecord> {
+    let t = "job_events";
+    let from: Option<String> = col(row, t, "from_state")?;
+    Ok(JobEventRecord {
+        job_id: col(row, t, "job_id")?,
+        at_ms: col(row, t, "at_ms")?,
+        from_state: match from {
+            None => None,
+            Some(_) => Some(state_col(row, t, "from_state")?),
+        },
+        to_state: state_col(row, t, "to_state")?,
+        reason: col(row, t, "reason")?,
+    })
+}
+
+fn allocation_from_row(row: &SqliteRow) -> Result<Allocation> {
+    let t = "allocations";
+    Ok(Allocation {
+        id: RankId {
+            job_id: col(row, t, "job_id")?,
+            attempt: col(row, t, "attempt")?,
+            rank: col(row, t, "rank")?,
+        },
+        agent_id: col(row, t, "agent_id")?,
+        gpu_index: col(row, t, "gpu_index")?,
+        node_rank: col(row, t, "node_rank")?,
+        local_rank: col(row, t, "local_rank")?,
+        observed: RankObserved {
+            state: col(row, t, "state")?,
+            pid: col(row, t, "pid")?,
+            exit_code: col(row, t, "exit_code")?,
+            signal: col(row, t, "signal")?,
+            message: col(row, t, "message")?,
+            skipped_lines: col(row, t, "skipped_lines")?,
+            updated_at_ms: col(row, t, "updated_at_ms")?,
+        },
+    })
+}
+
+fn agent_from_row(row: &SqliteRow) -> Result<AgentRecord> {
+    let t = "agents";
+    let inventory_pb: Vec<u8> = col(row, t, "inventory_pb")?;
+    Ok(AgentRecord {
+        agent_id: col(row, t, "agent_id")?,
+        address: col(row, t, "address")?,
+        agent_version: col(row, t, "agent_version")?,
+        inventory: HostInventory::decode(inventory_pb.as_slice())
+            .map_err(|e| corrupt(t, format!("column inventory_pb: {e}")))?,
+        state: col(row, t, "state")?,
+        last_seen_ms: col(row, t, "last_seen_ms")?,
+    })
+}
+
+fn receipt_from_row(row: &SqliteRow) -> Result<StoredReceiptRecord> {
+    let t = "receipts";
+    Ok(StoredReceiptRecord {
+        position: col(row, t, "position")?,
+        id: RankId {
+            job_id: col(row, t, "job_id")?,
+            attempt: col(row, t, "attempt")?,
+            rank: col(row, t, "rank")?,
+        },
+        seq: col(row, t, "seq")?,
+        kind: col(row, t, "kind")?,
+        step: col(row, t, "step")?,
+        body: col(row, t, "body")?,
+    })
+}
+
+#[cfg(test)]
+#[path = "tests.rs"]
+mod tests;

@@ -1,0 +1,438 @@
+//! The store contract as a test suite generic over [`Store`]: every backend instantiates it
+//! with [`store_suite!`] and a [`Harness`], so the backends cannot drift apart.
+
+use std::collections::HashMap;
+
+use trainyard_proto::v1::{ExecEngine, Gpu, HostInventory, JobSpec, Resources, job_spec::Engine};
+
+use super::SqliteStore;
+use crate::store::{AgentRecord, Allocation, JobState, NewReceipt, RankId, RankObserved, Store, StoreError};
+
+/// Opens a backend's store; `open` called twice opens the same database (restart tests).
+pub trait Harness: Sized {
+    type S: Store;
+    async fn new() -> Self;
+    async fn open(&self) -> Self::S;
+}
+
+/// Generates one `#[tokio::test]` per suite function for a harness type.
+macro_rules! store_suite {
+    ($harness:ty: $($name:ident),+ $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $name() {
+                let harness = <$harness as Harness>::new().await;
+                suite::$name(&harness).await;
+            }
+        )+
+    };
+}
+
+/// SQLite on a file in a fresh temporary directory.
+pub struct SqliteHarness {
+    dir: tempfile::TempDir,
+}
+
+impl Harness for SqliteHarness {
+    type S = SqliteStore;
+    async fn new() -> Self {
+        SqliteHarness { dir: tempfile::tempdir().expect("create temp dir") }
+    }
+    async fn open(&self) -> SqliteStore {
+        SqliteStore::open_file(&self.dir.path().join("trainyard.db")).await.expect("open store")
+    }
+}
+
+store_suite!(SqliteHarness:
+    create_get_list,
+    transitions_and_conflicts,
+    events_in_order_with_reasons,
+    schedule_writes_allocations,
+    schedule_refuses_non_pending_job_atomically,
+    observe_rank_known_and_unknown,
+    agents_upsert_with_gpus,
+    snapshot_after_reopen,
+    receipts_dedup,
+    receipts_after_pages_by_cursor,
+    last_seqs_and_counts,
+);
+
+/// Builders shared by the suite.
+pub mod fixtures {
+    use super::*;
+
+    pub fn spec(name: &str, gpus: u32) -> JobSpec {
+        JobSpec {
+            name: name.to_owned(),
+            resources: Some(Resources { gpus, gpus_per_node: gpus, ..Default::default() }),
+            engine: Some(Engine::Exec(ExecEngine {
+                argv: vec!["python".into(), "train.py".into()],
+                workdir: "/srv/run".into(),
+                source_dir: String::new(),
+            })),
+            env: HashMap::from([("WANDB_MODE".to_owned(), "offline".to_owned())]),
+            preflight: "quick".into(),
+            restart: None,
+            priority: 3,
+        }
+    }
+
+    pub fn allocation(job_id: u64, attempt: u32, rank: u32, agent: &str) -> Allocation {
+        Allocation {
+            id: RankId { job_id, attempt, rank },
+            agent_id: agent.to_owned(),
+            gpu_index: rank,
+            node_rank: 0,
+            local_rank: rank,
+            observed: RankObserved { state: "planned".into(), ..Default::default() },
+        }
+    }
+
+    pub fn agent(id: &str, gpus: u32, state: &str, now_ms: i64) -> AgentRecord {
+        AgentRecord {
+            agent_id: id.to_owned(),
+            address: "10.0.0.7".into(),
+            agent_version: "0.1.0".into(),
+            inventory: HostInventory {
+                hostname: id.to_owned(),
+                gpus: (0..gpus)
+                    .map(|i| Gpu {
+                        index: i,
+                        uuid: format!("GPU-{id}-{i}"),
+                        model: "NVIDIA H100 80GB HBM3".into(),
+                        memory_mib: 81559,
+                        pci_bus_id: format!("00000000:{:02x}:00.0", 0x18 + i),
+                        numa_node: (i / 4) as i32,
+                    })
+                    .collect(),
+                numa_nodes: vec![],
+                links: vec![],
+            },
+            state: state.to_owned(),
+            last_seen_ms: now_ms,
+        }
+    }
+
+    /// `n` step receipts of one rank, seq `first..first+n`.
+    pub fn receipts(id: RankId, first: u64, n: u64) -> Vec<NewReceipt> {
+        (first..first + n)
+            .map(|seq| NewReceipt {
+                id,
+                seq,
+                kind: "step".into(),
+                step: Some(seq as i64),
+                body: format!(
+                    r#"{{"kind":"step","step":{seq},"loss":{:.3},"step_time_ms":{},"tokens_per_s":{}}}"#,
+                    4.0 - seq as f64 * 0.01,
+                    100 + seq % 10,
+                    50_000 + seq
+                ),
+            })
+            .collect()
+    }
+}
+
+/// The contract. Each function takes a harness and asserts on one area of the trait.
+pub mod suite {
+    use super::fixtures::*;
+    use super::*;
+
+    pub async fn create_get_list(h: &impl Harness) {
+        let s = h.open().await;
+        let a = s.create_job(&spec("a", 8), "submitted", 1_000).await.unwrap();
+        let b = s.create_job(&spec("b", 2), "submitted", 2_000).await.unwrap();
+        let c = s.create_job(&spec("c", 1), "submitted", 3_000).await.unwrap();
+        assert_eq!(a.state, JobState::Pending);
+        assert_eq!((a.attempt, a.created_at_ms, a.updated_at_ms), (0, 1_000, 1_000));
+        assert_eq!(a.spec, spec("a", 8));
+        assert!(a.id < b.id && b.id < c.id);
+        assert_eq!(s.get_job(b.id).await.unwrap(), Some(b.clone()));
+        assert_eq!(s.get_job(c.id + 100).await.unwrap(), None);
+
+        s.transition(b.id, JobState::Pending, JobState::Cancelled, 0, "ctl cancel", 4_000).await.unwrap();
+        let ids = |v: Vec<crate::store::JobRecord>| v.into_iter().map(|j| j.id).collect::<Vec<_>>();
+        assert_eq!(ids(s.list_jobs(false, 10).await.unwrap()), vec![c.id, b.id, a.id]);
+        assert_eq!(ids(s.list_jobs(true, 10).await.unwrap()), vec![c.id, a.id]);
+        assert_eq!(ids(s.list_jobs(false, 2).await.unwrap()), vec![c.id, b.id]);
+        assert_eq!(ids(s.list_jobs(true, 1).await.unwrap()), vec![c.id]);
+    }
+
+    pub async fn transitions_and_conflicts(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("t", 1), "submitted", 1).await.unwrap();
+        let r = s.transition(j.id, JobState::Pending, JobState::Scheduled, 0, "placed", 2);
+        let r = r.await.unwrap();
+        assert_eq!((r.state, r.reason.as_str(), r.updated_at_ms), (JobState::Scheduled, "placed", 2));
+        assert_eq!(s.get_job(j.id).await.unwrap(), Some(r));
+
+        let err = s.transition(j.id, JobState::Pending, JobState::Cancelled, 0, "late", 3).await.unwrap_err();
+        match err {
+            StoreError::StateConflict { job, expected, actual } => {
+                assert_eq!((job, expected, actual), (j.id, JobState::Pending, JobState::Scheduled));
+            }
+            other => panic!("expected StateConflict, got {other:?}"),
+        }
+        assert_eq!(s.get_job(j.id).await.unwrap().unwrap().state, JobState::Scheduled);
+        assert_eq!(s.job_events(j.id).await.unwrap().len(), 2, "a refused move writes no event");
+
+        for (from, to, attempt) in [
+            (JobState::Scheduled, JobState::Launching, 0),
+            (JobState::Launching, JobState::Running, 0),
+            (JobState::Running, JobState::Restarting, 1),
+        ] {
+            s.transition(j.id, from, to, attempt, "step", 4).await.unwrap();
+        }
+        assert_eq!(s.get_job(j.id).await.unwrap().unwrap().attempt, 1);
+
+        let missing = s.transition(j.id + 1, JobState::Pending, JobState::Failed, 0, "x", 5).await;
+        assert!(matches!(missing, Err(StoreError::JobNotFound(id)) if id == j.id + 1));
+    }
+
+    pub async fn events_in_order_with_reasons(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("e", 1), "submitted by alice", 10).await.unwrap();
+        s.transition(j.id, JobState::Pending, JobState::Scheduled, 0, "placed on a", 20).await.unwrap();
+        s.transition(j.id, JobState::Scheduled, JobState::Failed, 0, "agent a lost", 30).await.unwrap();
+        let events = s.job_events(j.id).await.unwrap();
+        let got: Vec<_> =
+            events.iter().map(|e| (e.job_id, e.at_ms, e.from_state, e.to_state, e.reason.as_str())).collect();
+        assert_eq!(
+            got,
+            vec![
+                (j.id, 10, None, JobState::Pending, "submitted by alice"),
+                (j.id, 20, Some(JobState::Pending), JobState::Scheduled, "placed on a"),
+                (j.id, 30, Some(JobState::Scheduled), JobState::Failed, "agent a lost"),
+            ]
+        );
+        assert!(s.job_events(j.id + 1).await.unwrap().is_empty());
+    }
+
+    pub async fn schedule_writes_allocations(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("s", 2), "submitted", 1).await.unwrap();
+        let allocs = vec![allocation(j.id, 0, 0, "a"), allocation(j.id, 0, 1, "a")];
+        let r = s.schedule(j.id, 0, &allocs, "placed on a", 5).await.unwrap();
+        assert_eq!(r.state, JobState::Scheduled);
+        let mut stored = s.allocations(j.id, 0).await.unwrap();
+        for a in &mut stored {
+            assert_eq!(a.observed.updated_at_ms, 5, "the plan is stamped with the schedule time");
+            a.observed.updated_at_ms = 0;
+        }
+        assert_eq!(stored, allocs);
+        assert!(s.allocations(j.id, 1).await.unwrap().is_empty());
+        let last = s.job_events(j.id).await.unwrap().pop().unwrap();
+        assert_eq!((last.to_state, last.reason.as_str()), (JobState::Scheduled, "placed on a"));
+    }
+
+    pub async fn schedule_refuses_non_pending_job_atomically(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("s", 1), "submitted", 1).await.unwrap();
+        s.transition(j.id, JobState::Pending, JobState::Cancelled, 0, "ctl cancel", 2).await.unwrap();
+        let err = s.schedule(j.id, 0, &[allocation(j.id, 0, 0, "a")], "placed", 3).await;
+        assert!(matches!(err, Err(StoreError::StateConflict { actual: JobState::Cancelled, .. })));
+        assert!(s.allocations(j.id, 0).await.unwrap().is_empty(), "nothing half-recorded");
+
+        // A failing allocation insert (duplicate rank) rolls the state change back too.
+        let k = s.create_job(&spec("k", 2), "submitted", 4).await.unwrap();
+        let dup = [allocation(k.id, 0, 0, "a"), allocation(k.id, 0, 0, "b")];
+        assert!(s.schedule(k.id, 0, &dup, "placed", 5).await.is_err());
+        assert_eq!(s.get_job(k.id).await.unwrap().unwrap().state, JobState::Pending);
+        assert!(s.allocations(k.id, 0).await.unwrap().is_empty());
+        assert_eq!(s.job_events(k.id).await.unwrap().len(), 1);
+    }
+
+    pub async fn observe_rank_known_and_unknown(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("o", 1), "submitted", 1).await.unwrap();
+        s.schedule(j.id, 0, &[allocation(j.id, 0, 0, "a")], "placed", 2).await.unwrap();
+        let running = RankObserved {
+            state: "exited".into(),
+            pid: Some(4242),
+            exit_code: Some(1),
+            signal: None,
+            message: "exit status 1".into(),
+            skipped_lines: 3,
+            updated_at_ms: 9,
+        };
+        let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
+        assert!(s.observe_rank(id, &running).await.unwrap());
+        assert_eq!(s.allocations(j.id, 0).await.unwrap()[0].observed, running);
+        assert!(!s.observe_rank(RankId { rank: 1, ..id }, &running).await.unwrap());
+        assert!(!s.observe_rank(RankId { attempt: 1, ..id }, &running).await.unwrap());
+        assert!(!s.observe_rank(RankId { job_id: j.id + 1, ..id }, &running).await.unwrap());
+    }
+
+    pub async fn agents_upsert_with_gpus(h: &impl Harness) {
+        let s = h.open().await;
+        s.upsert_agent(&agent("sxm-a", 8, "connected", 100)).await.unwrap();
+        s.upsert_agent(&agent("sxm-b", 4, "connected", 100)).await.unwrap();
+        // A second hello with a smaller inventory replaces the first.
+        let again = agent("sxm-a", 2, "connected", 200);
+        s.upsert_agent(&again).await.unwrap();
+        s.set_agent_state("sxm-b", "leaving", 300).await.unwrap();
+        s.set_agent_state("never-seen", "connected", 300).await.unwrap();
+
+        let snap = s.snapshot().await.unwrap();
+        assert_eq!(snap.agents.len(), 2);
+        assert_eq!(snap.agents[0], again);
+        assert_eq!((snap.agents[1].state.as_str(), snap.agents[1].last_seen_ms), ("leaving", 300));
+        assert_eq!(snap.agents[1].inventory.gpus.len(), 4);
+    }
+
+    pub async fn snapshot_after_reopen(h: &impl Harness) {
+        let (active, done);
+        {
+            let s = h.open().await;
+            s.upsert_agent(&agent("sxm-a", 8, "connected", 1)).await.unwrap();
+            active = s.create_job(&spec("active", 2), "submitted", 1).await.unwrap();
+            done = s.create_job(&spec("done", 1), "submitted", 2).await.unwrap();
+            let two = [allocation(active.id, 0, 0, "sxm-a"), allocation(active.id, 0, 1, "sxm-a")];
+            s.schedule(active.id, 0, &two, "placed", 3).await.unwrap();
+            s.transition(active.id, JobState::Scheduled, JobState::Restarting, 1, "lost", 4).await.unwrap();
+            s.transition(active.id, JobState::Restarting, JobState::Pending, 1, "retry", 5).await.unwrap();
+            let one = [allocation(active.id, 1, 0, "sxm-a")];
+            s.schedule(active.id, 1, &one, "placed", 6).await.unwrap();
+            s.schedule(done.id, 0, &[allocation(done.id, 0, 0, "sxm-a")], "placed", 7).await.unwrap();
+            s.transition(done.id, JobState::Scheduled, JobState::Succeeded, 0, "exit 0", 8).await.unwrap();
+            s.insert_receipts(&receipts(RankId { job_id: active.id, attempt: 1, rank: 0 }, 0, 5), 9)
+                .await
+                .unwrap();
+        }
+        let s = h.open().await;
+        let snap = s.snapshot().await.unwrap();
+        assert_eq!(snap.active_jobs.len(), 1);
+        let job = &snap.active_jobs[0];
+        assert_eq!((job.id, job.state, job.attempt), (active.id, JobState::Scheduled, 1));
+        assert_eq!(job.spec, active.spec);
+        let ranks: Vec<_> = snap.allocations.iter().map(|a| a.id).collect();
+        assert_eq!(ranks, vec![RankId { job_id: active.id, attempt: 1, rank: 0 }]);
+        assert_eq!(snap.agents.len(), 1);
+        assert_eq!(snap.agents[0].inventory.gpus.len(), 8);
+        assert_eq!(s.receipt_count(active.id).await.unwrap(), 5);
+        assert_eq!(s.get_job(done.id).await.unwrap().unwrap().state, JobState::Succeeded);
+    }
+
+    pub async fn receipts_dedup(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("r", 2), "submitted", 1).await.unwrap();
+        let mut batch = receipts(RankId { job_id: j.id, attempt: 0, rank: 0 }, 0, 1500);
+        batch.extend(receipts(RankId { job_id: j.id, attempt: 0, rank: 1 }, 0, 1500));
+        assert_eq!(s.insert_receipts(&batch, 10).await.unwrap(), 3000);
+        assert_eq!(s.insert_receipts(&batch, 11).await.unwrap(), 0);
+        assert_eq!(s.receipt_count(j.id).await.unwrap(), 3000);
+        // A replay overlapping new lines stores only the new ones.
+        let overlap = receipts(RankId { job_id: j.id, attempt: 0, rank: 0 }, 1400, 200);
+        assert_eq!(s.insert_receipts(&overlap, 12).await.unwrap(), 100);
+        assert_eq!(s.receipt_count(j.id).await.unwrap(), 3100);
+        assert_eq!(s.insert_receipts(&[], 13).await.unwrap(), 0);
+        // The same seq in another attempt is another receipt.
+        let next = receipts(RankId { job_id: j.id, attempt: 1, rank: 0 }, 0, 7);
+        assert_eq!(s.insert_receipts(&next, 14).await.unwrap(), 7);
+    }
+
+    pub async fn receipts_after_pages_by_cursor(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("w", 1), "submitted", 1).await.unwrap();
+        let other = s.create_job(&spec("other", 1), "submitted", 1).await.unwrap();
+        let rank = RankId { job_id: j.id, attempt: 0, rank: 0 };
+        let written = receipts(rank, 0, 25);
+        for (i, chunk) in written.chunks(5).enumerate() {
+            s.insert_receipts(chunk, 100).await.unwrap();
+            let noise = receipts(RankId { job_id: other.id, attempt: 0, rank: 0 }, i as u64, 1);
+            s.insert_receipts(&noise, 100).await.unwrap();
+        }
+        let (mut cursor, mut seen) = (0, Vec::new());
+        loop {
+            let page = s.receipts_after(j.id, cursor, 10).await.unwrap();
+            if page.is_empty() {
+                break;
+            }
+            assert!(page.len() <= 10);
+            for r in page {
+                assert!(r.position > cursor, "positions increase");
+                cursor = r.position;
+                seen.push(r);
+            }
+        }
+        assert_eq!(seen.len(), 25);
+        for (r, w) in seen.iter().zip(&written) {
+            assert_eq!((r.id, r.seq, &r.kind, r.step, &r.body), (w.id, w.seq, &w.kind, w.step, &w.body));
+        }
+        assert!(s.receipts_after(j.id, cursor, 10).await.unwrap().is_empty());
+    }
+
+    pub async fn last_seqs_and_counts(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("l", 3), "submitted", 1).await.unwrap();
+        let at = |attempt, rank| RankId { job_id: j.id, attempt, rank };
+        let mut batch = receipts(at(0, 0), 0, 10);
+        batch.extend(receipts(at(0, 2), 5, 3));
+        batch.extend(receipts(at(1, 0), 0, 4));
+        s.insert_receipts(&batch, 1).await.unwrap();
+        assert_eq!(s.last_seqs(j.id, 0).await.unwrap(), vec![(0, 9), (2, 7)]);
+        assert_eq!(s.last_seqs(j.id, 1).await.unwrap(), vec![(0, 3)]);
+        assert!(s.last_seqs(j.id, 2).await.unwrap().is_empty());
+        assert_eq!(s.receipt_count(j.id).await.unwrap(), 17);
+        assert_eq!(s.receipt_count(j.id + 1).await.unwrap(), 0);
+    }
+}
+
+/// The operator views are SQL of the SQLite migration, so they are checked here, not in the suite.
+#[tokio::test]
+async fn sqlite_views_return_sensible_rows() {
+    use fixtures::*;
+    let h = SqliteHarness::new().await;
+    let s = h.open().await;
+    let j = s.create_job(&spec("views", 2), "submitted", 1).await.unwrap();
+    let two = [allocation(j.id, 0, 0, "a"), allocation(j.id, 0, 1, "a")];
+    s.schedule(j.id, 0, &two, "placed", 2).await.unwrap();
+    let mut batch = receipts(RankId { job_id: j.id, attempt: 0, rank: 0 }, 0, 20);
+    batch.push(NewReceipt {
+        id: RankId { job_id: j.id, attempt: 0, rank: 0 },
+        seq: 20,
+        kind: "checkpoint".into(),
+        step: Some(19),
+        body: r#"{"kind":"checkpoint","step":19,"bytes":1024}"#.into(),
+    });
+    s.insert_receipts(&batch, 777).await.unwrap();
+
+    type ProgressRow = (i64, i64, Option<i64>, i64, Option<i64>);
+    let rows: Vec<ProgressRow> = sqlx::query_as(
+        "SELECT job_id, rank, last_step, receipt_count, last_receipt_at_ms FROM job_progress \
+         ORDER BY rank",
+    )
+    .fetch_all(s.pool())
+    .await
+    .unwrap();
+    let id = j.id as i64;
+    assert_eq!(rows, vec![(id, 0, Some(19), 21, Some(777)), (id, 1, None, 0, None)]);
+
+    // min and max keep the JSON's type: integers here.
+    let (n, mean, min, max, tps): (i64, f64, i64, i64, f64) = sqlx::query_as(
+        "SELECT step_receipts, mean_step_time_ms, min_step_time_ms, max_step_time_ms, \
+         mean_tokens_per_s FROM step_time_summary WHERE job_id = ?",
+    )
+    .bind(id)
+    .fetch_one(s.pool())
+    .await
+    .unwrap();
+    assert_eq!((n, min, max), (20, 100, 109));
+    assert!((mean - 104.5).abs() < 1e-9, "mean step time {mean}");
+    assert!((tps - 50_009.5).abs() < 1e-9, "mean tokens/s {tps}");
+}
+
+#[tokio::test]
+async fn sqlite_open_url_and_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("by-url.db").display());
+    let s = SqliteStore::open(&url).await.unwrap();
+    s.create_job(&fixtures::spec("u", 1), "submitted", 1).await.unwrap();
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode").fetch_one(s.pool()).await.unwrap();
+    assert_eq!(mode, "wal");
+    let sync: i64 = sqlx::query_scalar("PRAGMA synchronous").fetch_one(s.pool()).await.unwrap();
+    assert_eq!(sync, 2, "synchronous=FULL");
+
+    let m = SqliteStore::open_in_memory().await.unwrap();
+    let j = m.create_job(&fixtures::spec("m", 1), "submitted", 1).await.unwrap();
+    assert_eq!(m.list_jobs(false, 10).await.unwrap()[0].id, j.id);
+}
