@@ -43,7 +43,11 @@ pub fn describe(url: &str, status: &Status, job: Option<u64>) -> anyhow::Error {
         (Code::Unavailable, _) => unreachable_error(url, message),
         (Code::NotFound, Some(id)) => anyhow!("job {id} not found"),
         (Code::NotFound, None) => anyhow!("not found: {message}"),
-        (Code::InvalidArgument, None) => anyhow!("job spec rejected: {message}"),
+        (Code::InvalidArgument, None) => {
+            // The controller may already say it; say it once.
+            let reason = message.strip_prefix("job spec rejected: ").unwrap_or(message);
+            anyhow!("job spec rejected: {reason}")
+        }
         (Code::InvalidArgument, Some(_)) => anyhow!("request rejected: {message}"),
         (Code::FailedPrecondition, _) => anyhow!("{message}"),
         (Code::DeadlineExceeded, _) => anyhow!("the controller at {url} did not answer in time"),
@@ -80,6 +84,9 @@ mod tests {
         assert_eq!(missing.to_string(), "job 7 not found");
         let rejected = describe(URL, &Status::invalid_argument("resources.gpus: must be >= 1"), None);
         assert_eq!(rejected.to_string(), "job spec rejected: resources.gpus: must be >= 1");
+        let prefixed = Status::invalid_argument("job spec rejected: engine.workdir: relative");
+        let once = describe(URL, &prefixed, None).to_string();
+        assert_eq!(once, "job spec rejected: engine.workdir: relative");
     }
 
     #[tokio::test]

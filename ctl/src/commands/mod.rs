@@ -9,3 +9,6 @@ pub mod watch;
 pub fn is_terminal(state: &str) -> bool {
     matches!(state, "succeeded" | "failed" | "cancelled")
 }
+
+#[cfg(test)]
+mod tests;

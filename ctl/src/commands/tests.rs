@@ -1,0 +1,128 @@
+//! The commands against a scripted in-process Jobs server on port 0: no controller needed.
+
+use std::sync::Mutex;
+
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
+use trainyard_proto::v1::{
+    CancelRequest, CancelResponse, GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest,
+    ListJobsResponse, RankStatus, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
+    watch_event::Event,
+};
+
+use crate::client::{Controller, connect};
+
+/// What the fake controller does: one job, whose ranks stop after `gets_until_stopped` Gets,
+/// and a Watch that replays `events` then closes.
+struct Fake {
+    job: Mutex<Job>,
+    gets_until_stopped: Mutex<u32>,
+    events: Vec<WatchEvent>,
+}
+
+#[tonic::async_trait]
+impl Jobs for Fake {
+    async fn submit(&self, _: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
+        let job_id = self.job.lock().expect("lock").id;
+        Ok(Response::new(SubmitResponse { job_id }))
+    }
+
+    async fn get(&self, r: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
+        let mut job = self.job.lock().expect("lock");
+        if r.get_ref().job_id != job.id {
+            return Err(Status::not_found("no such job"));
+        }
+        let mut left = self.gets_until_stopped.lock().expect("lock");
+        *left = left.saturating_sub(1);
+        if *left == 0 {
+            for rank in &mut job.ranks {
+                rank.state = "exited".into();
+                rank.signal = 15;
+            }
+        }
+        Ok(Response::new(job.clone()))
+    }
+
+    async fn list(&self, _: Request<ListJobsRequest>) -> Result<Response<ListJobsResponse>, Status> {
+        let jobs = vec![self.job.lock().expect("lock").clone()];
+        Ok(Response::new(ListJobsResponse { jobs }))
+    }
+
+    async fn cancel(&self, _: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
+        let mut job = self.job.lock().expect("lock");
+        job.state = "cancelled".into();
+        Ok(Response::new(CancelResponse { job: Some(job.clone()) }))
+    }
+
+    type WatchStream = tokio_stream::Iter<std::vec::IntoIter<Result<WatchEvent, Status>>>;
+
+    async fn watch(&self, _: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        let events: Vec<_> = self.events.iter().cloned().map(Ok).collect();
+        Ok(Response::new(tokio_stream::iter(events)))
+    }
+}
+
+fn job(state: &str, ranks: u32) -> Job {
+    let ranks = (0..ranks)
+        .map(|rank| RankStatus {
+            rank,
+            state: "running".into(),
+            agent_id: "node-a".into(),
+            ..Default::default()
+        })
+        .collect();
+    Job { id: 7, state: state.into(), ranks, ..Default::default() }
+}
+
+fn receipt(rank: u32, step: u32) -> WatchEvent {
+    let body = format!(r#"{{"kind":"step","step":{step},"loss":3.0,"tokens_per_s":100}}"#);
+    let receipt = StoredReceipt { rank, kind: "step".into(), body, ..Default::default() };
+    WatchEvent { event: Some(Event::Receipt(receipt)) }
+}
+
+fn state(state: &str) -> WatchEvent {
+    let change = JobStateChange { state: state.into(), ..Default::default() };
+    WatchEvent { event: Some(Event::State(change)) }
+}
+
+async fn serve(fake: Fake) -> Controller {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let server = tonic::transport::Server::builder()
+        .add_service(JobsServer::new(fake))
+        .serve_with_incoming(TcpListenerStream::new(listener));
+    tokio::spawn(server);
+    connect(&url).await.expect("connect to the fake")
+}
+
+#[tokio::test]
+async fn cancel_waits_until_every_rank_stopped() {
+    let fake = Fake { job: Mutex::new(job("running", 4)), gets_until_stopped: Mutex::new(3), events: vec![] };
+    let mut ctl = serve(fake).await;
+    super::cancel::run(&mut ctl, 7).await.expect("cancel succeeds");
+}
+
+#[tokio::test]
+async fn unknown_job_is_named() {
+    let fake = Fake { job: Mutex::new(job("running", 1)), gets_until_stopped: Mutex::new(0), events: vec![] };
+    let mut ctl = serve(fake).await;
+    let err = super::status::run(&mut ctl, Some(99), false).await.expect_err("no job 99");
+    assert_eq!(err.to_string(), "job 99 not found");
+}
+
+#[tokio::test]
+async fn follow_exits_by_the_final_state() {
+    let mut done = job("succeeded", 2);
+    done.ranks.iter_mut().for_each(|r| r.state = "exited".into());
+    let events = vec![state("running"), receipt(0, 1), receipt(1, 1), state("succeeded")];
+    let fake = Fake { job: Mutex::new(done), gets_until_stopped: Mutex::new(0), events };
+    let mut ctl = serve(fake).await;
+    super::submit::run(&mut ctl, JobSpec::default(), true).await.expect("job succeeded");
+
+    let events = vec![state("running"), state("failed")];
+    let fake = Fake { job: Mutex::new(job("failed", 2)), gets_until_stopped: Mutex::new(0), events };
+    let mut ctl = serve(fake).await;
+    let err = super::submit::run(&mut ctl, JobSpec::default(), true).await.expect_err("job failed");
+    assert!(err.to_string().starts_with("job 7 failed"), "{err}");
+}
