@@ -83,6 +83,38 @@ for node in a b; do
     PIDS+=($!)
 done
 
+say "Waiting for both agents to say hello to the controller"
+# The controller refuses a job the connected fleet cannot hold, so wait for the agents first.
+# The agents table is the operator's interface: read it like an operator would.
+DB="$DATA/controller/trainyard.db"
+connected=0
+for _ in $(seq 300); do
+    connected="$(python3 - "$DB" <<'PY'
+import sqlite3, sys
+try:
+    con = sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True, timeout=1)
+    print(con.execute("SELECT count(*) FROM agents WHERE state = 'connected'").fetchone()[0])
+except sqlite3.Error:
+    print(0)
+PY
+)"
+    ((connected >= 2)) && break
+    for i in 1 2; do
+        if ! kill -0 "${PIDS[i]}" 2>/dev/null; then
+            node=$([[ $i == 1 ]] && echo a || echo b)
+            echo "agent demo-node-$node exited at start; its log ($DATA/agent-$node.log) ends with:" >&2
+            tail -n 20 "$DATA/agent-$node.log" >&2
+            exit 1
+        fi
+    done
+    sleep 0.1
+done
+if ((connected < 2)); then
+    echo "only $connected of 2 agents connected within 30 s; see $DATA/agent-*.log" >&2
+    exit 1
+fi
+echo "2 agents connected: 16 GPUs"
+
 say "Submitting deploy/demo-job.toml: 16 ranks, 8 per node, 30 steps of examples/rank.py"
 # The workdir must be absolute: write this checkout's path into a copy of the spec.
 sed "s|^workdir = .*|workdir = \"$ROOT\"|" deploy/demo-job.toml >"$DATA/demo-job.toml"
@@ -98,7 +130,6 @@ fi
 say "Job $JOB as the controller sees it (ctl status $JOB)"
 "$CTL" status "$JOB"
 
-DB="$DATA/controller/trainyard.db"
 SQL="SELECT rank, sum(kind = 'launch') AS launch, sum(kind = 'step') AS step,
         sum(kind = 'exit') AS exit, count(*) AS total
      FROM receipts WHERE job_id = $JOB GROUP BY rank ORDER BY rank;"
