@@ -1,0 +1,93 @@
+//! Receipt ingest rate of the SQLite store: `cargo bench -p trainyard-controller --bench
+//! receipts_insert`. Inserts `TOTAL` receipts of about 300 bytes in batches of `BATCH` (one
+//! transaction each, as the agent stream does) into a store on a temporary file, `REPEATS`
+//! times (a new job each time, so the tables grow as they would in service), and prints the
+//! median rate. Optional arguments: total, batch, repeats.
+
+use std::time::Instant;
+
+use trainyard_controller::store::{NewReceipt, RankId, SqliteStore, Store};
+use trainyard_proto::v1::{JobSpec, Resources};
+
+const TOTAL: usize = 200_000;
+const BATCH: usize = 2_000;
+const REPEATS: usize = 5;
+const RANKS: u32 = 8;
+
+fn main() -> anyhow::Result<()> {
+    let arg = |i: usize, default: usize| -> anyhow::Result<usize> {
+        std::env::args()
+            .skip(1)
+            .filter(|a| !a.starts_with('-'))
+            .nth(i)
+            .map_or(Ok(default), |a| Ok(a.parse()?))
+    };
+    let (total, batch, repeats) = (arg(0, TOTAL)?, arg(1, BATCH)?, arg(2, REPEATS)?);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(run(total, batch, repeats))
+}
+
+async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let store = SqliteStore::open_file(&dir.path().join("bench.db")).await?;
+    let mut rates = Vec::with_capacity(repeats);
+    for repeat in 0..repeats {
+        let spec = JobSpec {
+            name: format!("bench-{repeat}"),
+            resources: Some(Resources { gpus: RANKS, ..Default::default() }),
+            ..Default::default()
+        };
+        let job = store.create_job(&spec, "bench", 0).await?;
+        let receipts = receipts(job.id, total);
+        let started = Instant::now();
+        let mut inserted = 0;
+        for chunk in receipts.chunks(batch) {
+            inserted += store.insert_receipts(chunk, 1).await?;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        anyhow::ensure!(inserted == total as u64, "inserted {inserted} of {total}");
+        let rate = total as f64 / secs;
+        println!("run {repeat}: {total} receipts in batches of {batch}: {secs:.3} s, {rate:.0} receipts/s");
+        rates.push(rate);
+    }
+    rates.sort_by(f64::total_cmp);
+    let bytes = receipts(0, 1)[0].body.len();
+    println!(
+        "median: {:.0} receipts/s ({repeats} runs, {total} receipts of ~{bytes} bytes, batches of {batch})",
+        rates[rates.len() / 2]
+    );
+    Ok(())
+}
+
+/// Step receipts as the engine writes them, round-robin over the ranks.
+fn receipts(job_id: u64, n: usize) -> Vec<NewReceipt> {
+    (0..n as u64)
+        .map(|i| {
+            let rank = (i % u64::from(RANKS)) as u32;
+            let seq = i / u64::from(RANKS);
+            NewReceipt {
+                id: RankId { job_id, attempt: 0, rank },
+                seq,
+                kind: "step".into(),
+                step: Some(seq as i64),
+                body: format!(
+                    concat!(
+                        r#"{{"kind":"step","job":{},"attempt":0,"rank":{},"seq":{},"step":{},"#,
+                        r#""loss":{:.4},"lr":0.000600,"tokens":524288,"step_time_ms":{:.2},"#,
+                        r#""phases_ms":{{"fwd":41.2,"bwd":83.9,"opt":7.1}},"tokens_per_s":{:.1},"#,
+                        r#""mfu":0.412,"mem_alloc_mib":51234,"mem_reserved_mib":61440,"#,
+                        r#""mem_peak_mib":58812,"grad_norm":{:.4}}}"#
+                    ),
+                    job_id,
+                    rank,
+                    seq,
+                    seq,
+                    3.2 - seq as f64 * 1e-4,
+                    132.0 + (seq % 7) as f64,
+                    3_950_000.0 + (seq % 13) as f64,
+                    0.8 + (seq % 5) as f64 * 0.01
+                ),
+            }
+        })
+        .collect()
+}
