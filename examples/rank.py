@@ -12,7 +12,7 @@ writes:
 Each receipt is one `write` of a whole line followed by a flush, on a file opened in append
 mode, so the agent tailing the file never sees half a receipt from us.
 
-Flags for tests: --fail-at-step K exits 1 at step K; --garbage also writes a line that is not
+Flags for tests: --fail-at-step K exits 1 at step K (only on rank R with --fail-rank R); --garbage also writes a line that is not
 JSON, a line of invalid UTF-8 and a 10 MB line among the valid ones (the agent must skip them).
 """
 
@@ -47,6 +47,9 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=50, help="number of steps (default 50)")
     p.add_argument("--step-ms", type=float, default=50.0, help="sleep per step in ms (default 50)")
     p.add_argument("--fail-at-step", type=int, default=None, metavar="K", help="exit 1 at step K")
+    p.add_argument(
+        "--fail-rank", type=int, default=None, metavar="R", help="only rank R fails (default: every rank)"
+    )
     p.add_argument("--garbage", action="store_true", help="also write invalid receipt lines")
     return p.parse_args(argv)
 
@@ -155,7 +158,8 @@ def main(argv=None):
     rng = random.Random(rank)
     step_s = args.step_ms / 1000.0
     for step in range(args.steps):
-        if args.fail_at_step is not None and step == args.fail_at_step:
+        failing = args.fail_rank is None or args.fail_rank == rank
+        if failing and args.fail_at_step is not None and step == args.fail_at_step:
             receipts.emit("exit", code=1, step=step, reason="--fail-at-step")
             print(f"rank {rank}: failing at step {step} as asked", file=sys.stderr)
             return 1
