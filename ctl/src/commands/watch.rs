@@ -10,9 +10,10 @@ use crate::client::Controller;
 use crate::output::ReceiptJson;
 use crate::render;
 
-/// After the job's final state arrives, how long to wait for the stream to close by itself
-/// (receipts stored just before the end may still be on their way).
-const DRAIN_AFTER_END: Duration = Duration::from_secs(2);
+/// The controller closes the stream once the job has ended and all its ranks have stopped
+/// (ranks of a failed or cancelled job may still write their last receipts after the final
+/// state). This is only the safety net: how long a quiet stream is waited on after that.
+const DRAIN_AFTER_END: Duration = Duration::from_secs(10);
 
 /// Prints every receipt of the job after `from`, until the job ends.
 pub async fn run(ctl: &mut Controller, job_id: u64, from: u64, json: bool) -> anyhow::Result<()> {
