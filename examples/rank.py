@@ -12,8 +12,9 @@ writes:
 Each receipt is one `write` of a whole line followed by a flush, on a file opened in append
 mode, so the agent tailing the file never sees half a receipt from us.
 
-Flags for tests: --fail-at-step K exits 1 at step K (only on rank R with --fail-rank R); --garbage also writes a line that is not
-JSON, a line of invalid UTF-8 and a 10 MB line among the valid ones (the agent must skip them).
+Flags for tests: --fail-at-step K exits 1 at step K (only on rank R with --fail-rank R);
+--garbage also writes a line that is not JSON, a line of invalid UTF-8 and a 10 MB line among
+the valid ones (the agent must skip them).
 """
 
 import argparse
