@@ -1,1 +1,341 @@
-//! End-to-end test harness.
+//! End-to-end harness: real `trainyard-controller`, `trainyard-agent` and `ctl` processes on
+//! loopback, with ranks running `examples/rank.py`.
+//!
+//! # Layout
+//! - [`Cluster`]: a temporary directory with a controller, agents and helpers to drive them.
+//! - [`host_file`]: writes a host description standing in for an 8-GPU node.
+//! - Process hygiene: every process a cluster starts carries a marker in its environment, which
+//!   ranks inherit; dropping the cluster kills every process carrying it, so no test leaves a
+//!   rank behind even when it fails half-way.
+//!
+//! The binaries must be built first (`cargo build --workspace --bins`, which `deploy/test.sh`
+//! does); they are found next to the test executable's directory.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use sqlx::Row;
+
+/// Environment variable that marks every process of one test cluster.
+const MARKER: &str = "TRAINYARD_TEST_CLUSTER";
+
+/// Directory holding the workspace's binaries (`target/debug`).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/debug/deps/<test> -> target/debug
+    exe.parent().and_then(Path::parent).expect("target directory").to_path_buf()
+}
+
+fn bin(name: &str) -> Result<PathBuf> {
+    let path = bin_dir().join(name);
+    if !path.exists() {
+        bail!("{} is missing: run `cargo build --workspace --bins` first", path.display());
+    }
+    Ok(path)
+}
+
+/// Root of the repository (for `examples/rank.py`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
+}
+
+/// A host description of an 8-GPU H100 SXM node whose NUMA node 0 holds every CPU here.
+pub fn host_file(dir: &Path, hostname: &str, gpus: u32) -> PathBuf {
+    let gpu_list: Vec<serde_json::Value> = (0..gpus)
+        .map(|i| {
+            serde_json::json!({
+                "index": i,
+                "uuid": format!("GPU-{hostname}-{i:04}"),
+                "model": "NVIDIA H100 80GB HBM3",
+                "memory_mib": 81559,
+                "pci_bus_id": format!("00000000:{:02X}:00.0", 0x18 + i * 0x10),
+                "numa_node": 0
+            })
+        })
+        .collect();
+    let links: Vec<Vec<String>> = (0..gpus)
+        .map(|i| (0..gpus).map(|j| if i == j { "X".to_string() } else { "NV18".to_string() }).collect())
+        .collect();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let doc = serde_json::json!({
+        "hostname": hostname,
+        "gpus": gpu_list,
+        "links": links,
+        "numa_nodes": [{"id": 0, "cpus": format!("0-{}", cpus - 1)}],
+    });
+    let path = dir.join(format!("{hostname}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&doc).expect("json")).expect("write host file");
+    path
+}
+
+/// A controller with its agents, all in one temporary directory.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    marker: String,
+    controller: Option<Child>,
+    pub addr: String,
+    agents: HashMap<String, Child>,
+}
+
+impl Cluster {
+    /// Starts a controller on port 0 with its SQLite store under the cluster's directory.
+    pub fn start() -> Result<Cluster> {
+        let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
+        let marker = dir.path().display().to_string();
+        let mut cluster =
+            Cluster { dir, marker, controller: None, addr: String::new(), agents: HashMap::new() };
+        cluster.start_controller()?;
+        Ok(cluster)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn log(&self, name: &str) -> Result<std::fs::File> {
+        let path = self.path(&format!("{name}.log"));
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| path.display().to_string())
+    }
+
+    /// (Re)starts the controller on the same data directory; after a restart it listens on
+    /// the same port as before, so agents find it again.
+    pub fn start_controller(&mut self) -> Result<()> {
+        let addr_file = self.path("controller.addr");
+        let _ = std::fs::remove_file(&addr_file);
+        let listen = if self.addr.is_empty() { "127.0.0.1:0".to_string() } else { self.addr.clone() };
+        let child = Command::new(bin("trainyard-controller")?)
+            .args(["--listen", &listen, "--data-dir"])
+            .arg(self.path("controller"))
+            .arg("--addr-file")
+            .arg(&addr_file)
+            .args(["--cancel-grace-secs", "3", "--agent-timeout-secs", "30"])
+            .env(MARKER, &self.marker)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(self.log("controller")?)
+            .spawn()
+            .context("start trainyard-controller")?;
+        self.controller = Some(child);
+        self.addr = wait_for_file(&addr_file, Duration::from_secs(20)).context("controller address")?;
+        Ok(())
+    }
+
+    /// Kills the controller with SIGKILL, as a crash would.
+    pub fn kill_controller(&mut self) {
+        if let Some(mut child) = self.controller.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts an agent standing in for a node of `gpus` GPUs.
+    pub fn start_agent(&mut self, name: &str, gpus: u32) -> Result<()> {
+        let host = host_file(self.dir.path(), name, gpus);
+        let child = Command::new(bin("trainyard-agent")?)
+            .arg("--controller")
+            .arg(self.url())
+            .arg("--host-file")
+            .arg(&host)
+            .arg("--data-dir")
+            .arg(self.path(&format!("agent-{name}")))
+            .args(["--agent-id", name, "--address", "127.0.0.1"])
+            .env(MARKER, &self.marker)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(self.log(&format!("agent-{name}"))?)
+            .spawn()
+            .context("start trainyard-agent")?;
+        self.agents.insert(name.to_string(), child);
+        Ok(())
+    }
+
+    /// Kills an agent with SIGKILL; its ranks keep running.
+    pub fn kill_agent(&mut self, name: &str) {
+        if let Some(mut child) = self.agents.remove(name) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Runs `ctl` against this cluster.
+    pub fn ctl(&self, args: &[&str]) -> Result<Output> {
+        Command::new(bin("ctl")?)
+            .arg("--controller")
+            .arg(self.url())
+            .args(args)
+            .env(MARKER, &self.marker)
+            .output()
+            .context("run ctl")
+    }
+
+    /// Writes a job spec running `examples/rank.py` with `args` and returns its path.
+    pub fn job_file(&self, name: &str, gpus: u32, per_node: u32, args: &[&str], extra: &str) -> PathBuf {
+        let mut argv = vec!["python3".to_string(), "examples/rank.py".to_string()];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let argv: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
+        let text = format!(
+            "name = {name:?}\n{extra}\n[resources]\ngpus = {gpus}\ngpus_per_node = {per_node}\n\n\
+             [engine]\nkind = \"exec\"\nargv = [{}]\nworkdir = {:?}\n",
+            argv.join(", "),
+            repo_root().display().to_string()
+        );
+        let path = self.path(&format!("{name}.toml"));
+        std::fs::write(&path, text).expect("write job file");
+        path
+    }
+
+    /// Submits a job file with `ctl submit` and returns its id.
+    pub fn submit(&self, file: &Path) -> Result<u64> {
+        let out = self.ctl(&["submit", &file.display().to_string()])?;
+        if !out.status.success() {
+            bail!("ctl submit failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.trim().parse().with_context(|| format!("job id from ctl submit output {text:?}"))
+    }
+
+    /// The job as `ctl status JOB -o json` shows it.
+    pub fn status(&self, job: u64) -> Result<serde_json::Value> {
+        let out = self.ctl(&["status", &job.to_string(), "-o", "json"])?;
+        if !out.status.success() {
+            bail!("ctl status failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        serde_json::from_slice(&out.stdout).context("parse ctl status -o json")
+    }
+
+    /// Waits until the job's state is one of `states`; returns the job's status document.
+    pub fn wait_state(&self, job: u64, states: &[&str], timeout: Duration) -> Result<serde_json::Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let status = self.status(job)?;
+            let state = status["state"].as_str().unwrap_or_default().to_string();
+            if states.contains(&state.as_str()) {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("job {job} still {state} after {timeout:?}, wanted {states:?}: {status}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Path of the controller's SQLite database.
+    pub fn db_path(&self) -> PathBuf {
+        self.path("controller").join("trainyard.db")
+    }
+
+    /// Runs a query against the controller's database and returns rows of i64 columns.
+    pub fn query(&self, sql: &str) -> Result<Vec<Vec<i64>>> {
+        let url = format!("sqlite://{}?mode=ro", self.db_path().display());
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async {
+            let pool = sqlx::SqlitePool::connect(&url).await?;
+            let rows = sqlx::query(sqlx::AssertSqlSafe(sql.to_string())).fetch_all(&pool).await?;
+            let out = rows
+                .iter()
+                .map(|row| (0..row.len()).map(|i| row.try_get::<i64, _>(i)).collect::<Result<Vec<_>, _>>())
+                .collect::<Result<Vec<_>, _>>()?;
+            pool.close().await;
+            Ok(out)
+        })
+    }
+
+    /// Pids of live processes (not zombies) whose environment carries this cluster's marker
+    /// and that run the given program name (`python3` for ranks).
+    pub fn live_processes(&self, comm_prefix: &str) -> Vec<u32> {
+        marked_processes(&self.marker).into_iter().filter(|&pid| comm(pid).starts_with(comm_prefix)).collect()
+    }
+
+    /// Waits until no rank process of this cluster is alive.
+    pub fn wait_no_ranks(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let alive = self.live_processes("python");
+            if alive.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("rank processes still alive after {timeout:?}: {alive:?}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Contents of a daemon's log, for failure messages.
+    pub fn logs(&self, name: &str) -> String {
+        std::fs::read_to_string(self.path(&format!("{name}.log"))).unwrap_or_default()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, mut child) in self.agents.drain() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.kill_controller();
+        // Ranks and shims live in their own sessions; find them by the marker they inherited.
+        for _ in 0..3 {
+            let pids = marked_processes(&self.marker);
+            if pids.is_empty() {
+                break;
+            }
+            for pid in pids {
+                // SAFETY: kill(2) with a pid read from /proc; at worst the process is gone.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Live (non-zombie) processes whose environment has `MARKER=marker`.
+fn marked_processes(marker: &str) -> Vec<u32> {
+    let needle = format!("{MARKER}={marker}\0");
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|&pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            env.windows(needle.len()).any(|w| w == needle.as_bytes()) && !is_zombie(pid)
+        })
+        .collect()
+}
+
+fn is_zombie(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the parenthesised command name.
+    stat.rsplit_once(") ").is_none_or(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X'))
+}
+
+fn comm(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_string()
+}
+
+fn wait_for_file(path: &Path, timeout: Duration) -> Result<String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && !text.trim().is_empty()
+        {
+            return Ok(text.trim().to_string());
+        }
+        if Instant::now() > deadline {
+            bail!("{} did not appear within {timeout:?}", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,57 @@
+//! Daemons killed with SIGKILL mid-job: the job finishes, and no receipt is lost or stored twice.
+
+use std::time::Duration;
+
+use trainyard_tests::Cluster;
+
+const STEPS: i64 = 60;
+
+/// Per rank: exactly `STEPS` step receipts, `STEPS` distinct steps, one launch, one exit.
+fn assert_complete(c: &Cluster, job: u64, ranks: usize) -> anyhow::Result<()> {
+    let rows = c.query(&format!(
+        "SELECT rank, SUM(kind = 'step'), COUNT(DISTINCT step), SUM(kind = 'launch'), SUM(kind = 'exit') \
+         FROM receipts WHERE job_id = {job} GROUP BY rank ORDER BY rank"
+    ))?;
+    assert_eq!(rows.len(), ranks, "{rows:?}");
+    for (rank, row) in rows.iter().enumerate() {
+        // COUNT(DISTINCT step) counts the exit receipt's step too.
+        assert_eq!(row, &vec![rank as i64, STEPS, STEPS + 1, 1, 1], "rank {rank}");
+    }
+    Ok(())
+}
+
+#[test]
+fn controller_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 4)?;
+    c.start_agent("node-b", 4)?;
+    let file = c.job_file("survivor", 8, 4, &["--steps", &STEPS.to_string(), "--step-ms", "50"], "");
+    let job = c.submit(&file)?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    std::thread::sleep(Duration::from_millis(700));
+    c.kill_controller();
+    std::thread::sleep(Duration::from_millis(1200));
+    c.start_controller()?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(90))?;
+    assert_eq!(status["state"], "succeeded", "{status}\n{}", c.logs("controller"));
+    assert_complete(&c, job, 8)
+}
+
+#[test]
+fn agent_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 4)?;
+    c.start_agent("node-b", 4)?;
+    let file = c.job_file("orphans", 8, 4, &["--steps", &STEPS.to_string(), "--step-ms", "50"], "");
+    let job = c.submit(&file)?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    std::thread::sleep(Duration::from_millis(700));
+    c.kill_agent("node-b");
+    // The ranks outlive their agent.
+    assert_eq!(c.live_processes("python").len(), 8);
+    std::thread::sleep(Duration::from_millis(1200));
+    c.start_agent("node-b", 4)?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(90))?;
+    assert_eq!(status["state"], "succeeded", "{status}\n{}", c.logs("agent-node-b"));
+    assert_complete(&c, job, 8)
+}
