@@ -115,7 +115,8 @@ pub fn job_list(jobs: &[Job], now_ms: i64) -> String {
 /// The details of one job: state, events, ranks.
 pub fn job_details(j: &Job, now_ms: i64) -> String {
     let name = j.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default();
-    let mut out = format!("job {} ({name})\n", j.id);
+    let mut out =
+        if name.is_empty() { format!("job {}\n", j.id) } else { format!("job {} ({name})\n", j.id) };
     let _ = writeln!(out, "  state:    {} (attempt {})", j.state, j.attempt);
     let _ = writeln!(out, "  reason:   {}", j.reason);
     let _ =
@@ -231,6 +232,38 @@ mod tests {
         };
         let line = receipt_line(&r);
         assert!(line.contains("step=6 loss=3.2500 tokens_per_s=1000"), "{line}");
+    }
+
+    #[test]
+    fn job_details_show_events_and_ranks() {
+        use trainyard_proto::v1::JobEvent;
+        let job = Job {
+            id: 3,
+            state: "cancelled".into(),
+            reason: "cancelled with ctl".into(),
+            events: vec![JobEvent {
+                at_ms: 1_000,
+                from_state: "running".into(),
+                to_state: "cancelled".into(),
+                reason: "cancelled with ctl".into(),
+            }],
+            ranks: vec![RankStatus {
+                rank: 1,
+                node_rank: 0,
+                agent_id: "node-a".into(),
+                gpu_index: 1,
+                state: "exited".into(),
+                signal: 15,
+                pid: 4242,
+                last_seq: 12,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let text = job_details(&job, 2_000);
+        assert!(text.starts_with("job 3\n  state:    cancelled (attempt 0)\n"), "{text}");
+        assert!(text.contains("1970-01-01 00:00:01.000Z  running  → cancelled  cancelled with ctl"));
+        assert!(text.contains("  1     0     node-a  1    exited  4242  signal 15  12"), "{text}");
     }
 
     #[test]
