@@ -174,7 +174,7 @@ impl Controller {
         }
         entry.link = None;
         entry.disconnected_since = Some(Instant::now());
-        let state = if entry.leaving { "left" } else { "disconnected" };
+        let state = if entry.leaving { "leaving" } else { "disconnected" };
         tracing::info!(agent_id, conn_id, state, "agent stream ended");
         self.store.set_agent_state(agent_id, state, now_ms()).await?;
         Ok(())
