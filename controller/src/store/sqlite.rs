@@ -85,7 +85,9 @@ impl SqliteStore {
     pub async fn open(url_or_path: &str) -> Result<Self> {
         if url_or_path.starts_with("sqlite:") {
             let options = SqliteConnectOptions::from_str(url_or_path)?;
-            Self::open_with(options, POOL_SIZE).await
+            // Each connection to an in-memory URL would see its own database: keep one.
+            let in_memory = url_or_path.contains(":memory:") || url_or_path.contains("mode=memory");
+            Self::open_with(options, if in_memory { 1 } else { POOL_SIZE }).await
         } else {
             Self::open_file(Path::new(url_or_path)).await
         }

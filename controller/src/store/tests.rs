@@ -432,7 +432,11 @@ async fn sqlite_open_url_and_in_memory() {
     let sync: i64 = sqlx::query_scalar("PRAGMA synchronous").fetch_one(s.pool()).await.unwrap();
     assert_eq!(sync, 2, "synchronous=FULL");
 
-    let m = SqliteStore::open_in_memory().await.unwrap();
-    let j = m.create_job(&fixtures::spec("m", 1), "submitted", 1).await.unwrap();
-    assert_eq!(m.list_jobs(false, 10).await.unwrap()[0].id, j.id);
+    for m in
+        [SqliteStore::open_in_memory().await.unwrap(), SqliteStore::open("sqlite::memory:").await.unwrap()]
+    {
+        let j = m.create_job(&fixtures::spec("m", 1), "submitted", 1).await.unwrap();
+        assert_eq!(m.list_jobs(false, 10).await.unwrap()[0].id, j.id);
+        assert_eq!(m.get_job(j.id).await.unwrap().map(|r| r.id), Some(j.id));
+    }
 }
