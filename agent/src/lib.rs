@@ -15,14 +15,16 @@
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
 pub mod config;
-
+pub mod connection;
+pub mod env;
 pub mod host;
-
+pub mod launcher;
 pub mod layout;
 pub mod procfs;
-
+pub mod relay;
 pub mod state;
-
+pub mod supervise;
 pub mod tail;
 
 pub use config::AgentConfig;
+pub use relay::run;

@@ -1,0 +1,314 @@
+//! One stream to the controller, from `Hello` to its end.
+//!
+//! The session owns nothing durable: it borrows the [`Launcher`] (ranks, tailers) and keeps only
+//! what this stream was told (the last report sent per rank, batches awaiting their ack). A new
+//! stream therefore starts by rewinding every tailer to its acknowledged position.
+//!
+//! Ordering rule: a rank's final report (exited or lost) goes out only after its receipts file
+//! was read to the end after the rank ended and every line was sent, so the controller has the
+//! receipts before it sees the exit. For the same reason `Hello` reports an ended rank whose
+//! receipts are not all acknowledged as `running`; its real end follows its receipts.
+
+use std::collections::{HashMap, HashSet};
+use std::pin::Pin;
+use std::time::Duration;
+
+use anyhow::anyhow;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Code, Status, Streaming};
+use tracing::{debug, info, warn};
+use trainyard_proto::PROTOCOL_VERSION;
+use trainyard_proto::v1::agent_message::Msg as Out;
+use trainyard_proto::v1::agents_client::AgentsClient;
+use trainyard_proto::v1::controller_message::Msg as In;
+use trainyard_proto::v1::{
+    AgentMessage, ControllerMessage, Heartbeat, Hello, HostInventory, Leaving, RankAck, RankReport,
+    RankUpdate, ReceiptBatch,
+};
+
+use crate::config::AgentConfig;
+use crate::launcher::Launcher;
+use crate::layout::RankId;
+use crate::state::Phase;
+use crate::tail::Budget;
+
+/// How long the agent waits for `HelloAck`.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How a session ended.
+#[derive(Debug)]
+pub enum Ended {
+    /// Shutdown was asked for; `Leaving` was sent.
+    Shutdown,
+    /// The stream broke or never opened; `established` says whether `HelloAck` had arrived.
+    Disconnected { error: anyhow::Error, established: bool },
+    /// The controller refused us (protocol mismatch).
+    Refused(String),
+}
+
+/// Who this agent is, as `Hello` says it.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub agent_id: String,
+    pub address: String,
+    pub inventory: HostInventory,
+}
+
+/// Runs one session over `client` until the stream ends or `shutdown` completes.
+pub async fn serve<F: Future>(
+    config: &AgentConfig,
+    identity: &Identity,
+    launcher: &mut Launcher,
+    mut client: AgentsClient<Channel>,
+    mut shutdown: Pin<&mut F>,
+) -> Ended {
+    let (tx, rx) = mpsc::channel(32);
+    let mut session = Session {
+        config,
+        launcher,
+        tx,
+        reported: HashMap::new(),
+        drained: HashSet::new(),
+        unacked_batches: 0,
+    };
+    let hello = session.hello(identity);
+    if session.send(Out::Hello(hello)).await.is_err() {
+        return disconnected(anyhow!("request stream closed before hello"), false);
+    }
+    let mut inbound = match client.connect(ReceiverStream::new(rx)).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return from_status(status, false),
+    };
+    let ack = tokio::select! {
+        biased;
+        _ = &mut shutdown => return session.leave(inbound).await,
+        ack = tokio::time::timeout(HELLO_TIMEOUT, inbound.message()) => ack,
+    };
+    match ack {
+        Ok(Ok(Some(ControllerMessage { msg: Some(In::HelloAck(ack)) }))) => {
+            if ack.protocol_version != PROTOCOL_VERSION {
+                return Ended::Refused(format!(
+                    "controller speaks protocol {}, this agent speaks {PROTOCOL_VERSION}",
+                    ack.protocol_version
+                ));
+            }
+            info!(agent_id = %identity.agent_id, ranks = session.reported.len(), "connected to controller");
+            session.apply_acks(&ack.acks);
+        }
+        Ok(Ok(Some(other))) => return disconnected(anyhow!("expected HelloAck, got {other:?}"), false),
+        Ok(Ok(None)) => return disconnected(anyhow!("controller closed the stream before HelloAck"), false),
+        Ok(Err(status)) => return from_status(status, false),
+        Err(_) => return disconnected(anyhow!("no HelloAck within {HELLO_TIMEOUT:?}"), false),
+    }
+    session.run(inbound, shutdown).await
+}
+
+fn disconnected(error: anyhow::Error, established: bool) -> Ended {
+    Ended::Disconnected { error, established }
+}
+
+fn from_status(status: Status, established: bool) -> Ended {
+    if status.code() == Code::FailedPrecondition {
+        Ended::Refused(status.message().to_string())
+    } else {
+        disconnected(anyhow!("stream failed: {status}"), established)
+    }
+}
+
+struct Session<'a> {
+    config: &'a AgentConfig,
+    launcher: &'a mut Launcher,
+    tx: mpsc::Sender<AgentMessage>,
+    /// The last report this stream carried per rank.
+    reported: HashMap<RankId, RankReport>,
+    /// Ended ranks whose receipts file was read to its end, after the end, on this stream.
+    drained: HashSet<RankId>,
+    unacked_batches: usize,
+}
+
+/// The stream is gone; the session ends.
+struct Closed;
+
+impl Session<'_> {
+    async fn send(&self, msg: Out) -> Result<(), Closed> {
+        self.tx.send(AgentMessage { msg: Some(msg) }).await.map_err(|_| Closed)
+    }
+
+    fn hello(&mut self, identity: &Identity) -> Hello {
+        self.launcher.poll_exits();
+        let mut ranks = Vec::new();
+        for rank in self.launcher.ranks_mut() {
+            rank.tailer.rewind();
+            if rank.record.forget {
+                continue;
+            }
+            let mut report = rank.record.report(rank.tailer.acked().skipped);
+            if rank.record.phase.is_final() && !rank.tailer.fully_acked() {
+                report.state = Phase::Running.as_str().to_string();
+            }
+            self.reported.insert(rank.record.id, report.clone());
+            ranks.push(report);
+        }
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            agent_id: identity.agent_id.clone(),
+            address: identity.address.clone(),
+            inventory: Some(identity.inventory.clone()),
+            ranks,
+            agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
+
+    async fn run<F: Future>(
+        mut self,
+        mut inbound: Streaming<ControllerMessage>,
+        mut shutdown: Pin<&mut F>,
+    ) -> Ended {
+        let mut tick = tokio::time::interval(self.config.tick);
+        let mut heartbeat = tokio::time::interval(self.config.heartbeat);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let step = tokio::select! {
+                biased;
+                _ = &mut shutdown => return self.leave(inbound).await,
+                message = inbound.message() => match message {
+                    Ok(Some(message)) => self.on_message(message).await,
+                    Ok(None) => return disconnected(anyhow!("controller closed the stream"), true),
+                    Err(status) => return from_status(status, true),
+                },
+                _ = tick.tick() => self.on_tick().await,
+                _ = heartbeat.tick() => self.send(Out::Heartbeat(Heartbeat { at_ms: now_ms() })).await,
+            };
+            if step.is_err() {
+                return disconnected(anyhow!("request stream closed"), true);
+            }
+        }
+    }
+
+    /// Sends `Leaving`, ends the request stream, and waits briefly for the controller to close
+    /// its side, so `Leaving` is delivered rather than cut off by a reset.
+    async fn leave(self, mut inbound: Streaming<ControllerMessage>) -> Ended {
+        info!("leaving: announcing shutdown to the controller");
+        let _ = self.send(Out::Leaving(Leaving { reason: "agent shutting down".into() })).await;
+        drop(self.tx);
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            while let Ok(Some(_)) = inbound.message().await {}
+        })
+        .await;
+        Ended::Shutdown
+    }
+
+    async fn on_message(&mut self, message: ControllerMessage) -> Result<(), Closed> {
+        match message.msg {
+            Some(In::Ack(ack)) => {
+                self.unacked_batches = self.unacked_batches.saturating_sub(1);
+                self.apply_acks(&ack.acks);
+            }
+            Some(In::Launch(launch)) => {
+                info!(job_id = launch.job_id, attempt = launch.attempt, ranks = launch.ranks.len(), "launch");
+                for id in self.launcher.launch(&launch) {
+                    // Idempotent relaunch: tell the controller where the rank is again.
+                    self.reported.remove(&id);
+                }
+                self.send_rank_updates().await?;
+            }
+            Some(In::Cancel(cancel)) => {
+                let grace = Duration::from_millis(cancel.grace_ms);
+                self.launcher.cancel(cancel.job_id, cancel.attempt, grace, &cancel.reason);
+            }
+            Some(In::Forget(forget)) => {
+                info!(job_id = forget.job_id, attempt = forget.attempt, "forget ranks once acknowledged");
+                self.launcher.forget(forget.job_id, forget.attempt);
+            }
+            Some(In::RunPreflight(preflight)) => {
+                info!(level = %preflight.level, "run-preflight is not implemented until the preflight issue; ignored");
+            }
+            Some(In::HelloAck(_)) => debug!("ignoring a second HelloAck"),
+            None => debug!("ignoring an empty controller message"),
+        }
+        Ok(())
+    }
+
+    fn apply_acks(&mut self, acks: &[RankAck]) {
+        for ack in acks {
+            let Some(key) = &ack.key else { continue };
+            if let Some(rank) = self.launcher.get_mut(RankId::from(key)) {
+                rank.tailer.ack(ack.seq);
+            }
+        }
+        self.launcher.persist_acks();
+    }
+
+    async fn on_tick(&mut self) -> Result<(), Closed> {
+        self.launcher.poll_exits();
+        self.send_receipts().await?;
+        self.send_rank_updates().await?;
+        self.launcher.persist_acks();
+        for id in self.launcher.drop_forgotten() {
+            self.reported.remove(&id);
+            self.drained.remove(&id);
+        }
+        Ok(())
+    }
+
+    /// Reads new receipt lines into batches while the unacknowledged window has room.
+    async fn send_receipts(&mut self) -> Result<(), Closed> {
+        while self.unacked_batches < self.config.max_unacked_batches {
+            let mut budget = Budget::new(self.config.max_batch_receipts, self.config.max_batch_bytes);
+            let mut receipts = Vec::new();
+            for rank in self.launcher.ranks_mut() {
+                let id = rank.record.id;
+                let ended = rank.record.phase.is_final();
+                match rank.tailer.poll(&mut receipts, &mut budget, ended) {
+                    Ok(true) if ended => {
+                        self.drained.insert(id);
+                    }
+                    Ok(_) => {}
+                    Err(e) => warn!(rank_id = %id, path = %rank.tailer.path().display(), error = %e,
+                        "failed to read receipts"),
+                }
+            }
+            if receipts.is_empty() {
+                return Ok(());
+            }
+            self.send(Out::Receipts(ReceiptBatch { receipts })).await?;
+            self.unacked_batches += 1;
+            if !budget.exhausted() {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a `RankUpdate` for every rank whose report changed since this stream last carried
+    /// it, holding back final reports until the rank's receipts are all sent.
+    async fn send_rank_updates(&mut self) -> Result<(), Closed> {
+        let mut updates = Vec::new();
+        for rank in self.launcher.ranks() {
+            let id = rank.record.id;
+            if rank.record.phase.is_final() && !self.drained.contains(&id) {
+                continue;
+            }
+            let report = rank.record.report(rank.tailer.skipped_lines());
+            if self.reported.get(&id) != Some(&report) {
+                updates.push((id, report));
+            }
+        }
+        for (id, report) in updates {
+            debug!(rank_id = %id, state = %report.state, "rank update");
+            self.send(Out::RankUpdate(RankUpdate { report: Some(report.clone()) })).await?;
+            self.reported.insert(id, report);
+        }
+        Ok(())
+    }
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

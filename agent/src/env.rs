@@ -1,0 +1,122 @@
+//! The environment of a rank: torchrun's variables, trainyard's, and the job's overlay.
+//!
+//! The overlay comes from the job spec, so it is the one part a user controls: it cannot
+//! override the variables the agent sets (a wrong `RANK` would hang a whole job in its first
+//! collective), and `CUDA_VISIBLE_DEVICES` is never set, because every rank must see every GPU
+//! of its host and pick `TRAINYARD_GPU` itself.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use trainyard_proto::v1::{Launch, RankAssignment};
+
+/// Variables the agent owns; overlay entries with these names are ignored.
+pub const RESERVED: [&str; 11] = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TRAINYARD_JOB_ID",
+    "TRAINYARD_ATTEMPT",
+    "TRAINYARD_RECEIPTS",
+    "TRAINYARD_GPU",
+];
+
+/// Never set for a rank, not even from the overlay.
+pub const NEVER_SET: &str = "CUDA_VISIBLE_DEVICES";
+
+/// A rank's environment on top of the agent's own, and the overlay names that were dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankEnv {
+    pub vars: BTreeMap<String, String>,
+    pub ignored_overlay: Vec<String>,
+}
+
+/// Builds the environment of `assignment` in `launch`; `receipts` is the absolute path of
+/// the rank's receipts file.
+pub fn rank_env(launch: &Launch, assignment: &RankAssignment, receipts: &Path) -> RankEnv {
+    let mut vars = BTreeMap::new();
+    let mut ignored_overlay = Vec::new();
+    let overlay = launch.spec.as_ref().map(|s| &s.env);
+    for (name, value) in overlay.into_iter().flatten() {
+        if RESERVED.contains(&name.as_str()) || name == NEVER_SET {
+            ignored_overlay.push(name.clone());
+        } else {
+            vars.insert(name.clone(), value.clone());
+        }
+    }
+    ignored_overlay.sort();
+    let ours = [
+        ("RANK", assignment.rank.to_string()),
+        ("LOCAL_RANK", assignment.local_rank.to_string()),
+        ("WORLD_SIZE", launch.world_size.to_string()),
+        ("LOCAL_WORLD_SIZE", launch.local_world_size.to_string()),
+        ("NODE_RANK", launch.node_rank.to_string()),
+        ("MASTER_ADDR", launch.master_addr.clone()),
+        ("MASTER_PORT", launch.master_port.to_string()),
+        ("TRAINYARD_JOB_ID", launch.job_id.to_string()),
+        ("TRAINYARD_ATTEMPT", launch.attempt.to_string()),
+        ("TRAINYARD_RECEIPTS", receipts.display().to_string()),
+        ("TRAINYARD_GPU", assignment.gpu_index.to_string()),
+    ];
+    for (name, value) in ours {
+        vars.insert(name.to_string(), value);
+    }
+    RankEnv { vars, ignored_overlay }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trainyard_proto::v1::JobSpec;
+
+    fn launch() -> Launch {
+        let env = [("RANK", "99"), ("FOO", "bar"), ("CUDA_VISIBLE_DEVICES", "0"), ("TRAINYARD_GPU", "5")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Launch {
+            job_id: 12,
+            attempt: 2,
+            world_size: 16,
+            node_rank: 1,
+            local_world_size: 8,
+            master_addr: "10.0.0.1".into(),
+            master_port: 29500,
+            ranks: vec![],
+            spec: Some(JobSpec { env, ..Default::default() }),
+        }
+    }
+
+    #[test]
+    fn sets_torchrun_and_trainyard_variables() {
+        let a = RankAssignment { rank: 11, local_rank: 3, gpu_index: 6 };
+        let env = rank_env(&launch(), &a, Path::new("/d/receipts.jsonl"));
+        let get = |k: &str| env.vars.get(k).map(String::as_str);
+        assert_eq!(get("RANK"), Some("11"));
+        assert_eq!(get("LOCAL_RANK"), Some("3"));
+        assert_eq!(get("WORLD_SIZE"), Some("16"));
+        assert_eq!(get("LOCAL_WORLD_SIZE"), Some("8"));
+        assert_eq!(get("NODE_RANK"), Some("1"));
+        assert_eq!(get("MASTER_ADDR"), Some("10.0.0.1"));
+        assert_eq!(get("MASTER_PORT"), Some("29500"));
+        assert_eq!(get("TRAINYARD_JOB_ID"), Some("12"));
+        assert_eq!(get("TRAINYARD_ATTEMPT"), Some("2"));
+        assert_eq!(get("TRAINYARD_RECEIPTS"), Some("/d/receipts.jsonl"));
+        assert_eq!(get("TRAINYARD_GPU"), Some("6"));
+    }
+
+    #[test]
+    fn overlay_cannot_override_ours_nor_set_cuda_visible_devices() {
+        let a = RankAssignment { rank: 0, local_rank: 0, gpu_index: 0 };
+        let env = rank_env(&launch(), &a, Path::new("/r"));
+        assert_eq!(env.vars.get("FOO").map(String::as_str), Some("bar"));
+        assert_eq!(env.vars.get("RANK").map(String::as_str), Some("0"));
+        assert_eq!(env.vars.get("TRAINYARD_GPU").map(String::as_str), Some("0"));
+        assert!(!env.vars.contains_key(NEVER_SET));
+        assert_eq!(env.ignored_overlay, vec!["CUDA_VISIBLE_DEVICES", "RANK", "TRAINYARD_GPU"]);
+    }
+}

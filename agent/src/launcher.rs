@@ -1,0 +1,454 @@
+//! Ranks: starting them from a `Launch`, cancelling them, noticing how they end, and adopting
+//! them again after an agent restart.
+//!
+//! Every rank runs under the shim (`supervise`), which outlives the agent; the launcher only
+//! keeps the shim's pid and start time (so a reused pid is not mistaken for its shim) and
+//! polls: `exit.json` present means exited, shim gone without it means lost. Every change is
+//! written to the rank's state file before anyone is told about it.
+//!
+//! The launcher is owned by the connection task and used without locks: nothing here awaits,
+//! and the work per call is a few small file operations.
+
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::json;
+use tracing::{info, warn};
+use trainyard_proto::v1::{ExecEngine, HostInventory, Launch, RankAssignment, job_spec};
+
+use crate::env::{NEVER_SET, rank_env};
+use crate::layout::{Layout, RankId, write_atomic};
+use crate::procfs;
+use crate::state::{self, Phase, RankRecord};
+use crate::supervise::{ExitFile, SPAWN_FAILED_EXIT_CODE, read_pid_file};
+use crate::tail::{Position, Tailer};
+
+/// A rank the agent knows: its durable record and the tailer of its receipts.
+#[derive(Debug)]
+pub struct Rank {
+    pub record: RankRecord,
+    pub tailer: Tailer,
+}
+
+/// Starts, watches and stops the ranks of this host.
+#[derive(Debug)]
+pub struct Launcher {
+    layout: Layout,
+    shim_program: PathBuf,
+    inventory: HostInventory,
+    ranks: BTreeMap<RankId, Rank>,
+}
+
+impl Launcher {
+    /// A launcher over `layout`; creates the state directory.
+    pub fn new(layout: Layout, shim_program: PathBuf, inventory: HostInventory) -> std::io::Result<Self> {
+        std::fs::create_dir_all(layout.state_dir())?;
+        std::fs::create_dir_all(layout.data_dir().join("runs"))?;
+        // create_dir_all succeeds on a read-only directory that exists: prove it is writable now
+        // rather than at the first launch.
+        let probe = layout.state_dir().join(".write-probe");
+        std::fs::write(&probe, b"")?;
+        std::fs::remove_file(&probe)?;
+        Ok(Self { layout, shim_program, inventory, ranks: BTreeMap::new() })
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Takes over every rank recorded in the state directory (after a restart).
+    pub fn adopt(&mut self) -> std::io::Result<usize> {
+        let records = state::load_all(&self.layout)?;
+        let count = records.len();
+        for record in records {
+            info!(rank_id = %record.id, phase = record.phase.as_str(), "adopting rank");
+            let tailer = Tailer::new(record.id, record.files.receipts.clone(), record.acked);
+            self.ranks.insert(record.id, Rank { record, tailer });
+        }
+        Ok(count)
+    }
+
+    pub fn ranks(&self) -> impl Iterator<Item = &Rank> {
+        self.ranks.values()
+    }
+
+    pub fn ranks_mut(&mut self) -> impl Iterator<Item = &mut Rank> {
+        self.ranks.values_mut()
+    }
+
+    pub fn get(&self, id: RankId) -> Option<&Rank> {
+        self.ranks.get(&id)
+    }
+
+    pub fn get_mut(&mut self, id: RankId) -> Option<&mut Rank> {
+        self.ranks.get_mut(&id)
+    }
+
+    /// Starts the ranks of `launch` this agent does not have yet; returns the ids of all the
+    /// launch's ranks. Spawn failures become exited ranks with a message, never errors.
+    /// Must run inside a tokio runtime (the shims are reaped by tasks).
+    pub fn launch(&mut self, launch: &Launch) -> Vec<RankId> {
+        if let Err(e) = self.write_launch_json(launch) {
+            warn!(job_id = launch.job_id, attempt = launch.attempt, error = %e, "failed to write launch.json");
+        }
+        let mut ids = Vec::new();
+        for assignment in &launch.ranks {
+            let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
+            ids.push(id);
+            if self.ranks.contains_key(&id) {
+                info!(rank_id = %id, "rank already known; launch is idempotent");
+                continue;
+            }
+            let record = self.start_rank(id, launch, assignment);
+            if let Err(e) = record.save(&self.layout) {
+                warn!(rank_id = %id, error = %e, "failed to write rank state file");
+            }
+            let tailer = Tailer::new(id, record.files.receipts.clone(), Position::default());
+            self.ranks.insert(id, Rank { record, tailer });
+        }
+        ids
+    }
+
+    fn write_launch_json(&self, launch: &Launch) -> std::io::Result<()> {
+        let dir = self.layout.attempt_dir(launch.job_id, launch.attempt);
+        std::fs::create_dir_all(&dir)?;
+        let bytes = serde_json::to_vec_pretty(&launch_json(launch, &self.inventory, &self.layout))
+            .map_err(std::io::Error::other)?;
+        write_atomic(&self.layout.launch_json(launch.job_id, launch.attempt), &bytes)
+    }
+
+    fn start_rank(&self, id: RankId, launch: &Launch, assignment: &RankAssignment) -> RankRecord {
+        let files = self.layout.rank_files(id);
+        let mut record = RankRecord {
+            id,
+            local_rank: assignment.local_rank,
+            node_rank: launch.node_rank,
+            gpu_index: assignment.gpu_index,
+            files: files.clone(),
+            phase: Phase::Launching,
+            shim_pid: None,
+            shim_start_time: None,
+            pid: None,
+            exit_code: None,
+            signal: None,
+            message: String::new(),
+            acked: Position::default(),
+            forget: false,
+        };
+        match self.spawn_shim(id, launch, assignment) {
+            Ok((pid, start_time)) => {
+                info!(rank_id = %id, shim_pid = pid, "rank started");
+                record.shim_pid = Some(pid);
+                record.shim_start_time = Some(start_time);
+            }
+            Err(message) => {
+                warn!(rank_id = %id, %message, "rank could not be started");
+                record.phase = Phase::Exited;
+                record.exit_code = Some(SPAWN_FAILED_EXIT_CODE);
+                record.message = message;
+            }
+        }
+        record
+    }
+
+    /// Spawns the shim for one rank; returns its pid and start time, or why it could not.
+    fn spawn_shim(
+        &self,
+        id: RankId,
+        launch: &Launch,
+        assignment: &RankAssignment,
+    ) -> Result<(u32, u64), String> {
+        let exec = exec_engine(launch)?;
+        if !self.inventory.gpus.iter().any(|g| g.index == assignment.gpu_index) {
+            return Err(format!("launch refused: GPU {} is not on this host", assignment.gpu_index));
+        }
+        let files = self.layout.rank_files(id);
+        std::fs::create_dir_all(&files.dir)
+            .map_err(|e| format!("cannot create {}: {e}", files.dir.display()))?;
+        let env = rank_env(launch, assignment, &files.receipts);
+        if !env.ignored_overlay.is_empty() {
+            warn!(rank_id = %id, names = ?env.ignored_overlay, "overlay variables ignored: the agent owns them");
+        }
+        let workdir = Path::new(&exec.workdir);
+        if !workdir.is_dir() {
+            return Err(format!("spawn failed: workdir {} is not a directory", exec.workdir));
+        }
+        let path_var =
+            env.vars.get("PATH").cloned().or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
+        check_program(&exec.argv[0], workdir, &path_var)?;
+        let open = |p: &Path| {
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("cannot open {}: {e}", p.display()))
+        };
+        let (stdout, stderr) = (open(&files.stdout)?, open(&files.stderr)?);
+        let mut command = tokio::process::Command::new(&self.shim_program);
+        command
+            .arg("supervise")
+            .arg("--status-file")
+            .arg(&files.exit)
+            .arg("--pid-file")
+            .arg(&files.pid)
+            .arg("--")
+            .args(&exec.argv)
+            .current_dir(workdir)
+            .env_remove(NEVER_SET)
+            .envs(&env.vars)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr);
+        // SAFETY: setsid is async-signal-safe, the only call between fork and exec.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::setsid() == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = command
+            .spawn()
+            .map_err(|e| format!("spawn failed: supervisor {}: {e}", self.shim_program.display()))?;
+        let pid = child.id().ok_or("spawn failed: supervisor exited at once")?;
+        let start_time =
+            procfs::stat(pid).map(|s| s.start_time).ok_or("spawn failed: supervisor vanished at once")?;
+        // Reap the shim when it ends, so it never lingers as a zombie of the agent.
+        tokio::spawn(async move {
+            let _ = child.wait().await;
+        });
+        Ok((pid, start_time))
+    }
+
+    /// Checks every rank that has not ended yet; returns the ids of those that changed (their
+    /// state files are already written).
+    pub fn poll_exits(&mut self) -> Vec<RankId> {
+        let mut changed = Vec::new();
+        for rank in self.ranks.values_mut() {
+            if !rank.record.phase.is_final() && observe(&mut rank.record) {
+                if let Err(e) = rank.record.save(&self.layout) {
+                    warn!(rank_id = %rank.record.id, error = %e, "failed to write rank state file");
+                }
+                changed.push(rank.record.id);
+            }
+        }
+        changed
+    }
+
+    /// SIGTERM to the process group of every live rank of the attempt, SIGKILL after `grace`.
+    /// Runs in background tasks; exits are noticed by [`Launcher::poll_exits`].
+    pub fn cancel(&mut self, job_id: u64, attempt: u32, grace: Duration, reason: &str) {
+        for rank in self.ranks.values_mut() {
+            let r = &mut rank.record;
+            if r.id.job_id != job_id || r.id.attempt != attempt || r.phase.is_final() {
+                continue;
+            }
+            info!(rank_id = %r.id, grace_ms = grace.as_millis() as u64, reason, "cancelling rank");
+            if r.message.is_empty() {
+                r.message = format!("cancelled: {reason}");
+            }
+            tokio::spawn(terminate(r.id, r.pid, r.files.pid.clone(), grace));
+        }
+    }
+
+    /// Marks the attempt's ranks to be forgotten once their receipts are all acknowledged.
+    pub fn forget(&mut self, job_id: u64, attempt: u32) {
+        for rank in self.ranks.values_mut() {
+            let r = &mut rank.record;
+            if r.id.job_id == job_id && r.id.attempt == attempt && !r.forget {
+                r.forget = true;
+                if let Err(e) = r.save(&self.layout) {
+                    warn!(rank_id = %r.id, error = %e, "failed to write rank state file");
+                }
+            }
+        }
+    }
+
+    /// Writes the acknowledged positions that moved into the state files.
+    pub fn persist_acks(&mut self) {
+        for rank in self.ranks.values_mut() {
+            if rank.tailer.take_acked_dirty() {
+                rank.record.acked = rank.tailer.acked();
+                if let Err(e) = rank.record.save(&self.layout) {
+                    warn!(rank_id = %rank.record.id, error = %e, "failed to persist acknowledged position");
+                }
+            }
+        }
+    }
+
+    /// Drops ranks marked to be forgotten that have ended and whose receipts are all
+    /// acknowledged: their state files go, their run files stay. Returns the dropped ids.
+    pub fn drop_forgotten(&mut self) -> Vec<RankId> {
+        let done: Vec<RankId> = self
+            .ranks
+            .values()
+            .filter(|r| r.record.forget && r.record.phase.is_final() && r.tailer.fully_acked())
+            .map(|r| r.record.id)
+            .collect();
+        for id in &done {
+            if let Some(rank) = self.ranks.remove(id) {
+                if let Err(e) = rank.record.remove(&self.layout) {
+                    warn!(rank_id = %id, error = %e, "failed to remove rank state file");
+                }
+                info!(rank_id = %id, "rank forgotten");
+            }
+        }
+        done
+    }
+}
+
+fn exec_engine(launch: &Launch) -> Result<&ExecEngine, String> {
+    match launch.spec.as_ref().and_then(|s| s.engine.as_ref()) {
+        Some(job_spec::Engine::Exec(exec)) if !exec.argv.is_empty() => Ok(exec),
+        Some(job_spec::Engine::Exec(_)) => Err("launch refused: exec engine with an empty argv".into()),
+        Some(job_spec::Engine::Builtin(_)) => {
+            Err("launch refused: the builtin engine is not available on this agent yet".into())
+        }
+        None => Err("launch refused: the job spec has no engine".into()),
+    }
+}
+
+/// Fails with a clear message when `program` cannot be run: a path relative to `workdir`,
+/// or a name looked up on `path_var`.
+fn check_program(program: &str, workdir: &Path, path_var: &str) -> Result<(), String> {
+    let executable =
+        |p: &Path| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    if program.contains('/') {
+        if executable(&workdir.join(program)) {
+            return Ok(());
+        }
+        return Err(format!("spawn failed: {program}: not an executable file"));
+    }
+    if std::env::split_paths(path_var).any(|dir| executable(&workdir.join(dir).join(program))) {
+        return Ok(());
+    }
+    Err(format!("spawn failed: {program}: not found on PATH"))
+}
+
+/// Looks at one unfinished rank; returns whether its record changed.
+fn observe(record: &mut RankRecord) -> bool {
+    // Liveness first: the shim writes exit.json before it exits, so a shim seen gone before
+    // exit.json is looked for really left without writing it.
+    let shim_alive = match (record.shim_pid, record.shim_start_time) {
+        (Some(pid), Some(start)) => procfs::is_same_live_process(pid, start),
+        _ => false,
+    };
+    let mut changed = false;
+    if record.pid.is_none() {
+        if let Some(pid) = read_pid_file(&record.files.pid) {
+            record.pid = Some(pid);
+            record.phase = Phase::Running;
+            changed = true;
+        }
+    }
+    if record.files.exit.exists() {
+        match ExitFile::read(&record.files.exit) {
+            Ok(exit) => {
+                record.phase = Phase::Exited;
+                record.exit_code = exit.exit_code;
+                record.signal = exit.signal;
+                if let Some(error) = exit.error {
+                    record.message = error;
+                }
+            }
+            Err(e) => {
+                record.phase = Phase::Lost;
+                record.message = format!("unreadable exit.json: {e:#}");
+            }
+        }
+        info!(rank_id = %record.id, exit_code = ?record.exit_code, signal = ?record.signal, "rank ended");
+        return true;
+    }
+    if !shim_alive {
+        record.phase = Phase::Lost;
+        record.message = "supervisor vanished".to_string();
+        warn!(rank_id = %record.id, "supervisor vanished without an exit status; killing the rank's group");
+        if let Some(pid) = record.pid {
+            let _ = procfs::killpg(pid, libc::SIGKILL);
+        }
+        return true;
+    }
+    changed
+}
+
+/// Terminates one rank's process group: SIGTERM, then SIGKILL after `grace` if any member lives.
+async fn terminate(id: RankId, known_pid: Option<u32>, pid_file: PathBuf, grace: Duration) {
+    let mut pid = known_pid;
+    // The shim writes the pid right after starting the rank; wait briefly for a fresh launch.
+    for _ in 0..100 {
+        if pid.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        pid = read_pid_file(&pid_file);
+    }
+    let Some(pid) = pid else {
+        warn!(rank_id = %id, "cannot cancel: the rank's pid never appeared");
+        return;
+    };
+    if let Err(e) = procfs::killpg(pid, libc::SIGTERM) {
+        warn!(rank_id = %id, pid, error = %e, "SIGTERM failed");
+    }
+    let deadline = tokio::time::Instant::now() + grace;
+    while tokio::time::Instant::now() < deadline {
+        if !procfs::group_has_live_member(pid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50).min(grace)).await;
+    }
+    if procfs::group_has_live_member(pid) {
+        warn!(rank_id = %id, pid, "rank outlived its grace period; sending SIGKILL");
+        if let Err(e) = procfs::killpg(pid, libc::SIGKILL) {
+            warn!(rank_id = %id, pid, error = %e, "SIGKILL failed");
+        }
+    }
+}
+
+/// `launch.json`: the launch as received, plus the rank map (rank, GPU, NUMA node, CPUs, files).
+fn launch_json(launch: &Launch, inventory: &HostInventory, layout: &Layout) -> serde_json::Value {
+    let spec = launch.spec.clone().unwrap_or_default();
+    let engine = match &spec.engine {
+        Some(job_spec::Engine::Exec(e)) => {
+            json!({"exec": {"argv": e.argv, "workdir": e.workdir, "source_dir": e.source_dir}})
+        }
+        Some(job_spec::Engine::Builtin(b)) => {
+            json!({"builtin": {"preset": b.preset, "data": b.data, "settings": b.settings}})
+        }
+        None => serde_json::Value::Null,
+    };
+    let ranks: Vec<_> = launch
+        .ranks
+        .iter()
+        .map(|a| {
+            let gpu = inventory.gpus.iter().find(|g| g.index == a.gpu_index);
+            let numa = gpu.map(|g| g.numa_node);
+            let cpus =
+                numa.and_then(|n| inventory.numa_nodes.iter().find(|x| i64::from(x.id) == i64::from(n)));
+            let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: a.rank };
+            json!({
+                "rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu_index,
+                "gpu_uuid": gpu.map(|g| g.uuid.clone()), "numa_node": numa,
+                "cpus": cpus.map(|n| n.cpus.clone()), "dir": layout.rank_dir(id),
+            })
+        })
+        .collect();
+    let resources = spec.resources.unwrap_or_default();
+    json!({
+        "job_id": launch.job_id, "attempt": launch.attempt, "world_size": launch.world_size,
+        "node_rank": launch.node_rank, "local_world_size": launch.local_world_size,
+        "master_addr": launch.master_addr, "master_port": launch.master_port,
+        "spec": {
+            "name": spec.name, "engine": engine, "env": spec.env, "preflight": spec.preflight,
+            "priority": spec.priority,
+            "resources": {"gpus": resources.gpus, "gpus_per_node": resources.gpus_per_node,
+                "gpu_model": resources.gpu_model, "min_gpu_memory_mib": resources.min_gpu_memory_mib,
+                "interconnect": resources.interconnect},
+        },
+        "ranks": ranks,
+    })
+}

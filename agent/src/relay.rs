@@ -1,0 +1,128 @@
+//! The daemon's entry point: prepare, then dial the controller and keep a stream up until
+//! shutdown.
+//!
+//! Reconnects use capped exponential backoff (100 ms doubling to 5 s, each delay jittered to
+//! 50-100 % so a fleet that lost its controller does not return in lockstep), reset once a
+//! stream was established. A protocol mismatch (`FailedPrecondition`) is logged as an error and
+//! retried every 30 s rather than exiting: the ranks on this host keep running and keep their
+//! receipts, and the agent reconnects by itself once the controller is upgraded or rolled back.
+
+use std::hash::BuildHasher;
+use std::time::Duration;
+
+use anyhow::Context;
+use tonic::transport::{Channel, Endpoint};
+use tracing::{error, info, warn};
+use trainyard_proto::v1::agents_client::AgentsClient;
+
+use crate::config::AgentConfig;
+use crate::connection::{self, Ended, Identity};
+use crate::host::{HostFile, HostProbe};
+use crate::launcher::Launcher;
+use crate::layout::Layout;
+
+const BACKOFF_START: Duration = Duration::from_millis(100);
+const BACKOFF_CAP: Duration = Duration::from_secs(5);
+const REFUSED_RETRY: Duration = Duration::from_secs(30);
+
+/// Runs the agent until `shutdown` completes: adopts the ranks recorded in the data
+/// directory, then relays to the controller. Errors are start-up errors (bad host file,
+/// unusable data directory); after start-up, problems are logged and retried. Ranks keep
+/// running when this returns.
+pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<()> {
+    let host = HostFile::load(&config.host_file)?;
+    let inventory = host.inventory()?;
+    let identity = Identity {
+        agent_id: config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone()),
+        address: config.address.clone(),
+        inventory: inventory.clone(),
+    };
+    let layout = Layout::new(&config.data_dir);
+    let mut launcher = Launcher::new(layout, config.shim_program.clone(), inventory)
+        .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?;
+    let adopted = launcher.adopt().context("read rank state files")?;
+    info!(agent_id = %identity.agent_id, adopted, controller = %config.controller, "agent started");
+    let endpoint = Endpoint::from_shared(config.controller.clone())
+        .with_context(|| format!("parse controller URL {:?}", config.controller))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true);
+
+    tokio::pin!(shutdown);
+    let mut backoff = Backoff::default();
+    loop {
+        let channel: Result<Channel, _> = tokio::select! {
+            biased;
+            _ = &mut shutdown => return Ok(()),
+            channel = endpoint.connect() => channel,
+        };
+        let delay = match channel {
+            Ok(channel) => {
+                let client = AgentsClient::new(channel);
+                match connection::serve(&config, &identity, &mut launcher, client, shutdown.as_mut()).await {
+                    Ended::Shutdown => {
+                        info!("agent stopped; ranks keep running");
+                        return Ok(());
+                    }
+                    Ended::Refused(message) => {
+                        error!(reason = %message, retry_in_s = REFUSED_RETRY.as_secs(),
+                            "controller refused this agent (protocol mismatch?); upgrade one side");
+                        REFUSED_RETRY
+                    }
+                    Ended::Disconnected { error, established } => {
+                        if established {
+                            backoff = Backoff::default();
+                        }
+                        warn!(error = %format!("{error:#}"), "disconnected from controller");
+                        backoff.next_delay()
+                    }
+                }
+            }
+            Err(e) => {
+                warn!(controller = %config.controller, error = %e, "cannot reach controller");
+                backoff.next_delay()
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = &mut shutdown => return Ok(()),
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+/// Capped exponential backoff with jitter.
+#[derive(Debug, Default)]
+struct Backoff {
+    attempts: u32,
+}
+
+impl Backoff {
+    fn next_delay(&mut self) -> Duration {
+        let base = BACKOFF_START.saturating_mul(1 << self.attempts.min(16)).min(BACKOFF_CAP);
+        self.attempts = self.attempts.saturating_add(1);
+        base.mul_f64(0.5 + 0.5 * jitter())
+    }
+}
+
+/// A number in [0, 1) from the std hasher's random keys: enough to spread reconnects, no
+/// random-number crate needed.
+fn jitter() -> f64 {
+    let hash = std::collections::hash_map::RandomState::new().hash_one(std::time::Instant::now());
+    (hash % 10_000) as f64 / 10_000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_its_cap_with_jitter() {
+        let mut b = Backoff::default();
+        let delays: Vec<Duration> = (0..12).map(|_| b.next_delay()).collect();
+        assert!(delays[0] >= Duration::from_millis(50) && delays[0] <= BACKOFF_START);
+        assert!(delays[3] >= Duration::from_millis(400) && delays[3] <= Duration::from_millis(800));
+        for d in &delays[8..] {
+            assert!(*d >= BACKOFF_CAP / 2 && *d <= BACKOFF_CAP, "{d:?}");
+        }
+    }
+}
