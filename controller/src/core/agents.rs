@@ -217,6 +217,15 @@ impl Controller {
             let step = (r.step >= 0).then_some(r.step);
             rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body: r.body });
         }
+        // A batch nearly always holds one job; one lookup per job keeps rows of jobs this store
+        // never had (a wiped database, a foreign controller) out. They are acked and dropped.
+        let jobs: BTreeSet<u64> = highest.keys().map(|id| id.job_id).collect();
+        for job_id in jobs {
+            if self.store.get_job(job_id).await?.is_none() {
+                tracing::warn!(job_id, "dropping receipts of a job this controller does not know");
+                rows.retain(|r| r.id.job_id != job_id);
+            }
+        }
         if !rows.is_empty() {
             self.store.insert_receipts(&rows, now_ms()).await?;
             self.bump();
