@@ -20,11 +20,12 @@ pub trait HostProbe: Send + Sync {
 /// Why a host file was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum HostFileError {
-    #[error("cannot read host file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    // The cause is in the message, not a `source`, so `{e:#}` prints it once.
+    #[error("cannot read host file {path}: {error}")]
+    Read { path: PathBuf, error: std::io::Error },
     /// serde's message names the field (unknown field, missing field, wrong type) and the line.
-    #[error("host file {path} is not valid: {source}")]
-    Parse { path: PathBuf, source: serde_json::Error },
+    #[error("host file {path} is not valid: {error}")]
+    Parse { path: PathBuf, error: serde_json::Error },
     #[error("host file {path}: {field}: {reason}")]
     Invalid { path: PathBuf, field: String, reason: String },
 }
@@ -66,14 +67,14 @@ impl HostFile {
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path) -> Result<Self, HostFileError> {
         let text = std::fs::read_to_string(path)
-            .map_err(|source| HostFileError::Read { path: path.to_path_buf(), source })?;
+            .map_err(|error| HostFileError::Read { path: path.to_path_buf(), error })?;
         Self::parse(&text, path)
     }
 
     /// Validates `text`; `path` only names the file in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self, HostFileError> {
         let file: FileJson = serde_json::from_str(text)
-            .map_err(|source| HostFileError::Parse { path: path.to_path_buf(), source })?;
+            .map_err(|error| HostFileError::Parse { path: path.to_path_buf(), error })?;
         validate(&file).map_err(|(field, reason)| HostFileError::Invalid {
             path: path.to_path_buf(),
             field,

@@ -339,12 +339,12 @@ fn observe(record: &mut RankRecord) -> bool {
         _ => false,
     };
     let mut changed = false;
-    if record.pid.is_none() {
-        if let Some(pid) = read_pid_file(&record.files.pid) {
-            record.pid = Some(pid);
-            record.phase = Phase::Running;
-            changed = true;
-        }
+    if record.pid.is_none()
+        && let Some(pid) = read_pid_file(&record.files.pid)
+    {
+        record.pid = Some(pid);
+        record.phase = Phase::Running;
+        changed = true;
     }
     if record.files.exit.exists() {
         match ExitFile::read(&record.files.exit) {

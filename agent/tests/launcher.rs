@@ -1,0 +1,257 @@
+//! The launcher against real processes: the real shim binary, `sh -c` ranks, /proc checks.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use trainyard_agent::launcher::Launcher;
+use trainyard_agent::layout::{Layout, RankId};
+use trainyard_agent::procfs;
+use trainyard_agent::state::Phase;
+use trainyard_agent::supervise::ExitFile;
+use trainyard_proto::v1::{
+    ExecEngine, Gpu, HostInventory, JobSpec, Launch, NumaNode, RankAssignment, job_spec,
+};
+
+fn inventory() -> HostInventory {
+    let gpu = |index: u32| Gpu { index, uuid: format!("GPU-{index}"), numa_node: 0, ..Default::default() };
+    HostInventory {
+        hostname: "test".into(),
+        gpus: vec![gpu(0), gpu(1)],
+        numa_nodes: vec![NumaNode { id: 0, cpus: "0-3".into() }],
+        links: vec!["X".into(), "NV4".into(), "NV4".into(), "X".into()],
+    }
+}
+
+fn launch(job_id: u64, ranks: u32, workdir: &Path, argv: &[&str], env: &[(&str, &str)]) -> Launch {
+    Launch {
+        job_id,
+        attempt: 1,
+        world_size: ranks,
+        node_rank: 0,
+        local_world_size: ranks,
+        master_addr: "127.0.0.1".into(),
+        master_port: 29500,
+        ranks: (0..ranks).map(|r| RankAssignment { rank: r, local_rank: r, gpu_index: r }).collect(),
+        spec: Some(JobSpec {
+            name: "t".into(),
+            engine: Some(job_spec::Engine::Exec(ExecEngine {
+                argv: argv.iter().map(|s| s.to_string()).collect(),
+                workdir: workdir.display().to_string(),
+                source_dir: String::new(),
+            })),
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            ..Default::default()
+        }),
+    }
+}
+
+/// A launcher in a temporary data dir that kills every process it started when dropped, so a
+/// failing test leaves nothing behind.
+struct Harness {
+    dir: tempfile::TempDir,
+    launcher: Launcher,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("work")).unwrap();
+        let launcher = Self::launcher_over(dir.path());
+        Self { dir, launcher }
+    }
+
+    fn launcher_over(data: &Path) -> Launcher {
+        let shim = PathBuf::from(env!("CARGO_BIN_EXE_trainyard-agent"));
+        Launcher::new(Layout::new(data.join("data")), shim, inventory()).unwrap()
+    }
+
+    fn workdir(&self) -> PathBuf {
+        self.dir.path().join("work")
+    }
+
+    /// Polls until `done` holds for the rank, or fails after 10 s.
+    async fn wait_for(&mut self, id: RankId, what: &str, done: impl Fn(Phase, Option<u32>) -> bool) {
+        for _ in 0..200 {
+            self.launcher.poll_exits();
+            let r = &self.launcher.get(id).expect("rank is known").record;
+            if done(r.phase, r.pid) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("rank {id} never became {what}");
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        for rank in self.launcher.ranks() {
+            if let Some(pid) = rank.record.pid {
+                let _ = procfs::killpg(pid, libc::SIGKILL);
+            }
+            if let (Some(pid), Some(start)) = (rank.record.shim_pid, rank.record.shim_start_time)
+                && procfs::is_same_live_process(pid, start)
+            {
+                let _ = procfs::killpg(pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+fn id(job_id: u64, rank: u32) -> RankId {
+    RankId { job_id, attempt: 1, rank }
+}
+
+#[tokio::test]
+async fn rank_gets_its_environment_and_exit_status() {
+    let mut h = Harness::new();
+    let script = r#"env > "env-$RANK.txt"; echo '{"kind":"step","step":1}' >> "$TRAINYARD_RECEIPTS"; echo out; echo err >&2; exit 3"#;
+    let overlay = [("FOO", "bar"), ("RANK", "99"), ("CUDA_VISIBLE_DEVICES", "0")];
+    let ids = h.launcher.launch(&launch(1, 2, &h.workdir(), &["sh", "-c", script], &overlay));
+    assert_eq!(ids, vec![id(1, 0), id(1, 1)]);
+    for rank in 0..2 {
+        h.wait_for(id(1, rank), "exited", |p, _| p == Phase::Exited).await;
+        let r = &h.launcher.get(id(1, rank)).unwrap().record;
+        assert_eq!((r.exit_code, r.signal), (Some(3), None));
+        let exit = ExitFile::read(&r.files.exit).unwrap();
+        assert_eq!((exit.exit_code, exit.signal), (Some(3), None));
+        assert_eq!(std::fs::read_to_string(&r.files.stdout).unwrap(), "out\n");
+        assert_eq!(std::fs::read_to_string(&r.files.stderr).unwrap(), "err\n");
+        assert_eq!(std::fs::read_to_string(&r.files.receipts).unwrap(), "{\"kind\":\"step\",\"step\":1}\n");
+        let env: HashMap<String, String> =
+            std::fs::read_to_string(h.workdir().join(format!("env-{rank}.txt")))
+                .unwrap()
+                .lines()
+                .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+                .collect();
+        let expect = [
+            ("RANK", rank.to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_WORLD_SIZE", "2".into()),
+            ("NODE_RANK", "0".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", "29500".into()),
+            ("TRAINYARD_JOB_ID", "1".into()),
+            ("TRAINYARD_ATTEMPT", "1".into()),
+            ("TRAINYARD_GPU", rank.to_string()),
+            ("TRAINYARD_RECEIPTS", r.files.receipts.display().to_string()),
+            ("FOO", "bar".into()),
+        ];
+        for (k, v) in expect {
+            assert_eq!(env.get(k), Some(&v), "{k} of rank {rank}");
+        }
+        assert!(!env.contains_key("CUDA_VISIBLE_DEVICES"));
+        assert!(h.launcher.layout().state_file(id(1, rank)).exists());
+    }
+    let launch_json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(h.launcher.layout().launch_json(1, 1)).unwrap()).unwrap();
+    assert_eq!(launch_json["ranks"][1]["gpu_uuid"], "GPU-1");
+    assert_eq!(launch_json["ranks"][1]["cpus"], "0-3");
+}
+
+#[tokio::test]
+async fn launch_is_idempotent() {
+    let mut h = Harness::new();
+    let l = launch(2, 1, &h.workdir(), &["sleep", "30"], &[]);
+    h.launcher.launch(&l);
+    h.wait_for(id(2, 0), "running", |p, _| p == Phase::Running).await;
+    let first = h.launcher.get(id(2, 0)).unwrap().record.clone();
+    h.launcher.launch(&l);
+    assert_eq!(h.launcher.get(id(2, 0)).unwrap().record.shim_pid, first.shim_pid);
+    assert_eq!(h.launcher.ranks().count(), 1);
+}
+
+async fn cancel_and_check_group_gone(h: &mut Harness, job: u64, argv: &[&str], grace_ms: u64, signal: i32) {
+    h.launcher.launch(&launch(job, 1, &h.workdir(), argv, &[]));
+    h.wait_for(id(job, 0), "running", |p, _| p == Phase::Running).await;
+    let pid = h.launcher.get(id(job, 0)).unwrap().record.pid.unwrap();
+    // Let the script start its background child in the same group.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(procfs::group_has_live_member(pid));
+    h.launcher.cancel(job, 1, Duration::from_millis(grace_ms), "test");
+    h.wait_for(id(job, 0), "exited", |p, _| p == Phase::Exited).await;
+    let r = &h.launcher.get(id(job, 0)).unwrap().record;
+    assert_eq!(r.signal, Some(signal));
+    assert_eq!(r.message, "cancelled: test");
+    for _ in 0..40 {
+        if !procfs::group_has_live_member(pid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("process group {pid} still has live members after cancel");
+}
+
+#[tokio::test]
+async fn cancel_terminates_the_whole_group() {
+    let mut h = Harness::new();
+    cancel_and_check_group_gone(
+        &mut h,
+        3,
+        &["sh", "-c", "sleep 1000 & sleep 1000; wait"],
+        5000,
+        libc::SIGTERM,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn cancel_kills_a_group_that_ignores_sigterm() {
+    let mut h = Harness::new();
+    let script = "trap '' TERM; sleep 1000 & sleep 1000; wait";
+    cancel_and_check_group_gone(&mut h, 4, &["sh", "-c", script], 300, libc::SIGKILL).await;
+}
+
+#[tokio::test]
+async fn spawn_failures_become_exited_ranks_with_a_message() {
+    let mut h = Harness::new();
+    h.launcher.launch(&launch(5, 1, &h.workdir(), &["no-such-program-trainyard"], &[]));
+    let r = &h.launcher.get(id(5, 0)).unwrap().record;
+    assert_eq!((r.phase, r.exit_code), (Phase::Exited, Some(127)));
+    assert!(r.message.contains("not found"), "{}", r.message);
+    assert!(h.launcher.layout().state_file(id(5, 0)).exists());
+
+    h.launcher.launch(&launch(6, 1, &h.dir.path().join("missing"), &["sh", "-c", "true"], &[]));
+    let r = &h.launcher.get(id(6, 0)).unwrap().record;
+    assert_eq!(r.phase, Phase::Exited);
+    assert!(r.message.contains("workdir"), "{}", r.message);
+}
+
+#[tokio::test]
+async fn restarted_launcher_adopts_ranks_and_sees_their_exit() {
+    let mut h = Harness::new();
+    h.launcher.launch(&launch(7, 1, &h.workdir(), &["sh", "-c", "sleep 0.5; exit 4"], &[]));
+    h.wait_for(id(7, 0), "running", |p, _| p == Phase::Running).await;
+    let mut adopted = Harness::launcher_over(h.dir.path());
+    assert_eq!(adopted.adopt().unwrap(), 1);
+    for _ in 0..100 {
+        adopted.poll_exits();
+        if adopted.get(id(7, 0)).unwrap().record.phase.is_final() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = &adopted.get(id(7, 0)).unwrap().record;
+    assert_eq!((r.phase, r.exit_code), (Phase::Exited, Some(4)));
+}
+
+#[tokio::test]
+async fn vanished_supervisor_makes_the_rank_lost_and_kills_its_group() {
+    let mut h = Harness::new();
+    h.launcher.launch(&launch(8, 1, &h.workdir(), &["sleep", "1000"], &[]));
+    h.wait_for(id(8, 0), "running", |p, _| p == Phase::Running).await;
+    let r = h.launcher.get(id(8, 0)).unwrap().record.clone();
+    let (shim, pid) = (r.shim_pid.unwrap(), r.pid.unwrap());
+    assert!(procfs::killpg(shim, libc::SIGKILL).unwrap());
+    h.wait_for(id(8, 0), "lost", |p, _| p == Phase::Lost).await;
+    assert_eq!(h.launcher.get(id(8, 0)).unwrap().record.message, "supervisor vanished");
+    for _ in 0..40 {
+        if !procfs::group_has_live_member(pid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("rank group {pid} survived its lost supervisor");
+}
