@@ -1,0 +1,172 @@
+//! The agent daemon against a fake controller on port 0: hello, launch, receipts before the
+//! exit, acks, forget, and `Leaving` on shutdown.
+
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+use trainyard_agent::AgentConfig;
+use trainyard_proto::PROTOCOL_VERSION;
+use trainyard_proto::v1::agent_message::Msg as Out;
+use trainyard_proto::v1::agents_server::{Agents, AgentsServer};
+use trainyard_proto::v1::controller_message::Msg as In;
+use trainyard_proto::v1::{
+    AgentMessage, ControllerMessage, ExecEngine, ForgetRanks, HelloAck, JobSpec, Launch, RankAck,
+    RankAssignment, ReceiptAck, job_spec,
+};
+
+type ToAgent = mpsc::Receiver<Result<ControllerMessage, Status>>;
+
+/// Hands the one expected stream's two ends to the test.
+struct FakeController {
+    ends: Mutex<Option<(mpsc::Sender<AgentMessage>, ToAgent)>>,
+}
+
+#[tonic::async_trait]
+impl Agents for FakeController {
+    type ConnectStream = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<AgentMessage>>,
+    ) -> Result<Response<Self::ConnectStream>, Status> {
+        let ends = self.ends.lock().map_err(|_| Status::internal("poisoned"))?.take();
+        let (seen, to_agent) = ends.ok_or_else(|| Status::unavailable("one stream only"))?;
+        let mut inbound = request.into_inner();
+        tokio::spawn(async move {
+            while let Some(Ok(message)) = inbound.next().await {
+                if seen.send(message).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(to_agent))))
+    }
+}
+
+const HOST: &str = r#"{"hostname": "test-host",
+  "gpus": [{"index": 0, "uuid": "GPU-0", "model": "H100", "memory_mib": 80000,
+            "pci_bus_id": "00000000:18:00.0", "numa_node": 0}],
+  "links": [["X"]], "numa_nodes": [{"id": 0, "cpus": "0-1"}]}"#;
+
+async fn next(seen: &mut mpsc::Receiver<AgentMessage>) -> Out {
+    let message = tokio::time::timeout(Duration::from_secs(10), seen.recv())
+        .await
+        .expect("agent said nothing for 10 s")
+        .expect("agent stream ended");
+    message.msg.expect("empty agent message")
+}
+
+fn msg(m: In) -> Result<ControllerMessage, Status> {
+    Ok(ControllerMessage { msg: Some(m) })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receipts_arrive_before_the_exit_and_leaving_ends_the_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let (seen_tx, mut seen) = mpsc::channel(64);
+    let (to_agent, to_agent_rx) = mpsc::channel(64);
+    let fake = FakeController { ends: Mutex::new(Some((seen_tx, to_agent_rx))) };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(AgentsServer::new(fake))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+
+    std::fs::write(dir.path().join("host.json"), HOST).unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    let mut config =
+        AgentConfig::new(format!("http://{addr}"), dir.path().join("host.json"), dir.path().join("data"));
+    config.shim_program = env!("CARGO_BIN_EXE_trainyard-agent").into();
+    let (stop, stop_rx) = oneshot::channel::<()>();
+    let agent = tokio::spawn(trainyard_agent::run(config, async move {
+        let _ = stop_rx.await;
+    }));
+
+    let Out::Hello(hello) = next(&mut seen).await else { panic!("first message must be Hello") };
+    assert_eq!(hello.protocol_version, PROTOCOL_VERSION);
+    assert_eq!(hello.agent_id, "test-host");
+    assert!(hello.ranks.is_empty());
+    to_agent
+        .send(msg(In::HelloAck(HelloAck { protocol_version: PROTOCOL_VERSION, acks: vec![] })))
+        .await
+        .unwrap();
+
+    let script = r#"for i in 0 1 2; do echo "{\"kind\":\"step\",\"step\":$i}" >> "$TRAINYARD_RECEIPTS"; done
+echo garbage >> "$TRAINYARD_RECEIPTS"; printf '{"kind":"exit"}' >> "$TRAINYARD_RECEIPTS""#;
+    let launch = Launch {
+        job_id: 9,
+        attempt: 0,
+        world_size: 1,
+        local_world_size: 1,
+        master_addr: "127.0.0.1".into(),
+        master_port: 29500,
+        ranks: vec![RankAssignment { rank: 0, local_rank: 0, gpu_index: 0 }],
+        spec: Some(JobSpec {
+            engine: Some(job_spec::Engine::Exec(ExecEngine {
+                argv: vec!["sh".into(), "-c".into(), script.into()],
+                workdir: work.display().to_string(),
+                source_dir: String::new(),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    to_agent.send(msg(In::Launch(launch))).await.unwrap();
+
+    let mut seqs = Vec::new();
+    let exited = loop {
+        match next(&mut seen).await {
+            Out::Receipts(batch) => {
+                let top = batch.receipts.iter().map(|r| r.seq).max().unwrap();
+                seqs.extend(batch.receipts.iter().map(|r| r.seq));
+                let key = batch.receipts[0].key;
+                let ack = ReceiptAck { acks: vec![RankAck { key, seq: top }] };
+                to_agent.send(msg(In::Ack(ack))).await.unwrap();
+            }
+            Out::RankUpdate(update) => {
+                let report = update.report.unwrap();
+                if report.state == "exited" {
+                    break report;
+                }
+                assert!(["launching", "running"].contains(&report.state.as_str()), "{report:?}");
+            }
+            Out::Heartbeat(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(seqs, vec![0, 1, 2, 4], "every receipt, the unterminated last one too, before the exit");
+    assert_eq!((exited.exit_code, exited.signal, exited.skipped_lines), (0, 0, 1));
+
+    let state_file = dir.path().join("data/state/ranks/9.0.0.json");
+    assert!(state_file.exists());
+    to_agent.send(msg(In::Forget(ForgetRanks { job_id: 9, attempt: 0 }))).await.unwrap();
+    for _ in 0..100 {
+        if !state_file.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!state_file.exists(), "forgotten, fully acknowledged rank keeps its state file");
+    assert!(dir.path().join("data/runs/job-9/attempt-0/rank-0/receipts.jsonl").exists());
+
+    stop.send(()).unwrap();
+    loop {
+        match next(&mut seen).await {
+            Out::Leaving(_) => break,
+            Out::Heartbeat(_) | Out::RankUpdate(_) => {}
+            other => panic!("unexpected {other:?} before Leaving"),
+        }
+    }
+    drop(to_agent);
+    let result = tokio::time::timeout(Duration::from_secs(5), agent).await.expect("agent did not stop");
+    result.unwrap().unwrap();
+    server.abort();
+}
