@@ -157,7 +157,25 @@ impl Cluster {
             .spawn()
             .context("start trainyard-agent")?;
         self.agents.insert(name.to_string(), child);
-        Ok(())
+        self.wait_agent_connected(name, Duration::from_secs(20))
+    }
+
+    /// Waits until the controller's store shows the agent connected.
+    pub fn wait_agent_connected(&self, name: &str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let sql = format!("SELECT COUNT(*) FROM agents WHERE agent_id = '{name}' AND state = 'connected'");
+        loop {
+            if self.query(&sql).is_ok_and(|rows| rows[0][0] == 1) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "agent {name} did not connect within {timeout:?}:\n{}",
+                    self.logs(&format!("agent-{name}"))
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Kills an agent with SIGKILL; its ranks keep running.
@@ -255,6 +273,37 @@ impl Cluster {
     /// and that run the given program name (`python3` for ranks).
     pub fn live_processes(&self, comm_prefix: &str) -> Vec<u32> {
         marked_processes(&self.marker).into_iter().filter(|&pid| comm(pid).starts_with(comm_prefix)).collect()
+    }
+
+    /// Waits until `n` rank processes of this cluster are alive (a rank reported running may
+    /// still be between fork and exec for a few milliseconds).
+    pub fn wait_ranks_alive(&self, n: usize, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let alive = self.live_processes("python");
+            if alive.len() == n {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{} rank processes alive after {timeout:?}, expected {n}: {alive:?}", alive.len());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until every one of `ranks` ranks of the job has stored a step receipt.
+    pub fn wait_first_steps(&self, job: u64, ranks: i64, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let sql = format!("SELECT COUNT(DISTINCT rank) FROM receipts WHERE job_id = {job} AND kind = 'step'");
+        loop {
+            if self.query(&sql).is_ok_and(|rows| rows[0][0] == ranks) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("job {job}: not every rank stored a step receipt within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Waits until no rank process of this cluster is alive.

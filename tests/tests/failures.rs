@@ -12,7 +12,8 @@ fn cancel_leaves_no_rank_alive() -> anyhow::Result<()> {
     let file = c.job_file("long", 8, 4, &["--steps", "100000", "--step-ms", "50"], "");
     let job = c.submit(&file)?;
     c.wait_state(job, &["running"], Duration::from_secs(60))?;
-    assert_eq!(c.live_processes("python").len(), 8, "eight ranks running before the cancel");
+    c.wait_ranks_alive(8, Duration::from_secs(10))?;
+    c.wait_first_steps(job, 8, Duration::from_secs(20))?;
 
     let out = c.ctl(&["cancel", &job.to_string()])?;
     assert!(out.status.success(), "ctl cancel: {}", String::from_utf8_lossy(&out.stderr));
