@@ -147,7 +147,7 @@ for row in cur:
 PY
 fi
 
-say "Try it yourself while nothing runs: the loss curve of rank 0"
+say "Query it yourself, e.g. the loss curve of rank 0"
 echo "  sqlite3 $DB \\"
 echo "    \"SELECT step, json_extract(body,'\$.loss') FROM receipts WHERE job_id=$JOB AND rank=0 AND kind='step' ORDER BY step;\""
 

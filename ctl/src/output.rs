@@ -198,9 +198,19 @@ impl ReceiptJson {
     }
 }
 
+/// Writes `text` to stdout. A reader that went away (`ctl status | head`) is not an error.
+pub fn print_out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
 /// Pretty JSON for one value, for `status -o json`.
 pub fn to_json<T: Serialize>(value: &T) -> anyhow::Result<String> {
-    Ok(serde_json::to_string_pretty(value)?)
+    Ok(serde_json::to_string_pretty(value)? + "\n")
 }
 
 #[cfg(test)]

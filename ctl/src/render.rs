@@ -194,10 +194,8 @@ pub fn receipt_line(r: &StoredReceipt) -> String {
 fn compact(v: &serde_json::Value) -> String {
     match v {
         serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Number(n) => match n.as_f64() {
-            Some(f) if n.is_f64() => format!("{f:.4}"),
-            _ => n.to_string(),
-        },
+        // Numbers as the rank wrote them: it knows their precision.
+        serde_json::Value::Number(n) => n.to_string(),
         other => other.to_string(),
     }
 }
@@ -231,7 +229,7 @@ mod tests {
             ..Default::default()
         };
         let line = receipt_line(&r);
-        assert!(line.contains("step=6 loss=3.2500 tokens_per_s=1000"), "{line}");
+        assert!(line.contains("step=6 loss=3.25 tokens_per_s=1000"), "{line}");
     }
 
     #[test]

@@ -22,7 +22,13 @@ pub async fn run(ctl: &mut Controller, job_id: u64) -> anyhow::Result<()> {
         let alive = alive_ranks(&job);
         if alive.is_empty() {
             let stopped = job.ranks.len();
-            println!("cancelled job {job_id}; {stopped} ranks stopped");
+            let state = job.state.as_str();
+            if is_terminal(state) && state != "cancelled" {
+                // Cancelling a job that had already ended changes nothing; say so.
+                println!("job {job_id} had already {state}; {stopped} ranks stopped");
+            } else {
+                println!("cancelled job {job_id}; {stopped} ranks stopped");
+            }
             return Ok(());
         }
         if Instant::now() >= deadline {

@@ -3,7 +3,7 @@
 use trainyard_proto::v1::{GetJobRequest, ListJobsRequest};
 
 use crate::client::Controller;
-use crate::output::{JobJson, to_json};
+use crate::output::{JobJson, print_out, to_json};
 use crate::render;
 
 pub async fn run(ctl: &mut Controller, job: Option<u64>, json: bool) -> anyhow::Result<()> {
@@ -19,11 +19,10 @@ async fn one(ctl: &mut Controller, job_id: u64, json: bool) -> anyhow::Result<()
         Err(status) => return Err(ctl.error(status, Some(job_id))),
     };
     if json {
-        println!("{}", to_json(&JobJson::from(&job))?);
+        print_out(&to_json(&JobJson::from(&job))?)
     } else {
-        print!("{}", render::job_details(&job, render::now_ms()));
+        print_out(&render::job_details(&job, render::now_ms()))
     }
-    Ok(())
 }
 
 async fn list(ctl: &mut Controller, json: bool) -> anyhow::Result<()> {
@@ -34,11 +33,10 @@ async fn list(ctl: &mut Controller, json: bool) -> anyhow::Result<()> {
     };
     if json {
         let jobs: Vec<JobJson> = jobs.iter().map(JobJson::from).collect();
-        println!("{}", to_json(&jobs)?);
+        print_out(&to_json(&jobs)?)
     } else if jobs.is_empty() {
-        println!("no jobs");
+        print_out("no jobs\n")
     } else {
-        print!("{}", render::job_list(&jobs, render::now_ms()));
+        print_out(&render::job_list(&jobs, render::now_ms()))
     }
-    Ok(())
 }

@@ -1,5 +1,6 @@
 //! `ctl submit FILE [--follow]`.
 
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -39,12 +40,14 @@ async fn follow_job(ctl: &mut Controller, job_id: u64) -> anyhow::Result<()> {
             }
             let reason = if s.reason.is_empty() { String::new() } else { format!(" ({})", s.reason) };
             eprintln!("job {job_id}: {}{reason}", s.state);
+            ControlFlow::Continue(())
         }
         Event::Receipt(r) => {
             progress.record(r.attempt, r.rank, &r.kind, &r.body);
             if let Some(line) = progress.due(start.elapsed()) {
                 eprintln!("{line}");
             }
+            ControlFlow::Continue(())
         }
     })
     .await?;
