@@ -248,6 +248,24 @@ impl Cluster {
         }
     }
 
+    /// Waits until every rank of the job's current attempt shows `exited`; returns the status.
+    /// (A rank's process can be gone a moment before its agent has sent its last receipts and
+    /// its exit.)
+    pub fn wait_ranks_exited(&self, job: u64, timeout: Duration) -> Result<serde_json::Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let status = self.status(job)?;
+            let ranks = status["ranks"].as_array().cloned().unwrap_or_default();
+            if !ranks.is_empty() && ranks.iter().all(|r| r["state"] == "exited") {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("job {job}: ranks not all exited after {timeout:?}: {status}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Path of the controller's SQLite database.
     pub fn db_path(&self) -> PathBuf {
         self.path("controller").join("trainyard.db")

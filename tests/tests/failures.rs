@@ -18,11 +18,8 @@ fn cancel_leaves_no_rank_alive() -> anyhow::Result<()> {
     let out = c.ctl(&["cancel", &job.to_string()])?;
     assert!(out.status.success(), "ctl cancel: {}", String::from_utf8_lossy(&out.stderr));
     c.wait_no_ranks(Duration::from_secs(20))?;
-    let status = c.status(job)?;
+    let status = c.wait_ranks_exited(job, Duration::from_secs(10))?;
     assert_eq!(status["state"], "cancelled");
-    for r in status["ranks"].as_array().unwrap() {
-        assert_eq!(r["state"], "exited", "{r}");
-    }
     // The example writes an exit receipt on SIGTERM; it reached the store after the cancel.
     let exits = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'exit'"))?;
     assert_eq!(exits[0][0], 8);
@@ -47,9 +44,6 @@ fn a_failing_rank_fails_the_job_and_stops_the_others() -> anyhow::Result<()> {
     let reason = status["reason"].as_str().unwrap();
     assert!(reason.contains("rank 6") && reason.contains("exited with code 1"), "reason: {reason}");
     c.wait_no_ranks(Duration::from_secs(20))?;
-    let status = c.status(job)?;
-    for r in status["ranks"].as_array().unwrap() {
-        assert_eq!(r["state"], "exited", "{r}");
-    }
+    c.wait_ranks_exited(job, Duration::from_secs(10))?;
     Ok(())
 }
