@@ -158,6 +158,7 @@ impl Session<'_> {
             inventory: Some(identity.inventory.clone()),
             ranks,
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
+            preflight: None,
         }
     }
 

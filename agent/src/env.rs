@@ -93,7 +93,7 @@ mod tests {
 
     #[test]
     fn sets_torchrun_and_trainyard_variables() {
-        let a = RankAssignment { rank: 11, local_rank: 3, gpu_index: 6 };
+        let a = RankAssignment { rank: 11, local_rank: 3, gpu_index: 6, ..Default::default() };
         let env = rank_env(&launch(), &a, Path::new("/d/receipts.jsonl"));
         let get = |k: &str| env.vars.get(k).map(String::as_str);
         assert_eq!(get("RANK"), Some("11"));
@@ -111,7 +111,7 @@ mod tests {
 
     #[test]
     fn overlay_cannot_override_ours_nor_set_cuda_visible_devices() {
-        let a = RankAssignment { rank: 0, local_rank: 0, gpu_index: 0 };
+        let a = RankAssignment { rank: 0, local_rank: 0, gpu_index: 0, ..Default::default() };
         let env = rank_env(&launch(), &a, Path::new("/r"));
         assert_eq!(env.vars.get("FOO").map(String::as_str), Some("bar"));
         assert_eq!(env.vars.get("RANK").map(String::as_str), Some("0"));

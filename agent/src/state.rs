@@ -94,6 +94,7 @@ impl RankRecord {
             signal: self.signal.unwrap_or(0),
             message: self.message.clone(),
             skipped_lines,
+            ..Default::default()
         }
     }
 }

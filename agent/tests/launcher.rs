@@ -32,7 +32,9 @@ fn launch(job_id: u64, ranks: u32, workdir: &Path, argv: &[&str], env: &[(&str, 
         local_world_size: ranks,
         master_addr: "127.0.0.1".into(),
         master_port: 29500,
-        ranks: (0..ranks).map(|r| RankAssignment { rank: r, local_rank: r, gpu_index: r }).collect(),
+        ranks: (0..ranks)
+            .map(|r| RankAssignment { rank: r, local_rank: r, gpu_index: r, ..Default::default() })
+            .collect(),
         spec: Some(JobSpec {
             name: "t".into(),
             engine: Some(job_spec::Engine::Exec(ExecEngine {

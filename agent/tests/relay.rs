@@ -108,7 +108,7 @@ echo garbage >> "$TRAINYARD_RECEIPTS"; printf '{"kind":"exit"}' >> "$TRAINYARD_R
         local_world_size: 1,
         master_addr: "127.0.0.1".into(),
         master_port: 29500,
-        ranks: vec![RankAssignment { rank: 0, local_rank: 0, gpu_index: 0 }],
+        ranks: vec![RankAssignment { rank: 0, local_rank: 0, gpu_index: 0, ..Default::default() }],
         spec: Some(JobSpec {
             engine: Some(job_spec::Engine::Exec(ExecEngine {
                 argv: vec!["sh".into(), "-c".into(), script.into()],

@@ -18,6 +18,8 @@ pub struct GpuView {
     pub memory_mib: u64,
     /// Not held by any allocation of an unfinished job.
     pub free: bool,
+    /// NUMA node the GPU hangs off (-1: unknown).
+    pub numa_node: i32,
 }
 
 /// One schedulable node (a connected agent that is not leaving).
@@ -25,6 +27,13 @@ pub struct GpuView {
 pub struct NodeView {
     pub agent_id: String,
     pub gpus: Vec<GpuView>,
+    /// Row-major n x n link codes between GPUs (`NV18`, `PIX`, ..., `X` on the diagonal), as
+    /// `nvidia-smi topo -m` prints them; empty when unknown.
+    pub links: Vec<String>,
+    /// `nvswitch`, `nvlink-pairs`, `pcie`, `mixed`, or empty before the first preflight.
+    pub interconnect_class: String,
+    /// CPU list of each NUMA node (kernel list format), by NUMA node id.
+    pub numa_cpus: Vec<(u32, String)>,
 }
 
 /// What a job asks for, extracted from its spec.
@@ -177,12 +186,16 @@ mod tests {
         (0..n)
             .map(|i| NodeView {
                 agent_id: format!("node-{i:02}"),
+                links: Vec::new(),
+                interconnect_class: String::new(),
+                numa_cpus: Vec::new(),
                 gpus: (0..gpus)
                     .map(|g| GpuView {
                         index: g,
                         model: "NVIDIA H100 80GB HBM3".into(),
                         memory_mib: 81_559,
                         free: true,
+                        numa_node: 0,
                     })
                     .collect(),
             })

@@ -32,6 +32,9 @@ pub struct SpecFile {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub restart: RestartFile,
+    /// Bind each rank to its GPU's NUMA node (cores and memory); on unless set to false.
+    #[serde(default = "default_true")]
+    pub pinning: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -47,6 +50,9 @@ pub struct ResourcesFile {
     /// `nvswitch | nvlink-pairs | pcie | any`.
     #[serde(default)]
     pub interconnect: String,
+    /// Collective bytes per optimizer step, for the placement cost model (exec jobs).
+    #[serde(default)]
+    pub comm_bytes_per_step: u64,
 }
 
 /// `[engine]`: one flat table told apart by `kind`. Flat rather than a serde tagged enum,
@@ -170,6 +176,10 @@ fn one_line(message: &str) -> String {
     out
 }
 
+fn default_true() -> bool {
+    true
+}
+
 impl SpecFile {
     fn into_proto(self, engine: Engine) -> JobSpec {
         JobSpec {
@@ -180,6 +190,7 @@ impl SpecFile {
                 gpu_model: self.resources.gpu_model,
                 min_gpu_memory_mib: self.resources.min_gpu_memory_gib.saturating_mul(MIB_PER_GIB),
                 interconnect: self.resources.interconnect,
+                comm_bytes_per_step: self.resources.comm_bytes_per_step,
             }),
             engine: Some(engine),
             env: self.env.into_iter().collect::<HashMap<_, _>>(),
@@ -189,6 +200,7 @@ impl SpecFile {
                 resume: self.restart.resume,
             }),
             priority: self.priority,
+            disable_pinning: !self.pinning,
         }
     }
 }
@@ -238,6 +250,7 @@ resume = false
                 gpu_model: "H100".into(),
                 min_gpu_memory_mib: 80 * 1024,
                 interconnect: "nvswitch".into(),
+                comm_bytes_per_step: 0,
             }),
             engine: Some(Engine::Exec(ExecEngine {
                 argv: vec!["python3".into(), "examples/rank.py".into(), "--steps".into(), "50".into()],
@@ -249,6 +262,7 @@ resume = false
             preflight: "quick".into(),
             restart: Some(RestartPolicy { max_restarts: 2, resume: false }),
             priority: 3,
+            disable_pinning: false,
         };
         assert_eq!(spec, expected);
     }

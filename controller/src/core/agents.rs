@@ -41,8 +41,9 @@ impl Controller {
         core.next_conn_id += 1;
         let conn_id = core.next_conn_id;
         let link = Some(AgentLink { conn_id, tx });
-        core.agents
-            .insert(agent_id.clone(), AgentEntry { record, link, leaving: false, disconnected_since: None });
+        let preflight = hello.preflight.clone();
+        let entry = AgentEntry { record, link, leaving: false, disconnected_since: None, preflight };
+        core.agents.insert(agent_id.clone(), entry);
         tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
         for report in &hello.ranks {
             self.apply_report(&mut core, &agent_id, report).await?;

@@ -250,9 +250,20 @@ impl Core {
                         model: g.model.clone(),
                         memory_mib: g.memory_mib,
                         free: all || !busy.contains_key(&(id, g.index)),
+                        numa_node: g.numa_node,
                     })
                     .collect();
-                NodeView { agent_id: e.record.agent_id.clone(), gpus }
+                NodeView {
+                    agent_id: e.record.agent_id.clone(),
+                    gpus,
+                    links: inv.links.clone(),
+                    interconnect_class: e
+                        .preflight
+                        .as_ref()
+                        .map(|r| r.interconnect_class.clone())
+                        .unwrap_or_default(),
+                    numa_cpus: inv.numa_nodes.iter().map(|n| (n.id, n.cpus.clone())).collect(),
+                }
             })
             .collect()
     }
@@ -314,6 +325,7 @@ fn launch_messages(core: &Core, job: &ActiveJob, port_base: u16) -> Vec<(String,
                         rank: a.id.rank,
                         local_rank: a.local_rank,
                         gpu_index: a.gpu_index,
+                        ..Default::default()
                     })
                     .collect(),
                 spec: Some(job.record.spec.clone()),

@@ -73,6 +73,8 @@ struct AgentEntry {
     leaving: bool,
     /// When the link went away (or the controller started without one).
     disconnected_since: Option<Instant>,
+    /// The agent's latest preflight report (from its hello or a re-run), if any.
+    preflight: Option<trainyard_proto::v1::PreflightReport>,
 }
 
 /// The send side of an agent's stream.
@@ -95,7 +97,13 @@ impl Controller {
         let now = Instant::now();
         let mut core = Core::default();
         for record in snapshot.agents {
-            let entry = AgentEntry { record, link: None, leaving: false, disconnected_since: Some(now) };
+            let entry = AgentEntry {
+                record,
+                link: None,
+                leaving: false,
+                disconnected_since: Some(now),
+                preflight: None,
+            };
             core.agents.insert(entry.record.agent_id.clone(), entry);
         }
         for record in snapshot.active_jobs {

@@ -58,6 +58,7 @@ impl Controller {
                 skipped_lines: a.observed.skipped_lines,
                 node_rank: a.node_rank,
                 local_rank: a.local_rank,
+                ..Default::default()
             })
             .collect();
         Ok(Job {
@@ -71,6 +72,7 @@ impl Controller {
             ranks,
             receipts: self.store.receipt_count(id).await?,
             events: Vec::new(),
+            ..Default::default()
         })
     }
 }

@@ -133,6 +133,9 @@ async fn serve(
                 }
             }
             agent_message::Msg::Heartbeat(_) => {}
+            agent_message::Msg::Preflight(report) => {
+                tracing::info!(agent_id, verdict = %report.verdict, "preflight report received (not stored yet)");
+            }
             agent_message::Msg::Hello(_) => {
                 tracing::warn!(agent_id, "second hello on one stream ignored");
             }

@@ -12,7 +12,8 @@ use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::Jobs;
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, GetJobRequest, Job, JobStateChange, ListJobsRequest, ListJobsResponse,
-    StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt, SubmitRequest,
+    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use super::to_status;
@@ -62,6 +63,17 @@ impl Jobs for JobsService {
         self.controller.cancel(req.job_id, &req.reason).await.map_err(to_status)?;
         let job = self.controller.job_view(req.job_id).await.map_err(to_status)?;
         Ok(Response::new(CancelResponse { job: Some(job) }))
+    }
+
+    async fn nodes(&self, _request: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
+        Err(Status::unimplemented("the fleet table is not served by this controller version yet"))
+    }
+
+    async fn preflight(
+        &self,
+        _request: Request<PreflightRequest>,
+    ) -> Result<Response<PreflightReport>, Status> {
+        Err(Status::unimplemented("preflight reports are not served by this controller version yet"))
     }
 
     type WatchStream = WatchStream;

@@ -74,6 +74,7 @@ pub mod fixtures {
             preflight: "quick".into(),
             restart: None,
             priority: 3,
+            disable_pinning: false,
         }
     }
 

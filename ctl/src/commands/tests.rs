@@ -7,8 +7,8 @@ use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest,
-    ListJobsResponse, RankStatus, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
-    watch_event::Event,
+    ListJobsResponse, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus,
+    StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -23,6 +23,14 @@ struct Fake {
 
 #[tonic::async_trait]
 impl Jobs for Fake {
+    async fn nodes(&self, _: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
+        Err(Status::unimplemented("not scripted"))
+    }
+
+    async fn preflight(&self, _: Request<PreflightRequest>) -> Result<Response<PreflightReport>, Status> {
+        Err(Status::unimplemented("not scripted"))
+    }
+
     async fn submit(&self, _: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
         let job_id = self.job.lock().expect("lock").id;
         Ok(Response::new(SubmitResponse { job_id }))
