@@ -9,6 +9,8 @@
 //!   last reported about it (observed: state, pid, exit code, skipped receipt lines).
 //! - `agents` and `gpus`: every host that ever said hello, with its inventory.
 //! - `receipts`: every receipt line, keyed on (job, attempt, rank, seq) so a replay is ignored.
+//! - `preflight_reports` and `preflight_checks`: every preflight report an agent sent, with
+//!   its checks. The newest report of each agent is its verdict, reloaded at start-up.
 //!
 //! What is *not* persisted: which agents are connected right now, and the in-memory fleet
 //! view the scheduler works on. Both are rebuilt at start-up from these tables plus the
@@ -20,7 +22,7 @@
 pub mod sqlite;
 
 use async_trait::async_trait;
-use trainyard_proto::v1::{HostInventory, JobSpec};
+use trainyard_proto::v1::{HostInventory, JobSpec, PreflightReport};
 
 pub use sqlite::SqliteStore;
 
@@ -262,4 +264,15 @@ pub trait Store: Send + Sync + 'static {
 
     /// Number of receipts stored for a job, all attempts.
     async fn receipt_count(&self, job: JobId) -> Result<u64>;
+
+    /// Stores a preflight report with its checks (one transaction, checks in multi-row inserts)
+    /// and returns its id. The same report sent again (same agent and non-empty `local_id`)
+    /// is not stored twice: the id of the stored one comes back.
+    async fn insert_preflight(&self, report: &PreflightReport, now_ms: i64) -> Result<u64>;
+
+    /// The newest report of one agent, with its checks and `report_id`.
+    async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightReport>>;
+
+    /// The newest report of every agent that sent one, by agent id (start-up rebuild).
+    async fn latest_preflights(&self) -> Result<Vec<PreflightReport>>;
 }

@@ -3,6 +3,7 @@
 //! Everything SQLite-specific lives in this module and its migration folder; the rest of the
 //! controller sees only [`Store`].
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
@@ -16,7 +17,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Row, SqlitePool};
 use tracing::Instrument;
-use trainyard_proto::v1::{HostInventory, JobSpec, job_spec::Engine};
+use trainyard_proto::v1::{HostInventory, JobSpec, PreflightCheck, PreflightReport, job_spec::Engine};
 
 use super::{
     AgentRecord, Allocation, JobEventRecord, JobId, JobRecord, JobState, NewReceipt, RankId, RankObserved,
@@ -58,7 +59,8 @@ macro_rules! allocation_columns {
 ///
 /// # What we persist
 /// See the [module documentation of the store](super); the schema with a comment on every
-/// column is `migrations/sqlite/0001_init.sql`, and `docs/schema.md` explains it to operators.
+/// column is in `migrations/sqlite/` (`0001_init.sql`, then one file per feature), and
+/// `docs/schema.md` explains it to operators.
 ///
 /// Durability: the file runs in WAL mode with `synchronous=FULL`. A receipt is acknowledged to
 /// the agent only after its transaction commits, and the agent then moves its resend cursor
@@ -457,6 +459,162 @@ impl Store for SqliteStore {
         })
         .await
     }
+
+    async fn insert_preflight(&self, report: &PreflightReport, now_ms: i64) -> Result<u64> {
+        self.run("insert_preflight", Mode::Write, async |c| {
+            let stored: Option<i64> = sqlx::query_scalar(
+                "SELECT id FROM preflight_reports WHERE agent_id = ? AND local_id = ? AND local_id <> ''",
+            )
+            .bind(report.agent_id.clone())
+            .bind(report.local_id.clone())
+            .fetch_optional(&mut *c)
+            .await?;
+            if let Some(id) = stored {
+                return report_id_from(id);
+            }
+            let id: i64 = sqlx::query_scalar(
+                "INSERT INTO preflight_reports (agent_id, local_id, level, started_at_ms, \
+                 finished_at_ms, verdict, interconnect_class, driver_version, cuda_version, \
+                 nccl_version, source, topology, received_at_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+            )
+            .bind(report.agent_id.clone())
+            .bind(report.local_id.clone())
+            .bind(report.level.clone())
+            .bind(report.started_at_ms)
+            .bind(report.finished_at_ms)
+            .bind(report.verdict.clone())
+            .bind(report.interconnect_class.clone())
+            .bind(report.driver_version.clone())
+            .bind(report.cuda_version.clone())
+            .bind(report.nccl_version.clone())
+            .bind(report.source.clone())
+            .bind(report.topology.clone())
+            .bind(now_ms)
+            .fetch_one(&mut *c)
+            .await?;
+            insert_checks(c, id, &report.checks).await?;
+            report_id_from(id)
+        })
+        .await
+    }
+
+    async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightReport>> {
+        self.run("latest_preflight", Mode::Read, async |c| {
+            let newest = "(SELECT max(id) FROM preflight_reports WHERE agent_id = ?)";
+            let mut reports = fetch_preflights(c, newest, Some(agent_id)).await?;
+            Ok(reports.pop())
+        })
+        .await
+    }
+
+    async fn latest_preflights(&self) -> Result<Vec<PreflightReport>> {
+        self.run("latest_preflights", Mode::Read, async |c| {
+            let newest = "(SELECT max(id) FROM preflight_reports GROUP BY agent_id)";
+            fetch_preflights(c, newest, None).await
+        })
+        .await
+    }
+}
+
+/// Columns bound per check row in [`insert_checks`].
+const CHECK_PARAMS: usize = 7;
+
+/// Largest multi-row insert of checks: a report has tens of checks, so one statement nearly
+/// always holds them all; the bound keeps a pathological report under SQLite's parameter limit.
+const MAX_CHECK_ROWS: usize = 1_024;
+
+/// Writes the checks of report `report_id` in order, in as few statements as the parameter
+/// limit allows.
+async fn insert_checks(c: &mut SqliteConnection, report_id: i64, checks: &[PreflightCheck]) -> Result<()> {
+    for (chunk_no, chunk) in checks.chunks(MAX_CHECK_ROWS).enumerate() {
+        let row = format!("({})", ["?"; CHECK_PARAMS].join(", "));
+        let sql = format!(
+            "INSERT INTO preflight_checks (report_id, position, check_id, status, measured, expected, \
+             remedy) VALUES {}",
+            vec![row.as_str(); chunk.len()].join(", ")
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql));
+        for (i, check) in chunk.iter().enumerate() {
+            query = query
+                .bind(report_id)
+                .bind((chunk_no * MAX_CHECK_ROWS + i) as i64)
+                .bind(check.id.clone())
+                .bind(check.status.clone())
+                .bind(check.measured.clone())
+                .bind(check.expected.clone())
+                .bind(check.remedy.clone());
+        }
+        query.execute(&mut *c).await?;
+    }
+    Ok(())
+}
+
+/// The reports whose id is in `ids` (a subquery taking `agent_id` as its only parameter, or
+/// none), with their checks, ordered by agent id.
+async fn fetch_preflights(
+    c: &mut SqliteConnection,
+    ids: &'static str,
+    agent_id: Option<&str>,
+) -> Result<Vec<PreflightReport>> {
+    let reports_sql = format!(
+        "SELECT id, agent_id, local_id, level, started_at_ms, finished_at_ms, verdict, \
+         interconnect_class, driver_version, cuda_version, nccl_version, source, topology \
+         FROM preflight_reports WHERE id IN {ids} ORDER BY agent_id, id"
+    );
+    let checks_sql = format!(
+        "SELECT report_id, check_id, status, measured, expected, remedy FROM preflight_checks \
+         WHERE report_id IN {ids} ORDER BY report_id, position"
+    );
+    let mut reports_query = sqlx::query(AssertSqlSafe(reports_sql));
+    let mut checks_query = sqlx::query(AssertSqlSafe(checks_sql));
+    if let Some(agent_id) = agent_id {
+        reports_query = reports_query.bind(agent_id.to_owned());
+        checks_query = checks_query.bind(agent_id.to_owned());
+    }
+    let mut reports: Vec<PreflightReport> =
+        reports_query.fetch_all(&mut *c).await?.iter().map(preflight_from_row).collect::<Result<_>>()?;
+    let mut checks: HashMap<u64, Vec<PreflightCheck>> = HashMap::new();
+    for row in checks_query.fetch_all(&mut *c).await? {
+        let t = "preflight_checks";
+        let report_id: i64 = col(&row, t, "report_id")?;
+        checks.entry(report_id_from(report_id)?).or_default().push(PreflightCheck {
+            id: col(&row, t, "check_id")?,
+            status: col(&row, t, "status")?,
+            measured: col(&row, t, "measured")?,
+            expected: col(&row, t, "expected")?,
+            remedy: col(&row, t, "remedy")?,
+        });
+    }
+    for report in &mut reports {
+        report.checks = checks.remove(&report.report_id).unwrap_or_default();
+    }
+    Ok(reports)
+}
+
+fn preflight_from_row(row: &SqliteRow) -> Result<PreflightReport> {
+    let t = "preflight_reports";
+    let id: i64 = col(row, t, "id")?;
+    Ok(PreflightReport {
+        report_id: report_id_from(id)?,
+        agent_id: col(row, t, "agent_id")?,
+        local_id: col(row, t, "local_id")?,
+        level: col(row, t, "level")?,
+        started_at_ms: col(row, t, "started_at_ms")?,
+        finished_at_ms: col(row, t, "finished_at_ms")?,
+        verdict: col(row, t, "verdict")?,
+        interconnect_class: col(row, t, "interconnect_class")?,
+        topology: col(row, t, "topology")?,
+        driver_version: col(row, t, "driver_version")?,
+        cuda_version: col(row, t, "cuda_version")?,
+        nccl_version: col(row, t, "nccl_version")?,
+        source: col(row, t, "source")?,
+        checks: Vec::new(),
+    })
+}
+
+fn report_id_from(v: i64) -> Result<u64> {
+    u64::try_from(v).map_err(|_| corrupt("preflight_reports", format!("negative id {v}")))
 }
 
 /// `INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING` for `2^log2` receipts, built once per

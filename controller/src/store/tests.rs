@@ -3,7 +3,9 @@
 
 use std::collections::HashMap;
 
-use trainyard_proto::v1::{ExecEngine, Gpu, HostInventory, JobSpec, Resources, job_spec::Engine};
+use trainyard_proto::v1::{
+    ExecEngine, Gpu, HostInventory, JobSpec, PreflightCheck, PreflightReport, Resources, job_spec::Engine,
+};
 
 use super::SqliteStore;
 use crate::store::{AgentRecord, Allocation, JobState, NewReceipt, RankId, RankObserved, Store, StoreError};
@@ -55,6 +57,9 @@ store_suite!(SqliteHarness:
     receipts_dedup,
     receipts_after_pages_by_cursor,
     last_seqs_and_counts,
+    preflight_round_trip_with_checks_in_order,
+    preflight_same_report_twice_is_stored_once,
+    preflight_latest_per_agent_after_reopen,
 );
 
 /// Builders shared by the suite.
@@ -111,6 +116,36 @@ pub mod fixtures {
             },
             state: state.to_owned(),
             last_seen_ms: now_ms,
+        }
+    }
+
+    /// A preflight report of `agent` with `checks` checks; the last one has `last_status`, the
+    /// others pass, and the verdict follows the last one.
+    pub fn preflight(agent: &str, started_at_ms: i64, checks: usize, last_status: &str) -> PreflightReport {
+        let checks = (0..checks)
+            .map(|i| PreflightCheck {
+                id: if i + 1 == checks { "cuda.init.gpu3".into() } else { format!("check.{i}") },
+                status: if i + 1 == checks { last_status.into() } else { "pass".into() },
+                measured: format!("measured {i}"),
+                expected: format!("expected {i}"),
+                remedy: if i + 1 == checks { "replace GPU 3 (RMA)".into() } else { String::new() },
+            })
+            .collect();
+        PreflightReport {
+            report_id: 0,
+            agent_id: agent.to_owned(),
+            level: "quick".into(),
+            started_at_ms,
+            finished_at_ms: started_at_ms + 1_500,
+            verdict: if last_status == "skipped" { "pass".into() } else { last_status.into() },
+            interconnect_class: "nvswitch".into(),
+            topology: "\tGPU0\tGPU1\nGPU0\t X \tNV18\nGPU1\tNV18\t X \n".into(),
+            driver_version: "570.124.06".into(),
+            cuda_version: "12.8".into(),
+            nccl_version: String::new(),
+            source: "host-file".into(),
+            checks,
+            local_id: format!("{agent}-{started_at_ms}"),
         }
     }
 
@@ -375,6 +410,74 @@ pub mod suite {
         assert!(s.last_seqs(j.id, 2).await.unwrap().is_empty());
         assert_eq!(s.receipt_count(j.id).await.unwrap(), 17);
         assert_eq!(s.receipt_count(j.id + 1).await.unwrap(), 0);
+    }
+
+    pub async fn preflight_round_trip_with_checks_in_order(h: &impl Harness) {
+        let s = h.open().await;
+        assert_eq!(s.latest_preflight("sxm-a").await.unwrap(), None);
+        let report = preflight("sxm-a", 1_000, 40, "fail");
+        let id = s.insert_preflight(&report, 5_000).await.unwrap();
+        assert!(id > 0);
+        let stored = s.latest_preflight("sxm-a").await.unwrap().expect("stored");
+        assert_eq!(stored, PreflightReport { report_id: id, ..report.clone() });
+        // A newer report replaces it as the latest; the older one stays as history.
+        let newer = preflight("sxm-a", 2_000, 3, "pass");
+        let newer_id = s.insert_preflight(&newer, 6_000).await.unwrap();
+        assert!(newer_id > id, "ids grow: {newer_id} after {id}");
+        let latest = s.latest_preflight("sxm-a").await.unwrap().expect("stored");
+        assert_eq!((latest.report_id, latest.verdict.as_str(), latest.checks.len()), (newer_id, "pass", 3));
+        assert_eq!(s.latest_preflight("sxm-b").await.unwrap(), None);
+        // A report without checks is a report.
+        let bare =
+            PreflightReport { checks: vec![], local_id: String::new(), ..preflight("sxm-b", 1, 0, "warn") };
+        let bare_id = s.insert_preflight(&bare, 7_000).await.unwrap();
+        let stored = s.latest_preflight("sxm-b").await.unwrap().expect("stored");
+        assert_eq!(stored, PreflightReport { report_id: bare_id, ..bare });
+    }
+
+    pub async fn preflight_same_report_twice_is_stored_once(h: &impl Harness) {
+        let s = h.open().await;
+        let report = preflight("sxm-a", 1_000, 5, "warn");
+        let first = s.insert_preflight(&report, 5_000).await.unwrap();
+        // The agent's hello after a reconnect carries the same report again.
+        assert_eq!(s.insert_preflight(&report, 9_000).await.unwrap(), first);
+        assert_eq!(s.latest_preflight("sxm-a").await.unwrap().expect("stored").checks.len(), 5);
+        // The same local id on another agent is another report; reports without one are
+        // never merged.
+        let other = PreflightReport { agent_id: "sxm-b".into(), ..report.clone() };
+        assert_ne!(s.insert_preflight(&other, 9_000).await.unwrap(), first);
+        let anonymous = PreflightReport { local_id: String::new(), ..report };
+        let a1 = s.insert_preflight(&anonymous, 9_000).await.unwrap();
+        let a2 = s.insert_preflight(&anonymous, 9_000).await.unwrap();
+        assert_ne!(a1, a2);
+        // A verdict the schema does not know is refused, and nothing of it is stored.
+        let bogus = PreflightReport { verdict: "great".into(), ..preflight("sxm-c", 1, 2, "pass") };
+        assert!(s.insert_preflight(&bogus, 9_000).await.is_err());
+        let bad_check = preflight("sxm-c", 2, 2, "maybe");
+        assert!(s.insert_preflight(&bad_check, 9_000).await.is_err());
+        assert_eq!(s.latest_preflight("sxm-c").await.unwrap(), None);
+    }
+
+    pub async fn preflight_latest_per_agent_after_reopen(h: &impl Harness) {
+        let ids;
+        {
+            let s = h.open().await;
+            assert!(s.latest_preflights().await.unwrap().is_empty());
+            let old_b = s.insert_preflight(&preflight("sxm-b", 1, 2, "pass"), 1).await.unwrap();
+            let a = s.insert_preflight(&preflight("sxm-a", 2, 4, "fail"), 2).await.unwrap();
+            let b = s.insert_preflight(&preflight("sxm-b", 3, 3, "warn"), 3).await.unwrap();
+            assert!(old_b < b);
+            ids = (a, b);
+        }
+        let s = h.open().await;
+        let latest = s.latest_preflights().await.unwrap();
+        let summary: Vec<_> = latest
+            .iter()
+            .map(|r| (r.agent_id.as_str(), r.report_id, r.verdict.as_str(), r.checks.len()))
+            .collect();
+        assert_eq!(summary, vec![("sxm-a", ids.0, "fail", 4), ("sxm-b", ids.1, "warn", 3)]);
+        assert_eq!(latest[0].checks[3].id, "cuda.init.gpu3");
+        assert_eq!(latest[0].checks[3].remedy, "replace GPU 3 (RMA)");
     }
 }
 
