@@ -29,12 +29,15 @@ pub fn bin_dir() -> PathBuf {
     exe.parent().and_then(Path::parent).expect("target directory").to_path_buf()
 }
 
+/// A workspace binary: next to the test executable's profile directory, or in `target/debug`
+/// (benches run in the release profile but use the debug binaries that setup built).
 fn bin(name: &str) -> Result<PathBuf> {
-    let path = bin_dir().join(name);
-    if !path.exists() {
-        bail!("{} is missing: run `cargo build --workspace --bins` first", path.display());
+    let dir = bin_dir();
+    let debug = dir.parent().map(|t| t.join("debug").join(name));
+    match [Some(dir.join(name)), debug].into_iter().flatten().find(|p| p.exists()) {
+        Some(path) => Ok(path),
+        None => bail!("{name} is missing from {}: run `cargo build --workspace --bins` first", dir.display()),
     }
-    Ok(path)
 }
 
 /// Root of the repository (for `examples/rank.py`).

@@ -1,0 +1,64 @@
+//! Submit-to-running latency: how long from `ctl submit` to every rank of a trivial exec job
+//! running on localhost (DESIGN.md target: under 300 ms at the median).
+//!
+//! Starts a real controller and one agent standing in for an 8-GPU node, submits trivial jobs
+//! one after another (each waits for the previous to finish), and reads the times back from the
+//! store: `submitted → running` from the job's events, and `ctl start → running` against the
+//! wall clock of this process (same machine, same clock). Prints medians and p90s.
+//!
+//! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench submit_latency`
+//! (the bench runs in the release profile and uses the debug binaries that setup builds).
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use trainyard_tests::Cluster;
+
+const JOBS: usize = 25;
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or_default()
+}
+
+fn percentile(sorted: &[i64], p: f64) -> i64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn measure(c: &Cluster, ranks: u32) -> anyhow::Result<()> {
+    let file = c.job_file(&format!("trivial-{ranks}"), ranks, 0, &[], "");
+    // A trivial rank: a shell that sleeps a little so "all ranks running" is observable.
+    let text = std::fs::read_to_string(&file)?
+        .replace(r#"argv = ["python3", "examples/rank.py"]"#, r#"argv = ["sh", "-c", "sleep 0.3"]"#);
+    std::fs::write(&file, text)?;
+    let (mut in_controller, mut end_to_end) = (Vec::new(), Vec::new());
+    for _ in 0..JOBS {
+        let t0 = now_ms();
+        let job = c.submit(&file)?;
+        c.wait_state(job, &["succeeded"], Duration::from_secs(30))?;
+        let rows = c.query(&format!(
+            "SELECT MIN(CASE WHEN to_state = 'pending' THEN at_ms END), \
+                    MIN(CASE WHEN to_state = 'running' THEN at_ms END) FROM job_events WHERE job_id = {job}"
+        ))?;
+        let (submitted, running) = (rows[0][0], rows[0][1]);
+        in_controller.push(running - submitted);
+        end_to_end.push(running - t0);
+    }
+    in_controller.sort_unstable();
+    end_to_end.sort_unstable();
+    println!(
+        "{ranks} rank(s), {JOBS} jobs: submitted→running median {} ms (p90 {} ms); \
+         ctl start→running median {} ms (p90 {} ms); target median < 300 ms",
+        percentile(&in_controller, 0.5),
+        percentile(&in_controller, 0.9),
+        percentile(&end_to_end, 0.5),
+        percentile(&end_to_end, 0.9),
+    );
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 8)?;
+    measure(&c, 1)?;
+    measure(&c, 8)?;
+    Ok(())
+}
