@@ -12,6 +12,8 @@
 //! - [`launcher`]: turns a `Launch` into shims and ranks, cancels, detects exits, adopts.
 //! - [`tail`]: the receipts tailer: lines to receipts, acknowledged positions, rewinds.
 //! - [`connection`]: one stream to the controller: hello, then the select loop.
+//! - [`topology`]: the node's GPU/NUMA/NIC model, its interconnect class, `nvidia-smi topo -m`
+//!   rendering and parsing.
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
 pub mod config;
@@ -25,6 +27,7 @@ pub mod relay;
 pub mod state;
 pub mod supervise;
 pub mod tail;
+pub mod topology;
 
 pub use config::AgentConfig;
 pub use relay::run;

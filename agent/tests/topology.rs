@@ -1,0 +1,135 @@
+//! The `nvidia-smi topo -m` parser on real-looking outputs of every node class
+//! (tests/fixtures/topo/), on its own rendering, and on malformed input.
+
+use std::path::PathBuf;
+
+use trainyard_agent::topology::{Class, Link, Topology, parse, render};
+
+fn fixture(name: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/topo").join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+fn parsed(name: &str) -> Topology {
+    parse(&fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn h100_sxm_on_one_numa_node() {
+    let t = parsed("h100-sxm-1numa.txt");
+    assert_eq!(t.gpus.len(), 8);
+    assert_eq!(t.class(), Class::NvSwitch);
+    assert!(
+        t.links
+            .iter()
+            .enumerate()
+            .all(|(i, r)| r.iter().enumerate().all(|(j, l)| (i == j) == (*l == Link::X)))
+    );
+    assert_eq!(t.links[3][6], Link::Nv(18));
+    assert_eq!(t.numa_layout(), "0:8");
+    assert_eq!(t.cpus_on_node(0), 208);
+    assert!(t.nics.is_empty());
+}
+
+#[test]
+fn h100_sxm_split_over_two_numa_nodes_with_nics() {
+    let t = parsed("h100-sxm-2numa.txt");
+    assert_eq!(t.class(), Class::NvSwitch);
+    assert_eq!(t.numa_layout(), "0:4 1:4");
+    assert_eq!(t.gpus[5].cpus, "56-111,168-223");
+    assert_eq!(t.numa_nodes.len(), 2);
+    assert_eq!(t.nics.len(), 8);
+    assert_eq!(t.nics[2].name, "mlx5_2");
+    assert_eq!(t.nics[2].to_gpus[2], Link::Pix);
+    assert_eq!(t.nics[2].to_gpus[6], Link::Sys);
+    assert_eq!(t.nics[0].to_nics[0], Link::X);
+}
+
+#[test]
+fn h100_nvl_is_nvlink_pairs() {
+    let t = parsed("h100-nvl.txt");
+    assert_eq!(t.class(), Class::NvlinkPairs);
+    assert_eq!(t.links[4][5], Link::Nv(12));
+    assert_eq!(t.links[0][2], Link::Node);
+    assert_eq!(t.links[0][7], Link::Sys);
+}
+
+#[test]
+fn h100_pcie_is_pcie() {
+    let t = parsed("h100-pcie.txt");
+    assert_eq!(t.class(), Class::Pcie);
+    assert_eq!(t.links[6][7], Link::Pxb);
+    assert_eq!(t.numa_layout(), "0:4 1:4");
+}
+
+#[test]
+fn h200_sxm_with_terminal_escape_codes() {
+    let t = parsed("h200-sxm.txt");
+    assert_eq!(t.class(), Class::NvSwitch);
+    assert_eq!(t.nics.len(), 4);
+    assert_eq!(t.nics[1].to_gpus[3], Link::Pxb);
+    assert_eq!(t.gpus[7].numa_node, Some(1));
+}
+
+#[test]
+fn rendering_reads_back_to_the_same_topology() {
+    for name in ["h100-sxm-1numa.txt", "h100-sxm-2numa.txt", "h100-nvl.txt", "h100-pcie.txt", "h200-sxm.txt"]
+    {
+        let t = parsed(name);
+        let text = render(&t);
+        assert!(text.lines().next().unwrap().contains("CPU Affinity\tNUMA Affinity"), "{text}");
+        assert!(text.contains("NV#  = Connection traversing a bonded set of # NVLinks"));
+        assert_eq!(parse(&text).unwrap(), t, "{name}");
+    }
+}
+
+#[test]
+fn spaces_instead_of_tabs_parse_the_same() {
+    let tabs = fixture("h100-nvl.txt");
+    let spaces = tabs.replace('\t', "   ");
+    assert_eq!(parse(&spaces).unwrap(), parse(&tabs).unwrap());
+}
+
+/// The error for `text` names `line` and says `what`.
+fn refused(text: &str, line: usize, what: &str) {
+    let e = parse(text).expect_err("must be refused");
+    assert_eq!(e.line, line, "{e}");
+    assert!(e.to_string().starts_with(&format!("line {line}: ")), "{e}");
+    assert!(e.to_string().contains(what), "{e} does not say {what:?}");
+}
+
+#[test]
+fn malformed_input_names_the_line() {
+    let good = fixture("h100-nvl.txt");
+    let lines: Vec<&str> = good.lines().collect();
+    let with = |i: usize, new: &str| {
+        let mut l = lines.clone();
+        l[i] = new;
+        l.join("\n")
+    };
+    refused("", 1, "empty");
+    refused("hello world\n", 1, "no GPU columns");
+    refused("\tGPU0\tGPU1\n", 1, "CPU Affinity");
+    refused("\tGPU1\tGPU0\tCPU Affinity\tNUMA Affinity\n", 1, "out of order");
+    // A cell that is no link code.
+    refused(&with(3, &lines[3].replace("NV12", "NV??")), 4, "\"NV??\" is not a link code");
+    // A row cut short.
+    refused(&with(5, "GPU4\tSYS\tSYS"), 6, "row GPU4 has 2 cells, expected 8");
+    // Asymmetric: GPU2->GPU0 disagrees with GPU0->GPU2.
+    refused(
+        &with(3, &lines[3].replacen("NODE", "SYS", 1)),
+        4,
+        "GPU2 to GPU0 is SYS but GPU0 to GPU2 is NODE",
+    );
+    // X off the diagonal.
+    refused(&with(2, &lines[2].replacen("NV12", "X", 1)), 3, "expected a link code");
+    // A missing GPU row.
+    let short: String =
+        lines.iter().enumerate().filter(|(i, _)| *i != 8).map(|(_, l)| format!("{l}\n")).collect();
+    refused(&short, 10, "lists 8 GPUs but 7 GPU rows follow");
+    // A row out of order, an unknown label, a bad affinity.
+    refused(&with(2, &lines[3]), 3, "out of order");
+    refused(&with(9, "mlx5_9\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS"), 10, "not a column");
+    refused(&with(1, &lines[1].replace("0-47,96-143", "0-47;96")), 2, "CPU Affinity");
+    refused(&with(1, &lines[1].replace("96-143\t0", "96-143\tzero")), 2, "NUMA Affinity");
+}
