@@ -27,6 +27,11 @@ impl Controller {
     pub fn error(&self, status: Status, job: Option<u64>) -> anyhow::Error {
         describe(&self.url, &status, job)
     }
+
+    /// Turns a failed call about a node into one actionable line.
+    pub fn node_error(&self, status: Status) -> anyhow::Error {
+        describe_node(&self.url, &status)
+    }
 }
 
 fn unreachable_error(url: &str, detail: &str) -> anyhow::Error {
@@ -52,6 +57,17 @@ pub fn describe(url: &str, status: &Status, job: Option<u64>) -> anyhow::Error {
         (Code::FailedPrecondition, _) => anyhow!("{message}"),
         (Code::DeadlineExceeded, _) => anyhow!("the controller at {url} did not answer in time"),
         (code, _) => anyhow!("controller error ({code:?}): {message}"),
+    }
+}
+
+/// The controller words node errors for operators already (unknown node, not connected, no
+/// report yet, no answer in time, bad level): say them as they are.
+pub fn describe_node(url: &str, status: &Status) -> anyhow::Error {
+    match status.code() {
+        Code::NotFound | Code::FailedPrecondition | Code::DeadlineExceeded | Code::InvalidArgument => {
+            anyhow!("{}", status.message())
+        }
+        _ => describe(url, status, None),
     }
 }
 
@@ -87,6 +103,17 @@ mod tests {
         let prefixed = Status::invalid_argument("job spec rejected: engine.workdir: relative");
         let once = describe(URL, &prefixed, None).to_string();
         assert_eq!(once, "job spec rejected: engine.workdir: relative");
+    }
+
+    #[test]
+    fn node_errors_keep_the_controllers_words() {
+        let missing =
+            Status::not_found("no node sxm-z is known to this controller (`ctl nodes` lists the known ones)");
+        assert_eq!(describe_node(URL, &missing).to_string(), missing.message());
+        let slow = Status::deadline_exceeded("node sxm-a did not report its full preflight within 120 s");
+        assert_eq!(describe_node(URL, &slow).to_string(), slow.message());
+        let down = describe_node(URL, &Status::unavailable("connection refused")).to_string();
+        assert!(down.starts_with("cannot reach the controller at http://"), "{down}");
     }
 
     #[tokio::test]

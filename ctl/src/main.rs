@@ -3,15 +3,17 @@
 //! # Layout
 //! - `spec`: the TOML job spec file and its conversion to the proto `JobSpec`.
 //! - `client`: the connection to the controller; gRPC failures become actionable sentences.
-//! - `commands`: one module per subcommand (submit, status, cancel, watch).
+//! - `commands`: one module per subcommand (submit, status, cancel, watch, nodes, preflight).
 //! - `progress`: the rate-limited progress line of `submit --follow`.
 //! - `output`: the stable JSON rendering behind `-o json`.
 //! - `render`: tables, ages, timestamps and receipt lines for people.
+//! - `fleet`: the fleet table and preflight reports for people.
 //!
 //! Errors are printed as one line on stderr with a non-zero exit status.
 
 mod client;
 mod commands;
+mod fleet;
 mod output;
 mod progress;
 mod render;
@@ -23,7 +25,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(name = "ctl", version, about = "Submit, inspect, watch and cancel trainyard jobs")]
+#[command(
+    name = "ctl",
+    version,
+    about = "Submit, inspect, watch and cancel trainyard jobs; inspect the fleet"
+)]
 struct Cli {
     /// Address of the controller's gRPC endpoint.
     #[arg(long, global = true, env = "TRAINYARD_CONTROLLER", default_value = "http://127.0.0.1:7070")]
@@ -56,6 +62,21 @@ enum Command {
         /// Only receipts stored after this position (as printed by `-o json`).
         #[arg(long, default_value_t = 0)]
         from: u64,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
+        output: Format,
+    },
+    /// Show the fleet: every node with its GPUs, class, NUMA layout, verdict and free GPUs.
+    Nodes {
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
+        output: Format,
+    },
+    /// Show a node's newest preflight report, or have it run one now with --run.
+    Preflight {
+        /// The node's agent id (or its hostname, when only one node has it).
+        host: String,
+        /// Run a preflight at this level now and show its report.
+        #[arg(long, value_name = "LEVEL", value_parser = ["quick", "standard", "full"])]
+        run: Option<String>,
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
         output: Format,
     },
@@ -102,6 +123,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Watch { job, from, output } => {
             commands::watch::run(&mut ctl, job, from, output == Format::Json).await
         }
+        Command::Nodes { output } => commands::nodes::run(&mut ctl, output == Format::Json).await,
+        Command::Preflight { host, run, output } => {
+            commands::preflight::run(&mut ctl, &host, run.as_deref(), output == Format::Json).await
+        }
     }
 }
 
@@ -121,5 +146,16 @@ mod tests {
             .expect("parse");
         assert_eq!(cli.controller, "http://x:1");
         assert!(matches!(cli.command, Command::Status { job: Some(3), output: Format::Json }));
+    }
+
+    #[test]
+    fn preflight_takes_a_host_and_a_known_level() {
+        let cli =
+            Cli::try_parse_from(["ctl", "preflight", "sxm-a", "--run", "full", "-o", "json"]).expect("parse");
+        let Command::Preflight { host, run, output } = cli.command else { panic!("not preflight") };
+        assert_eq!((host.as_str(), run.as_deref(), output), ("sxm-a", Some("full"), Format::Json));
+        let err =
+            Cli::try_parse_from(["ctl", "preflight", "sxm-a", "--run", "thorough"]).expect_err("bad level");
+        assert!(err.to_string().contains("quick"), "{err}");
     }
 }

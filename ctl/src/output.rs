@@ -1,4 +1,4 @@
-//! `-o json`: a stable JSON rendering of jobs and receipts.
+//! `-o json`: a stable JSON rendering of jobs, receipts, nodes and preflight reports.
 //!
 //! The structs mirror the proto fields by name but are ours, so a proto change (a new field, a
 //! renumbering) never silently changes what scripts parse; fields are added here on purpose.
@@ -6,7 +6,10 @@
 use std::collections::BTreeMap;
 
 use serde::Serialize;
-use trainyard_proto::v1::{Job, JobEvent, JobSpec, RankStatus, StoredReceipt, job_spec::Engine};
+use trainyard_proto::v1::{
+    Job, JobEvent, JobSpec, NodeInfo, PreflightCheck, PreflightReport, RankStatus, StoredReceipt,
+    job_spec::Engine,
+};
 
 #[derive(Debug, Serialize)]
 pub struct JobJson {
@@ -91,6 +94,103 @@ pub struct ReceiptJson {
     pub kind: String,
     /// The rank's JSON object, embedded as JSON (or as a string if it is somehow not JSON).
     pub body: serde_json::Value,
+}
+
+/// One row of `ctl nodes -o json`.
+#[derive(Debug, Serialize)]
+pub struct NodeJson {
+    pub agent_id: String,
+    pub hostname: String,
+    pub state: String,
+    pub gpus: u32,
+    pub free_gpus: u32,
+    pub gpu_model: String,
+    pub interconnect_class: String,
+    pub numa_layout: String,
+    pub verdict: String,
+    pub verdict_reason: String,
+    pub last_seen_ms: i64,
+    pub preflight_report_id: u64,
+}
+
+/// `ctl preflight HOST -o json`: the report with its checks, in the agent's order.
+#[derive(Debug, Serialize)]
+pub struct PreflightJson {
+    pub report_id: u64,
+    pub local_id: String,
+    pub agent_id: String,
+    pub level: String,
+    pub started_at_ms: i64,
+    pub finished_at_ms: i64,
+    pub verdict: String,
+    pub interconnect_class: String,
+    pub driver_version: String,
+    pub cuda_version: String,
+    pub nccl_version: String,
+    pub source: String,
+    pub topology: String,
+    pub checks: Vec<CheckJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CheckJson {
+    pub id: String,
+    pub status: String,
+    pub measured: String,
+    pub expected: String,
+    pub remedy: String,
+}
+
+impl From<&NodeInfo> for NodeJson {
+    fn from(n: &NodeInfo) -> Self {
+        NodeJson {
+            agent_id: n.agent_id.clone(),
+            hostname: n.hostname.clone(),
+            state: n.state.clone(),
+            gpus: n.gpus,
+            free_gpus: n.free_gpus,
+            gpu_model: n.gpu_model.clone(),
+            interconnect_class: n.interconnect_class.clone(),
+            numa_layout: n.numa_layout.clone(),
+            verdict: n.verdict.clone(),
+            verdict_reason: n.verdict_reason.clone(),
+            last_seen_ms: n.last_seen_ms,
+            preflight_report_id: n.preflight_report_id,
+        }
+    }
+}
+
+impl From<&PreflightReport> for PreflightJson {
+    fn from(r: &PreflightReport) -> Self {
+        PreflightJson {
+            report_id: r.report_id,
+            local_id: r.local_id.clone(),
+            agent_id: r.agent_id.clone(),
+            level: r.level.clone(),
+            started_at_ms: r.started_at_ms,
+            finished_at_ms: r.finished_at_ms,
+            verdict: r.verdict.clone(),
+            interconnect_class: r.interconnect_class.clone(),
+            driver_version: r.driver_version.clone(),
+            cuda_version: r.cuda_version.clone(),
+            nccl_version: r.nccl_version.clone(),
+            source: r.source.clone(),
+            topology: r.topology.clone(),
+            checks: r.checks.iter().map(CheckJson::from).collect(),
+        }
+    }
+}
+
+impl From<&PreflightCheck> for CheckJson {
+    fn from(c: &PreflightCheck) -> Self {
+        CheckJson {
+            id: c.id.clone(),
+            status: c.status.clone(),
+            measured: c.measured.clone(),
+            expected: c.expected.clone(),
+            remedy: c.remedy.clone(),
+        }
+    }
 }
 
 impl From<&Job> for JobJson {
@@ -243,6 +343,26 @@ mod tests {
         assert_eq!(v["spec"]["engine"]["kind"], "exec");
         assert_eq!(v["spec"]["engine"]["workdir"], "/w");
         assert_eq!(v["ranks"][0]["last_seq"], -1);
+    }
+
+    #[test]
+    fn preflight_json_keeps_checks_in_order() {
+        let report = PreflightReport {
+            report_id: 4,
+            agent_id: "sxm-a".into(),
+            verdict: "fail".into(),
+            checks: vec![
+                PreflightCheck { id: "host.shm".into(), status: "pass".into(), ..Default::default() },
+                PreflightCheck { id: "cuda.init.gpu3".into(), status: "fail".into(), ..Default::default() },
+            ],
+            ..Default::default()
+        };
+        let v = serde_json::to_value(PreflightJson::from(&report)).expect("serialize");
+        assert_eq!((v["report_id"].as_u64(), v["verdict"].as_str()), (Some(4), Some("fail")));
+        assert_eq!(v["checks"][1]["id"], "cuda.init.gpu3");
+        let node = NodeInfo { agent_id: "sxm-a".into(), free_gpus: 3, ..Default::default() };
+        let v = serde_json::to_value(NodeJson::from(&node)).expect("serialize");
+        assert_eq!((v["agent_id"].as_str(), v["free_gpus"].as_u64()), (Some("sxm-a"), Some(3)));
     }
 
     #[test]

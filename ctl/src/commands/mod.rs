@@ -1,6 +1,8 @@
 //! One module per subcommand; each takes a connected [`Controller`] and prints its result.
 
 pub mod cancel;
+pub mod nodes;
+pub mod preflight;
 pub mod status;
 pub mod submit;
 pub mod watch;

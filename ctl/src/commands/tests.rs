@@ -7,7 +7,7 @@ use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest,
-    ListJobsResponse, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus,
+    ListJobsResponse, NodeInfo, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus,
     StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
@@ -24,11 +24,22 @@ struct Fake {
 #[tonic::async_trait]
 impl Jobs for Fake {
     async fn nodes(&self, _: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
-        Err(Status::unimplemented("not scripted"))
+        let node = NodeInfo { agent_id: "node-a".into(), verdict: "fail".into(), ..Default::default() };
+        Ok(Response::new(NodesResponse { nodes: vec![node] }))
     }
 
-    async fn preflight(&self, _: Request<PreflightRequest>) -> Result<Response<PreflightReport>, Status> {
-        Err(Status::unimplemented("not scripted"))
+    /// Knows node-a only; a run level it cannot run.
+    async fn preflight(&self, r: Request<PreflightRequest>) -> Result<Response<PreflightReport>, Status> {
+        let r = r.into_inner();
+        match (r.agent_id.as_str(), r.run_level.as_str()) {
+            ("node-a", "") => {
+                Ok(Response::new(PreflightReport { agent_id: r.agent_id, ..Default::default() }))
+            }
+            ("node-a", _) => Err(Status::failed_precondition(
+                "node node-a is not connected, so it cannot run a preflight now",
+            )),
+            (host, _) => Err(Status::not_found(format!("no node {host} is known to this controller"))),
+        }
     }
 
     async fn submit(&self, _: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
@@ -133,4 +144,18 @@ async fn follow_exits_by_the_final_state() {
     let mut ctl = serve(fake).await;
     let err = super::submit::run(&mut ctl, JobSpec::default(), true).await.expect_err("job failed");
     assert!(err.to_string().starts_with("job 7 failed"), "{err}");
+}
+
+#[tokio::test]
+async fn nodes_and_preflight_answer_or_say_why_not() {
+    let fake = Fake { job: Mutex::new(job("running", 1)), gets_until_stopped: Mutex::new(0), events: vec![] };
+    let mut ctl = serve(fake).await;
+    super::nodes::run(&mut ctl, false).await.expect("table");
+    super::nodes::run(&mut ctl, true).await.expect("json");
+    super::preflight::run(&mut ctl, "node-a", None, false).await.expect("report");
+    let err = super::preflight::run(&mut ctl, "node-z", None, false).await.expect_err("unknown node");
+    assert_eq!(err.to_string(), "no node node-z is known to this controller");
+    let err =
+        super::preflight::run(&mut ctl, "node-a", Some("quick"), true).await.expect_err("not connected");
+    assert_eq!(err.to_string(), "node node-a is not connected, so it cannot run a preflight now");
 }
