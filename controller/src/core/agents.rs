@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 use trainyard_proto::v1::{
-    CancelRanks, ControllerMessage, ForgetRanks, Hello, HelloAck, RankAck, RankKey, RankReport, ReceiptAck,
-    ReceiptBatch, controller_message::Msg,
+    CancelRanks, ControllerMessage, ForgetRanks, Hello, HelloAck, PreflightReport, RankAck, RankKey,
+    RankReport, ReceiptAck, ReceiptBatch, controller_message::Msg,
 };
 
 use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, now_ms, rank_done};
@@ -30,6 +30,10 @@ impl Controller {
             last_seen_ms: now_ms(),
         };
         self.store.upsert_agent(&record).await?;
+        let preflight = match hello.preflight.clone() {
+            Some(report) => self.store_preflight(&agent_id, report).await?,
+            None => None,
+        };
         let reported: BTreeSet<RankId> = hello.ranks.iter().filter_map(|r| r.key.map(rank_id)).collect();
         let acks = self.acks_for(&reported).await?;
         let ack = HelloAck { protocol_version: trainyard_proto::PROTOCOL_VERSION, acks };
@@ -41,7 +45,9 @@ impl Controller {
         core.next_conn_id += 1;
         let conn_id = core.next_conn_id;
         let link = Some(AgentLink { conn_id, tx });
-        let preflight = hello.preflight.clone();
+        // A hello without a report keeps the verdict the node had (from the store after a
+        // restart of the controller, or from before the reconnect).
+        let preflight = preflight.or_else(|| core.agents.get(&agent_id).and_then(|e| e.preflight.clone()));
         let entry = AgentEntry { record, link, leaving: false, disconnected_since: None, preflight };
         core.agents.insert(agent_id.clone(), entry);
         tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
@@ -111,6 +117,48 @@ impl Controller {
         Ok(acks)
     }
 
+    /// An agent sent a preflight report (a re-run, or one the controller asked for): store it,
+    /// make it the node's verdict, and schedule again, since a node that passes now may take
+    /// pending jobs.
+    pub async fn agent_preflight(&self, agent_id: &str, report: PreflightReport) -> Result<()> {
+        let Some(report) = self.store_preflight(agent_id, report).await? else { return Ok(()) };
+        let mut core = self.core.lock().await;
+        if let Some(entry) = core.agents.get_mut(agent_id)
+            && entry.preflight.as_ref().is_none_or(|r| r.report_id <= report.report_id)
+        {
+            entry.preflight = Some(report);
+        }
+        self.bump();
+        self.schedule_pass(&mut core).await
+    }
+
+    /// Stores a report as the agent's own (an agent speaks only for itself) and returns it
+    /// with its `report_id`; a malformed report is logged and dropped (`None`).
+    async fn store_preflight(
+        &self,
+        agent_id: &str,
+        mut report: PreflightReport,
+    ) -> Result<Option<PreflightReport>> {
+        if let Err(why) = check_report(&report) {
+            tracing::error!(agent_id, why, "preflight report dropped: malformed");
+            return Ok(None);
+        }
+        report.agent_id = agent_id.to_string();
+        report.report_id = self.store.insert_preflight(&report, now_ms()).await?;
+        let failing: Vec<&str> =
+            report.checks.iter().filter(|c| c.status == "fail").map(|c| c.id.as_str()).collect();
+        tracing::info!(
+            agent_id,
+            report_id = report.report_id,
+            level = %report.level,
+            verdict = %report.verdict,
+            class = %report.interconnect_class,
+            failing = %failing.join(","),
+            "preflight report stored"
+        );
+        Ok(Some(report))
+    }
+
     /// A rank changed state on an agent.
     pub async fn rank_update(&self, agent_id: &str, report: &RankReport) -> Result<()> {
         let mut core = self.core.lock().await;
@@ -143,6 +191,8 @@ impl Controller {
             message: report.message.clone(),
             skipped_lines: report.skipped_lines,
             updated_at_ms: now_ms(),
+            effective_cpus: report.effective_cpus.clone(),
+            effective_mems: report.effective_mems.clone(),
         };
         let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
         if unchanged(&job.allocations[pos].observed, &observed) {
@@ -176,8 +226,11 @@ impl Controller {
         entry.link = None;
         entry.disconnected_since = Some(Instant::now());
         let state = if entry.leaving { "leaving" } else { "disconnected" };
+        let now = now_ms();
+        entry.record.state = state.to_string();
+        entry.record.last_seen_ms = now;
         tracing::info!(agent_id, conn_id, state, "agent stream ended");
-        self.store.set_agent_state(agent_id, state, now_ms()).await?;
+        self.store.set_agent_state(agent_id, state, now).await?;
         Ok(())
     }
 
@@ -236,10 +289,38 @@ impl Controller {
     }
 }
 
+/// The verdict and check statuses are words the store and the scheduler know.
+fn check_report(report: &PreflightReport) -> std::result::Result<(), String> {
+    if !matches!(report.verdict.as_str(), "pass" | "warn" | "fail") {
+        return Err(format!("verdict {:?} is not pass, warn or fail", report.verdict));
+    }
+    match report.checks.iter().find(|c| !matches!(c.status.as_str(), "pass" | "warn" | "fail" | "skipped")) {
+        Some(c) => Err(format!("check {} has status {:?}, not pass, warn, fail or skipped", c.id, c.status)),
+        None => Ok(()),
+    }
+}
+
 /// Same report apart from its time: nothing to write.
 fn unchanged(a: &RankObserved, b: &RankObserved) -> bool {
-    (&a.state, a.pid, a.exit_code, a.signal, &a.message, a.skipped_lines)
-        == (&b.state, b.pid, b.exit_code, b.signal, &b.message, b.skipped_lines)
+    (
+        &a.state,
+        a.pid,
+        a.exit_code,
+        a.signal,
+        &a.message,
+        a.skipped_lines,
+        &a.effective_cpus,
+        &a.effective_mems,
+    ) == (
+        &b.state,
+        b.pid,
+        b.exit_code,
+        b.signal,
+        &b.message,
+        b.skipped_lines,
+        &b.effective_cpus,
+        &b.effective_mems,
+    )
 }
 
 fn lost_report(id: RankId, message: &str) -> RankReport {

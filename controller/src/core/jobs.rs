@@ -7,6 +7,7 @@ use trainyard_proto::v1::{
 };
 
 use super::{ActiveJob, Controller, ControllerError, Core, Result, now_ms, rank_done, rank_failure};
+use crate::cost;
 use crate::scheduler::{self, GpuView, NodeView, Placement, Request};
 use crate::spec;
 use crate::store::{Allocation, JobId, JobRecord, JobState, RankId, RankObserved};
@@ -156,33 +157,61 @@ impl Controller {
             .map(|j| request_of(j.record.id, &j.record.spec))
             .collect();
         if queue.is_empty() {
+            core.waiting.clear();
             return Ok(());
         }
-        let placements = scheduler::schedule(&queue, &core.node_views(false));
-        for placement in placements {
-            self.launch(core, placement).await?;
+        let views = core.node_views(false);
+        let outcome = scheduler::schedule(&queue, &views);
+        core.waiting = outcome.waiting.into_iter().collect();
+        for placement in outcome.placements {
+            self.launch(core, placement, &views).await?;
         }
         Ok(())
     }
 
-    async fn launch(&self, core: &mut Core, placement: Placement) -> Result<()> {
+    /// Records a placement (with each rank's planned CPU/memory binding unless the job turned
+    /// pinning off) and sends the launches.
+    async fn launch(&self, core: &mut Core, placement: Placement, views: &[NodeView]) -> Result<()> {
         let job_id = placement.job_id;
         let Some(job) = core.jobs.get(&job_id) else { return Ok(()) };
         let attempt = job.record.attempt;
+        let pin = !job.record.spec.disable_pinning;
+        let bytes = job.record.spec.resources.as_ref().map_or(0, |r| r.comm_bytes_per_step);
         let now = now_ms();
         let allocations: Vec<Allocation> = placement
             .ranks()
-            .map(|(rank, node_rank, local_rank, agent, gpu)| Allocation {
-                id: RankId { job_id, attempt, rank },
-                agent_id: agent.to_string(),
-                gpu_index: gpu,
-                node_rank,
-                local_rank,
-                observed: RankObserved { state: "planned".into(), updated_at_ms: now, ..Default::default() },
+            .map(|(rank, node_rank, local_rank, agent, gpu)| {
+                let plan = views
+                    .iter()
+                    .find(|v| v.agent_id == agent)
+                    .filter(|_| pin)
+                    .and_then(|v| scheduler::plan_cpus(v, gpu));
+                Allocation {
+                    id: RankId { job_id, attempt, rank },
+                    agent_id: agent.to_string(),
+                    gpu_index: gpu,
+                    node_rank,
+                    local_rank,
+                    planned_cpus: plan.as_ref().map(|p| p.cpus.clone()).unwrap_or_default(),
+                    planned_mems: plan.map(|p| p.numa_node.to_string()).unwrap_or_default(),
+                    observed: RankObserved {
+                        state: "planned".into(),
+                        updated_at_ms: now,
+                        ..Default::default()
+                    },
+                }
             })
             .collect();
         let nodes = placement.nodes.len();
-        let reason = format!("placed {} ranks on {nodes} node(s)", allocations.len());
+        let predicted = cost::step_comm_ms(bytes, placement.world_size(), placement.bottleneck);
+        let mut reason = format!(
+            "placed {} ranks on {nodes} node(s); slowest link {}",
+            allocations.len(),
+            placement.bottleneck.label()
+        );
+        if predicted > 0.0 {
+            reason.push_str(&format!("; predicted communication {predicted:.1} ms per step"));
+        }
         let record = self.store.schedule(job_id, attempt, &allocations, &reason, now).await?;
         tracing::info!(job_id, attempt, ranks = allocations.len(), nodes, "job scheduled");
         if let Some(job) = core.jobs.get_mut(&job_id) {
@@ -228,7 +257,9 @@ impl Core {
     }
 
     /// The fleet as the scheduler sees it. `all`: every known agent with every GPU free (for
-    /// feasibility); otherwise connected agents that are not leaving, with busy GPUs marked.
+    /// feasibility, failing nodes included: an operator can fix them); otherwise connected
+    /// agents that are not leaving and whose newest preflight verdict is not `fail`, with busy
+    /// GPUs marked.
     pub(super) fn node_views(&self, all: bool) -> Vec<NodeView> {
         let mut busy: BTreeMap<(&str, u32), ()> = BTreeMap::new();
         for job in self.jobs.values() {
@@ -238,7 +269,7 @@ impl Core {
         }
         self.agents
             .values()
-            .filter(|e| all || (e.link.is_some() && !e.leaving))
+            .filter(|e| all || (e.link.is_some() && !e.leaving && !e.failing()))
             .map(|e| {
                 let inv = &e.record.inventory;
                 let id = e.record.agent_id.as_str();
@@ -278,6 +309,7 @@ fn request_of(job_id: JobId, spec: &JobSpec) -> Request {
         gpus_per_node: res.gpus_per_node,
         gpu_model: res.gpu_model,
         min_gpu_memory_mib: res.min_gpu_memory_mib,
+        interconnect: res.interconnect,
     }
 }
 
@@ -325,7 +357,8 @@ fn launch_messages(core: &Core, job: &ActiveJob, port_base: u16) -> Vec<(String,
                         rank: a.id.rank,
                         local_rank: a.local_rank,
                         gpu_index: a.gpu_index,
-                        ..Default::default()
+                        cpus: a.planned_cpus.clone(),
+                        numa_node: a.planned_mems.parse().unwrap_or(-1),
                     })
                     .collect(),
                 spec: Some(job.record.spec.clone()),

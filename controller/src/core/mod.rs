@@ -12,10 +12,13 @@
 //! - `jobs`: submit, cancel, the per-job state machine and the scheduling pass.
 //! - `agents`: hellos, disconnects, rank reports and the reaper of vanished agents.
 //! - `view`: the read side (`Get`, `List`), served from the store.
+//! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
 pub use agents::MAX_BATCH;
 mod jobs;
+mod nodes;
+pub use nodes::{PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
 mod view;
 
 use std::collections::{BTreeMap, HashMap};
@@ -41,6 +44,16 @@ pub enum ControllerError {
     JobNotFound(JobId),
     #[error("agent {0} closed its stream")]
     AgentGone(String),
+    #[error("no node {0} is known to this controller (`ctl nodes` lists the known ones)")]
+    AgentNotFound(String),
+    #[error("node {0} is not connected, so it cannot run a preflight now")]
+    AgentNotConnected(String),
+    #[error("node {0} has not sent a preflight report yet (`ctl preflight {0} --run quick` asks for one)")]
+    NoPreflight(String),
+    #[error("node {agent} did not report its {level} preflight within {waited_s} s; see the agent's log")]
+    PreflightTimeout { agent: String, level: String, waited_s: u64 },
+    #[error("request rejected: {0}")]
+    BadRequest(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -64,6 +77,8 @@ struct Core {
     /// Jobs that are not finished, plus finished ones whose ranks have not all stopped yet.
     jobs: BTreeMap<JobId, ActiveJob>,
     next_conn_id: u64,
+    /// Why each pending job waits, from the latest scheduling pass (`Job.waiting_reason`).
+    waiting: HashMap<JobId, String>,
 }
 
 struct AgentEntry {
@@ -105,6 +120,12 @@ impl Controller {
                 preflight: None,
             };
             core.agents.insert(entry.record.agent_id.clone(), entry);
+        }
+        // Verdicts survive a restart: a node that failed stays unscheduled until it reports again.
+        for report in store.latest_preflights().await? {
+            if let Some(entry) = core.agents.get_mut(&report.agent_id) {
+                entry.preflight = Some(report);
+            }
         }
         for record in snapshot.active_jobs {
             core.jobs.insert(record.id, ActiveJob { record, allocations: Vec::new() });

@@ -134,7 +134,10 @@ async fn serve(
             }
             agent_message::Msg::Heartbeat(_) => {}
             agent_message::Msg::Preflight(report) => {
-                tracing::info!(agent_id, verdict = %report.verdict, "preflight report received (not stored yet)");
+                if let Err(e) = controller.agent_preflight(agent_id, report).await {
+                    tracing::error!(agent_id, error = %e, "failed to store a preflight report; closing");
+                    return;
+                }
             }
             agent_message::Msg::Hello(_) => {
                 tracing::warn!(agent_id, "second hello on one stream ignored");

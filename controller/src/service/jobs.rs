@@ -1,4 +1,5 @@
-//! `Jobs`: submit, get, list, cancel and watch, for operators.
+//! `Jobs`: submit, get, list, cancel and watch, the fleet table and preflight reports, for
+//! operators.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use trainyard_proto::v1::{
 };
 
 use super::to_status;
-use crate::core::{Controller, ControllerError};
+use crate::core::{Controller, ControllerError, PREFLIGHT_RUN_TIMEOUT};
 use crate::store::{JobState, StoreError};
 
 /// Receipts read from the store per round trip of a watcher.
@@ -66,14 +67,22 @@ impl Jobs for JobsService {
     }
 
     async fn nodes(&self, _request: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
-        Err(Status::unimplemented("the fleet table is not served by this controller version yet"))
+        Ok(Response::new(NodesResponse { nodes: self.controller.nodes().await }))
     }
 
+    /// The node's newest report; with a run level, the report of a run asked for now (waits
+    /// up to [`PREFLIGHT_RUN_TIMEOUT`] for the agent to answer).
     async fn preflight(
         &self,
-        _request: Request<PreflightRequest>,
+        request: Request<PreflightRequest>,
     ) -> Result<Response<PreflightReport>, Status> {
-        Err(Status::unimplemented("preflight reports are not served by this controller version yet"))
+        let req = request.into_inner();
+        let report = if req.run_level.is_empty() {
+            self.controller.latest_preflight(&req.agent_id).await
+        } else {
+            self.controller.run_preflight(&req.agent_id, &req.run_level, PREFLIGHT_RUN_TIMEOUT).await
+        };
+        Ok(Response::new(report.map_err(to_status)?))
     }
 
     type WatchStream = WatchStream;

@@ -1,0 +1,221 @@
+//! The fleet table (`Jobs.Nodes`) and preflight reports on request (`Jobs.Preflight`).
+//!
+//! A node's verdict is its agent's newest preflight report: `fail` keeps the scheduler away
+//! from it (it still counts when a submitted job is checked for feasibility, since an operator
+//! can fix the node), and the table says which checks failed and what they measured.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use trainyard_proto::v1::{HostInventory, NodeInfo, PreflightReport, RunPreflight, controller_message::Msg};
+
+use super::{AgentEntry, Controller, ControllerError, Core, Result, now_ms, rank_done};
+
+/// Levels an operator may ask an agent to run.
+pub const PREFLIGHT_RUN_LEVELS: [&str; 3] = ["quick", "standard", "full"];
+
+/// How long `Preflight` with a run level waits for the agent's new report. A `full` run sweeps
+/// NCCL up to 1 GiB on every GPU, which takes tens of seconds on a healthy node.
+pub const PREFLIGHT_RUN_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl AgentEntry {
+    /// The node's newest preflight verdict is `fail`: no new work goes there.
+    pub(super) fn failing(&self) -> bool {
+        self.preflight.as_ref().is_some_and(|r| r.verdict == "fail")
+    }
+
+    /// `connected`, `leaving` or `disconnected`, as the fleet table shows it.
+    fn state(&self) -> &'static str {
+        match (self.link.is_some(), self.leaving || self.record.state == "leaving") {
+            (true, false) => "connected",
+            (_, true) => "leaving",
+            (false, false) => "disconnected",
+        }
+    }
+}
+
+impl Controller {
+    /// One row per known agent, by agent id.
+    pub async fn nodes(&self) -> Vec<NodeInfo> {
+        let core = self.core.lock().await;
+        let busy = core.busy_gpus();
+        let now = now_ms();
+        core.agents
+            .values()
+            .map(|e| node_info(e, &busy, now))
+            .collect::<BTreeMap<_, _>>()
+            .into_values()
+            .collect()
+    }
+
+    /// The newest preflight report of a node (agent id, or hostname when unambiguous).
+    pub async fn latest_preflight(&self, host: &str) -> Result<PreflightReport> {
+        let agent_id = {
+            let core = self.core.lock().await;
+            let agent_id = core.resolve(host)?;
+            if let Some(report) = core.agents.get(&agent_id).and_then(|e| e.preflight.clone()) {
+                return Ok(report);
+            }
+            agent_id
+        };
+        // Not in memory (a report whose store write raced a restart): the store is the record.
+        self.store.latest_preflight(&agent_id).await?.ok_or(ControllerError::NoPreflight(agent_id))
+    }
+
+    /// Asks a node to run a preflight at `level` and waits up to `timeout` for its next report.
+    pub async fn run_preflight(&self, host: &str, level: &str, timeout: Duration) -> Result<PreflightReport> {
+        if !PREFLIGHT_RUN_LEVELS.contains(&level) {
+            return Err(ControllerError::BadRequest(format!(
+                "run level {level:?} is not one of {}",
+                PREFLIGHT_RUN_LEVELS.join(", ")
+            )));
+        }
+        // Subscribed before the request goes out, so a fast answer is not missed.
+        let mut changes = self.subscribe();
+        let (agent_id, before) = {
+            let mut core = self.core.lock().await;
+            let agent_id = core.resolve(host)?;
+            let before =
+                core.agents.get(&agent_id).and_then(|e| e.preflight.as_ref()).map_or(0, |r| r.report_id);
+            let msg = Msg::RunPreflight(RunPreflight { level: level.to_string() });
+            if !core.send(&agent_id, msg) {
+                return Err(ControllerError::AgentNotConnected(agent_id));
+            }
+            (agent_id, before)
+        };
+        tracing::info!(agent_id, level, "preflight requested");
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            changes.borrow_and_update();
+            {
+                let core = self.core.lock().await;
+                let entry = core
+                    .agents
+                    .get(&agent_id)
+                    .ok_or_else(|| ControllerError::AgentNotFound(agent_id.clone()))?;
+                match &entry.preflight {
+                    Some(report) if report.report_id > before => return Ok(report.clone()),
+                    _ if entry.link.is_none() => return Err(ControllerError::AgentNotConnected(agent_id)),
+                    _ => {}
+                }
+            }
+            tokio::select! {
+                _ = changes.changed() => {}
+                // The link can drop without a change being announced; look again now and then.
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    let waited_s = timeout.as_secs();
+                    return Err(ControllerError::PreflightTimeout { agent: agent_id, level: level.to_string(), waited_s });
+                }
+            }
+        }
+    }
+}
+
+impl Core {
+    /// GPUs held by a rank of an unfinished job, or by a rank still alive.
+    fn busy_gpus(&self) -> BTreeSet<(String, u32)> {
+        let mut busy = BTreeSet::new();
+        for job in self.jobs.values() {
+            for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
+                busy.insert((a.agent_id.clone(), a.gpu_index));
+            }
+        }
+        busy
+    }
+
+    /// The agent id an operator means by `host`: an agent id, or a hostname only one agent has.
+    fn resolve(&self, host: &str) -> Result<String> {
+        if self.agents.contains_key(host) {
+            return Ok(host.to_string());
+        }
+        let by_hostname: Vec<&String> = self
+            .agents
+            .iter()
+            .filter(|(_, e)| e.record.inventory.hostname == host)
+            .map(|(id, _)| id)
+            .collect();
+        match by_hostname.as_slice() {
+            [one] => Ok((*one).clone()),
+            _ => Err(ControllerError::AgentNotFound(host.to_string())),
+        }
+    }
+}
+
+/// (agent id, row of the fleet table) for one agent.
+fn node_info(e: &AgentEntry, busy: &BTreeSet<(String, u32)>, now_ms: i64) -> (String, NodeInfo) {
+    let inv = &e.record.inventory;
+    let id = &e.record.agent_id;
+    let report = e.preflight.as_ref();
+    let free = inv.gpus.iter().filter(|g| !busy.contains(&(id.clone(), g.index))).count();
+    let state = e.state();
+    let info = NodeInfo {
+        agent_id: id.clone(),
+        hostname: inv.hostname.clone(),
+        state: state.to_string(),
+        gpus: inv.gpus.len() as u32,
+        free_gpus: free as u32,
+        gpu_model: gpu_models(inv),
+        interconnect_class: report.map(|r| r.interconnect_class.clone()).unwrap_or_default(),
+        numa_layout: numa_layout(inv),
+        verdict: report.map(|r| r.verdict.clone()).unwrap_or_default(),
+        verdict_reason: unschedulable_reason(report, state),
+        // A connected agent is seen right now (heartbeats are not written to the store).
+        last_seen_ms: if state == "connected" { now_ms } else { e.record.last_seen_ms },
+        preflight_report_id: report.map_or(0, |r| r.report_id),
+    };
+    (id.clone(), info)
+}
+
+/// Distinct GPU models of a node, in index order ("NVIDIA H100 80GB HBM3").
+fn gpu_models(inv: &HostInventory) -> String {
+    let mut models: Vec<&str> = Vec::new();
+    for g in &inv.gpus {
+        if !models.contains(&g.model.as_str()) {
+            models.push(&g.model);
+        }
+    }
+    models.join(" + ")
+}
+
+/// GPUs per NUMA node, "0:4 1:4"; a GPU whose NUMA node is unknown counts under "?".
+pub fn numa_layout(inv: &HostInventory) -> String {
+    let mut per_node: BTreeMap<i32, u32> = BTreeMap::new();
+    for g in &inv.gpus {
+        *per_node.entry(g.numa_node).or_default() += 1;
+    }
+    let parts: Vec<String> = per_node
+        .into_iter()
+        .map(|(node, n)| if node < 0 { format!("?:{n}") } else { format!("{node}:{n}") })
+        .collect();
+    parts.join(" ")
+}
+
+/// Why the scheduler leaves a node alone, or "" when it does not: the failing checks with what
+/// they measured, else the agent's state.
+pub fn unschedulable_reason(report: Option<&PreflightReport>, state: &str) -> String {
+    let failing: Vec<String> =
+        report
+            .filter(|r| r.verdict == "fail")
+            .map(|r| {
+                r.checks
+                    .iter()
+                    .filter(|c| c.status == "fail")
+                    .map(|c| {
+                        if c.measured.is_empty() { c.id.clone() } else { format!("{}: {}", c.id, c.measured) }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+    match (report.is_some_and(|r| r.verdict == "fail"), state) {
+        (true, _) if failing.is_empty() => "preflight verdict fail".to_string(),
+        (true, _) => failing.join("; "),
+        (false, "connected") => String::new(),
+        (false, "leaving") => "agent is leaving".to_string(),
+        (false, _) => "agent is not connected".to_string(),
+    }
+}
+
+#[cfg(test)]
+#[path = "nodes_tests.rs"]
+mod tests;

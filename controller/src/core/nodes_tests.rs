@@ -1,0 +1,265 @@
+//! The controller with in-process agents (channels instead of streams) and an in-memory
+//! store: verdicts from hellos and re-runs, the fleet table, scheduling around failing nodes,
+//! restarts, and preflight runs on request.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use trainyard_proto::PROTOCOL_VERSION;
+use trainyard_proto::v1::{
+    ControllerMessage, ExecEngine, Gpu, Hello, HostInventory, JobSpec, NumaNode, PreflightCheck,
+    PreflightReport, Resources, controller_message::Msg, job_spec::Engine,
+};
+
+use super::*;
+use crate::config::ControllerConfig;
+use crate::store::{SqliteStore, Store};
+
+async fn store() -> Arc<dyn Store> {
+    Arc::new(SqliteStore::open_in_memory().await.expect("open store"))
+}
+
+async fn controller(store: &Arc<dyn Store>) -> Arc<Controller> {
+    Controller::start(store.clone(), ControllerConfig::default()).await.expect("start")
+}
+
+fn inventory(host: &str, gpus: u32) -> HostInventory {
+    HostInventory {
+        hostname: host.into(),
+        gpus: (0..gpus)
+            .map(|i| Gpu {
+                index: i,
+                uuid: format!("GPU-{host}-{i}"),
+                model: "NVIDIA H100 80GB HBM3".into(),
+                memory_mib: 81_559,
+                pci_bus_id: format!("00000000:{:02x}:00.0", 0x18 + i),
+                numa_node: (i * 2 / gpus) as i32,
+            })
+            .collect(),
+        numa_nodes: vec![NumaNode { id: 0, cpus: "0-55".into() }, NumaNode { id: 1, cpus: "56-111".into() }],
+        links: vec![],
+    }
+}
+
+fn check(id: &str, status: &str, measured: &str) -> PreflightCheck {
+    PreflightCheck {
+        id: id.into(),
+        status: status.into(),
+        measured: measured.into(),
+        expected: "ok".into(),
+        remedy: if status == "fail" { "fix it".into() } else { String::new() },
+    }
+}
+
+fn report(host: &str, started_at_ms: i64, failing: &[(&str, &str)]) -> PreflightReport {
+    let mut checks = vec![check("topology.nvlink", "pass", "NV18 on every pair")];
+    checks.extend(failing.iter().map(|(id, measured)| check(id, "fail", measured)));
+    PreflightReport {
+        agent_id: host.into(),
+        local_id: format!("{host}-{started_at_ms}"),
+        level: "quick".into(),
+        started_at_ms,
+        finished_at_ms: started_at_ms + 10,
+        verdict: if failing.is_empty() { "pass".into() } else { "fail".into() },
+        interconnect_class: "nvswitch".into(),
+        topology: "GPU0\tX\n".into(),
+        source: "host-file".into(),
+        checks,
+        ..Default::default()
+    }
+}
+
+/// Says hello as `host`; returns the agent's end of the stream with the hello ack read.
+async fn connect(c: &Controller, host: &str, gpus: u32, preflight: Option<PreflightReport>) -> Agent {
+    let (tx, mut rx) = mpsc::channel(64);
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        agent_id: host.into(),
+        address: "127.0.0.1".into(),
+        inventory: Some(inventory(host, gpus)),
+        ranks: vec![],
+        agent_version: "test".into(),
+        preflight,
+    };
+    let conn_id = c.agent_hello(hello, tx).await.expect("hello");
+    assert!(matches!(rx.recv().await, Some(ControllerMessage { msg: Some(Msg::HelloAck(_)) })));
+    Agent { rx, conn_id }
+}
+
+struct Agent {
+    rx: mpsc::Receiver<ControllerMessage>,
+    conn_id: u64,
+}
+
+impl Agent {
+    /// Messages sent to this agent so far.
+    fn sent(&mut self) -> Vec<Msg> {
+        std::iter::from_fn(|| self.rx.try_recv().ok()).filter_map(|m| m.msg).collect()
+    }
+
+    fn launched_jobs(&mut self) -> Vec<u64> {
+        self.sent()
+            .into_iter()
+            .filter_map(|m| if let Msg::Launch(l) = m { Some(l.job_id) } else { None })
+            .collect()
+    }
+}
+
+fn spec(gpus: u32) -> JobSpec {
+    JobSpec {
+        name: format!("job-{gpus}"),
+        resources: Some(Resources { gpus, ..Default::default() }),
+        engine: Some(Engine::Exec(ExecEngine {
+            argv: vec!["true".into()],
+            workdir: "/tmp".into(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn row<'a>(nodes: &'a [trainyard_proto::v1::NodeInfo], id: &str) -> &'a trainyard_proto::v1::NodeInfo {
+    nodes.iter().find(|n| n.agent_id == id).expect("node in the table")
+}
+
+#[tokio::test]
+async fn failing_node_is_not_scheduled_and_the_table_says_why() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let mut good = connect(&c, "good", 2, Some(report("good", 1, &[]))).await;
+    let bad = report("bad", 1, &[("cuda.init.gpu3", "CUDA_ERROR_NO_DEVICE"), ("host.shm", "not mounted")]);
+    let mut bad_agent = connect(&c, "bad", 8, Some(bad)).await;
+
+    let nodes = c.nodes().await;
+    assert_eq!(nodes.iter().map(|n| n.agent_id.as_str()).collect::<Vec<_>>(), ["bad", "good"]);
+    let b = row(&nodes, "bad");
+    assert_eq!((b.verdict.as_str(), b.state.as_str(), b.gpus, b.free_gpus), ("fail", "connected", 8, 8));
+    assert_eq!(b.verdict_reason, "cuda.init.gpu3: CUDA_ERROR_NO_DEVICE; host.shm: not mounted");
+    assert_eq!((b.numa_layout.as_str(), b.interconnect_class.as_str()), ("0:4 1:4", "nvswitch"));
+    assert!(b.preflight_report_id > 0);
+    let g = row(&nodes, "good");
+    assert_eq!(
+        (g.verdict.as_str(), g.verdict_reason.as_str(), g.gpu_model.as_str()),
+        ("pass", "", "NVIDIA H100 80GB HBM3")
+    );
+
+    // Four 1-GPU jobs: two fit on the good node, two wait rather than go to the failing one.
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(c.submit(spec(1)).await.expect("submit"));
+    }
+    assert_eq!(good.launched_jobs(), ids[..2]);
+    assert!(bad_agent.launched_jobs().is_empty());
+    assert_eq!(row(&c.nodes().await, "good").free_gpus, 0);
+    // A job only the failing node could hold is still accepted: the node can be fixed.
+    let big = c.submit(spec(8)).await.expect("an 8-GPU job is feasible on the fleet");
+
+    // The node is fixed and says so: the waiting jobs go there at once.
+    c.agent_preflight("bad", report("bad", 2, &[])).await.expect("report");
+    assert_eq!(bad_agent.launched_jobs(), ids[2..]);
+    let b = row(&c.nodes().await, "bad").clone();
+    assert_eq!((b.verdict.as_str(), b.verdict_reason.as_str(), b.free_gpus), ("pass", "", 6));
+    assert!(!ids.contains(&big));
+}
+
+#[tokio::test]
+async fn verdicts_come_back_after_a_restart() {
+    let store = store().await;
+    let first_id;
+    {
+        let c = controller(&store).await;
+        let _bad = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
+        first_id = row(&c.nodes().await, "bad").preflight_report_id;
+    }
+    let c = controller(&store).await;
+    let nodes = c.nodes().await;
+    let b = row(&nodes, "bad");
+    assert_eq!((b.state.as_str(), b.verdict.as_str()), ("disconnected", "fail"));
+    assert_eq!((b.verdict_reason.as_str(), b.preflight_report_id), ("numa.balancing: 1", first_id));
+    assert_eq!(c.latest_preflight("bad").await.expect("report").checks.len(), 2);
+
+    // The agent comes back with a hello without a report: it stays failing, and a job waits.
+    let mut bad = connect(&c, "bad", 4, None).await;
+    c.submit(spec(1)).await.expect("submit");
+    assert!(bad.launched_jobs().is_empty());
+    assert_eq!(row(&c.nodes().await, "bad").verdict, "fail");
+    // Its hello with the same report again (after a reconnect) does not store it twice.
+    let _again = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
+    assert_eq!(row(&c.nodes().await, "bad").preflight_report_id, first_id);
+}
+
+#[tokio::test]
+async fn preflight_on_request_waits_for_the_next_report() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let mut agent = connect(&c, "node-a", 8, Some(report("node-a", 1, &[]))).await;
+    let old_id = c.latest_preflight("node-a").await.expect("report").report_id;
+
+    let asked = tokio::spawn({
+        let c = c.clone();
+        async move { c.run_preflight("node-a", "standard", Duration::from_secs(10)).await }
+    });
+    let level = loop {
+        match agent.rx.recv().await.and_then(|m| m.msg) {
+            Some(Msg::RunPreflight(run)) => break run.level,
+            Some(_) => continue,
+            None => panic!("stream closed"),
+        }
+    };
+    assert_eq!(level, "standard");
+    let new = PreflightReport { level, ..report("node-a", 50, &[("nccl.busbw", "310 GB/s")]) };
+    c.agent_preflight("node-a", new).await.expect("report");
+    let got = asked.await.expect("join").expect("report");
+    assert!(got.report_id > old_id);
+    assert_eq!((got.level.as_str(), got.verdict.as_str()), ("standard", "fail"));
+
+    // By hostname too; and a bad level, an unknown node, silence and a gone agent are errors.
+    assert_eq!(c.latest_preflight("node-a").await.expect("report").report_id, got.report_id);
+    let err = c.run_preflight("node-a", "thorough", Duration::from_secs(1)).await.expect_err("bad level");
+    assert!(matches!(err, ControllerError::BadRequest(_)), "{err}");
+    let err = c.run_preflight("nowhere", "quick", Duration::from_secs(1)).await.expect_err("unknown");
+    assert!(matches!(err, ControllerError::AgentNotFound(_)), "{err}");
+    let err = c.run_preflight("node-a", "quick", Duration::from_millis(200)).await.expect_err("silence");
+    assert!(matches!(err, ControllerError::PreflightTimeout { .. }), "{err}");
+    c.agent_disconnected("node-a", agent.conn_id).await.expect("disconnect");
+    let err = c.run_preflight("node-a", "quick", Duration::from_secs(1)).await.expect_err("gone");
+    assert!(matches!(err, ControllerError::AgentNotConnected(_)), "{err}");
+    assert_eq!(row(&c.nodes().await, "node-a").state, "disconnected");
+}
+
+#[tokio::test]
+async fn malformed_reports_are_dropped_and_nodes_without_one_are_named() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let _a = connect(&c, "node-a", 2, None).await;
+    let err = c.latest_preflight("node-a").await.expect_err("no report yet");
+    assert!(matches!(err, ControllerError::NoPreflight(_)), "{err}");
+    let bogus = PreflightReport { verdict: "excellent".into(), ..report("node-a", 1, &[]) };
+    c.agent_preflight("node-a", bogus).await.expect("dropped, not an error");
+    let n = c.nodes().await;
+    assert_eq!((n[0].verdict.as_str(), n[0].preflight_report_id, n[0].verdict_reason.as_str()), ("", 0, ""));
+    // A report claiming to be another agent's is stored as the sender's.
+    c.agent_preflight("node-a", report("node-z", 2, &[])).await.expect("report");
+    assert_eq!(c.latest_preflight("node-a").await.expect("report").agent_id, "node-a");
+}
+
+#[test]
+fn numa_layout_counts_gpus_per_node() {
+    assert_eq!(numa_layout(&inventory("h", 8)), "0:4 1:4");
+    let mut inv = inventory("h", 2);
+    inv.gpus[1].numa_node = -1;
+    assert_eq!(numa_layout(&inv), "?:1 0:1");
+    assert_eq!(numa_layout(&HostInventory::default()), "");
+}
+
+#[test]
+fn reasons_name_failing_checks_or_the_state() {
+    let bad = report("h", 1, &[("host.shm", "")]);
+    assert_eq!(unschedulable_reason(Some(&bad), "connected"), "host.shm");
+    let no_checks = PreflightReport { checks: vec![], ..bad };
+    assert_eq!(unschedulable_reason(Some(&no_checks), "connected"), "preflight verdict fail");
+    assert_eq!(unschedulable_reason(None, "leaving"), "agent is leaving");
+    assert_eq!(unschedulable_reason(None, "disconnected"), "agent is not connected");
+    assert_eq!(unschedulable_reason(Some(&report("h", 1, &[])), "connected"), "");
+}
