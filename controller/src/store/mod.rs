@@ -6,7 +6,8 @@
 //!   row of `job_events`, written in the same transaction, so the two never disagree.
 //! - `job_events`: every state transition with its reason.
 //! - `allocations`: the placement of every rank of every attempt (intent), and what the agent
-//!   last reported about it (observed: state, pid, exit code, skipped receipt lines).
+//!   last reported about it (observed: state, pid, exit code, skipped receipt lines), with the
+//!   CPU/memory binding planned for the rank and the one read back from `/proc` after spawn.
 //! - `agents` and `gpus`: every host that ever said hello, with its inventory.
 //! - `receipts`: every receipt line, keyed on (job, attempt, rank, seq) so a replay is ignored.
 //! - `preflight_reports` and `preflight_checks`: every preflight report an agent sent, with
@@ -141,6 +142,10 @@ pub struct Allocation {
     pub gpu_index: u32,
     pub node_rank: u32,
     pub local_rank: u32,
+    /// The binding the controller planned (kernel CPU list, NUMA memory node); empty when the
+    /// rank runs unpinned.
+    pub planned_cpus: String,
+    pub planned_mems: String,
     pub observed: RankObserved,
 }
 
@@ -155,6 +160,10 @@ pub struct RankObserved {
     pub message: String,
     pub skipped_lines: u64,
     pub updated_at_ms: i64,
+    /// What `/proc/<pid>/status` showed after spawn (`Cpus_allowed_list`, `Mems_allowed_list`);
+    /// empty until read.
+    pub effective_cpus: String,
+    pub effective_mems: String,
 }
 
 /// A row of `agents`, with its inventory (also flattened into `gpus`).
@@ -264,6 +273,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Number of receipts stored for a job, all attempts.
     async fn receipt_count(&self, job: JobId) -> Result<u64>;
+
+    /// Mean optimizer time (ms) over the job's latest 1,000 step receipts that carry one
+    /// (`optimizer_ms`, or `optimizer_time_ms`); `None` when none does.
+    async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>>;
 
     /// Stores a preflight report with its checks (one transaction, checks in multi-row inserts)
     /// and returns its id. The same report sent again (same agent and non-empty `local_id`)

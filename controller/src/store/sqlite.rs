@@ -51,7 +51,8 @@ macro_rules! job_columns {
 macro_rules! allocation_columns {
     () => {
         "a.job_id, a.attempt, a.rank, a.agent_id, a.gpu_index, a.node_rank, a.local_rank, \
-         a.state, a.pid, a.exit_code, a.signal, a.message, a.skipped_lines, a.updated_at_ms"
+         a.state, a.pid, a.exit_code, a.signal, a.message, a.skipped_lines, a.updated_at_ms, \
+         a.planned_cpus, a.planned_mems, a.effective_cpus, a.effective_mems"
     };
 }
 
@@ -274,7 +275,8 @@ impl Store for SqliteStore {
         self.run("observe_rank", Mode::Write, async |c| {
             let done = sqlx::query(
                 "UPDATE allocations SET state = ?, pid = ?, exit_code = ?, signal = ?, \
-                 message = ?, skipped_lines = ?, updated_at_ms = ? \
+                 message = ?, skipped_lines = ?, updated_at_ms = ?, \
+                 effective_cpus = ?, effective_mems = ? \
                  WHERE job_id = ? AND attempt = ? AND rank = ?",
             )
             .bind(observed.state.clone())
@@ -284,6 +286,8 @@ impl Store for SqliteStore {
             .bind(observed.message.clone())
             .bind(int(observed.skipped_lines)?)
             .bind(observed.updated_at_ms)
+            .bind(observed.effective_cpus.clone())
+            .bind(observed.effective_mems.clone())
             .bind(int(id.job_id)?)
             .bind(id.attempt)
             .bind(id.rank)
@@ -456,6 +460,21 @@ impl Store for SqliteStore {
                 .fetch_one(&mut *c)
                 .await?;
             col(&row, "receipts", "n")
+        })
+        .await
+    }
+
+    async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
+        self.run("mean_optimizer_ms", Mode::Read, async |c| {
+            let row = sqlx::query(
+                "SELECT avg(v) AS ms FROM (SELECT coalesce(json_extract(body, '$.optimizer_ms'), \
+                 json_extract(body, '$.optimizer_time_ms')) AS v FROM receipts \
+                 WHERE job_id = ? AND kind = 'step' ORDER BY position DESC LIMIT 1000) WHERE v IS NOT NULL",
+            )
+            .bind(int(job)?)
+            .fetch_one(&mut *c)
+            .await?;
+            col(&row, "receipts", "ms")
         })
         .await
     }
@@ -702,8 +721,9 @@ async fn insert_allocation(
     let state = if o.state.is_empty() { "planned" } else { o.state.as_str() };
     sqlx::query(
         "INSERT INTO allocations (job_id, attempt, rank, agent_id, gpu_index, node_rank, \
-         local_rank, state, pid, exit_code, signal, message, skipped_lines, updated_at_ms) \
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+         local_rank, state, pid, exit_code, signal, message, skipped_lines, updated_at_ms, \
+         planned_cpus, planned_mems, effective_cpus, effective_mems) \
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     )
     .bind(int(job)?)
     .bind(attempt)
@@ -719,6 +739,10 @@ async fn insert_allocation(
     .bind(o.message.clone())
     .bind(int(o.skipped_lines)?)
     .bind(if o.updated_at_ms == 0 { now_ms } else { o.updated_at_ms })
+    .bind(a.planned_cpus.clone())
+    .bind(a.planned_mems.clone())
+    .bind(o.effective_cpus.clone())
+    .bind(o.effective_mems.clone())
     .execute(&mut *c)
     .await?;
     Ok(())
@@ -811,6 +835,8 @@ fn allocation_from_row(row: &SqliteRow) -> Result<Allocation> {
         gpu_index: col(row, t, "gpu_index")?,
         node_rank: col(row, t, "node_rank")?,
         local_rank: col(row, t, "local_rank")?,
+        planned_cpus: col(row, t, "planned_cpus")?,
+        planned_mems: col(row, t, "planned_mems")?,
         observed: RankObserved {
             state: col(row, t, "state")?,
             pid: col(row, t, "pid")?,
@@ -819,6 +845,8 @@ fn allocation_from_row(row: &SqliteRow) -> Result<Allocation> {
             message: col(row, t, "message")?,
             skipped_lines: col(row, t, "skipped_lines")?,
             updated_at_ms: col(row, t, "updated_at_ms")?,
+            effective_cpus: col(row, t, "effective_cpus")?,
+            effective_mems: col(row, t, "effective_mems")?,
         },
     })
 }

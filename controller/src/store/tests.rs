@@ -60,6 +60,8 @@ store_suite!(SqliteHarness:
     preflight_round_trip_with_checks_in_order,
     preflight_same_report_twice_is_stored_once,
     preflight_latest_per_agent_after_reopen,
+    binding_planned_then_effective,
+    mean_optimizer_ms_of_step_receipts,
 );
 
 /// Builders shared by the suite.
@@ -90,6 +92,8 @@ pub mod fixtures {
             gpu_index: rank,
             node_rank: 0,
             local_rank: rank,
+            planned_cpus: String::new(),
+            planned_mems: String::new(),
             observed: RankObserved { state: "planned".into(), ..Default::default() },
         }
     }
@@ -289,6 +293,7 @@ pub mod suite {
             message: "exit status 1".into(),
             skipped_lines: 3,
             updated_at_ms: 9,
+            ..Default::default()
         };
         let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
         assert!(s.observe_rank(id, &running).await.unwrap());
@@ -346,6 +351,55 @@ pub mod suite {
         assert_eq!(snap.agents[0].inventory.gpus.len(), 8);
         assert_eq!(s.receipt_count(active.id).await.unwrap(), 5);
         assert_eq!(s.get_job(done.id).await.unwrap().unwrap().state, JobState::Succeeded);
+    }
+
+    pub async fn binding_planned_then_effective(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("pin", 2), "submitted", 1).await.unwrap();
+        let mut a = allocation(j.id, 0, 0, "a");
+        a.planned_cpus = "0-15".into();
+        a.planned_mems = "0".into();
+        s.schedule(j.id, 0, &[a.clone()], "placed", 2).await.unwrap();
+        let planned = s.allocations(j.id, 0).await.unwrap().remove(0);
+        assert_eq!((planned.planned_cpus, planned.planned_mems), (a.planned_cpus, a.planned_mems));
+        let running = RankObserved {
+            state: "running".into(),
+            pid: Some(7),
+            effective_cpus: "0-15".into(),
+            effective_mems: "0".into(),
+            updated_at_ms: 3,
+            ..Default::default()
+        };
+        let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
+        assert!(s.observe_rank(id, &running).await.unwrap());
+        let stored = s.allocations(j.id, 0).await.unwrap().remove(0);
+        assert_eq!((stored.planned_cpus.as_str(), stored.observed), ("0-15", running));
+    }
+
+    pub async fn mean_optimizer_ms_of_step_receipts(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("opt", 1), "submitted", 1).await.unwrap();
+        assert_eq!(s.mean_optimizer_ms(j.id).await.unwrap(), None);
+        let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
+        let bodies = [
+            ("launch", r#"{"kind":"launch"}"#),
+            ("step", r#"{"kind":"step","step":0,"optimizer_ms":10.0}"#),
+            ("step", r#"{"kind":"step","step":1,"optimizer_time_ms":20}"#),
+            ("step", r#"{"kind":"step","step":2}"#),
+        ];
+        let batch: Vec<NewReceipt> = bodies
+            .iter()
+            .enumerate()
+            .map(|(seq, (kind, body))| NewReceipt {
+                id,
+                seq: seq as u64,
+                kind: kind.to_string(),
+                step: None,
+                body: body.to_string(),
+            })
+            .collect();
+        s.insert_receipts(&batch, 5).await.unwrap();
+        assert_eq!(s.mean_optimizer_ms(j.id).await.unwrap(), Some(15.0));
     }
 
     pub async fn receipts_dedup(h: &impl Harness) {

@@ -1,0 +1,205 @@
+//! The placement cost model: how long a job's collectives take per optimizer step on a given
+//! placement (pure, DOMAIN.md section 1).
+//!
+//! Ring algorithms over `N` GPUs moving a buffer of `B` bytes at bus bandwidth `W`:
+//! AllGather and ReduceScatter take `B / W * (N-1)/N`, AllReduce twice that. `W` is the peak
+//! bandwidth of the slowest link class the placement uses times NCCL's efficiency at the
+//! message size ([`nccl_efficiency`]): real NCCL reaches ~370-410 GB/s bus bandwidth on an
+//! 8xH100 SXM node only for ~1 GB messages and ~150 GB/s for a 58 MB one.
+//!
+//! Checked against DOMAIN.md: nanochat d26 moves ~7.1 GB per step; on SXM the model predicts
+//! ~41 ms (measured optimizer step 57.8 ms, NCCL ~49 ms per GPU), on PCIe ~290 ms (375 ms), a
+//! ratio of ~7x as measured (7.3x).
+
+use crate::scheduler::LinkClass;
+
+/// Node egress over the network, as bus bandwidth of collectives beyond one node: one
+/// 400 Gb/s NIC per GPU over a full-bisection fat tree runs them at about node-egress speed.
+pub const NETWORK_GBPS: f64 = 400.0;
+
+/// Message size assumed when a job declares only its bytes per step: the 58 MB per NCCL call
+/// that DOMAIN.md measured on nanochat d26 (ZeRO-2 moves one parameter matrix per call).
+pub const DEFAULT_MESSAGE_BYTES: u64 = 58_000_000;
+
+/// Peak per-GPU, per-direction bandwidth of a link class in GB/s.
+///
+/// - `NV#`: 25 GB/s per NVLink4 link: `NV18` (NVSwitch, SXM) 450, `NV12` (an NVL pair) 300.
+/// - `PIX`/`PXB`/`PHB`: PCIe Gen5 x16, ~64 GB/s.
+/// - `NODE`: PCIe across host bridges in one socket, a little below a direct PCIe path.
+/// - `SYS`: PCIe plus the UPI hop between sockets (DOMAIN.md: an NVL node's cross-pair
+///   AllGather took 8.7 ms against 8.5 ms on PCIe, and CPU-side stalls come on top).
+/// - `Network`: [`NETWORK_GBPS`]. `Unknown` is costed as `SYS`, the worst known case.
+pub fn link_bandwidth_gbps(link: LinkClass) -> f64 {
+    match link {
+        LinkClass::Local => f64::INFINITY,
+        LinkClass::NvLink(n) => 25.0 * f64::from(n),
+        LinkClass::Pix | LinkClass::Pxb | LinkClass::Phb => 64.0,
+        LinkClass::Node => 60.0,
+        LinkClass::Sys | LinkClass::Unknown => 56.0,
+        LinkClass::Network => NETWORK_GBPS,
+    }
+}
+
+/// The slowest link class a placement uses: its worst link inside a node, or the network
+/// when it spans nodes and the network is slower.
+pub fn bottleneck(intra: LinkClass, multi_node: bool) -> LinkClass {
+    if multi_node && link_bandwidth_gbps(LinkClass::Network) < link_bandwidth_gbps(intra) {
+        LinkClass::Network
+    } else {
+        intra
+    }
+}
+
+/// Half-saturation message size of the efficiency curve, in bytes.
+const HALF_SATURATION_BYTES: f64 = 109e6;
+/// Efficiency approached by very large messages.
+const MAX_EFFICIENCY: f64 = 0.962;
+
+/// Fraction of the link's peak that NCCL reaches for one collective of `message_bytes`:
+/// `e(m) = 0.962 * m / (m + 109 MB)`, a saturation curve fitted to DOMAIN.md's two points on
+/// an 8xH100 SXM node (peak 450 GB/s): ~390 GB/s (0.87) at 1 GB and ~150 GB/s (0.33) at 58 MB.
+/// Small messages are latency-bound, hence the steep fall below ~100 MB.
+pub fn nccl_efficiency(message_bytes: u64) -> f64 {
+    let m = message_bytes as f64;
+    if m <= 0.0 {
+        return 0.0;
+    }
+    MAX_EFFICIENCY * m / (m + HALF_SATURATION_BYTES)
+}
+
+/// A collective call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Collective {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+}
+
+/// Milliseconds one ring collective over `bytes` takes on `world` GPUs whose slowest link is
+/// `link`.
+pub fn collective_ms(kind: Collective, bytes: u64, world: u32, link: LinkClass) -> f64 {
+    if world <= 1 || bytes == 0 || link == LinkClass::Local {
+        return 0.0;
+    }
+    let n = f64::from(world);
+    let busbw = link_bandwidth_gbps(link) * 1e9 * nccl_efficiency(bytes);
+    let one_pass = bytes as f64 / busbw * (n - 1.0) / n * 1e3;
+    match kind {
+        Collective::AllGather | Collective::ReduceScatter => one_pass,
+        Collective::AllReduce => 2.0 * one_pass,
+    }
+}
+
+/// Predicted collective time per optimizer step of a job that declares `bytes_per_step` of
+/// collective traffic (AllGather/ReduceScatter volume, as ZeRO-2 moves it), split into calls of
+/// [`DEFAULT_MESSAGE_BYTES`]. 0 when unknown (no bytes) or when there is nothing to move.
+pub fn step_comm_ms(bytes_per_step: u64, world: u32, link: LinkClass) -> f64 {
+    if bytes_per_step == 0 {
+        return 0.0;
+    }
+    let calls = bytes_per_step.div_ceil(DEFAULT_MESSAGE_BYTES);
+    let per_call = bytes_per_step / calls;
+    calls as f64 * collective_ms(Collective::AllGather, per_call, world, link)
+}
+
+/// The collective calls of one ZeRO-2 optimizer step of the built-in engine (DOMAIN.md
+/// section 6): per parameter tensor, a ReduceScatter of its gradient and an AllGather of the
+/// updated parameter, or one AllReduce of the gradient for tensors under 1024 elements.
+/// `shapes` are the parameter shapes; sizes in bytes per element. The engine feeds this.
+pub fn builtin_calls(shapes: &[Vec<usize>], grad_bytes: u64, param_bytes: u64) -> Vec<(Collective, u64)> {
+    let mut calls = Vec::new();
+    for shape in shapes {
+        let numel: u64 = shape.iter().map(|&d| d as u64).product();
+        if numel < 1024 {
+            calls.push((Collective::AllReduce, numel * grad_bytes));
+        } else {
+            calls.push((Collective::ReduceScatter, numel * grad_bytes));
+            calls.push((Collective::AllGather, numel * param_bytes));
+        }
+    }
+    calls
+}
+
+/// Predicted collective time per step of a list of calls (e.g. from [`builtin_calls`]).
+pub fn calls_ms(calls: &[(Collective, u64)], world: u32, link: LinkClass) -> f64 {
+    calls.iter().map(|&(kind, bytes)| collective_ms(kind, bytes, world, link)).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D26_BYTES: u64 = 7_100_000_000;
+
+    #[test]
+    fn sxm_is_about_seven_times_faster_than_pcie() {
+        let sxm = step_comm_ms(D26_BYTES, 8, LinkClass::NvLink(18));
+        let pcie = step_comm_ms(D26_BYTES, 8, LinkClass::Pix);
+        let ratio = pcie / sxm;
+        // DOMAIN.md: 3.9 s vs 28.5 s of NCCL kernel time, 7.3x, "matching the ~7x link ratio".
+        assert!((6.5..7.6).contains(&ratio), "ratio {ratio}");
+        // Below the measured optimizer steps (57.8 ms and 375 ms), which also hold compute.
+        assert!((25.0..57.8).contains(&sxm), "sxm {sxm}");
+        assert!((200.0..375.0).contains(&pcie), "pcie {pcie}");
+    }
+
+    #[test]
+    fn efficiency_follows_the_measured_points() {
+        let at = |bytes| link_bandwidth_gbps(LinkClass::NvLink(18)) * nccl_efficiency(bytes);
+        let big = at(1_000_000_000);
+        assert!((370.0..=410.0).contains(&big), "1 GB: {big} GB/s");
+        let mid = at(58_000_000);
+        assert!((140.0..=160.0).contains(&mid), "58 MB: {mid} GB/s");
+        assert!(at(1_000_000) < 10.0, "1 MB messages are latency-bound");
+    }
+
+    #[test]
+    fn ring_formulas() {
+        let link = LinkClass::NvLink(18);
+        let ag = collective_ms(Collective::AllGather, 1 << 30, 8, link);
+        let rs = collective_ms(Collective::ReduceScatter, 1 << 30, 8, link);
+        let ar = collective_ms(Collective::AllReduce, 1 << 30, 8, link);
+        assert_eq!(ag, rs);
+        assert!((ar - 2.0 * ag).abs() < 1e-9);
+        // (N-1)/N: two GPUs move half of what eight move per byte of bandwidth.
+        let two = collective_ms(Collective::AllGather, 1 << 30, 2, link);
+        assert!((two / ag - (0.5 / 0.875)).abs() < 1e-9);
+        assert_eq!(collective_ms(Collective::AllGather, 1 << 30, 1, link), 0.0);
+        assert_eq!(step_comm_ms(0, 8, link), 0.0, "unknown bytes predict nothing");
+    }
+
+    #[test]
+    fn bandwidth_is_monotone_in_link_class() {
+        let order = [
+            LinkClass::Sys,
+            LinkClass::Node,
+            LinkClass::Phb,
+            LinkClass::Pxb,
+            LinkClass::Pix,
+            LinkClass::NvLink(4),
+            LinkClass::NvLink(12),
+            LinkClass::NvLink(18),
+            LinkClass::Local,
+        ];
+        for w in order.windows(2) {
+            assert!(w[0] < w[1]);
+            assert!(link_bandwidth_gbps(w[0]) <= link_bandwidth_gbps(w[1]), "{w:?}");
+        }
+        assert_eq!(bottleneck(LinkClass::NvLink(18), true), LinkClass::Network);
+        assert_eq!(bottleneck(LinkClass::Pix, true), LinkClass::Pix);
+        assert_eq!(bottleneck(LinkClass::Pix, false), LinkClass::Pix);
+    }
+
+    #[test]
+    fn builtin_calls_follow_zero2() {
+        let shapes = vec![vec![1664, 6656], vec![512]];
+        let calls = builtin_calls(&shapes, 4, 2);
+        assert_eq!(calls.len(), 3);
+        assert_eq!(calls[0], (Collective::ReduceScatter, 1664 * 6656 * 4));
+        assert_eq!(calls[1], (Collective::AllGather, 1664 * 6656 * 2));
+        assert_eq!(calls[2], (Collective::AllReduce, 512 * 4));
+        let small = builtin_calls(&[vec![8, 8]], 4, 2);
+        assert_eq!(small, vec![(Collective::AllReduce, 256)]);
+        assert!(calls_ms(&calls, 8, LinkClass::NvLink(18)) > 0.0);
+    }
+}
