@@ -15,13 +15,42 @@ need() {
 need cargo "Install the Rust toolchain (https://rustup.rs), then run this script again."
 need python3 "Install Python 3 (e.g. apt-get install python3); the example rank program needs it."
 
+# The built-in engine links libtorch from the PyPI torch==2.11.0 wheel (the version tch 0.24
+# is built against), installed into the virtual environment .venv of this checkout. The wheel
+# pulls the nvidia-* CUDA libraries (a few GB) that the GPU path needs. .cargo/config.toml points
+# torch-sys at .venv/libtorch, a link to the wheel's torch package made here, so plain cargo
+# commands find libtorch with no exports.
+TORCH_VERSION=2.11.0
+VENV="$ROOT/.venv"
+if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" >/dev/null 2>&1; then
+    if ! python3 -c "import venv, ensurepip" >/dev/null 2>&1; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "setup: installing python3-venv (apt-get)"
+            apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
+        else
+            echo "setup: python3 -m venv is not available; install python3-venv (as root: apt-get install python3-venv)" >&2
+            exit 1
+        fi
+    fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        echo "setup: creating the virtual environment $VENV"
+        python3 -m venv "$VENV"
+    fi
+    echo "setup: installing torch==$TORCH_VERSION into $VENV (a few GB with its CUDA libraries)"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy
+fi
+TORCH_DIR="$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
+ln -sfnr "$TORCH_DIR" "$VENV/libtorch"
+# cudarc looks for libnccl.so, not the wheel's libnccl.so.2: a link to the same file, in a
+# directory the engine's rpath names, so that cudarc and libtorch share one NCCL.
+mkdir -p "$VENV/nccl-lib"
+NCCL_SO="$(dirname "$TORCH_DIR")/nvidia/nccl/lib/libnccl.so.2"
+if [ -e "$NCCL_SO" ]; then
+    ln -sfnr "$NCCL_SO" "$VENV/nccl-lib/libnccl.so"
+fi
+
 echo "setup: building the workspace binaries (cargo build --workspace --bins)"
 cargo build --workspace --bins
-
-# Later: the built-in engine links libtorch from the PyPI torch==2.11.0 wheel, installed into a
-# virtual environment made here. Nothing is installed for it yet. The hook will look like:
-#   python3 -m venv "$ROOT/.venv"
-#   "$ROOT/.venv/bin/pip" install torch==2.11.0
-#   export LIBTORCH_USE_PYTORCH=1   # tch-rs finds libtorch inside the venv's torch package
 
 echo "setup: done; binaries are in $ROOT/target/debug"
