@@ -1,7 +1,11 @@
 //! What the host has: GPUs, their links, NUMA nodes and their CPUs.
 //!
-//! [`HostProbe`] is the seam: the JSON host-description file ([`HostFile`]) implements it today
-//! so every code path runs on machines without GPUs; NVML comes later behind the same trait.
+//! [`HostProbe`] is the seam around the hardware: the JSON host-description file ([`HostFile`])
+//! implements it so every code path runs on machines without GPUs, and
+//! [`crate::preflight::nvml::NvmlProbe`] implements it from the driver. Beside the inventory it
+//! carries the preflight's hardware calls (NVML health, CUDA, NCCL), whose default
+//! implementations use the real libraries and say `skipped: ... not found` without them; the
+//! host file's optional `host` and `cuda` sections stand in for the machine in fixtures.
 //! The file is validated completely at load, and every error names the offending field, because
 //! an operator reads it once at start-up and has to fix the file from that one line.
 
@@ -11,10 +15,38 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use trainyard_proto::v1::{Gpu, HostInventory, NumaNode};
 
-/// Source of the host's inventory.
+use crate::preflight::facts::HostFacts;
+use crate::preflight::{cuda, nccl, nvml};
+
+/// Source of the host's inventory, and the hardware calls of the preflight.
 pub trait HostProbe: Send + Sync {
     /// The host as it is now.
     fn inventory(&self) -> anyhow::Result<HostInventory>;
+
+    /// Where the inventory comes from: `nvml` or `host-file`.
+    fn source(&self) -> &'static str {
+        "host-file"
+    }
+
+    /// NVML's view of the GPUs' health; `Err` is the reason the check is skipped.
+    fn gpu_health(&self) -> Result<nvml::Health, String> {
+        Err(nvml::host_file_reason())
+    }
+
+    /// The CUDA check on GPUs `0..n` (blocking).
+    fn cuda_check(&self, n: usize) -> cuda::Outcome {
+        cuda::check(n)
+    }
+
+    /// The NCCL all_reduce sweep over GPUs `0..n` (blocking, seconds to minutes).
+    fn nccl_sweep(&self, n: usize, sizes: &[u64]) -> nccl::Outcome {
+        nccl::sweep_with_agent_binary(n, sizes)
+    }
+
+    /// Host facts this probe stands in for (a fixture's), or `None` to read the real machine.
+    fn host_facts(&self) -> Option<HostFacts> {
+        None
+    }
 }
 
 /// Why a host file was refused.
@@ -37,6 +69,26 @@ struct FileJson {
     gpus: Vec<GpuJson>,
     links: Vec<Vec<String>>,
     numa_nodes: Vec<NumaJson>,
+    /// Optional: the host's non-GPU state, instead of reading this machine's.
+    #[serde(default)]
+    host: Option<HostFacts>,
+    /// Optional: the CUDA check's result, instead of running it.
+    #[serde(default)]
+    cuda: Option<CudaJson>,
+}
+
+/// The `cuda` section: what the CUDA check finds on this (pretend) host.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CudaJson {
+    /// E.g. "12.8".
+    cuda_version: String,
+    /// Set when `cuInit` itself fails: the message.
+    #[serde(default)]
+    init_error: Option<String>,
+    /// GPU index (as a string key) -> the error its context, allocation or copy gives.
+    #[serde(default)]
+    gpu_errors: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -61,6 +113,8 @@ struct NumaJson {
 #[derive(Debug, Clone)]
 pub struct HostFile {
     inventory: HostInventory,
+    facts: Option<HostFacts>,
+    cuda: Option<cuda::Outcome>,
 }
 
 impl HostFile {
@@ -80,7 +134,9 @@ impl HostFile {
             field,
             reason,
         })?;
-        Ok(Self { inventory: to_inventory(file) })
+        let facts = file.host.clone();
+        let cuda = file.cuda.as_ref().map(|c| simulated_cuda(c, file.gpus.len()));
+        Ok(Self { inventory: to_inventory(file), facts, cuda })
     }
 
     /// The inventory without going through the trait (it cannot fail once loaded).
@@ -92,6 +148,27 @@ impl HostFile {
 impl HostProbe for HostFile {
     fn inventory(&self) -> anyhow::Result<HostInventory> {
         Ok(self.inventory.clone())
+    }
+
+    fn cuda_check(&self, n: usize) -> cuda::Outcome {
+        self.cuda.clone().unwrap_or_else(|| cuda::check(n))
+    }
+
+    fn host_facts(&self) -> Option<HostFacts> {
+        self.facts.clone()
+    }
+}
+
+fn simulated_cuda(c: &CudaJson, n: usize) -> cuda::Outcome {
+    if let Some(e) = &c.init_error {
+        return cuda::Outcome::InitFailed(e.clone());
+    }
+    let gpus = (0..n).map(|i| c.gpu_errors.get(&i.to_string()).map_or(Ok(()), |e| Err(e.clone()))).collect();
+    cuda::Outcome::Ran {
+        driver_version: String::new(),
+        cuda_version: c.cuda_version.clone(),
+        devices: n,
+        gpus,
     }
 }
 
@@ -125,6 +202,13 @@ fn validate(file: &FileJson) -> Result<(), Invalid> {
                 format!("gpus[{i}].numa_node"),
                 format!("{} is not an id in numa_nodes", gpu.numa_node),
             ));
+        }
+    }
+    if let Some(cuda) = &file.cuda {
+        for key in cuda.gpu_errors.keys() {
+            if !key.parse::<usize>().is_ok_and(|i| i < file.gpus.len()) {
+                return Err(invalid(format!("cuda.gpu_errors.{key}"), "is not a GPU index of this file"));
+            }
         }
     }
     validate_links(&file.links, file.gpus.len())

@@ -12,6 +12,7 @@
 //! - [`launcher`]: turns a `Launch` into shims and ranks, cancels, detects exits, adopts.
 //! - [`tail`]: the receipts tailer: lines to receipts, acknowledged positions, rewinds.
 //! - [`connection`]: one stream to the controller: hello, then the select loop.
+//! - [`preflight`]: the node checks (topology, NUMA, host, NVML, CUDA, NCCL) and their report.
 //! - [`topology`]: the node's GPU/NUMA/NIC model, its interconnect class, `nvidia-smi topo -m`
 //!   rendering and parsing.
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
@@ -22,6 +23,7 @@ pub mod env;
 pub mod host;
 pub mod launcher;
 pub mod layout;
+pub mod preflight;
 pub mod procfs;
 pub mod relay;
 pub mod state;
