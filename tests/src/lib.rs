@@ -200,6 +200,24 @@ impl Cluster {
             .context("run ctl")
     }
 
+    /// Runs `ctl` and returns its stdout; fails with its stderr when it exits non-zero.
+    pub fn ctl_ok(&self, args: &[&str]) -> Result<String> {
+        let out = self.ctl(args)?;
+        if !out.status.success() {
+            bail!("ctl {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The fleet table row of one node, as `ctl nodes -o json` shows it.
+    pub fn node(&self, agent_id: &str) -> Result<serde_json::Value> {
+        let nodes: serde_json::Value = serde_json::from_str(&self.ctl_ok(&["nodes", "-o", "json"])?)?;
+        let rows = nodes.as_array().cloned().unwrap_or_default();
+        rows.into_iter()
+            .find(|n| n["agent_id"] == agent_id)
+            .with_context(|| format!("node {agent_id} is not in `ctl nodes`: {nodes}"))
+    }
+
     /// Writes a job spec running `examples/rank.py` with `args` and returns its path.
     pub fn job_file(&self, name: &str, gpus: u32, per_node: u32, args: &[&str], extra: &str) -> PathBuf {
         let mut argv = vec!["python3".to_string(), "examples/rank.py".to_string()];
