@@ -30,6 +30,9 @@ pub struct AgentConfig {
     pub max_batch_bytes: usize,
     /// Batches sent but not yet acknowledged, at most; beyond it the agent stops reading.
     pub max_unacked_batches: usize,
+    /// CPUs kept for the agent (the lowest-numbered ones): left out of the NUMA CPU lists the
+    /// controller plans rank pinning from. Default 0.
+    pub reserve_cpus: u32,
 }
 
 impl AgentConfig {
@@ -48,6 +51,7 @@ impl AgentConfig {
             max_batch_receipts: 2000,
             max_batch_bytes: 1 << 20,
             max_unacked_batches: 8,
+            reserve_cpus: 0,
         }
     }
 }

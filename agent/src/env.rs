@@ -11,7 +11,7 @@ use std::path::Path;
 use trainyard_proto::v1::{Launch, RankAssignment};
 
 /// Variables the agent owns; overlay entries with these names are ignored.
-pub const RESERVED: [&str; 11] = [
+pub const RESERVED: [&str; 13] = [
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -23,6 +23,9 @@ pub const RESERVED: [&str; 11] = [
     "TRAINYARD_ATTEMPT",
     "TRAINYARD_RECEIPTS",
     "TRAINYARD_GPU",
+    // Set by the launcher from the planned binding (absent when the rank runs unpinned).
+    "TRAINYARD_CPUS",
+    "TRAINYARD_MEMS",
 ];
 
 /// Never set for a rank, not even from the overlay.

@@ -22,6 +22,7 @@ use trainyard_proto::v1::{ExecEngine, HostInventory, Launch, RankAssignment, job
 
 use crate::env::{NEVER_SET, rank_env};
 use crate::layout::{Layout, RankId, write_atomic};
+use crate::pinning;
 use crate::procfs;
 use crate::state::{self, Phase, RankRecord};
 use crate::supervise::{ExitFile, SPAWN_FAILED_EXIT_CODE, read_pid_file};
@@ -138,6 +139,8 @@ impl Launcher {
             message: String::new(),
             acked: Position::default(),
             forget: false,
+            effective_cpus: String::new(),
+            effective_mems: String::new(),
         };
         match self.spawn_shim(id, launch, assignment) {
             Ok((pid, start_time)) => {
@@ -189,12 +192,17 @@ impl Launcher {
         };
         let (stdout, stderr) = (open(&files.stdout)?, open(&files.stderr)?);
         let mut command = tokio::process::Command::new(&self.shim_program);
+        command.arg("supervise").arg("--status-file").arg(&files.exit).arg("--pid-file").arg(&files.pid);
+        // The planned binding: applied by the shim to the rank between fork and exec, and told to
+        // the rank (TRAINYARD_CPUS / TRAINYARD_MEMS) so its launch receipt can record it.
+        if !assignment.cpus.is_empty() {
+            command.arg("--cpus").arg(&assignment.cpus).env("TRAINYARD_CPUS", &assignment.cpus);
+        }
+        if assignment.numa_node >= 0 && !assignment.cpus.is_empty() {
+            let node = assignment.numa_node.to_string();
+            command.arg("--mem-node").arg(&node).env("TRAINYARD_MEMS", &node);
+        }
         command
-            .arg("supervise")
-            .arg("--status-file")
-            .arg(&files.exit)
-            .arg("--pid-file")
-            .arg(&files.pid)
             .arg("--")
             .args(&exec.argv)
             .current_dir(workdir)
@@ -344,6 +352,17 @@ fn observe(record: &mut RankRecord) -> bool {
     {
         record.pid = Some(pid);
         record.phase = Phase::Running;
+        // The shim writes the pid once the rank has exec'd, so its binding is final now.
+        match pinning::read_effective(pid) {
+            Ok(e) => {
+                if !e.cpus.is_empty() {
+                    info!(rank_id = %record.id, pid, cpus = %e.cpus, mems = %e.mems, "rank binding read back");
+                }
+                record.effective_cpus = e.cpus;
+                record.effective_mems = e.mems;
+            }
+            Err(e) => warn!(rank_id = %record.id, pid, error = %e, "cannot read the rank's binding"),
+        }
         changed = true;
     }
     if record.files.exit.exists() {
@@ -434,6 +453,7 @@ fn launch_json(launch: &Launch, inventory: &HostInventory, layout: &Layout) -> s
                 "rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu_index,
                 "gpu_uuid": gpu.map(|g| g.uuid.clone()), "numa_node": numa,
                 "cpus": cpus.map(|n| n.cpus.clone()), "dir": layout.rank_dir(id),
+                "planned_cpus": a.cpus, "planned_mems": (!a.cpus.is_empty() && a.numa_node >= 0).then_some(a.numa_node),
             })
         })
         .collect();

@@ -5,6 +5,7 @@
 //! - [`config`]: [`AgentConfig`], the plain settings struct the binary builds from its flags.
 //! - [`host`]: the [`host::HostProbe`] seam and the JSON host-description file behind it.
 //! - [`layout`]: where things live under the data directory (run directories, state files).
+//! - [`pinning`]: binds a rank to its planned CPUs and NUMA memory node, reads back the binding.
 //! - [`procfs`]: the few `/proc` and signal helpers the launcher needs (liveness, start times).
 //! - [`env`]: the rank environment (torchrun variables, `TRAINYARD_*`, the job's overlay).
 //! - [`state`]: the durable per-rank record in `DATA/state/ranks/`, written before reporting.
@@ -23,6 +24,7 @@ pub mod env;
 pub mod host;
 pub mod launcher;
 pub mod layout;
+pub mod pinning;
 pub mod preflight;
 pub mod procfs;
 pub mod relay;

@@ -31,7 +31,8 @@ const REFUSED_RETRY: Duration = Duration::from_secs(30);
 /// running when this returns.
 pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<()> {
     let host = HostFile::load(&config.host_file)?;
-    let inventory = host.inventory()?;
+    let mut inventory = host.inventory()?;
+    crate::pinning::reserve_cpus(&mut inventory, config.reserve_cpus);
     let identity = Identity {
         agent_id: config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone()),
         address: config.address.clone(),

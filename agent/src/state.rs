@@ -67,6 +67,12 @@ pub struct RankRecord {
     /// The controller sent `ForgetRanks`: drop the record once every receipt is acknowledged.
     #[serde(default)]
     pub forget: bool,
+    /// The binding read back from `/proc` once the rank ran (`Cpus_allowed_list`, and the
+    /// memory binding as [`crate::pinning`] describes); empty until read.
+    #[serde(default)]
+    pub effective_cpus: String,
+    #[serde(default)]
+    pub effective_mems: String,
 }
 
 impl RankRecord {
@@ -94,7 +100,8 @@ impl RankRecord {
             signal: self.signal.unwrap_or(0),
             message: self.message.clone(),
             skipped_lines,
-            ..Default::default()
+            effective_cpus: self.effective_cpus.clone(),
+            effective_mems: self.effective_mems.clone(),
         }
     }
 }

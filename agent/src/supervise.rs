@@ -1,4 +1,5 @@
-//! The per-rank shim, run as `trainyard-agent supervise --status-file F --pid-file P -- ARGV`.
+//! The per-rank shim, run as
+//! `trainyard-agent supervise --status-file F --pid-file P [--cpus LIST --mem-node N] -- ARGV`.
 //!
 //! It exists so that a rank's exit status is known even when the agent that started it was
 //! killed or restarted meanwhile: the agent starts the shim in a session of its own, the shim
@@ -9,6 +10,9 @@
 //! meant for the agent or a closing terminal do not take it down. A handler rather than
 //! `SIG_IGN`, because an ignored disposition survives `exec` and the rank would inherit it,
 //! while a caught one is reset to the default in the rank.
+//!
+//! With `--cpus`/`--mem-node` the rank is bound between fork and exec ([`crate::pinning`]);
+//! the shim itself stays unbound.
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -17,6 +21,7 @@ use std::process::{Command, ExitStatus};
 use serde::{Deserialize, Serialize};
 
 use crate::layout::write_atomic;
+use crate::pinning::Binding;
 
 /// Exit code written when the rank could not be started at all (as a shell would for a
 /// command it cannot run).
@@ -27,6 +32,8 @@ pub const SPAWN_FAILED_EXIT_CODE: i32 = 127;
 pub struct SuperviseArgs {
     pub status_file: PathBuf,
     pub pid_file: PathBuf,
+    /// CPUs and memory node to bind the rank to; `None`: unpinned.
+    pub binding: Option<Binding>,
     pub argv: Vec<String>,
 }
 
@@ -99,11 +106,16 @@ fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
     let (program, rest) = args.argv.split_first().ok_or("spawn failed: empty argv")?;
     let mut command = Command::new(program);
     command.args(rest);
-    // SAFETY: setpgid is async-signal-safe, the only call between fork and exec.
+    let binding = args.binding.as_ref().map(Binding::prepare);
+    // SAFETY: setpgid, sched_setaffinity, set_mempolicy and write are async-signal-safe, and the
+    // binding was prepared before the fork: nothing here allocates.
     unsafe {
-        command.pre_exec(|| {
+        command.pre_exec(move || {
             if libc::setpgid(0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            if let Some(b) = &binding {
+                b.apply_in_child();
             }
             Ok(())
         });

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use trainyard_agent::AgentConfig;
+use trainyard_agent::pinning::Binding;
 use trainyard_agent::supervise::{SuperviseArgs, supervise};
 
 #[derive(Debug, Parser)]
@@ -28,6 +29,9 @@ struct Cli {
     address: String,
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
+    /// CPUs kept for the agent: the lowest-numbered N CPUs never get a rank pinned to them.
+    #[arg(long, default_value_t = 0, global = true)]
+    reserve_cpus: u32,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -47,6 +51,12 @@ enum Command {
         status_file: PathBuf,
         #[arg(long)]
         pid_file: PathBuf,
+        /// CPUs to bind the rank to (kernel list format, e.g. 0-15).
+        #[arg(long)]
+        cpus: Option<String>,
+        /// NUMA node the rank's memory is bound to (MPOL_BIND).
+        #[arg(long)]
+        mem_node: Option<u32>,
         /// The rank's program and arguments.
         #[arg(last = true, required = true)]
         argv: Vec<String>,
@@ -66,14 +76,21 @@ impl TryFrom<&Cli> for AgentConfig {
         let mut config = AgentConfig::new(controller, host_file, data_dir);
         config.agent_id = cli.agent_id.clone();
         config.address = cli.address.clone();
+        config.reserve_cpus = cli.reserve_cpus;
         Ok(config)
     }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Some(Command::Supervise { status_file, pid_file, argv }) = cli.command {
-        let code = supervise(&SuperviseArgs { status_file, pid_file, argv });
+    if let Some(Command::Supervise { status_file, pid_file, cpus, mem_node, argv }) = cli.command {
+        // A binding that cannot even be parsed leaves the rank unpinned; the read-back and
+        // the controller's warning tell the operator (see `trainyard_agent::pinning`).
+        let binding = Binding::from_flags(cpus.as_deref(), mem_node).unwrap_or_else(|e| {
+            eprintln!("trainyard-agent supervise: {e}; the rank runs unpinned");
+            None
+        });
+        let code = supervise(&SuperviseArgs { status_file, pid_file, binding, argv });
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     init_tracing(cli.log_format);
