@@ -45,9 +45,14 @@ impl Controller {
         core.next_conn_id += 1;
         let conn_id = core.next_conn_id;
         let link = Some(AgentLink { conn_id, tx });
-        // A hello without a report keeps the verdict the node had (from the store after a
-        // restart of the controller, or from before the reconnect).
-        let preflight = preflight.or_else(|| core.agents.get(&agent_id).and_then(|e| e.preflight.clone()));
+        // The newest report is the verdict: a hello without one, or with the report the agent
+        // ran at start while a later re-run is stored, keeps what the node had (from the store
+        // after a restart of the controller, or from before the reconnect).
+        let previous = core.agents.get(&agent_id).and_then(|e| e.preflight.clone());
+        let preflight = match (preflight, previous) {
+            (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
+            (new, old) => new.or(old),
+        };
         let entry = AgentEntry { record, link, leaving: false, disconnected_since: None, preflight };
         core.agents.insert(agent_id.clone(), entry);
         tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");

@@ -187,6 +187,13 @@ async fn verdicts_come_back_after_a_restart() {
     // Its hello with the same report again (after a reconnect) does not store it twice.
     let _again = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
     assert_eq!(row(&c.nodes().await, "bad").preflight_report_id, first_id);
+    // Fixed and re-run; a later hello carrying the start report again keeps the newer verdict.
+    c.agent_preflight("bad", report("bad", 5, &[])).await.expect("report");
+    let fixed = row(&c.nodes().await, "bad").preflight_report_id;
+    assert!(fixed > first_id);
+    let _later = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
+    let b = row(&c.nodes().await, "bad").clone();
+    assert_eq!((b.verdict.as_str(), b.preflight_report_id), ("pass", fixed));
 }
 
 #[tokio::test]
