@@ -80,7 +80,13 @@ impl Jobs for JobsService {
         let report = if req.run_level.is_empty() {
             self.controller.latest_preflight(&req.agent_id).await
         } else {
-            self.controller.run_preflight(&req.agent_id, &req.run_level, PREFLIGHT_RUN_TIMEOUT).await
+            // A shutdown does not wait for the agent: the operator asks again after the restart.
+            tokio::select! {
+                report = self.controller.run_preflight(&req.agent_id, &req.run_level, PREFLIGHT_RUN_TIMEOUT) => report,
+                _ = self.shutdown.cancelled() => {
+                    return Err(Status::unavailable("the controller is shutting down; ask again once it is back"));
+                }
+            }
         };
         Ok(Response::new(report.map_err(to_status)?))
     }
