@@ -5,8 +5,10 @@ use std::collections::HashMap;
 
 use trainyard_proto::v1::{Job, JobEvent, RankStatus};
 
-use super::{Controller, ControllerError, Result};
-use crate::store::{JobId, JobRecord};
+use super::{Controller, ControllerError, Core, Result};
+use crate::cost;
+use crate::scheduler::LinkMatrix;
+use crate::store::{Allocation, JobId, JobRecord, JobState};
 
 impl Controller {
     /// One job with its ranks (current attempt), events and receipt count.
@@ -41,10 +43,19 @@ impl Controller {
     async fn summary(&self, record: JobRecord) -> Result<Job> {
         let (id, attempt) = (record.id, record.attempt);
         let seqs: HashMap<u32, u64> = self.store.last_seqs(id, attempt).await?.into_iter().collect();
-        let ranks = self
-            .store
-            .allocations(id, attempt)
-            .await?
+        let allocations = self.store.allocations(id, attempt).await?;
+        let warnings = binding_warnings(&allocations);
+        let bytes = record.spec.resources.as_ref().map_or(0, |r| r.comm_bytes_per_step);
+        let (predicted_comm_ms, waiting_reason) = {
+            let core = self.core.lock().await;
+            let waiting = match record.state {
+                JobState::Pending => core.waiting.get(&id).cloned().unwrap_or_default(),
+                _ => String::new(),
+            };
+            (predicted_comm_ms(&core, &allocations, bytes), waiting)
+        };
+        let measured_optimizer_ms = self.store.mean_optimizer_ms(id).await?.unwrap_or(0.0);
+        let ranks = allocations
             .into_iter()
             .map(|a| RankStatus {
                 rank: a.id.rank,
@@ -58,7 +69,10 @@ impl Controller {
                 skipped_lines: a.observed.skipped_lines,
                 node_rank: a.node_rank,
                 local_rank: a.local_rank,
-                ..Default::default()
+                planned_cpus: a.planned_cpus,
+                planned_mems: a.planned_mems,
+                effective_cpus: a.observed.effective_cpus,
+                effective_mems: a.observed.effective_mems,
             })
             .collect();
         Ok(Job {
@@ -72,7 +86,59 @@ impl Controller {
             ranks,
             receipts: self.store.receipt_count(id).await?,
             events: Vec::new(),
-            ..Default::default()
+            predicted_comm_ms,
+            measured_optimizer_ms,
+            warnings,
+            waiting_reason,
         })
     }
+}
+
+/// The cost model's collective time per step for the job's placement: the worst link inside
+/// each of its nodes (from the agents' inventories), the network when it spans nodes. 0 when
+/// the job declares no bytes or a node is no longer known.
+fn predicted_comm_ms(core: &Core, allocations: &[Allocation], bytes: u64) -> f64 {
+    if bytes == 0 || allocations.is_empty() {
+        return 0.0;
+    }
+    let mut by_agent: HashMap<&str, Vec<u32>> = HashMap::new();
+    for a in allocations {
+        by_agent.entry(a.agent_id.as_str()).or_default().push(a.gpu_index);
+    }
+    let mut worst = crate::scheduler::LinkClass::Local;
+    for (agent, gpus) in &by_agent {
+        let Some(entry) = core.agents.get(*agent) else { return 0.0 };
+        let inv = &entry.record.inventory;
+        let mask = inv
+            .gpus
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| gpus.contains(&g.index))
+            .fold(0u64, |m, (p, _)| if p < 64 { m | 1 << p } else { m });
+        worst = worst.min(LinkMatrix::parse(&inv.links, inv.gpus.len()).worst(mask));
+    }
+    let link = cost::bottleneck(worst, by_agent.len() > 1);
+    cost::step_comm_ms(bytes, allocations.len() as u32, link)
+}
+
+/// A warning per rank whose binding read back from `/proc` differs from the plan.
+fn binding_warnings(allocations: &[Allocation]) -> Vec<String> {
+    allocations
+        .iter()
+        .filter(|a| !a.planned_cpus.is_empty() && !a.observed.effective_cpus.is_empty())
+        .filter(|a| {
+            (&a.planned_cpus, &a.planned_mems) != (&a.observed.effective_cpus, &a.observed.effective_mems)
+        })
+        .map(|a| {
+            format!(
+                "rank {} on {}: bound to CPUs {} and memory {}, planned CPUs {} and memory node {}",
+                a.id.rank,
+                a.agent_id,
+                a.observed.effective_cpus,
+                a.observed.effective_mems,
+                a.planned_cpus,
+                a.planned_mems
+            )
+        })
+        .collect()
 }
