@@ -24,6 +24,13 @@ pub struct JobJson {
     pub spec: Option<SpecJson>,
     pub ranks: Vec<RankJson>,
     pub events: Vec<EventJson>,
+    /// Cost model: predicted collective time per optimizer step (0 = unknown).
+    pub predicted_comm_ms: f64,
+    /// Mean optimizer time from step receipts (0 = none yet).
+    pub measured_optimizer_ms: f64,
+    pub warnings: Vec<String>,
+    /// Why a pending job waits ("" otherwise).
+    pub waiting_reason: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -73,6 +80,10 @@ pub struct RankJson {
     pub signal: i32,
     pub last_seq: i64,
     pub skipped_lines: u64,
+    pub planned_cpus: String,
+    pub planned_mems: String,
+    pub effective_cpus: String,
+    pub effective_mems: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -207,6 +218,10 @@ impl From<&Job> for JobJson {
             spec: j.spec.as_ref().map(SpecJson::from),
             ranks: j.ranks.iter().map(RankJson::from).collect(),
             events: j.events.iter().map(EventJson::from).collect(),
+            predicted_comm_ms: j.predicted_comm_ms,
+            measured_optimizer_ms: j.measured_optimizer_ms,
+            warnings: j.warnings.clone(),
+            waiting_reason: j.waiting_reason.clone(),
         }
     }
 }
@@ -267,6 +282,10 @@ impl From<&RankStatus> for RankJson {
             signal: r.signal,
             last_seq: r.last_seq,
             skipped_lines: r.skipped_lines,
+            planned_cpus: r.planned_cpus.clone(),
+            planned_mems: r.planned_mems.clone(),
+            effective_cpus: r.effective_cpus.clone(),
+            effective_mems: r.effective_mems.clone(),
         }
     }
 }

@@ -122,6 +122,21 @@ pub fn job_details(j: &Job, now_ms: i64) -> String {
     let _ =
         writeln!(out, "  created:  {} ({} ago)", timestamp(j.created_at_ms), age(now_ms, j.created_at_ms));
     let _ = writeln!(out, "  receipts: {}", j.receipts);
+    if !j.waiting_reason.is_empty() {
+        let _ = writeln!(out, "  waiting:  {}", j.waiting_reason);
+    }
+    if j.predicted_comm_ms > 0.0 || j.measured_optimizer_ms > 0.0 {
+        let ms = |v: f64| if v > 0.0 { format!("{v:.1} ms") } else { "-".to_string() };
+        let _ = writeln!(
+            out,
+            "  comm:     predicted {} per step (collectives); measured optimizer {} per step",
+            ms(j.predicted_comm_ms),
+            ms(j.measured_optimizer_ms)
+        );
+    }
+    for w in &j.warnings {
+        let _ = writeln!(out, "  warning:  {w}");
+    }
     out.push_str("\nevents:\n");
     let mut events = Table::new(&["  TIME", "FROM", "TO", "REASON"]);
     for e in &j.events {
@@ -140,8 +155,9 @@ pub fn job_details(j: &Job, now_ms: i64) -> String {
 }
 
 fn rank_table(ranks: &[RankStatus]) -> String {
-    let mut t =
-        Table::new(&["  RANK", "NODE", "AGENT", "GPU", "STATE", "PID", "EXIT", "LAST SEQ", "SKIPPED"]);
+    let mut t = Table::new(&[
+        "  RANK", "NODE", "AGENT", "GPU", "STATE", "PID", "EXIT", "LAST SEQ", "SKIPPED", "CPUS", "MEM",
+    ]);
     for r in ranks {
         t.row(vec![
             format!("  {}", r.rank),
@@ -153,9 +169,23 @@ fn rank_table(ranks: &[RankStatus]) -> String {
             exit_text(r),
             if r.last_seq < 0 { "-".into() } else { r.last_seq.to_string() },
             r.skipped_lines.to_string(),
+            binding(&r.planned_cpus, &r.effective_cpus),
+            binding(&r.planned_mems, &r.effective_mems),
         ]);
     }
     t.render()
+}
+
+/// A planned binding and what the rank really got: "0-15", "0-15 (got 0-31)", "- (got 0-31)" when
+/// unpinned, "-" when neither is known.
+fn binding(planned: &str, effective: &str) -> String {
+    match (planned.is_empty(), effective.is_empty()) {
+        (true, true) => "-".into(),
+        (false, true) => planned.to_string(),
+        (true, false) => format!("- (got {effective})"),
+        (false, false) if planned == effective => planned.to_string(),
+        (false, false) => format!("{planned} (got {effective})"),
+    }
 }
 
 /// "0", "1", "signal 15" or "-" while the rank has not exited.
@@ -262,6 +292,42 @@ mod tests {
         assert!(text.starts_with("job 3\n  state:    cancelled (attempt 0)\n"), "{text}");
         assert!(text.contains("1970-01-01 00:00:01.000Z  running  → cancelled  cancelled with ctl"));
         assert!(text.contains("  1     0     node-a  1    exited  4242  signal 15  12"), "{text}");
+    }
+
+    #[test]
+    fn job_details_show_waiting_cost_binding_and_warnings() {
+        let job = Job {
+            id: 4,
+            state: "running".into(),
+            predicted_comm_ms: 41.25,
+            measured_optimizer_ms: 57.8,
+            warnings: vec!["rank 0 on node-a: bound to CPUs 0-31".into()],
+            waiting_reason: "needs 8 GPUs on one nvswitch node; largest free set is 6".into(),
+            ranks: vec![
+                RankStatus {
+                    rank: 0,
+                    agent_id: "node-a".into(),
+                    planned_cpus: "0-15".into(),
+                    planned_mems: "0".into(),
+                    effective_cpus: "0-31".into(),
+                    effective_mems: "0".into(),
+                    ..Default::default()
+                },
+                RankStatus { rank: 1, agent_id: "node-a".into(), ..Default::default() },
+            ],
+            ..Default::default()
+        };
+        let text = job_details(&job, 0);
+        assert!(
+            text.contains("  waiting:  needs 8 GPUs on one nvswitch node; largest free set is 6\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("predicted 41.2 ms per step (collectives); measured optimizer 57.8 ms"),
+            "{text}"
+        );
+        assert!(text.contains("  warning:  rank 0 on node-a: bound to CPUs 0-31\n"), "{text}");
+        assert!(text.contains("0-15 (got 0-31)  0\n"), "{text}");
     }
 
     #[test]
