@@ -1,5 +1,9 @@
 //! trainyard's built-in training engine: a nanochat-class GPT on tch.
 
+pub mod config;
+pub mod data;
+pub mod model;
+
 use serde::Serialize;
 
 /// Facts about the libtorch this process loaded; the `info` subcommand prints them and the
