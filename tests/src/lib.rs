@@ -145,11 +145,17 @@ impl Cluster {
     /// Starts an agent standing in for a node of `gpus` GPUs.
     pub fn start_agent(&mut self, name: &str, gpus: u32) -> Result<()> {
         let host = host_file(self.dir.path(), name, gpus);
+        self.start_agent_with_host_file(name, &host)
+    }
+
+    /// Starts an agent standing in for the node a host description describes (e.g. one of
+    /// `tests/fixtures/hosts/`), with agent id `name`.
+    pub fn start_agent_with_host_file(&mut self, name: &str, host: &Path) -> Result<()> {
         let child = Command::new(bin("trainyard-agent")?)
             .arg("--controller")
             .arg(self.url())
             .arg("--host-file")
-            .arg(&host)
+            .arg(host)
             .arg("--data-dir")
             .arg(self.path(&format!("agent-{name}")))
             .args(["--agent-id", name, "--address", "127.0.0.1"])
