@@ -74,6 +74,53 @@ pub fn host_file(dir: &Path, hostname: &str, gpus: u32) -> PathBuf {
     path
 }
 
+/// A host description with a custom NUMA layout: GPU `i` hangs off NUMA node `gpu_numa[i]`,
+/// and `numa_cpus` lists the CPUs of each NUMA node (kernel list format). Links are `NV18`.
+pub fn host_file_numa(dir: &Path, hostname: &str, gpu_numa: &[i32], numa_cpus: &[(u32, &str)]) -> PathBuf {
+    let n = gpu_numa.len();
+    let gpu_list: Vec<serde_json::Value> = gpu_numa
+        .iter()
+        .enumerate()
+        .map(|(i, numa)| {
+            serde_json::json!({
+                "index": i,
+                "uuid": format!("GPU-{hostname}-{i:04}"),
+                "model": "NVIDIA H100 80GB HBM3",
+                "memory_mib": 81559,
+                "pci_bus_id": format!("00000000:{:02X}:00.0", 0x18 + i * 0x10),
+                "numa_node": numa
+            })
+        })
+        .collect();
+    let links: Vec<Vec<&str>> =
+        (0..n).map(|i| (0..n).map(|j| if i == j { "X" } else { "NV18" }).collect()).collect();
+    let numa: Vec<serde_json::Value> =
+        numa_cpus.iter().map(|(id, cpus)| serde_json::json!({"id": id, "cpus": cpus})).collect();
+    let doc = serde_json::json!({"hostname": hostname, "gpus": gpu_list, "links": links, "numa_nodes": numa});
+    let path = dir.join(format!("{hostname}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&doc).expect("json")).expect("write host file");
+    path
+}
+
+/// The CPUs this process may run on, from `/proc/self/status` (the machine's real CPU ids).
+pub fn allowed_cpus() -> Vec<u32> {
+    let list = proc_status_field(std::process::id(), "Cpus_allowed_list").unwrap_or_else(|| "0".into());
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<u32>().unwrap_or(0)..=b.parse::<u32>().unwrap_or(0)),
+            None => cpus.extend(part.parse::<u32>().ok()),
+        }
+    }
+    cpus
+}
+
+/// A field of `/proc/<pid>/status`, e.g. `Cpus_allowed_list`.
+pub fn proc_status_field(pid: u32, name: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':').map(|v| v.trim().to_string()))
+}
+
 /// A controller with its agents, all in one temporary directory.
 pub struct Cluster {
     pub dir: tempfile::TempDir,
@@ -308,6 +355,27 @@ impl Cluster {
             let out = rows
                 .iter()
                 .map(|row| (0..row.len()).map(|i| row.try_get::<i64, _>(i)).collect::<Result<Vec<_>, _>>())
+                .collect::<Result<Vec<_>, _>>()?;
+            pool.close().await;
+            Ok(out)
+        })
+    }
+
+    /// Runs a query against the controller's database and returns rows of text columns
+    /// (NULL as "").
+    pub fn query_text(&self, sql: &str) -> Result<Vec<Vec<String>>> {
+        let url = format!("sqlite://{}?mode=ro", self.db_path().display());
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async {
+            let pool = sqlx::SqlitePool::connect(&url).await?;
+            let rows = sqlx::query(sqlx::AssertSqlSafe(sql.to_string())).fetch_all(&pool).await?;
+            let out = rows
+                .iter()
+                .map(|row| {
+                    (0..row.len())
+                        .map(|i| row.try_get::<Option<String>, _>(i).map(Option::unwrap_or_default))
+                        .collect::<Result<Vec<_>, _>>()
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             pool.close().await;
             Ok(out)
