@@ -9,7 +9,7 @@
 //! receipts before it sees the exit. For the same reason `Hello` reports an ended rank whose
 //! receipts are not all acknowledged as `running`; its real end follows its receipts.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -24,13 +24,15 @@ use trainyard_proto::v1::agent_message::Msg as Out;
 use trainyard_proto::v1::agents_client::AgentsClient;
 use trainyard_proto::v1::controller_message::Msg as In;
 use trainyard_proto::v1::{
-    AgentMessage, ControllerMessage, Heartbeat, Hello, HostInventory, Leaving, RankAck, RankReport,
-    RankUpdate, ReceiptBatch,
+    AgentMessage, ControllerMessage, Heartbeat, Hello, HostInventory, Launch, Leaving, PreflightReport,
+    RankAck, RankReport, RankUpdate, ReceiptBatch,
 };
 
 use crate::config::AgentConfig;
 use crate::launcher::Launcher;
 use crate::layout::RankId;
+use crate::preflight::runner::{Runner, write_report};
+use crate::preflight::{Level, failure_reason};
 use crate::state::Phase;
 use crate::tail::Budget;
 
@@ -54,6 +56,8 @@ pub struct Identity {
     pub agent_id: String,
     pub address: String,
     pub inventory: HostInventory,
+    /// Runs preflights and holds the latest report, which `Hello` carries.
+    pub preflight: Runner,
 }
 
 /// Runs one session over `client` until the stream ends or `shutdown` completes.
@@ -65,6 +69,7 @@ pub async fn serve<F: Future>(
     mut shutdown: Pin<&mut F>,
 ) -> Ended {
     let (tx, rx) = mpsc::channel(32);
+    let (checked_tx, checked) = mpsc::channel(8);
     let mut session = Session {
         config,
         launcher,
@@ -72,6 +77,9 @@ pub async fn serve<F: Future>(
         reported: HashMap::new(),
         drained: HashSet::new(),
         unacked_batches: 0,
+        preflight: identity.preflight.clone(),
+        checked_tx,
+        checked,
     };
     let hello = session.hello(identity);
     if session.send(Out::Hello(hello)).await.is_err() {
@@ -126,6 +134,10 @@ struct Session<'a> {
     /// Ended ranks whose receipts file was read to its end, after the end, on this stream.
     drained: HashSet<RankId>,
     unacked_batches: usize,
+    preflight: Runner,
+    /// Launches whose preflight finished, from the tasks that ran it.
+    checked_tx: mpsc::Sender<(Launch, PreflightReport)>,
+    checked: mpsc::Receiver<(Launch, PreflightReport)>,
 }
 
 /// The stream is gone; the session ends.
@@ -158,7 +170,7 @@ impl Session<'_> {
             inventory: Some(identity.inventory.clone()),
             ranks,
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
-            preflight: None,
+            preflight: self.preflight.latest(),
         }
     }
 
@@ -180,6 +192,7 @@ impl Session<'_> {
                     Ok(None) => return disconnected(anyhow!("controller closed the stream"), true),
                     Err(status) => return from_status(status, true),
                 },
+                Some((launch, report)) = self.checked.recv() => self.launch_checked(launch, report).await,
                 _ = tick.tick() => self.on_tick().await,
                 _ = heartbeat.tick() => self.send(Out::Heartbeat(Heartbeat { at_ms: now_ms() })).await,
             };
@@ -210,11 +223,7 @@ impl Session<'_> {
             }
             Some(In::Launch(launch)) => {
                 info!(job_id = launch.job_id, attempt = launch.attempt, ranks = launch.ranks.len(), "launch");
-                for id in self.launcher.launch(&launch) {
-                    // Idempotent relaunch: tell the controller where the rank is again.
-                    self.reported.remove(&id);
-                }
-                self.send_rank_updates().await?;
+                self.on_launch(launch).await?;
             }
             Some(In::Cancel(cancel)) => {
                 let grace = Duration::from_millis(cancel.grace_ms);
@@ -224,13 +233,78 @@ impl Session<'_> {
                 info!(job_id = forget.job_id, attempt = forget.attempt, "forget ranks once acknowledged");
                 self.launcher.forget(forget.job_id, forget.attempt);
             }
-            Some(In::RunPreflight(preflight)) => {
-                info!(level = %preflight.level, "run-preflight is not implemented until the preflight issue; ignored");
-            }
+            Some(In::RunPreflight(request)) => match request.level.parse::<Level>() {
+                Ok(level) => {
+                    info!(level = level.as_str(), "preflight requested by the controller");
+                    let (runner, tx) = (self.preflight.clone(), self.tx.clone());
+                    tokio::spawn(async move {
+                        let report = runner.run(level, BTreeMap::new()).await;
+                        info!(verdict = %report.verdict, local_id = %report.local_id, "preflight finished");
+                        let _ = tx.send(AgentMessage { msg: Some(Out::Preflight(report)) }).await;
+                    });
+                }
+                Err(e) => warn!(error = %e, "ignoring run-preflight"),
+            },
             Some(In::HelloAck(_)) => debug!("ignoring a second HelloAck"),
             None => debug!("ignoring an empty controller message"),
         }
         Ok(())
+    }
+
+    /// Runs the job's preflight level (in a task, so the stream stays served) before starting
+    /// its ranks; a relaunch of known ranks, or level "none", launches at once under the
+    /// latest report.
+    async fn on_launch(&mut self, launch: Launch) -> Result<(), Closed> {
+        let spec = launch.spec.clone().unwrap_or_default();
+        let known = launch.ranks.iter().any(|a| {
+            self.launcher
+                .get(RankId { job_id: launch.job_id, attempt: launch.attempt, rank: a.rank })
+                .is_some()
+        });
+        let level = match Level::for_job(&spec.preflight) {
+            Ok(Some(level)) if !known => level,
+            Ok(_) => {
+                self.launcher.set_preflight_report(self.preflight.latest().map(|r| r.local_id));
+                return self.start_ranks(&launch, None).await;
+            }
+            Err(e) => return self.start_ranks(&launch, Some(format!("preflight failed: {e}"))).await,
+        };
+        let (runner, done) = (self.preflight.clone(), self.checked_tx.clone());
+        let job_env: BTreeMap<String, String> = spec.env.into_iter().collect();
+        tokio::spawn(async move {
+            let report = runner.run(level, job_env).await;
+            let _ = done.send((launch, report)).await;
+        });
+        Ok(())
+    }
+
+    /// A launch whose preflight finished: record the report, then start or refuse the ranks.
+    async fn launch_checked(&mut self, launch: Launch, report: PreflightReport) -> Result<(), Closed> {
+        let path = self.launcher.layout().attempt_dir(launch.job_id, launch.attempt).join("preflight.json");
+        if let Err(e) = write_report(&path, &report) {
+            warn!(path = %path.display(), error = %e, "failed to write preflight.json");
+        }
+        info!(job_id = launch.job_id, verdict = %report.verdict, local_id = %report.local_id, "launch preflight finished");
+        let refusal = failure_reason(&report);
+        self.launcher.set_preflight_report(Some(report.local_id.clone()));
+        self.send(Out::Preflight(report)).await?;
+        self.start_ranks(&launch, refusal).await
+    }
+
+    /// Starts the launch's ranks, or records them `lost` with `refusal` without starting them.
+    async fn start_ranks(&mut self, launch: &Launch, refusal: Option<String>) -> Result<(), Closed> {
+        let ids = match &refusal {
+            None => self.launcher.launch(launch),
+            Some(reason) => {
+                warn!(job_id = launch.job_id, attempt = launch.attempt, %reason, "ranks not started");
+                self.launcher.refuse(launch, reason)
+            }
+        };
+        for id in ids {
+            // Idempotent relaunch: tell the controller where the rank is again.
+            self.reported.remove(&id);
+        }
+        self.send_rank_updates().await
     }
 
     fn apply_acks(&mut self, acks: &[RankAck]) {

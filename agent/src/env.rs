@@ -11,7 +11,7 @@ use std::path::Path;
 use trainyard_proto::v1::{Launch, RankAssignment};
 
 /// Variables the agent owns; overlay entries with these names are ignored.
-pub const RESERVED: [&str; 13] = [
+pub const RESERVED: [&str; 14] = [
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -26,7 +26,12 @@ pub const RESERVED: [&str; 13] = [
     // Set by the launcher from the planned binding (absent when the rank runs unpinned).
     "TRAINYARD_CPUS",
     "TRAINYARD_MEMS",
+    PREFLIGHT_REPORT,
 ];
+
+/// Local id (`<agent_id>-<started_at_ms>`) of the preflight report the rank was launched under;
+/// set by the launcher, absent when the agent has run no preflight yet.
+pub const PREFLIGHT_REPORT: &str = "TRAINYARD_PREFLIGHT_REPORT";
 
 /// Never set for a rank, not even from the overlay.
 pub const NEVER_SET: &str = "CUDA_VISIBLE_DEVICES";

@@ -20,7 +20,7 @@ use serde_json::json;
 use tracing::{info, warn};
 use trainyard_proto::v1::{ExecEngine, HostInventory, Launch, RankAssignment, job_spec};
 
-use crate::env::{NEVER_SET, rank_env};
+use crate::env::{NEVER_SET, PREFLIGHT_REPORT, rank_env};
 use crate::layout::{Layout, RankId, write_atomic};
 use crate::pinning;
 use crate::procfs;
@@ -42,6 +42,8 @@ pub struct Launcher {
     shim_program: PathBuf,
     inventory: HostInventory,
     ranks: BTreeMap<RankId, Rank>,
+    /// Local id of the preflight report the next ranks start under (`TRAINYARD_PREFLIGHT_REPORT`).
+    preflight_report: Option<String>,
 }
 
 impl Launcher {
@@ -54,7 +56,7 @@ impl Launcher {
         let probe = layout.state_dir().join(".write-probe");
         std::fs::write(&probe, b"")?;
         std::fs::remove_file(&probe)?;
-        Ok(Self { layout, shim_program, inventory, ranks: BTreeMap::new() })
+        Ok(Self { layout, shim_program, inventory, ranks: BTreeMap::new(), preflight_report: None })
     }
 
     pub fn layout(&self) -> &Layout {
@@ -93,6 +95,21 @@ impl Launcher {
     /// launch's ranks. Spawn failures become exited ranks with a message, never errors.
     /// Must run inside a tokio runtime (the shims are reaped by tasks).
     pub fn launch(&mut self, launch: &Launch) -> Vec<RankId> {
+        self.launch_or_refuse(launch, None)
+    }
+
+    /// Records the launch's ranks this agent does not have yet as `lost` with `reason`, without
+    /// starting them (a failed preflight); returns the ids of all the launch's ranks.
+    pub fn refuse(&mut self, launch: &Launch, reason: &str) -> Vec<RankId> {
+        self.launch_or_refuse(launch, Some(reason))
+    }
+
+    /// The preflight report the ranks started from now on run under.
+    pub fn set_preflight_report(&mut self, local_id: Option<String>) {
+        self.preflight_report = local_id;
+    }
+
+    fn launch_or_refuse(&mut self, launch: &Launch, refusal: Option<&str>) -> Vec<RankId> {
         if let Err(e) = self.write_launch_json(launch) {
             warn!(job_id = launch.job_id, attempt = launch.attempt, error = %e, "failed to write launch.json");
         }
@@ -104,7 +121,7 @@ impl Launcher {
                 info!(rank_id = %id, "rank already known; launch is idempotent");
                 continue;
             }
-            let record = self.start_rank(id, launch, assignment);
+            let record = self.start_rank(id, launch, assignment, refusal);
             if let Err(e) = record.save(&self.layout) {
                 warn!(rank_id = %id, error = %e, "failed to write rank state file");
             }
@@ -122,7 +139,13 @@ impl Launcher {
         write_atomic(&self.layout.launch_json(launch.job_id, launch.attempt), &bytes)
     }
 
-    fn start_rank(&self, id: RankId, launch: &Launch, assignment: &RankAssignment) -> RankRecord {
+    fn start_rank(
+        &self,
+        id: RankId,
+        launch: &Launch,
+        assignment: &RankAssignment,
+        refusal: Option<&str>,
+    ) -> RankRecord {
         let files = self.layout.rank_files(id);
         let mut record = RankRecord {
             id,
@@ -142,6 +165,11 @@ impl Launcher {
             effective_cpus: String::new(),
             effective_mems: String::new(),
         };
+        if let Some(reason) = refusal {
+            record.phase = Phase::Lost;
+            record.message = reason.to_string();
+            return record;
+        }
         match self.spawn_shim(id, launch, assignment) {
             Ok((pid, start_time)) => {
                 info!(rank_id = %id, shim_pid = pid, "rank started");
@@ -172,7 +200,10 @@ impl Launcher {
         let files = self.layout.rank_files(id);
         std::fs::create_dir_all(&files.dir)
             .map_err(|e| format!("cannot create {}: {e}", files.dir.display()))?;
-        let env = rank_env(launch, assignment, &files.receipts);
+        let mut env = rank_env(launch, assignment, &files.receipts);
+        if let Some(local_id) = &self.preflight_report {
+            env.vars.insert(PREFLIGHT_REPORT.to_string(), local_id.clone());
+        }
         if !env.ignored_overlay.is_empty() {
             warn!(rank_id = %id, names = ?env.ignored_overlay, "overlay variables ignored: the agent owns them");
         }

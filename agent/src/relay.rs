@@ -7,7 +7,9 @@
 //! retried every 30 s rather than exiting: the ranks on this host keep running and keep their
 //! receipts, and the agent reconnects by itself once the controller is upgraded or rolled back.
 
+use std::collections::BTreeMap;
 use std::hash::BuildHasher;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -20,6 +22,8 @@ use crate::connection::{self, Ended, Identity};
 use crate::host::{HostFile, HostProbe};
 use crate::launcher::Launcher;
 use crate::layout::Layout;
+use crate::preflight::runner::Runner;
+use crate::preflight::{Level, failure_reason};
 
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(5);
@@ -33,11 +37,19 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     let host = HostFile::load(&config.host_file)?;
     let mut inventory = host.inventory()?;
     crate::pinning::reserve_cpus(&mut inventory, config.reserve_cpus);
-    let identity = Identity {
-        agent_id: config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone()),
-        address: config.address.clone(),
-        inventory: inventory.clone(),
-    };
+    let agent_id = config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone());
+    let preflight = Runner::new(&agent_id, Arc::new(host));
+    let report = preflight.run(Level::Quick, BTreeMap::new()).await;
+    match failure_reason(&report) {
+        Some(reason) => {
+            warn!(local_id = %report.local_id, %reason, "start-up preflight failed; the controller will not schedule here")
+        }
+        None => {
+            info!(local_id = %report.local_id, verdict = %report.verdict, class = %report.interconnect_class, "start-up preflight")
+        }
+    }
+    let identity =
+        Identity { agent_id, address: config.address.clone(), inventory: inventory.clone(), preflight };
     let layout = Layout::new(&config.data_dir);
     let mut launcher = Launcher::new(layout, config.shim_program.clone(), inventory)
         .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?;

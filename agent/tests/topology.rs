@@ -128,7 +128,7 @@ fn malformed_input_names_the_line() {
         lines.iter().enumerate().filter(|(i, _)| *i != 8).map(|(_, l)| format!("{l}\n")).collect();
     refused(&short, 10, "lists 8 GPUs but 7 GPU rows follow");
     // A row out of order, an unknown label, a bad affinity.
-    refused(&with(2, &lines[3]), 3, "out of order");
+    refused(&with(2, lines[3]), 3, "out of order");
     refused(&with(9, "mlx5_9\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS"), 10, "not a column");
     refused(&with(1, &lines[1].replace("0-47,96-143", "0-47;96")), 2, "CPU Affinity");
     refused(&with(1, &lines[1].replace("96-143\t0", "96-143\tzero")), 2, "NUMA Affinity");

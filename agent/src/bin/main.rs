@@ -44,6 +44,25 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Check this node (topology, NUMA, host, NVML, CUDA, NCCL) and print the report. Uses
+    /// --host-file when given, NVML otherwise. Exit code: 0 pass or warn, 1 fail, 2 when the
+    /// preflight cannot run (no host file and no NVML, bad arguments).
+    Preflight {
+        /// quick (inventory, topology, host, CUDA), standard (+ NCCL to 256 MiB), full (+ 1 GiB).
+        #[arg(long, default_value = "quick")]
+        level: String,
+        /// text (the matrix, then one row per check) or json.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// Internal: the NCCL sweep's child process; prints its outcome as one JSON line.
+    #[command(hide = true)]
+    NcclSweep {
+        #[arg(long)]
+        gpus: usize,
+        #[arg(long, value_delimiter = ',')]
+        sizes: Vec<u64>,
+    },
     /// Internal: the per-rank shim the agent starts for every rank.
     #[command(hide = true)]
     Supervise {
@@ -81,8 +100,23 @@ impl TryFrom<&Cli> for AgentConfig {
     }
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Output {
+    Text,
+    Json,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    match &cli.command {
+        Some(Command::Preflight { level, output }) => return preflight(&cli, level, *output),
+        Some(Command::NcclSweep { gpus, sizes }) => {
+            let outcome = trainyard_agent::preflight::nccl::sweep_in_process(*gpus, sizes);
+            println!("{}", serde_json::to_string(&outcome).unwrap_or_default());
+            return ExitCode::SUCCESS;
+        }
+        _ => {}
+    }
     if let Some(Command::Supervise { status_file, pid_file, cpus, mem_node, argv }) = cli.command {
         // A binding that cannot even be parsed leaves the rank unpinned; the read-back and
         // the controller's warning tell the operator (see `trainyard_agent::pinning`).
@@ -101,6 +135,54 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `trainyard-agent preflight`: exit 0 on pass or warn, 1 on fail, 2 when it cannot run.
+fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
+    use trainyard_agent::host::{HostFile, HostProbe};
+    use trainyard_agent::preflight::nvml::NvmlProbe;
+    use trainyard_agent::preflight::{self, HostFacts, Level, Request};
+
+    let usage = |message: String| {
+        eprintln!("trainyard-agent preflight: {message}");
+        ExitCode::from(2)
+    };
+    let level: Level = match level.parse() {
+        Ok(level) => level,
+        Err(e) => return usage(e),
+    };
+    let probe: Box<dyn HostProbe> = match &cli.host_file {
+        Some(path) => match HostFile::load(path) {
+            Ok(file) => Box::new(file),
+            Err(e) => return usage(e.to_string()),
+        },
+        None => match NvmlProbe::new(hostname()) {
+            Ok(probe) => Box::new(probe),
+            Err(why) => return usage(format!("no --host-file and {why}")),
+        },
+    };
+    let agent_id = match (&cli.agent_id, probe.inventory()) {
+        (Some(id), _) => id.clone(),
+        (None, Ok(inventory)) => inventory.hostname,
+        (None, Err(_)) => hostname(),
+    };
+    let facts = probe.host_facts().unwrap_or_else(HostFacts::gather);
+    let job_env = Default::default();
+    let report =
+        preflight::run(&Request { level, agent_id: &agent_id, job_env: &job_env }, probe.as_ref(), &facts);
+    match output {
+        Output::Text => print!("{}", preflight::table::render(&report)),
+        Output::Json => {
+            println!("{}", serde_json::to_string_pretty(&preflight::to_json(&report)).unwrap_or_default())
+        }
+    }
+    if report.verdict == "fail" { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
 }
 
 fn daemon(cli: &Cli) -> anyhow::Result<()> {

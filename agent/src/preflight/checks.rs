@@ -415,7 +415,7 @@ pub fn nccl(outcome: &nccl::Outcome, class: Class, n: usize) -> Vec<Check> {
 
 /// `1 MiB`, `256 MiB`, `1 GiB`.
 pub fn human_bytes(bytes: u64) -> String {
-    if bytes >= 1 << 30 && bytes % (1 << 30) == 0 {
+    if bytes >= 1 << 30 && bytes.is_multiple_of(1 << 30) {
         format!("{} GiB", bytes >> 30)
     } else if bytes >= 1 << 20 {
         format!("{} MiB", bytes >> 20)

@@ -11,6 +11,7 @@
 //! - [`nvml`]: the NVML probe (inventory and GPU health), loaded at run time.
 //! - [`cuda`]: CUDA driver init, context, allocation and copy on every GPU (cudarc).
 //! - [`nccl`]: the all_reduce sweep over all GPUs of the node (cudarc's NCCL bindings).
+//! - [`runner`]: the daemon's runner (blocking thread, latest report, `preflight.json`).
 //! - [`table`]: the operator's text output: the matrix, then one row per check.
 
 pub mod checks;
@@ -18,6 +19,7 @@ pub mod cuda;
 pub mod facts;
 pub mod nccl;
 pub mod nvml;
+pub mod runner;
 pub mod table;
 
 use std::collections::BTreeMap;

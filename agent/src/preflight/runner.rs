@@ -1,0 +1,87 @@
+//! The daemon's side of the preflight: runs [`super::run`] on a blocking thread (NVML, CUDA and
+//! NCCL calls must not stall the connection's executor), keeps the latest report for `Hello`,
+//! and writes reports into run directories.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use trainyard_proto::v1::PreflightReport;
+
+use super::{HostFacts, Level, Request};
+use crate::host::HostProbe;
+use crate::layout::write_atomic;
+
+/// Runs preflights for one agent; cheap to clone.
+#[derive(Clone)]
+pub struct Runner {
+    agent_id: Arc<str>,
+    probe: Arc<dyn HostProbe>,
+    /// The latest report; a `std::sync::Mutex` because it is held for a clone, never across an
+    /// `.await`.
+    latest: Arc<Mutex<Option<PreflightReport>>>,
+}
+
+impl fmt::Debug for Runner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Runner").field("agent_id", &self.agent_id).finish_non_exhaustive()
+    }
+}
+
+impl Runner {
+    pub fn new(agent_id: &str, probe: Arc<dyn HostProbe>) -> Self {
+        Self { agent_id: agent_id.into(), probe, latest: Arc::new(Mutex::new(None)) }
+    }
+
+    /// Runs a preflight at `level` with the job's environment overlay `job_env` (empty outside a
+    /// launch) on a blocking thread, and remembers the report as the latest.
+    pub async fn run(&self, level: Level, job_env: BTreeMap<String, String>) -> PreflightReport {
+        let (agent_id, probe) = (self.agent_id.clone(), self.probe.clone());
+        let report = tokio::task::spawn_blocking(move || {
+            let facts = probe.host_facts().unwrap_or_else(HostFacts::gather);
+            super::run(&Request { level, agent_id: &agent_id, job_env: &job_env }, probe.as_ref(), &facts)
+        })
+        .await
+        .unwrap_or_else(|e| panicked(&self.agent_id, level, &e.to_string()));
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(report.clone());
+        report
+    }
+
+    /// The latest report, if a preflight ran.
+    pub fn latest(&self) -> Option<PreflightReport> {
+        self.latest.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// A report that fails the node because the preflight itself panicked.
+fn panicked(agent_id: &str, level: Level, error: &str) -> PreflightReport {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    PreflightReport {
+        agent_id: agent_id.to_string(),
+        level: level.as_str().to_string(),
+        started_at_ms: now,
+        finished_at_ms: now,
+        verdict: "fail".into(),
+        local_id: format!("{agent_id}-{now}"),
+        checks: vec![trainyard_proto::v1::PreflightCheck {
+            id: "preflight".into(),
+            status: "fail".into(),
+            measured: format!("the preflight crashed: {error}"),
+            expected: "the preflight completes".into(),
+            remedy: "run `trainyard-agent preflight` on the node to see the failure".into(),
+        }],
+        ..Default::default()
+    }
+}
+
+/// Writes `report` as JSON to `path` (atomically), creating the directory.
+pub fn write_report(path: &Path, report: &PreflightReport) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let bytes = serde_json::to_vec_pretty(&super::to_json(report)).map_err(std::io::Error::other)?;
+    write_atomic(path, &bytes)
+}
