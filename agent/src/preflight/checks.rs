@@ -44,6 +44,15 @@ pub fn topology(inventory: &HostInventory, topo: &Topology) -> Vec<Check> {
     let worst = topo.links.iter().flatten().max().map(|l| l.to_string()).unwrap_or_default();
     let measured = format!("{class} ({} GPUs, worst GPU-GPU path {worst})", topo.gpus.len());
     let floor = format!("{:.0} GB/s busbw at 1 GiB", class.busbw_floor_gbps(1 << 30));
+    if topo.gpus.len() < 2 {
+        let measured = format!("{class} ({} GPU: no GPU-GPU path)", topo.gpus.len());
+        return vec![Check::new(
+            "topology.class",
+            Status::Pass,
+            measured,
+            "any class: nothing to compare on one GPU",
+        )];
+    }
     let check = match expected_class(model) {
         Some(want) if want != class => Check::new("topology.class", Status::Fail, measured, format!("{want} for {model}"))
             .remedy(format!(
@@ -103,10 +112,10 @@ pub fn numa(topo: &Topology, facts: &HostFacts) -> Vec<Check> {
                  `sysctl -w kernel.numa_balancing=0` (and persist it in /etc/sysctl.d); {NUMA_COST}"
         )),
     };
-    let mut worst: Option<(usize, u32, usize, usize)> = None;
+    let mut worst: Option<(f64, u32, usize, usize)> = None;
     for (node, gpus) in &per_node {
         let cpus = topo.cpus_on_node(*node);
-        let per_gpu = cpus / gpus.len().max(1);
+        let per_gpu = cpus as f64 / gpus.len().max(1) as f64;
         if worst.is_none_or(|(w, ..)| per_gpu < w) {
             worst = Some((per_gpu, *node, cpus, gpus.len()));
         }
@@ -118,11 +127,14 @@ pub fn numa(topo: &Topology, facts: &HostFacts) -> Vec<Check> {
             format!("at least {MIN_CPUS_PER_GPU}"),
         ),
         Some((per_gpu, node, cpus, gpus)) => {
-            let status = if per_gpu < MIN_CPUS_PER_GPU { Status::Warn } else { Status::Pass };
+            let status = if per_gpu < MIN_CPUS_PER_GPU as f64 { Status::Warn } else { Status::Pass };
             Check::new(
                 "numa.cpus_per_gpu",
                 status,
-                format!("{per_gpu} CPUs per GPU on NUMA node {node} ({cpus} CPUs, {gpus} GPUs)"),
+                format!(
+                    "{} CPUs per GPU on NUMA node {node} ({cpus} CPUs, {gpus} GPUs)",
+                    trim_float(per_gpu)
+                ),
                 format!("at least {MIN_CPUS_PER_GPU} logical CPUs per GPU on its NUMA node"),
             )
             .remedy_if_bad(format!(
@@ -325,6 +337,11 @@ pub fn nvml(health: &Result<nvml::Health, String>) -> Vec<Check> {
         checks.extend([ecc, remap, pcie, throttle]);
     }
     checks
+}
+
+/// `26`, `0.25`: whole numbers without decimals.
+fn trim_float(v: f64) -> String {
+    if v.fract() == 0.0 { format!("{v:.0}") } else { format!("{v:.2}") }
 }
 
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {

@@ -132,6 +132,9 @@ impl Topology {
     }
 }
 
+/// NVLink4 links per H100/H200 SXM GPU (`NV18`).
+const FULL_NVLINK4: u32 = 18;
+
 /// The node's interconnect class, from the GPU-GPU links.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Class {
@@ -167,7 +170,9 @@ impl Class {
             return Class::Pcie;
         }
         let all_nv_equal = nv_counts.len() == pairs.len() && nv_counts.iter().all(|&c| c == nv_counts[0]);
-        if n > 2 && all_nv_equal {
+        // Two GPUs with all 18 NVLink4 links to each other are a slice of an NVSwitch node
+        // (a 2-GPU VM of an 8xH100 SXM host): an NVL bridge gives a pair 12.
+        if all_nv_equal && (n > 2 || nv_counts[0] >= FULL_NVLINK4) {
             return Class::NvSwitch;
         }
         // Pairs: every GPU has exactly one NVLink peer.
@@ -249,6 +254,7 @@ mod tests {
         assert_eq!(Class::of(&matrix(8, |i, j| if i == 7 || j == 7 { "SYS" } else { "NV18" })), Class::Mixed);
         assert_eq!(Class::of(&matrix(1, |_, _| "X")), Class::Pcie);
         assert_eq!(Class::of(&matrix(2, |_, _| "NV12")), Class::NvlinkPairs);
+        assert_eq!(Class::of(&matrix(2, |_, _| "NV18")), Class::NvSwitch);
     }
 
     #[test]
