@@ -9,17 +9,39 @@
 
 use std::cell::OnceCell;
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 
 use super::topology::{LinkClass, LinkMatrix, SetScore, best_set, bits};
 use super::{NodePlacement, NodeView, Placement, Request};
 
-/// What makes two requests interchangeable for placement.
-type ShapeKey = (u32, u32, String, u64, String);
+/// FNV-1a: the pass hashes a few short keys per queued job, where SipHash's DoS resistance
+/// buys nothing (the keys are the operator's own job specs) and costs a third of the pass.
+#[derive(Default)]
+struct Fnv(u64);
 
-fn shape(req: &Request) -> ShapeKey {
-    (req.gpus, req.gpus_per_node, req.gpu_model.clone(), req.min_gpu_memory_mib, req.interconnect.clone())
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = if self.0 == 0 { 0xcbf2_9ce4_8422_2325 } else { self.0 };
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        self.0 = h;
+    }
+}
+
+type HashMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<Fnv>>;
+
+/// What makes two requests interchangeable for placement (borrowed: no allocation per job).
+type ShapeKey<'a> = (u32, u32, &'a str, u64, &'a str);
+
+fn shape(req: &Request) -> ShapeKey<'_> {
+    (req.gpus, req.gpus_per_node, &req.gpu_model, req.min_gpu_memory_mib, &req.interconnect)
 }
 
 struct NodeState<'a> {
@@ -80,9 +102,9 @@ pub(super) struct Fleet<'a> {
     by_avail: BTreeSet<(u32, usize)>,
     /// Eligible GPU masks per node, by (model, min memory); absent key: every GPU.
     eligible: HashMap<(String, u64), Rc<Vec<u64>>>,
-    info: HashMap<ShapeKey, ShapeInfo>,
+    info: HashMap<ShapeKey<'a>, ShapeInfo>,
     /// Shapes that could not be placed in this pass, with their reason once computed.
-    failed: HashMap<ShapeKey, Option<String>>,
+    failed: HashMap<ShapeKey<'a>, Option<String>>,
     /// Best link between two GPUs anywhere in the fleet (parsed lazily).
     top_pair: OnceCell<LinkClass>,
     /// The head job and the GPUs held for it.
@@ -112,9 +134,9 @@ impl<'a> Fleet<'a> {
         Fleet {
             nodes,
             by_avail,
-            eligible: HashMap::new(),
-            info: HashMap::new(),
-            failed: HashMap::new(),
+            eligible: HashMap::default(),
+            info: HashMap::default(),
+            failed: HashMap::default(),
             top_pair: OnceCell::new(),
             reservation: None,
         }
@@ -146,7 +168,7 @@ impl<'a> Fleet<'a> {
         req.class().is_none_or(|c| node.view.interconnect_class == c)
     }
 
-    fn shape_info(&mut self, req: &Request) -> ShapeInfo {
+    fn shape_info(&mut self, req: &'a Request) -> ShapeInfo {
         let key = shape(req);
         if let Some(info) = self.info.get(&key) {
             return *info;
@@ -177,7 +199,7 @@ impl<'a> Fleet<'a> {
     }
 
     /// Finds where the job goes on free, unreserved GPUs now.
-    pub(super) fn place_now(&mut self, req: &Request) -> Option<Found> {
+    pub(super) fn place_now(&mut self, req: &'a Request) -> Option<Found> {
         if req.gpus == 0 || self.failed.contains_key(&shape(req)) {
             return None;
         }
@@ -201,10 +223,10 @@ impl<'a> Fleet<'a> {
         let ideal = SetScore { worst_link: top, numa_nodes: Reverse(1) };
         type Key = (Reverse<u32>, SetScore, Reverse<u32>);
         let mut best: Option<(Key, usize, u64)> = None;
-        let candidates: Vec<(u32, usize)> = match mode {
-            // Tightest fit first: the first node reaching the ideal score cannot be beaten.
-            Mode::Now => self.by_avail.range((k, 0)..).copied().collect(),
-            Mode::Reserve => (0..self.nodes.len()).map(|i| (0, i)).collect(),
+        // Tightest fit first: the first node reaching the ideal score cannot be beaten.
+        let candidates: Box<dyn Iterator<Item = (u32, usize)>> = match mode {
+            Mode::Now => Box::new(self.by_avail.range((k, 0)..).copied()),
+            Mode::Reserve => Box::new((0..self.nodes.len()).map(|i| (0, i))),
         };
         for (count, i) in candidates {
             let node = &self.nodes[i];
@@ -247,11 +269,11 @@ impl<'a> Fleet<'a> {
         let per_node = req.gpus_per_node;
         // Candidates by class: (busy GPUs it needs, size it offers, score, node, usable mask).
         type Cand = (Reverse<u32>, u32, SetScore, usize, u64);
-        let mut groups: HashMap<&str, Vec<Cand>> = HashMap::new();
+        let mut groups: HashMap<&str, Vec<Cand>> = HashMap::default();
         let from = if per_node > 0 { per_node } else { 1 };
-        let candidates: Vec<usize> = match mode {
-            Mode::Now => self.by_avail.range((from, 0)..).map(|&(_, i)| i).collect(),
-            Mode::Reserve => (0..self.nodes.len()).collect(),
+        let candidates: Box<dyn Iterator<Item = usize>> = match mode {
+            Mode::Now => Box::new(self.by_avail.range((from, 0)..).map(|&(_, i)| i)),
+            Mode::Reserve => Box::new(0..self.nodes.len()),
         };
         for i in candidates {
             let node = &self.nodes[i];
@@ -345,7 +367,7 @@ impl<'a> Fleet<'a> {
 
     /// Holds for `req` (the head of the queue) the GPUs it would take once busy ones free up.
     /// Returns what was held, for its waiting reason.
-    pub(super) fn reserve_for(&mut self, req: &Request) -> Option<String> {
+    pub(super) fn reserve_for(&mut self, req: &'a Request) -> Option<String> {
         let info = self.shape_info(req);
         let found = if Self::single(req, info) {
             self.single_node(req, Mode::Reserve)
@@ -368,7 +390,7 @@ impl<'a> Fleet<'a> {
     }
 
     /// Why `req` cannot be placed now (the pass's view, reservation included).
-    pub(super) fn waiting_reason(&mut self, req: &Request) -> String {
+    pub(super) fn waiting_reason(&mut self, req: &'a Request) -> String {
         if let Some(Some(reason)) = self.failed.get(&shape(req)) {
             return reason.clone();
         }
@@ -416,7 +438,7 @@ impl<'a> Fleet<'a> {
     }
 
     /// Why `req` could never be placed on this fleet (every GPU free).
-    pub(super) fn never_reason(&mut self, req: &Request) -> String {
+    pub(super) fn never_reason(&mut self, req: &'a Request) -> String {
         let info = self.shape_info(req);
         let elig = self.elig(req);
         let elig_of = |i: usize| elig.as_ref().map_or(u64::MAX, |e| e[i]);

@@ -111,11 +111,15 @@ impl LinkMatrix {
     /// The worst link among the GPUs (positions) of `mask`.
     pub fn worst(&self, mask: u64) -> LinkClass {
         let mut worst = LinkClass::Local;
-        let positions: Vec<usize> = bits(mask).collect();
-        for (a, &i) in positions.iter().enumerate() {
-            for &j in &positions[a + 1..] {
-                let c = self.cells[i * self.n + j].min(self.cells[j * self.n + i]);
-                worst = worst.min(c);
+        let mut rest = mask;
+        while rest != 0 {
+            let i = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            let mut others = rest;
+            while others != 0 {
+                let j = others.trailing_zeros() as usize;
+                others &= others - 1;
+                worst = worst.min(self.cells[i * self.n + j].min(self.cells[j * self.n + i]));
             }
         }
         worst
@@ -131,7 +135,14 @@ pub struct SetScore {
 
 /// Positions of the set bits of `mask`, lowest first.
 pub fn bits(mask: u64) -> impl Iterator<Item = usize> {
-    (0..64).filter(move |b| mask & (1u64 << b) != 0)
+    let mut rest = mask;
+    std::iter::from_fn(move || {
+        (rest != 0).then(|| {
+            let b = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            b
+        })
+    })
 }
 
 /// Number of distinct NUMA nodes among the positions of `mask`.

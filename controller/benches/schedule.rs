@@ -1,0 +1,139 @@
+//! One scheduling decision over a simulated fleet: 1,000 hosts x 8 GPUs (SXM, NUMA-split SXM,
+//! NVL and PCIe nodes, three quarters of the GPUs busy in a scattered pattern) and 10,000
+//! queued jobs of 1 to 16 GPUs with mixed priorities and class constraints. A decision is one
+//! `scheduler::schedule` pass: every queued job placed, backfilled or given its waiting reason.
+//! Prints the median time per decision; DESIGN.md's target is under 10 ms.
+//!
+//! Run: `cargo bench -p trainyard-controller --bench schedule` (add `--profile dev` for a
+//! quicker build).
+
+use std::time::{Duration, Instant};
+
+use trainyard_controller::scheduler::{GpuView, NodeView, Request, schedule};
+
+/// A small deterministic generator (no dependency, same fleet every run).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+fn matrix(cell: impl Fn(usize, usize) -> &'static str) -> Vec<String> {
+    (0..8)
+        .flat_map(|i| (0..8).map(move |j| (i, j)))
+        .map(|(i, j)| if i == j { "X" } else { cell(i, j) }.into())
+        .collect()
+}
+
+fn fleet(rng: &mut Lcg) -> Vec<NodeView> {
+    (0..1000)
+        .map(|i| {
+            let kind = rng.next() % 10;
+            let (class, numa, links): (&str, [i32; 8], Vec<String>) = match kind {
+                0..=6 => ("nvswitch", [0; 8], matrix(|_, _| "NV18")),
+                7 => ("nvswitch", [0, 0, 0, 0, 1, 1, 1, 1], matrix(|_, _| "NV18")),
+                8 => (
+                    "nvlink-pairs",
+                    [0, 0, 0, 0, 1, 1, 1, 1],
+                    matrix(|i, j| {
+                        if i / 2 == j / 2 {
+                            "NV12"
+                        } else if i / 4 == j / 4 {
+                            "NODE"
+                        } else {
+                            "SYS"
+                        }
+                    }),
+                ),
+                _ => (
+                    "pcie",
+                    [0, 0, 0, 0, 1, 1, 1, 1],
+                    matrix(|i, j| {
+                        if i / 2 == j / 2 {
+                            "PIX"
+                        } else if i / 4 == j / 4 {
+                            "PHB"
+                        } else {
+                            "SYS"
+                        }
+                    }),
+                ),
+            };
+            let gpus = (0..8)
+                .map(|g| GpuView {
+                    index: g,
+                    model: "NVIDIA H100 80GB HBM3".into(),
+                    memory_mib: 81_559,
+                    free: rng.next() % 4 == 0,
+                    numa_node: numa[g as usize],
+                })
+                .collect();
+            NodeView {
+                agent_id: format!("host-{i:04}"),
+                gpus,
+                links,
+                interconnect_class: class.into(),
+                numa_cpus: vec![(0, "0-63".into()), (1, "64-127".into())],
+            }
+        })
+        .collect()
+}
+
+fn queue(rng: &mut Lcg) -> Vec<Request> {
+    (0..10_000u64)
+        .map(|id| {
+            let gpus = [1, 1, 2, 2, 4, 4, 8, 8, 16, 32][(rng.next() % 10) as usize];
+            let interconnect = match rng.next() % 6 {
+                0 => "nvswitch",
+                1 => "pcie",
+                _ => "",
+            };
+            Request {
+                job_id: id + 1,
+                priority: (rng.next() % 3) as i32,
+                gpus,
+                gpus_per_node: if gpus == 16 && rng.next() % 2 == 0 { 8 } else { 0 },
+                gpu_model: if rng.next() % 8 == 0 { "H100".into() } else { String::new() },
+                min_gpu_memory_mib: 0,
+                interconnect: interconnect.into(),
+            }
+        })
+        .collect()
+}
+
+fn main() {
+    let mut rng = Lcg(42);
+    let nodes = fleet(&mut rng);
+    let jobs = queue(&mut rng);
+    let free: usize = nodes.iter().map(|n| n.gpus.iter().filter(|g| g.free).count()).sum();
+    let first = schedule(&jobs, &nodes);
+    println!(
+        "fleet: {} hosts, {} GPUs, {free} free; queue: {} jobs; one pass places {} and leaves {} waiting",
+        nodes.len(),
+        nodes.len() * 8,
+        jobs.len(),
+        first.placements.len(),
+        first.waiting.len()
+    );
+    let mut times: Vec<Duration> = (0..31)
+        .map(|_| {
+            let start = Instant::now();
+            let out = schedule(&jobs, &nodes);
+            let took = start.elapsed();
+            assert_eq!(out.placements.len(), first.placements.len());
+            took
+        })
+        .collect();
+    times.sort();
+    let median = times[times.len() / 2];
+    println!(
+        "schedule: median {:.2} ms per decision (min {:.2} ms, max {:.2} ms, {} runs; target < 10 ms)",
+        median.as_secs_f64() * 1e3,
+        times[0].as_secs_f64() * 1e3,
+        times[times.len() - 1].as_secs_f64() * 1e3,
+        times.len()
+    );
+}
