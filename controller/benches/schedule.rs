@@ -67,7 +67,7 @@ fn fleet(rng: &mut Lcg) -> Vec<NodeView> {
                     index: g,
                     model: "NVIDIA H100 80GB HBM3".into(),
                     memory_mib: 81_559,
-                    free: rng.next() % 4 == 0,
+                    free: rng.next().is_multiple_of(4),
                     numa_node: numa[g as usize],
                 })
                 .collect();
@@ -95,8 +95,8 @@ fn queue(rng: &mut Lcg) -> Vec<Request> {
                 job_id: id + 1,
                 priority: (rng.next() % 3) as i32,
                 gpus,
-                gpus_per_node: if gpus == 16 && rng.next() % 2 == 0 { 8 } else { 0 },
-                gpu_model: if rng.next() % 8 == 0 { "H100".into() } else { String::new() },
+                gpus_per_node: if gpus == 16 && rng.next().is_multiple_of(2) { 8 } else { 0 },
+                gpu_model: if rng.next().is_multiple_of(8) { "H100".into() } else { String::new() },
                 min_gpu_memory_mib: 0,
                 interconnect: interconnect.into(),
             }

@@ -304,7 +304,8 @@ impl<'a> Fleet<'a> {
         type GroupKey = (Reverse<u32>, Reverse<usize>, SetScore);
         let mut best: Option<(GroupKey, Vec<Cand>)> = None;
         for (_, mut cands) in groups {
-            cands.sort_by(|a, b| (b.0, b.1, b.2, Reverse(b.3)).cmp(&(a.0, a.1, a.2, Reverse(a.3))));
+            // Best first: fewest busy GPUs, largest, best set, then lowest node.
+            cands.sort_by_key(|c| Reverse((c.0, c.1, c.2, Reverse(c.3))));
             let mut chosen = Vec::new();
             let mut sum = 0;
             for c in cands {
@@ -475,7 +476,7 @@ impl<'a> Fleet<'a> {
 /// Ranks per node: an even split when every node can take it, else node-major filling.
 fn split(gpus: u32, sizes: &[u32]) -> Vec<u32> {
     let m = sizes.len() as u32;
-    if m > 0 && gpus % m == 0 && sizes.iter().all(|&s| s >= gpus / m) {
+    if m > 0 && gpus.is_multiple_of(m) && sizes.iter().all(|&s| s >= gpus / m) {
         return vec![gpus / m; sizes.len()];
     }
     let mut left = gpus;
