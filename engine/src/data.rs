@@ -10,7 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 use thiserror::Error;
 
 pub const MAGIC: i32 = 20240520;
@@ -197,7 +197,7 @@ pub fn to_batch(rows: &[i64], batch: i64, seq_len: i64, device: Device) -> (Tens
     let t = Tensor::from_slice(rows).view([batch, seq_len + 1]);
     let x = t.narrow(1, 0, seq_len).to_device(device);
     let y = t.narrow(1, 1, seq_len).to_device(device);
-    (x.to_kind(Kind::Int64), y.to_kind(Kind::Int64))
+    (x.contiguous(), y.contiguous())
 }
 
 /// Where the rows of one micro-step of one rank start in the global row sequence.

@@ -1,8 +1,11 @@
 //! trainyard's built-in training engine: a nanochat-class GPT on tch.
 
+pub mod collectives;
 pub mod config;
 pub mod data;
 pub mod model;
+pub mod optim;
+pub mod train;
 
 use serde::Serialize;
 

@@ -207,8 +207,8 @@ impl Gpt {
     pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Tensor {
         let logits = self.logits(idx);
         let v = self.cfg.vocab_size;
-        logits.view([-1, v]).cross_entropy_loss(
-            &targets.view([-1]),
+        logits.reshape([-1, v]).cross_entropy_loss(
+            &targets.reshape([-1]),
             None::<Tensor>,
             tch::Reduction::Mean,
             -1,

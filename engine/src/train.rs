@@ -1,0 +1,449 @@
+//! The per-rank training loop: receipts, evaluation, checkpoints, exact resume.
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+use tch::{Device, Tensor};
+
+use crate::collectives::{Collectives, Nccl, Single, TcpRing};
+use crate::config::TrainConfig;
+use crate::data::{TokenSet, first_row, to_batch};
+use crate::model::Gpt;
+use crate::optim::MuonAdamW;
+
+/// Where this rank sits in the job (torchrun variables, see docs/internals.md).
+#[derive(Debug, Clone)]
+pub struct RankEnv {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub world: usize,
+    pub master: String,
+    pub gpu: Option<usize>,
+    pub job: Option<String>,
+    pub attempt: Option<String>,
+    pub receipts: Option<PathBuf>,
+}
+
+impl RankEnv {
+    pub fn from_env() -> Result<Self> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let num = |k: &str, d: usize| -> Result<usize> {
+            var(k).map_or(Ok(d), |v| v.parse().with_context(|| format!("{k}={v} is not a number")))
+        };
+        let rank = num("RANK", 0)?;
+        let world = num("WORLD_SIZE", 1)?;
+        if rank >= world {
+            bail!("RANK {rank} is not below WORLD_SIZE {world}");
+        }
+        let local_rank = num("LOCAL_RANK", rank)?;
+        let gpu = match var("TRAINYARD_GPU") {
+            Some(v) => Some(v.parse().with_context(|| format!("TRAINYARD_GPU={v}"))?),
+            None => None,
+        };
+        Ok(Self {
+            rank,
+            local_rank,
+            world,
+            master: format!(
+                "{}:{}",
+                var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+                var("MASTER_PORT").unwrap_or_else(|| "29500".into())
+            ),
+            gpu,
+            job: var("TRAINYARD_JOB_ID"),
+            attempt: var("TRAINYARD_ATTEMPT"),
+            receipts: var("TRAINYARD_RECEIPTS").map(PathBuf::from),
+        })
+    }
+}
+
+/// Appends receipts (JSON lines) to the rank's receipts file; a no-op without one.
+pub struct Receipts {
+    file: Option<File>,
+    base: serde_json::Map<String, Value>,
+    seq: u64,
+}
+
+impl Receipts {
+    pub fn open(env: &RankEnv) -> Result<Self> {
+        let mut seq = 0;
+        let file = match &env.receipts {
+            Some(p) => {
+                if let Ok(existing) = std::fs::read(p) {
+                    seq = existing.iter().filter(|&&b| b == b'\n').count() as u64;
+                }
+                Some(
+                    OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(p)
+                        .with_context(|| format!("open receipts file {}", p.display()))?,
+                )
+            }
+            None => None,
+        };
+        let mut base = serde_json::Map::new();
+        base.insert("job".into(), json!(env.job));
+        base.insert("attempt".into(), json!(env.attempt));
+        base.insert("rank".into(), json!(env.rank));
+        Ok(Self { file, base, seq })
+    }
+
+    pub fn emit(&mut self, kind: &str, fields: Value) -> Result<()> {
+        let mut rec = serde_json::Map::new();
+        rec.insert("kind".into(), json!(kind));
+        rec.extend(self.base.clone());
+        rec.insert("seq".into(), json!(self.seq));
+        rec.insert(
+            "time".into(),
+            json!(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs_f64()
+            ),
+        );
+        if let Value::Object(m) = fields {
+            rec.extend(m);
+        }
+        self.seq += 1;
+        if let Some(f) = &mut self.file {
+            let mut line = serde_json::to_vec(&Value::Object(rec))?;
+            line.push(b'\n');
+            f.write_all(&line)?;
+            f.flush()?;
+        }
+        Ok(())
+    }
+}
+
+/// Peak dense bf16 FLOP/s by device name (nanochat's table, first match wins).
+pub fn peak_flops(device_name: &str) -> Option<f64> {
+    let n = device_name.to_lowercase();
+    const TABLE: [(&str, f64); 8] = [
+        ("h200 nvl", 836e12),
+        ("h200 pcie", 836e12),
+        ("h200", 989e12),
+        ("h100 nvl", 835e12),
+        ("h100 pcie", 756e12),
+        ("h100", 989e12),
+        ("a100", 312e12),
+        ("b200", 2.25e15),
+    ];
+    TABLE.iter().find(|(k, _)| n.contains(k)).map(|&(_, f)| f)
+}
+
+/// Data, model and schedule of a run (what the `train` subcommand parses).
+pub struct RunSpec {
+    pub cfg: TrainConfig,
+    pub train_shards: Vec<PathBuf>,
+    pub val_shards: Vec<PathBuf>,
+    pub device: String,
+    pub threads: Option<i32>,
+    pub checkpoint_dir: Option<PathBuf>,
+    pub resume: bool,
+    pub init_weights: Option<PathBuf>,
+    pub export_init: Option<PathBuf>,
+    /// Stop (exit 0) after this step, as if killed; tests of resume use it.
+    pub stop_after: Option<i64>,
+}
+
+fn pick_device(want: &str, env: &RankEnv) -> Result<Device> {
+    let gpu = env.gpu.unwrap_or(env.local_rank);
+    match want {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => {
+            if !tch::Cuda::is_available() {
+                bail!("--device cuda but libtorch sees no CUDA device");
+            }
+            Ok(Device::Cuda(gpu))
+        }
+        "auto" => Ok(if tch::Cuda::is_available() { Device::Cuda(gpu) } else { Device::Cpu }),
+        other => bail!("--device {other}: expected cpu, cuda or auto"),
+    }
+}
+
+fn checkpoint_steps(dir: &Path) -> Vec<i64> {
+    let mut v: Vec<i64> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("step_")?.parse().ok()?;
+            e.path().join("meta.json").exists().then_some(step)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn save_atomic(path: &Path, f: impl FnOnce(&Path) -> Result<()>) -> Result<u64> {
+    let tmp = path.with_extension("tmp");
+    f(&tmp)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(std::fs::metadata(path)?.len())
+}
+
+/// Trains per `spec` as rank `env.rank` of `env.world`. Everything that can be wrong with the
+/// input is checked before the first step.
+pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
+    let started = Instant::now();
+    let cfg = spec.cfg.clone();
+    let accum = cfg.validate(env.world as i64)?;
+    if let Some(t) = spec.threads {
+        tch::set_num_threads(t);
+    }
+    let device = pick_device(&spec.device, &env)?;
+    let seq_len = cfg.model.seq_len;
+    let vocab = cfg.model.vocab_size;
+    let train = TokenSet::open("train", &spec.train_shards, seq_len, vocab)?;
+    let val = if spec.val_shards.is_empty() {
+        None
+    } else {
+        Some(TokenSet::open("val", &spec.val_shards, seq_len, vocab)?)
+    };
+    if cfg.eval_every > 0 && val.is_none() {
+        bail!("--eval-every needs --val shards");
+    }
+    let mut model = Gpt::new(&cfg.model, device, cfg.seed);
+    if let Some(w) = &spec.init_weights {
+        let t = Tensor::read_safetensors(w).with_context(|| format!("read {}", w.display()))?;
+        model.load_named(&t)?;
+    }
+    let mut opt = MuonAdamW::new(&model, &cfg, env.rank, env.world);
+    opt.check(&model)?;
+    if let Some(p) = &spec.export_init {
+        if env.rank == 0 {
+            let named: Vec<(String, Tensor)> =
+                model.named().into_iter().map(|(n, t)| (n, t.detach().to_device(Device::Cpu))).collect();
+            Tensor::write_safetensors(&named, p)?;
+        }
+    }
+    let mut receipts = Receipts::open(&env)?;
+
+    let timeout = Duration::from_secs(300);
+    let mut coll: Box<dyn Collectives> = if env.world == 1 {
+        Box::new(Single)
+    } else if let Device::Cuda(gpu) = device {
+        Box::new(Nccl::connect(&env.master, env.rank, env.world, gpu, timeout)?)
+    } else {
+        Box::new(TcpRing::connect(&env.master, env.rank, env.world, timeout)?)
+    };
+
+    // Resume.
+    let mut start_step = 0;
+    if spec.resume {
+        let dir = spec.checkpoint_dir.as_ref().context("--resume needs --checkpoint-dir")?;
+        if let Some(&step) = checkpoint_steps(dir).last() {
+            let d = dir.join(format!("step_{step:06}"));
+            let w = Tensor::read_safetensors(d.join("model.safetensors"))?;
+            model.load_named(&w)?;
+            let o = Tensor::load_multi(d.join(format!("optim_rank{}.ot", env.rank)))
+                .with_context(|| format!("optimizer shard of rank {} in {}", env.rank, d.display()))?;
+            opt.load_state(&model, &o)?;
+            start_step = step;
+        }
+    }
+
+    let (device_name, peak) = match device {
+        Device::Cuda(gpu) => {
+            let name = cudarc::driver::CudaContext::new(gpu)
+                .and_then(|c| c.name())
+                .unwrap_or_else(|_| "cuda".into());
+            let peak = peak_flops(&name);
+            (name, peak)
+        }
+        _ => ("cpu".to_string(), None),
+    };
+    let info = crate::runtime_info();
+    receipts.emit(
+        "launch",
+        json!({
+            "engine": "builtin",
+            "build_rev": info.build_rev,
+            "torch": "2.11.0",
+            "cuda_available": info.cuda_available,
+            "cuda_devices": info.cuda_device_count,
+            "libtorch_cuda_loaded": info.libtorch_cuda_loaded,
+            "nccl": if coll.name() == "nccl" { json!("2.28 (torch wheel, via cudarc)") } else { Value::Null },
+            "collectives": coll.name(),
+            "device": device_name,
+            "gpu": env.gpu,
+            "world_size": env.world,
+            "local_rank": env.local_rank,
+            "threads": tch::get_num_threads(),
+            "hostname": std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim(),
+            "pid": std::process::id(),
+            "model": cfg.model,
+            "params": model.num_params(),
+            "flops_per_token": cfg.model.flops_per_token(),
+            "train_tokens": train.tokens(),
+            "grad_accum_steps": accum,
+            "config": cfg,
+            "resumed_from": if start_step > 0 { json!(start_step) } else { Value::Null },
+            "env": std::env::vars().filter(|(k, _)| k.starts_with("TRAINYARD_") || ["RANK","LOCAL_RANK","WORLD_SIZE","LOCAL_WORLD_SIZE","NODE_RANK","MASTER_ADDR","MASTER_PORT"].contains(&k.as_str())).collect::<std::collections::BTreeMap<_,_>>(),
+        }),
+    )?;
+
+    let b = cfg.device_batch_size;
+    let world = env.world as i64;
+    let rank = env.rank as i64;
+    let fpt = cfg.model.flops_per_token();
+    let mut train_s = 0.0;
+    let mut eval_s = 0.0;
+    let mut ckpt_s = 0.0;
+    let mut peak_mem: Option<u64> = None;
+    let startup_s = started.elapsed().as_secs_f64();
+    let mut last_loss = f64::NAN;
+
+    let eval = |model: &Gpt, coll: &mut dyn Collectives| -> Result<f64> {
+        let val = val.as_ref().expect("checked");
+        let _g = tch::no_grad_guard();
+        let mut sum = Tensor::zeros([], (tch::Kind::Float, device));
+        for i in 0..cfg.eval_batches {
+            let rows = val.sequential_rows(((i * world + rank) * b) as u64, b as usize);
+            let (x, y) = to_batch(&rows, b, seq_len, device);
+            sum += model.loss(&x, &y);
+        }
+        let mut mean = sum / cfg.eval_batches as f64;
+        coll.all_reduce_avg(&mut mean)?;
+        Ok(mean.double_value(&[]))
+    };
+
+    let mut step = start_step;
+    while step < cfg.num_iterations {
+        let t0 = Instant::now();
+        coll.synchronize();
+        let tf = Instant::now();
+        let mut loss_sum = Tensor::zeros([], (tch::Kind::Float, device));
+        for micro in 0..accum {
+            let rows = train.random_rows(cfg.seed, first_row(step, micro, accum, world, rank, b), b as usize);
+            let (x, y) = to_batch(&rows, b, seq_len, device);
+            let loss = model.loss(&x, &y);
+            (&loss / accum as f64).backward();
+            loss_sum += loss.detach();
+        }
+        coll.synchronize();
+        let fwd_bwd_s = tf.elapsed().as_secs_f64();
+        let lrm = cfg.lr_multiplier(step);
+        let momentum = cfg.muon_momentum(step);
+        let wd = cfg.muon_weight_decay(step);
+        let (phases, grad_norm) = opt.step(&mut model, coll.as_mut(), lrm, momentum, wd)?;
+        let mut loss_t = loss_sum / accum as f64;
+        coll.all_reduce_avg(&mut loss_t)?;
+        let loss = loss_t.double_value(&[]);
+        if !loss.is_finite() {
+            receipts.emit("exit", json!({"step": step, "status": "failed", "reason": "non-finite loss"}))?;
+            bail!("step {step}: loss is {loss}");
+        }
+        last_loss = loss;
+        let dt = t0.elapsed().as_secs_f64();
+        train_s += dt;
+        step += 1;
+        let tokens_per_s = cfg.total_batch_size as f64 / dt;
+        let mfu = peak.map(|p| 100.0 * fpt * tokens_per_s / (p * world as f64));
+        let memory = match device {
+            Device::Cuda(_) => {
+                let used =
+                    cudarc::driver::result::mem_get_info().ok().map(|(free, total)| (total - free) as u64);
+                if let Some(u) = used {
+                    peak_mem = Some(peak_mem.unwrap_or(0).max(u));
+                }
+                json!({"device_used_bytes": used, "device_used_peak_bytes": peak_mem,
+                       "allocated_bytes": null, "reserved_bytes": null,
+                       "note": "tch 0.24 exposes no caching-allocator statistics; device-wide use from the driver"})
+            }
+            _ => Value::Null,
+        };
+        receipts.emit(
+            "step",
+            json!({
+                "step": step,
+                "loss": loss,
+                "lr": opt.muon.first().map(|g| g.initial_lr * lrm),
+                "lrm": lrm,
+                "muon_momentum": momentum,
+                "muon_weight_decay": wd,
+                "tokens": cfg.total_batch_size,
+                "tokens_total": step * cfg.total_batch_size,
+                "step_time_s": dt,
+                "fwd_bwd_s": fwd_bwd_s,
+                "optimizer": phases,
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "mfu_peak": if peak.is_some() { json!(peak) } else { json!("unknown") },
+                "memory": memory,
+                "grad_norm": grad_norm,
+            }),
+        )?;
+        if cfg.eval_every > 0 && (step % cfg.eval_every == 0 || step == cfg.num_iterations) {
+            let te = Instant::now();
+            let v = eval(&model, coll.as_mut())?;
+            eval_s += te.elapsed().as_secs_f64();
+            receipts.emit("eval", json!({"step": step, "val_loss": v, "batches": cfg.eval_batches}))?;
+        }
+        let want_ckpt =
+            cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || step == cfg.num_iterations);
+        if let (true, Some(dir)) = (want_ckpt, &spec.checkpoint_dir) {
+            let tc = Instant::now();
+            let d = dir.join(format!("step_{step:06}"));
+            std::fs::create_dir_all(&d)?;
+            let mut bytes = 0;
+            let state = opt.state_tensors(&model);
+            bytes += save_atomic(&d.join(format!("optim_rank{}.ot", env.rank)), |p| {
+                Tensor::save_multi(&state, p).map_err(Into::into)
+            })?;
+            if env.rank == 0 {
+                let named: Vec<(String, Tensor)> =
+                    model.named().into_iter().map(|(n, t)| (n, t.detach().to_device(Device::Cpu))).collect();
+                bytes += save_atomic(&d.join("model.safetensors"), |p| {
+                    Tensor::write_safetensors(&named, p).map_err(Into::into)
+                })?;
+            }
+            // Every rank's shard is on disk before rank 0 marks the checkpoint complete.
+            let mut barrier = Tensor::zeros([1], (tch::Kind::Float, device));
+            coll.all_reduce_avg(&mut barrier)?;
+            coll.synchronize();
+            if env.rank == 0 {
+                let meta = json!({
+                    "step": step, "world_size": env.world, "seed": cfg.seed,
+                    "data_position": {"next_step": step, "rows_per_step": cfg.total_batch_size / seq_len},
+                    "rng": {"data": "stateless splitmix64(seed, global row)", "seed": cfg.seed},
+                    "loss": loss, "config": cfg,
+                });
+                bytes += save_atomic(&d.join("meta.json"), |p| {
+                    std::fs::write(p, serde_json::to_vec_pretty(&meta)?).map_err(Into::into)
+                })?;
+            }
+            let secs = tc.elapsed().as_secs_f64();
+            ckpt_s += secs;
+            receipts.emit(
+                "checkpoint",
+                json!({"step": step, "bytes": bytes, "seconds": secs, "path": d.display().to_string()}),
+            )?;
+        }
+        if spec.stop_after == Some(step) {
+            break;
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    receipts.emit(
+        "goodput",
+        json!({
+            "step": step,
+            "wall_s": wall,
+            "startup_s": startup_s,
+            "train_s": train_s,
+            "eval_s": eval_s,
+            "checkpoint_s": ckpt_s,
+            "goodput": if wall > 0.0 { train_s / wall } else { 0.0 },
+        }),
+    )?;
+    receipts.emit("exit", json!({"step": step, "status": "ok", "loss": last_loss}))?;
+    drop(coll);
+    Ok(())
+}
