@@ -9,11 +9,12 @@ use std::time::Duration;
 pub struct AgentConfig {
     /// Controller URL, e.g. `http://127.0.0.1:7070`.
     pub controller: String,
-    /// JSON host-description file (stands in for NVML).
-    pub host_file: PathBuf,
+    /// JSON host-description file standing in for NVML; `None` discovers the GPUs through
+    /// NVML (a real GPU host).
+    pub host_file: Option<PathBuf>,
     /// Root of `runs/` and `state/`.
     pub data_dir: PathBuf,
-    /// Identity in the fleet; `None` means the host file's hostname.
+    /// Identity in the fleet; `None` means the hostname of the inventory.
     pub agent_id: Option<String>,
     /// What other hosts dial for `MASTER_ADDR` when this host holds rank 0.
     pub address: String,
@@ -37,7 +38,7 @@ pub struct AgentConfig {
 
 impl AgentConfig {
     /// Settings with the documented defaults; the shim is this process's own executable.
-    pub fn new(controller: impl Into<String>, host_file: PathBuf, data_dir: PathBuf) -> Self {
+    pub fn new(controller: impl Into<String>, host_file: Option<PathBuf>, data_dir: PathBuf) -> Self {
         let shim_program = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("trainyard-agent"));
         Self {
             controller: controller.into(),

@@ -285,6 +285,13 @@ fn to_inventory(file: FileJson) -> HostInventory {
     }
 }
 
+/// This machine's hostname, as the kernel knows it (`localhost` if it cannot be read).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,8 +22,23 @@ use crate::connection::{self, Ended, Identity};
 use crate::host::{HostFile, HostProbe};
 use crate::launcher::Launcher;
 use crate::layout::Layout;
+use crate::preflight::nvml::NvmlProbe;
 use crate::preflight::runner::Runner;
 use crate::preflight::{Level, failure_reason};
+
+/// The host description: the host file when one is given, else NVML on a real GPU host.
+fn probe(config: &AgentConfig) -> anyhow::Result<Arc<dyn HostProbe>> {
+    match &config.host_file {
+        Some(path) => Ok(Arc::new(HostFile::load(path)?)),
+        None => {
+            let hostname = crate::host::hostname();
+            let probe = NvmlProbe::new(hostname).map_err(|why| {
+                anyhow::anyhow!("no --host-file, and NVML cannot describe this host: {why}")
+            })?;
+            Ok(Arc::new(probe))
+        }
+    }
+}
 
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(5);
@@ -34,11 +49,11 @@ const REFUSED_RETRY: Duration = Duration::from_secs(30);
 /// unusable data directory); after start-up, problems are logged and retried. Ranks keep
 /// running when this returns.
 pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<()> {
-    let host = HostFile::load(&config.host_file)?;
+    let host = probe(&config)?;
     let mut inventory = host.inventory()?;
     crate::pinning::reserve_cpus(&mut inventory, config.reserve_cpus);
     let agent_id = config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone());
-    let preflight = Runner::new(&agent_id, Arc::new(host));
+    let preflight = Runner::new(&agent_id, host);
     let report = preflight.run(Level::Quick, BTreeMap::new()).await;
     match failure_reason(&report) {
         Some(reason) => {

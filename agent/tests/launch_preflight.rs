@@ -123,7 +123,8 @@ async fn launch_preflight_refuses_or_starts_ranks_under_its_report() {
     let work = dir.path().join("work");
     std::fs::create_dir(&work).unwrap();
     let data = dir.path().join("data");
-    let mut config = AgentConfig::new(format!("http://{addr}"), dir.path().join("host.json"), data.clone());
+    let mut config =
+        AgentConfig::new(format!("http://{addr}"), Some(dir.path().join("host.json")), data.clone());
     config.shim_program = env!("CARGO_BIN_EXE_trainyard-agent").into();
     let (stop, stop_rx) = oneshot::channel::<()>();
     let agent = tokio::spawn(trainyard_agent::run(config, async move {

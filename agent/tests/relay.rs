@@ -82,8 +82,11 @@ async fn receipts_arrive_before_the_exit_and_leaving_ends_the_stream() {
     std::fs::write(dir.path().join("host.json"), HOST).unwrap();
     let work = dir.path().join("work");
     std::fs::create_dir(&work).unwrap();
-    let mut config =
-        AgentConfig::new(format!("http://{addr}"), dir.path().join("host.json"), dir.path().join("data"));
+    let mut config = AgentConfig::new(
+        format!("http://{addr}"),
+        Some(dir.path().join("host.json")),
+        dir.path().join("data"),
+    );
     config.shim_program = env!("CARGO_BIN_EXE_trainyard-agent").into();
     let (stop, stop_rx) = oneshot::channel::<()>();
     let agent = tokio::spawn(trainyard_agent::run(config, async move {

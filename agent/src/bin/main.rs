@@ -15,13 +15,14 @@ struct Cli {
     /// Controller URL.
     #[arg(long, env = "TRAINYARD_CONTROLLER", global = true)]
     controller: Option<String>,
-    /// JSON host-description file (stands in for NVML).
+    /// JSON host-description file standing in for NVML; without it the agent describes this
+    /// host through NVML (a real GPU host).
     #[arg(long, global = true)]
     host_file: Option<PathBuf>,
     /// Directory for run directories and the agent's state.
     #[arg(long, global = true)]
     data_dir: Option<PathBuf>,
-    /// Identity in the fleet (default: the host file's hostname).
+    /// Identity in the fleet (default: the hostname of the host description).
     #[arg(long, global = true)]
     agent_id: Option<String>,
     /// Address other hosts dial for MASTER_ADDR.
@@ -90,7 +91,7 @@ impl TryFrom<&Cli> for AgentConfig {
             .controller
             .clone()
             .context("--controller (or TRAINYARD_CONTROLLER) is required, e.g. http://127.0.0.1:7070")?;
-        let host_file = cli.host_file.clone().context("--host-file is required")?;
+        let host_file = cli.host_file.clone();
         let data_dir = cli.data_dir.clone().context("--data-dir is required")?;
         let mut config = AgentConfig::new(controller, host_file, data_dir);
         config.agent_id = cli.agent_id.clone();
@@ -156,7 +157,7 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
             Ok(file) => Box::new(file),
             Err(e) => return usage(e.to_string()),
         },
-        None => match NvmlProbe::new(hostname()) {
+        None => match NvmlProbe::new(trainyard_agent::host::hostname()) {
             Ok(probe) => Box::new(probe),
             Err(why) => return usage(format!("no --host-file and {why}")),
         },
@@ -164,7 +165,7 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
     let agent_id = match (&cli.agent_id, probe.inventory()) {
         (Some(id), _) => id.clone(),
         (None, Ok(inventory)) => inventory.hostname,
-        (None, Err(_)) => hostname(),
+        (None, Err(_)) => trainyard_agent::host::hostname(),
     };
     let facts = probe.host_facts().unwrap_or_else(HostFacts::gather);
     let job_env = Default::default();
@@ -177,12 +178,6 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
         }
     }
     if report.verdict == "fail" { ExitCode::FAILURE } else { ExitCode::SUCCESS }
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into())
 }
 
 fn daemon(cli: &Cli) -> anyhow::Result<()> {
