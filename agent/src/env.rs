@@ -11,23 +11,7 @@ use std::path::Path;
 use trainyard_proto::v1::{Launch, RankAssignment};
 
 /// Variables the agent owns; overlay entries with these names are ignored.
-pub const RESERVED: [&str; 14] = [
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TRAINYARD_JOB_ID",
-    "TRAINYARD_ATTEMPT",
-    "TRAINYARD_RECEIPTS",
-    "TRAINYARD_GPU",
-    // Set by the launcher from the planned binding (absent when the rank runs unpinned).
-    "TRAINYARD_CPUS",
-    "TRAINYARD_MEMS",
-    PREFLIGHT_REPORT,
-];
+pub use trainyard_proto::contract::RANK_ENV as RESERVED;
 
 /// Local id (`<agent_id>-<started_at_ms>`) of the preflight report the rank was launched under;
 /// set by the launcher, absent when the agent has run no preflight yet.

@@ -187,7 +187,8 @@ fn validate(file: &FileJson) -> Result<(), Invalid> {
         if !numa_ids.insert(node.id) {
             return Err(invalid(format!("numa_nodes[{i}].id"), format!("duplicate id {}", node.id)));
         }
-        parse_cpu_list(&node.cpus).map_err(|reason| invalid(format!("numa_nodes[{i}].cpus"), reason))?;
+        trainyard_proto::contract::cpulist::parse(&node.cpus)
+            .map_err(|reason| invalid(format!("numa_nodes[{i}].cpus"), reason))?;
     }
     for (i, gpu) in file.gpus.iter().enumerate() {
         if gpu.index as usize != i {
@@ -239,30 +240,6 @@ fn validate_links(links: &[Vec<String>], n: usize) -> Result<(), Invalid> {
         }
     }
     Ok(())
-}
-
-/// Parses a kernel CPU list such as `0-3,8-11` into CPU ids, in the order written.
-pub fn parse_cpu_list(list: &str) -> Result<Vec<u32>, String> {
-    let list = list.trim();
-    if list.is_empty() {
-        return Err("empty CPU list".to_string());
-    }
-    let mut cpus = Vec::new();
-    for part in list.split(',') {
-        let number =
-            |s: &str| s.parse::<u32>().map_err(|_| format!("{part:?} is not a CPU id or range like \"0-3\""));
-        match part.split_once('-') {
-            Some((lo, hi)) => {
-                let (lo, hi) = (number(lo)?, number(hi)?);
-                if lo > hi {
-                    return Err(format!("range {part:?} runs backwards"));
-                }
-                cpus.extend(lo..=hi);
-            }
-            None => cpus.push(number(part)?),
-        }
-    }
-    Ok(cpus)
 }
 
 fn to_inventory(file: FileJson) -> HostInventory {
@@ -392,12 +369,6 @@ mod tests {
         let mut v = good();
         v["numa_nodes"][1]["id"] = json!(0);
         error_naming(&v, "numa_nodes[1].id");
-    }
-
-    #[test]
-    fn cpu_list_expands_ranges() {
-        assert_eq!(parse_cpu_list("0-3,8,10-11").unwrap(), vec![0, 1, 2, 3, 8, 10, 11]);
-        assert_eq!(parse_cpu_list("5\n").unwrap(), vec![5]);
     }
 
     #[test]

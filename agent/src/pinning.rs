@@ -22,6 +22,7 @@
 
 use std::io;
 
+use trainyard_proto::contract::cpulist;
 use trainyard_proto::v1::HostInventory;
 
 /// A binding to apply to a rank: CPU ids and the NUMA node its memory comes from.
@@ -35,7 +36,7 @@ impl Binding {
     /// From the shim's flags; `None` when there is nothing to bind.
     pub fn from_flags(cpus: Option<&str>, mem_node: Option<u32>) -> Result<Option<Binding>, String> {
         let cpus = match cpus.filter(|c| !c.trim().is_empty()) {
-            Some(list) => parse_cpu_list(list).ok_or_else(|| format!("bad CPU list {list:?}"))?,
+            Some(list) => cpulist::parse(list).map_err(|e| format!("bad CPU list {list:?}: {e}"))?,
             None => Vec::new(),
         };
         if cpus.is_empty() && mem_node.is_none() {
@@ -146,67 +147,23 @@ pub fn effective_from(status: &str, numa_maps: &str) -> Effective {
 /// inventory the controller plans from, so no rank is ever pinned to them.
 pub fn reserve_cpus(inventory: &mut HostInventory, n: u32) {
     let mut all: Vec<u32> =
-        inventory.numa_nodes.iter().flat_map(|node| parse_cpu_list(&node.cpus).unwrap_or_default()).collect();
+        inventory.numa_nodes.iter().flat_map(|node| cpulist::parse(&node.cpus).unwrap_or_default()).collect();
     all.sort_unstable();
     let kept: Vec<u32> = all.into_iter().take(n as usize).collect();
     for node in &mut inventory.numa_nodes {
-        let cpus: Vec<u32> = parse_cpu_list(&node.cpus)
+        let cpus: Vec<u32> = cpulist::parse(&node.cpus)
             .unwrap_or_default()
             .into_iter()
             .filter(|c| !kept.contains(c))
             .collect();
-        node.cpus = format_cpu_list(&cpus);
+        node.cpus = cpulist::format(&cpus);
     }
-}
-
-/// Parses a kernel CPU list (`0-3,8,10-11`) into sorted, distinct ids; `None` if malformed.
-pub fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
-    let mut out = Vec::new();
-    for part in text.trim().split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (u32, u32) = (a.parse().ok()?, b.parse().ok()?);
-                if b < a || b - a > 65_536 {
-                    return None;
-                }
-                out.extend(a..=b);
-            }
-            None => out.push(part.parse().ok()?),
-        }
-    }
-    out.sort_unstable();
-    out.dedup();
-    Some(out)
-}
-
-/// Sorted CPU ids in the kernel's list format.
-pub fn format_cpu_list(cpus: &[u32]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < cpus.len() {
-        let mut j = i;
-        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
-            j += 1;
-        }
-        out.push(if j > i { format!("{}-{}", cpus[i], cpus[j]) } else { cpus[i].to_string() });
-        i = j + 1;
-    }
-    out.join(",")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use trainyard_proto::v1::NumaNode;
-
-    #[test]
-    fn cpu_lists_round_trip() {
-        assert_eq!(parse_cpu_list("0-3,8, 10-11").unwrap(), vec![0, 1, 2, 3, 8, 10, 11]);
-        assert_eq!(format_cpu_list(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
-        assert_eq!(parse_cpu_list("3-1"), None);
-        assert_eq!(parse_cpu_list("x"), None);
-        assert_eq!(parse_cpu_list("").unwrap(), Vec::<u32>::new());
-    }
 
     #[test]
     fn effective_binding_prefers_the_bound_policy() {

@@ -26,19 +26,7 @@ pub const PREFLIGHT_LEVELS: [&str; 4] = ["none", "quick", "standard", "full"];
 pub const INTERCONNECTS: [&str; 4] = ["nvswitch", "nvlink-pairs", "pcie", "any"];
 
 /// Variables the agent sets for every rank; an overlay may not redefine them.
-pub const RESERVED_ENV: [&str; 11] = [
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TRAINYARD_JOB_ID",
-    "TRAINYARD_ATTEMPT",
-    "TRAINYARD_RECEIPTS",
-    "TRAINYARD_GPU",
-];
+pub use trainyard_proto::contract::RANK_ENV as RESERVED_ENV;
 
 /// Upper bounds that keep one bad spec from hurting the controller.
 const MAX_NAME_LEN: usize = 128;

@@ -17,7 +17,7 @@ pub use parse::{ParseError, parse};
 pub use render::render;
 use trainyard_proto::v1::HostInventory;
 
-use crate::host::parse_cpu_list;
+use trainyard_proto::contract::cpulist;
 
 /// One GPU: its index, NUMA node (None when the platform reports none) and local CPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,7 +120,7 @@ impl Topology {
         self.numa_nodes
             .iter()
             .find(|n| n.id == id)
-            .and_then(|n| parse_cpu_list(&n.cpus).ok())
+            .and_then(|n| cpulist::parse(&n.cpus).ok())
             .map_or(0, |c| c.len())
     }
 

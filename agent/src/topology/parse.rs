@@ -167,7 +167,7 @@ fn gpu_row(line: usize, index: u32, extra: &[&str]) -> Result<GpuNode, ParseErro
     let cpus = match extra.first() {
         None | Some(&"N/A") => String::new(),
         Some(list) => {
-            crate::host::parse_cpu_list(list)
+            trainyard_proto::contract::cpulist::parse(list)
                 .map_err(|e| err(line, format!("GPU{index} CPU Affinity {list:?}: {e}")))?;
             list.to_string()
         }

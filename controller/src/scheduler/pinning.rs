@@ -8,6 +8,8 @@
 //! set (what `numactl --cpunodebind` does). CPUs the agent keeps for itself (its
 //! `--reserve-cpus`) are already absent from the inventory the plan starts from.
 
+use trainyard_proto::contract::cpulist;
+
 use super::NodeView;
 
 /// The binding planned for one rank.
@@ -24,7 +26,7 @@ pub fn plan_cpus(node: &NodeView, gpu_index: u32) -> Option<CpuPlan> {
     let gpu = node.gpus.iter().find(|g| g.index == gpu_index)?;
     let numa = u32::try_from(gpu.numa_node).ok()?;
     let (_, list) = node.numa_cpus.iter().find(|(id, _)| *id == numa)?;
-    let cpus = parse_cpu_list(list)?;
+    let cpus = cpulist::parse(list).ok()?;
     if cpus.is_empty() {
         return None;
     }
@@ -34,30 +36,5 @@ pub fn plan_cpus(node: &NodeView, gpu_index: u32) -> Option<CpuPlan> {
     let n = peers.len();
     let j = peers.iter().position(|&i| i == gpu_index)?;
     let slice = if cpus.len() >= n { &cpus[j * cpus.len() / n..(j + 1) * cpus.len() / n] } else { &cpus[..] };
-    Some(CpuPlan { cpus: format_cpu_list(slice), numa_node: gpu.numa_node })
-}
-
-/// Parses a kernel CPU list (`0-3,8,10-11`) into sorted, distinct ids; `None` if malformed.
-pub fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
-    let mut out = Vec::new();
-    for part in text.trim().split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (u32, u32) = (a.parse().ok()?, b.parse().ok()?);
-                if b < a || b - a > 65_536 {
-                    return None;
-                }
-                out.extend(a..=b);
-            }
-            None => out.push(part.parse().ok()?),
-        }
-    }
-    out.sort_unstable();
-    out.dedup();
-    Some(out)
-}
-
-/// Formats sorted CPU ids in the kernel's list format.
-pub fn format_cpu_list(cpus: &[u32]) -> String {
-    super::search::list(cpus)
+    Some(CpuPlan { cpus: cpulist::format(slice), numa_node: gpu.numa_node })
 }

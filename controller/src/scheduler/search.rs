@@ -384,7 +384,11 @@ impl<'a> Fleet<'a> {
             if left > 0 {
                 self.by_avail.insert((left, i));
             }
-            held.push(format!("{} {}", node.view.agent_id, list(&node.gpu_indices(mask))));
+            held.push(format!(
+                "{} {}",
+                node.view.agent_id,
+                trainyard_proto::contract::cpulist::format(&node.gpu_indices(mask))
+            ));
         }
         self.reservation = Some((req.job_id, found.nodes));
         Some(format!("holding GPUs {} for it as they free up", held.join(", ")))
@@ -501,19 +505,4 @@ fn what(req: &Request) -> String {
 
 fn class_words(req: &Request) -> String {
     req.class().map(|c| format!("{c} ")).unwrap_or_default()
-}
-
-/// GPU indices as a kernel-style list: `[0, 1, 2, 5]` -> `0-2,5`.
-pub fn list(ids: &[u32]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < ids.len() {
-        let mut j = i;
-        while j + 1 < ids.len() && ids[j + 1] == ids[j] + 1 {
-            j += 1;
-        }
-        out.push(if j > i { format!("{}-{}", ids[i], ids[j]) } else { ids[i].to_string() });
-        i = j + 1;
-    }
-    out.join(",")
 }

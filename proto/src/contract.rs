@@ -1,0 +1,97 @@
+//! Values the contract defines beyond the message types, shared by both ends of the wire so
+//! that they cannot drift apart: the names of the rank environment, and the kernel's CPU list
+//! format used by `NumaNode.cpus` and `RankAssignment.cpus`.
+
+/// Variables trainyard sets for every rank (torchrun's, then trainyard's own); a job's
+/// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
+/// when the rank is pinned.
+pub const RANK_ENV: [&str; 14] = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TRAINYARD_JOB_ID",
+    "TRAINYARD_ATTEMPT",
+    "TRAINYARD_RECEIPTS",
+    "TRAINYARD_GPU",
+    "TRAINYARD_CPUS",
+    "TRAINYARD_MEMS",
+    "TRAINYARD_PREFLIGHT_REPORT",
+];
+
+/// The kernel's CPU list format (`0-3,8,10-11`), as in `/sys/devices/system/node/node0/cpulist`
+/// and `Cpus_allowed_list`.
+pub mod cpulist {
+    /// Longest range accepted, so a typo like `0-4000000000` cannot exhaust memory.
+    const MAX_RANGE: u32 = 65_536;
+
+    /// Parses a CPU list into sorted, distinct CPU ids. An empty list, a backwards range or a
+    /// part that is not a number is an error that quotes the part.
+    pub fn parse(text: &str) -> Result<Vec<u32>, String> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Err("empty CPU list".to_string());
+        }
+        let mut cpus = Vec::new();
+        for part in text.split(',').map(str::trim) {
+            let number = |s: &str| {
+                s.trim().parse::<u32>().map_err(|_| format!("{part:?} is not a CPU id or range like \"0-3\""))
+            };
+            match part.split_once('-') {
+                Some((lo, hi)) => {
+                    let (lo, hi) = (number(lo)?, number(hi)?);
+                    if lo > hi {
+                        return Err(format!("range {part:?} runs backwards"));
+                    }
+                    if hi - lo > MAX_RANGE {
+                        return Err(format!("range {part:?} is longer than {MAX_RANGE} CPUs"));
+                    }
+                    cpus.extend(lo..=hi);
+                }
+                None => cpus.push(number(part)?),
+            }
+        }
+        cpus.sort_unstable();
+        cpus.dedup();
+        Ok(cpus)
+    }
+
+    /// Formats sorted ids in the same format: `[0, 1, 2, 5]` -> `0-2,5`.
+    pub fn format(ids: &[u32]) -> String {
+        let mut out: Vec<String> = Vec::new();
+        let mut i = 0;
+        while i < ids.len() {
+            let mut j = i;
+            while j + 1 < ids.len() && ids[j + 1] == ids[j] + 1 {
+                j += 1;
+            }
+            out.push(if j > i { format!("{}-{}", ids[i], ids[j]) } else { ids[i].to_string() });
+            i = j + 1;
+        }
+        out.join(",")
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn round_trips() {
+            assert_eq!(parse("0-3,8, 10-11\n").unwrap(), vec![0, 1, 2, 3, 8, 10, 11]);
+            assert_eq!(format(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
+            assert_eq!(parse("5,5,4").unwrap(), vec![4, 5]);
+            assert_eq!(format(&[]), "");
+        }
+
+        #[test]
+        fn bad_lists_say_what_is_wrong() {
+            assert!(parse("3-1").unwrap_err().contains("backwards"));
+            assert!(parse("x").unwrap_err().contains("\"x\""));
+            assert!(parse("").unwrap_err().contains("empty"));
+            assert!(parse("0-4000000").unwrap_err().contains("longer"));
+        }
+    }
+}
