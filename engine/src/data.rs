@@ -207,13 +207,17 @@ pub fn first_row(step: i64, micro: i64, accum: i64, world: i64, rank: i64, batch
 
 /// GPT-2 BPE tokenisation of text files into shards: every document is `<|endoftext|>`
 /// followed by its tokens; the last `val_fraction` of each document's tokens goes to the
-/// validation shard. Returns (train tokens, val tokens).
+/// validation shard. With `compact`, ids are renumbered densely (0 = `<|endoftext|>`, then the
+/// GPT-2 ids present, ascending) and `vocab.json` maps them back: a small corpus then trains a
+/// model with a vocabulary of a few thousand instead of 50304 (CPU tests). Returns (train
+/// tokens, val tokens, vocabulary size to train with).
 pub fn tokenize_files(
     files: &[PathBuf],
     out_dir: &Path,
     val_fraction: f64,
     shard_tokens: usize,
-) -> anyhow::Result<(usize, usize)> {
+    compact: bool,
+) -> anyhow::Result<(usize, usize, i64)> {
     anyhow::ensure!(!files.is_empty(), "tokenize: no input files");
     anyhow::ensure!((0.0..1.0).contains(&val_fraction), "val fraction must be in [0, 1)");
     anyhow::ensure!(shard_tokens > 0, "shard size must be positive");
@@ -234,13 +238,31 @@ pub fn tokenize_files(
         }
     }
     std::fs::create_dir_all(out_dir)?;
+    let mut vocab = crate::config::GPT2_VOCAB;
+    if compact {
+        let mut ids: Vec<u16> = train.iter().chain(&val).copied().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.retain(|&t| t != crate::config::GPT2_EOT);
+        ids.insert(0, crate::config::GPT2_EOT);
+        let mut map = vec![0u16; 65536];
+        for (new, &old) in ids.iter().enumerate() {
+            map[old as usize] = new as u16;
+        }
+        for t in train.iter_mut().chain(val.iter_mut()) {
+            *t = map[*t as usize];
+        }
+        vocab = (ids.len() as i64).div_euclid(64) * 64 + 64;
+        let json = serde_json::json!({"gpt2_ids": ids, "vocab_size": vocab});
+        std::fs::write(out_dir.join("vocab.json"), serde_json::to_vec(&json)?)?;
+    }
     for (i, chunk) in train.chunks(shard_tokens).enumerate() {
         write_shard(&out_dir.join(format!("train_{i:06}.bin")), chunk)?;
     }
     for (i, chunk) in val.chunks(shard_tokens).enumerate() {
         write_shard(&out_dir.join(format!("val_{i:06}.bin")), chunk)?;
     }
-    Ok((train.len(), val.len()))
+    Ok((train.len(), val.len(), vocab))
 }
 
 /// Unigram entropy (nats) of the tokens of the shards: the loss of the best context-free model.

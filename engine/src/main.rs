@@ -32,6 +32,9 @@ enum Command {
         /// Tokens per shard.
         #[arg(long, default_value_t = 100_000_000)]
         shard_tokens: usize,
+        /// Renumber the ids present densely (vocab.json maps them back to GPT-2 ids).
+        #[arg(long)]
+        compact: bool,
         files: Vec<PathBuf>,
     },
     /// Unigram entropy (nats per token) of shards.
@@ -120,9 +123,13 @@ fn main() -> Result<()> {
             let info = trainyard_engine::runtime_info();
             println!("{}", serde_json::to_string_pretty(&info)?);
         }
-        Command::Tokenize { out, val_fraction, shard_tokens, files } => {
-            let (t, v) = trainyard_engine::data::tokenize_files(&files, &out, val_fraction, shard_tokens)?;
-            println!("tokenize: {t} train tokens, {v} validation tokens in {}", out.display());
+        Command::Tokenize { out, val_fraction, shard_tokens, compact, files } => {
+            let (t, v, vocab) =
+                trainyard_engine::data::tokenize_files(&files, &out, val_fraction, shard_tokens, compact)?;
+            println!(
+                "tokenize: {t} train tokens, {v} validation tokens in {}; vocab_size {vocab}",
+                out.display()
+            );
         }
         Command::Entropy { shards } => {
             println!("{:.6}", trainyard_engine::data::unigram_entropy(&shards)?);

@@ -216,12 +216,10 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     }
     let mut opt = MuonAdamW::new(&model, &cfg, env.rank, env.world);
     opt.check(&model)?;
-    if let Some(p) = &spec.export_init {
-        if env.rank == 0 {
-            let named: Vec<(String, Tensor)> =
-                model.named().into_iter().map(|(n, t)| (n, t.detach().to_device(Device::Cpu))).collect();
-            Tensor::write_safetensors(&named, p)?;
-        }
+    if let (Some(p), 0) = (&spec.export_init, env.rank) {
+        let named: Vec<(String, Tensor)> =
+            model.named().into_iter().map(|(n, t)| (n, t.detach().to_device(Device::Cpu))).collect();
+        Tensor::write_safetensors(&named, p)?;
     }
     let mut receipts = Receipts::open(&env)?;
 
