@@ -20,7 +20,7 @@ enum Command {
     /// Print the libtorch / CUDA facts of this process as JSON.
     Info,
     /// Train (one process per rank; the rank comes from RANK / WORLD_SIZE).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Turn text files into GPT-2 BPE token shards (train_*.bin, val_*.bin).
     Tokenize {
         /// Output directory.
