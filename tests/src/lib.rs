@@ -347,37 +347,31 @@ impl Cluster {
 
     /// Runs a query against the controller's database and returns rows of i64 columns.
     pub fn query(&self, sql: &str) -> Result<Vec<Vec<i64>>> {
-        let url = format!("sqlite://{}?mode=ro", self.db_path().display());
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        rt.block_on(async {
-            let pool = sqlx::SqlitePool::connect(&url).await?;
-            let rows = sqlx::query(sqlx::AssertSqlSafe(sql.to_string())).fetch_all(&pool).await?;
-            let out = rows
-                .iter()
-                .map(|row| (0..row.len()).map(|i| row.try_get::<i64, _>(i)).collect::<Result<Vec<_>, _>>())
-                .collect::<Result<Vec<_>, _>>()?;
-            pool.close().await;
-            Ok(out)
-        })
+        self.query_with(sql, |row, i| row.try_get::<i64, _>(i))
     }
 
     /// Runs a query against the controller's database and returns rows of text columns
     /// (NULL as "").
     pub fn query_text(&self, sql: &str) -> Result<Vec<Vec<String>>> {
+        self.query_with(sql, |row, i| row.try_get::<Option<String>, _>(i).map(Option::unwrap_or_default))
+    }
+
+    /// Runs a query on a read-only connection and converts every column with `cell`.
+    fn query_with<T>(
+        &self,
+        sql: &str,
+        cell: impl Fn(&sqlx::sqlite::SqliteRow, usize) -> Result<T, sqlx::Error>,
+    ) -> Result<Vec<Vec<T>>> {
         let url = format!("sqlite://{}?mode=ro", self.db_path().display());
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         rt.block_on(async {
             let pool = sqlx::SqlitePool::connect(&url).await?;
             let rows = sqlx::query(sqlx::AssertSqlSafe(sql.to_string())).fetch_all(&pool).await?;
+            pool.close().await;
             let out = rows
                 .iter()
-                .map(|row| {
-                    (0..row.len())
-                        .map(|i| row.try_get::<Option<String>, _>(i).map(Option::unwrap_or_default))
-                        .collect::<Result<Vec<_>, _>>()
-                })
+                .map(|row| (0..row.len()).map(|i| cell(row, i)).collect::<Result<Vec<_>, _>>())
                 .collect::<Result<Vec<_>, _>>()?;
-            pool.close().await;
             Ok(out)
         })
     }
