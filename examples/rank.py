@@ -15,7 +15,8 @@ writes:
 Each receipt is one `write` of a whole line followed by a flush, on a file opened in append
 mode, so the agent tailing the file never sees half a receipt from us.
 
-Flags for tests: --fail-at-step K exits 1 at step K (only on rank R with --fail-rank R);
+Flags for tests: --fail-at-step K exits 1 at step K (only on rank R with --fail-rank R, only in
+attempt A with --fail-attempt A);
 --garbage also writes a line that is not JSON, a line of invalid UTF-8 and a 10 MB line among
 the valid ones (the agent must skip them).
 """
@@ -57,6 +58,13 @@ def parse_args(argv):
     p.add_argument("--fail-at-step", type=int, default=None, metavar="K", help="exit 1 at step K")
     p.add_argument(
         "--fail-rank", type=int, default=None, metavar="R", help="only rank R fails (default: every rank)"
+    )
+    p.add_argument(
+        "--fail-attempt",
+        type=int,
+        default=None,
+        metavar="A",
+        help="fail only in attempt A (TRAINYARD_ATTEMPT; default: every attempt)",
     )
     p.add_argument("--garbage", action="store_true", help="also write invalid receipt lines")
     return p.parse_args(argv)
@@ -191,7 +199,10 @@ def main(argv=None):
     rng = random.Random(rank)
     step_s = args.step_ms / 1000.0
     for step in range(args.steps):
-        failing = args.fail_rank is None or args.fail_rank == rank
+        attempt = env_int("TRAINYARD_ATTEMPT", 0)
+        failing = (args.fail_rank is None or args.fail_rank == rank) and (
+            args.fail_attempt is None or args.fail_attempt == attempt
+        )
         if failing and args.fail_at_step is not None and step == args.fail_at_step:
             receipts.emit("exit", code=1, step=step, reason="--fail-at-step")
             print(f"rank {rank}: failing at step {step} as asked", file=sys.stderr)
