@@ -53,11 +53,18 @@ pub fn rank_env(launch: &Launch, assignment: &RankAssignment, receipts: &Path) -
         ("TRAINYARD_ATTEMPT", launch.attempt.to_string()),
         ("TRAINYARD_RECEIPTS", receipts.display().to_string()),
         ("TRAINYARD_GPU", assignment.gpu_index.to_string()),
+        ("TRAINYARD_RESUME", if resumes(launch) { "1" } else { "0" }.to_string()),
     ];
     for (name, value) in ours {
         vars.insert(name.to_string(), value);
     }
     RankEnv { vars, ignored_overlay }
+}
+
+/// A restarted attempt of a job whose restart policy says resume continues from the last
+/// checkpoint; the rank reads that from `TRAINYARD_RESUME`.
+fn resumes(launch: &Launch) -> bool {
+    launch.attempt > 0 && launch.spec.as_ref().and_then(|s| s.restart.as_ref()).is_some_and(|r| r.resume)
 }
 
 #[cfg(test)]
@@ -99,6 +106,22 @@ mod tests {
         assert_eq!(get("TRAINYARD_ATTEMPT"), Some("2"));
         assert_eq!(get("TRAINYARD_RECEIPTS"), Some("/d/receipts.jsonl"));
         assert_eq!(get("TRAINYARD_GPU"), Some("6"));
+        assert_eq!(get("TRAINYARD_RESUME"), Some("0"), "no restart policy: nothing to resume");
+    }
+
+    #[test]
+    fn restarted_attempts_resume_when_the_policy_says_so() {
+        let a = RankAssignment::default();
+        let mut l = launch();
+        let resume = |l: &Launch| rank_env(l, &a, Path::new("/r")).vars["TRAINYARD_RESUME"].clone();
+        l.spec.as_mut().unwrap().restart =
+            Some(trainyard_proto::v1::RestartPolicy { max_restarts: 3, resume: true });
+        assert_eq!(resume(&l), "1");
+        l.attempt = 0;
+        assert_eq!(resume(&l), "0", "a first attempt has nothing to resume from");
+        l.attempt = 1;
+        l.spec.as_mut().unwrap().restart.as_mut().unwrap().resume = false;
+        assert_eq!(resume(&l), "0");
     }
 
     #[test]

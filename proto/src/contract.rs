@@ -5,7 +5,7 @@
 /// Variables trainyard sets for every rank (torchrun's, then trainyard's own); a job's
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
 /// when the rank is pinned.
-pub const RANK_ENV: [&str; 14] = [
+pub const RANK_ENV: [&str; 15] = [
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -17,6 +17,7 @@ pub const RANK_ENV: [&str; 14] = [
     "TRAINYARD_ATTEMPT",
     "TRAINYARD_RECEIPTS",
     "TRAINYARD_GPU",
+    "TRAINYARD_RESUME",
     "TRAINYARD_CPUS",
     "TRAINYARD_MEMS",
     "TRAINYARD_PREFLIGHT_REPORT",
