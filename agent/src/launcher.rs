@@ -193,7 +193,7 @@ impl Launcher {
         launch: &Launch,
         assignment: &RankAssignment,
     ) -> Result<(u32, u64), String> {
-        let exec = exec_engine(launch)?;
+        let exec = &exec_engine(launch)?;
         if !self.inventory.gpus.iter().any(|g| g.index == assignment.gpu_index) {
             return Err(format!("launch refused: GPU {} is not on this host", assignment.gpu_index));
         }
@@ -341,15 +341,40 @@ impl Launcher {
     }
 }
 
-fn exec_engine(launch: &Launch) -> Result<&ExecEngine, String> {
+fn exec_engine(launch: &Launch) -> Result<ExecEngine, String> {
     match launch.spec.as_ref().and_then(|s| s.engine.as_ref()) {
-        Some(job_spec::Engine::Exec(exec)) if !exec.argv.is_empty() => Ok(exec),
+        Some(job_spec::Engine::Exec(exec)) if !exec.argv.is_empty() => Ok(exec.clone()),
         Some(job_spec::Engine::Exec(_)) => Err("launch refused: exec engine with an empty argv".into()),
-        Some(job_spec::Engine::Builtin(_)) => {
-            Err("launch refused: the builtin engine is not available on this agent yet".into())
-        }
+        Some(job_spec::Engine::Builtin(b)) => builtin_engine(b),
         None => Err("launch refused: the job spec has no engine".into()),
     }
+}
+
+/// The built-in engine: the `trainyard-engine` binary next to this agent's binary, run in the
+/// data directory with the job's preset, data and settings (`key = value` -> `--key value`).
+fn builtin_engine(b: &trainyard_proto::v1::BuiltinEngine) -> Result<ExecEngine, String> {
+    let me = std::env::current_exe().map_err(|e| format!("launch refused: own path: {e}"))?;
+    let engine = me.with_file_name("trainyard-engine");
+    if !engine.is_file() {
+        return Err(format!("launch refused: builtin engine {} not found", engine.display()));
+    }
+    let mut argv = vec![
+        engine.display().to_string(),
+        "train".to_string(),
+        "--preset".to_string(),
+        b.preset.clone(),
+        "--data".to_string(),
+        b.data.clone(),
+    ];
+    let mut settings: Vec<_> = b.settings.iter().collect();
+    settings.sort();
+    for (k, v) in settings {
+        argv.push(format!("--{}", k.replace('_', "-")));
+        if !(v == "true" && matches!(k.as_str(), "resume")) {
+            argv.push(v.clone());
+        }
+    }
+    Ok(ExecEngine { argv, workdir: b.data.clone(), source_dir: String::new() })
 }
 
 /// Fails with a clear message when `program` cannot be run: a path relative to `workdir`,

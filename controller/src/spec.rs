@@ -97,10 +97,26 @@ fn validate_resources(spec: &JobSpec) -> Result<(), SpecError> {
 fn validate_engine(engine: Option<&Engine>) -> Result<(), SpecError> {
     match engine {
         None => Err(bad("engine", "is missing (engine.kind = \"exec\" with an argv, or \"builtin\")")),
-        Some(Engine::Builtin(_)) => Err(bad(
-            "engine.kind",
-            "\"builtin\" is not available in this build yet; use kind = \"exec\" with an argv",
-        )),
+        Some(Engine::Builtin(b)) => {
+            let depth = b.preset.strip_prefix('d').and_then(|d| d.parse::<u32>().ok());
+            if !matches!(depth, Some(1..=64)) {
+                return Err(bad(
+                    "engine.preset",
+                    format!("{:?} is not d<depth> with depth 1..=64 (e.g. \"d4\")", b.preset),
+                ));
+            }
+            if !b.data.starts_with('/') {
+                return Err(bad("engine.data", "must be an absolute directory of token shards"));
+            }
+            for k in b.settings.keys() {
+                if k.is_empty()
+                    || !k.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                {
+                    return Err(bad(format!("engine.settings.{k}"), "names are lowercase words with _"));
+                }
+            }
+            Ok(())
+        }
         Some(Engine::Exec(exec)) => {
             if exec.argv.is_empty() || exec.argv[0].is_empty() {
                 return Err(bad("engine.argv", "must name a program to run"));
@@ -226,7 +242,17 @@ mod tests {
         spec.engine = None;
         assert_eq!(field_of(&spec), "engine");
         spec.engine = Some(Engine::Builtin(BuiltinEngine::default()));
-        assert_eq!(field_of(&spec), "engine.kind");
+        assert_eq!(field_of(&spec), "engine.preset");
+        let mut b = BuiltinEngine { preset: "d4".into(), data: "/data/shards".into(), ..Default::default() };
+        spec.engine = Some(Engine::Builtin(b.clone()));
+        assert!(validate(&spec).is_ok());
+        b.preset = "d0".into();
+        spec.engine = Some(Engine::Builtin(b.clone()));
+        assert_eq!(field_of(&spec), "engine.preset");
+        b.preset = "d4".into();
+        b.data = "shards".into();
+        spec.engine = Some(Engine::Builtin(b));
+        assert_eq!(field_of(&spec), "engine.data");
     }
 
     #[test]

@@ -47,8 +47,12 @@ struct TrainArgs {
     #[arg(long, default_value = "d4")]
     preset: String,
     /// Training shards (files).
-    #[arg(long = "train", required = true, num_args = 1..)]
+    #[arg(long = "train", num_args = 1..)]
     train: Vec<PathBuf>,
+    /// Directory of shards: train_*.bin for training, val_*.bin for validation (the agent's
+    /// builtin engine passes its `data` here).
+    #[arg(long)]
+    data: Option<PathBuf>,
     /// Validation shards.
     #[arg(long = "val", num_args = 1..)]
     val: Vec<PathBuf>,
@@ -134,8 +138,25 @@ fn main() -> Result<()> {
         Command::Entropy { shards } => {
             println!("{:.6}", trainyard_engine::data::unigram_entropy(&shards)?);
         }
-        Command::Train(a) => {
+        Command::Train(mut a) => {
             let env = RankEnv::from_env()?;
+            if let Some(dir) = &a.data {
+                let list = |prefix: &str| -> Result<Vec<PathBuf>> {
+                    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+                        .map_err(|e| anyhow::anyhow!("--data {}: {e}", dir.display()))?
+                        .filter_map(|e| e.ok().map(|e| e.path()))
+                        .filter(|p| {
+                            let n = p.file_name().unwrap_or_default().to_string_lossy();
+                            n.starts_with(prefix) && n.ends_with(".bin")
+                        })
+                        .collect();
+                    v.sort();
+                    Ok(v)
+                };
+                a.train.extend(list("train_")?);
+                a.val.extend(list("val_")?);
+            }
+            anyhow::ensure!(!a.train.is_empty(), "no training shards (--train FILES or --data DIR)");
             let model = GptConfig::preset(&a.preset, a.seq_len, a.vocab_size)?;
             let total = a.total_batch_size.unwrap_or(a.device_batch_size * a.seq_len * env.world as i64);
             let cfg = TrainConfig {
