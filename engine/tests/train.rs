@@ -99,7 +99,12 @@ fn d4_learns_below_unigram_entropy() {
     let dir = tempfile::tempdir().unwrap();
     let rec = dir.path().join("r.jsonl");
     let mut args = base_args(&c, 150);
-    args.extend(["--eval-every", "50", "--eval-batches", "8", "--threads", "2"].map(String::from));
+    args.extend(["--eval-every", "50", "--eval-batches", "8"].map(String::from));
+    let i = args.iter().position(|s| s == "--threads").unwrap();
+    args[i + 1] = "2".into();
+    // 8 rows per pass; 8 eval batches of 8 rows cover 4096 of the 4765 validation tokens.
+    let i = args.iter().position(|s| s == "--device-batch-size").unwrap();
+    args[i + 1] = "8".into();
     let out = run(&args, &[("TRAINYARD_RECEIPTS", rec.display().to_string())]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let ent = Command::new(BIN).arg("entropy").arg(&c.val).output().unwrap();
@@ -109,7 +114,7 @@ fn d4_learns_below_unigram_entropy() {
         r.iter().filter(|v| v["kind"] == "eval").map(|v| v["val_loss"].as_f64().unwrap()).collect();
     eprintln!("unigram entropy {entropy:.3}, validation losses {evals:?}");
     assert_eq!(evals.len(), 3);
-    // Measured: entropy 5.46 nats; validation 5.52 / 5.05 / 4.81 at steps 50 / 100 / 150.
+    // Measured: entropy 5.46 nats; validation 5.48 / 5.05 / 4.76 at steps 50 / 100 / 150.
     assert!(*evals.last().unwrap() < entropy - 0.4, "{evals:?} vs entropy {entropy}");
     assert!(evals[2] < evals[0]);
     let kinds: Vec<&str> = r.iter().map(|v| v["kind"].as_str().unwrap()).collect();
