@@ -100,7 +100,8 @@ struct TrainArgs {
     checkpoint_every: i64,
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
-    /// Continue from the newest complete checkpoint in --checkpoint-dir, if any.
+    /// Continue from the newest complete checkpoint in --checkpoint-dir, if any (also when
+    /// TRAINYARD_RESUME=1).
     #[arg(long)]
     resume: bool,
     /// cpu, cuda or auto.
@@ -185,7 +186,9 @@ fn main() -> Result<()> {
                 device: a.device,
                 threads: a.threads,
                 checkpoint_dir: a.checkpoint_dir,
-                resume: a.resume,
+                // The agent sets TRAINYARD_RESUME=1 in a restarted attempt of a job whose restart
+                // policy says resume.
+                resume: a.resume || std::env::var("TRAINYARD_RESUME").is_ok_and(|v| v == "1"),
                 init_weights: a.init_weights,
                 export_init: a.export_init,
                 stop_after: a.stop_after,

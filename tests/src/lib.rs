@@ -31,7 +31,7 @@ pub fn bin_dir() -> PathBuf {
 
 /// A workspace binary: next to the test executable's profile directory, or in `target/debug`
 /// (benches run in the release profile but use the debug binaries that setup built).
-fn bin(name: &str) -> Result<PathBuf> {
+pub fn bin(name: &str) -> Result<PathBuf> {
     let dir = bin_dir();
     let debug = dir.parent().map(|t| t.join("debug").join(name));
     match [Some(dir.join(name)), debug].into_iter().flatten().find(|p| p.exists()) {
