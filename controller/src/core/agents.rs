@@ -98,7 +98,13 @@ impl Controller {
         }
         for job_id in relaunch {
             tracing::info!(job_id, agent_id, "agent missed a launch; sending it again");
-            self.send_launches(core, job_id, Some(agent_id));
+            if self.send_launches(core, job_id, Some(agent_id)) > 0
+                && core.jobs.get(&job_id).is_some_and(|j| j.record.state == JobState::Scheduled)
+            {
+                // The controller stopped between recording the placement and sending it.
+                let reason = format!("launch sent to {agent_id} after it reconnected");
+                self.move_job(core, job_id, JobState::Launching, None, &reason).await?;
+            }
         }
         for id in lost {
             let message = format!("agent {agent_id} came back without it");

@@ -92,12 +92,14 @@ impl Controller {
                 self.fail_or_restart(core, job_id, &reason).await?;
                 return Box::pin(self.settle(core, job_id)).await;
             }
-            JobState::Launching | JobState::Running if all_done => {
+            JobState::Scheduled | JobState::Launching | JobState::Running if all_done => {
                 let reason = format!("all {} ranks exited with code 0", allocs.len());
                 self.move_job(core, job_id, JobState::Succeeded, None, &reason).await?;
                 return Box::pin(self.settle(core, job_id)).await;
             }
-            JobState::Launching if allocs.iter().all(|a| a.observed.state == "running" || rank_done(a)) => {
+            JobState::Scheduled | JobState::Launching
+                if allocs.iter().all(|a| a.observed.state == "running" || rank_done(a)) =>
+            {
                 let reason = format!("all {} ranks running", allocs.len());
                 self.move_job(core, job_id, JobState::Running, None, &reason).await?;
             }

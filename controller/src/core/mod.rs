@@ -19,6 +19,10 @@ pub use agents::MAX_BATCH;
 mod jobs;
 mod nodes;
 pub use nodes::{PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
+#[cfg(test)]
+mod lifecycle_tests;
+#[cfg(test)]
+mod test_support;
 mod view;
 
 use std::collections::{BTreeMap, HashMap};

@@ -2,45 +2,12 @@
 //! store: verdicts from hellos and re-runs, the fleet table, scheduling around failing nodes,
 //! restarts, and preflight runs on request.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
-use trainyard_proto::PROTOCOL_VERSION;
-use trainyard_proto::v1::{
-    ControllerMessage, ExecEngine, Gpu, Hello, HostInventory, JobSpec, NumaNode, PreflightCheck,
-    PreflightReport, Resources, controller_message::Msg, job_spec::Engine,
-};
+use trainyard_proto::v1::{HostInventory, PreflightCheck, PreflightReport, controller_message::Msg};
 
 use super::*;
-use crate::config::ControllerConfig;
-use crate::store::{SqliteStore, Store};
-
-async fn store() -> Arc<dyn Store> {
-    Arc::new(SqliteStore::open_in_memory().await.expect("open store"))
-}
-
-async fn controller(store: &Arc<dyn Store>) -> Arc<Controller> {
-    Controller::start(store.clone(), ControllerConfig::default()).await.expect("start")
-}
-
-fn inventory(host: &str, gpus: u32) -> HostInventory {
-    HostInventory {
-        hostname: host.into(),
-        gpus: (0..gpus)
-            .map(|i| Gpu {
-                index: i,
-                uuid: format!("GPU-{host}-{i}"),
-                model: "NVIDIA H100 80GB HBM3".into(),
-                memory_mib: 81_559,
-                pci_bus_id: format!("00000000:{:02x}:00.0", 0x18 + i),
-                numa_node: (i * 2 / gpus) as i32,
-            })
-            .collect(),
-        numa_nodes: vec![NumaNode { id: 0, cpus: "0-55".into() }, NumaNode { id: 1, cpus: "56-111".into() }],
-        links: vec![],
-    }
-}
+use crate::core::test_support::{connect, controller, inventory, spec, store};
 
 fn check(id: &str, status: &str, measured: &str) -> PreflightCheck {
     PreflightCheck {
@@ -66,55 +33,6 @@ fn report(host: &str, started_at_ms: i64, failing: &[(&str, &str)]) -> Preflight
         topology: "GPU0\tX\n".into(),
         source: "host-file".into(),
         checks,
-        ..Default::default()
-    }
-}
-
-/// Says hello as `host`; returns the agent's end of the stream with the hello ack read.
-async fn connect(c: &Controller, host: &str, gpus: u32, preflight: Option<PreflightReport>) -> Agent {
-    let (tx, mut rx) = mpsc::channel(64);
-    let hello = Hello {
-        protocol_version: PROTOCOL_VERSION,
-        agent_id: host.into(),
-        address: "127.0.0.1".into(),
-        inventory: Some(inventory(host, gpus)),
-        ranks: vec![],
-        agent_version: "test".into(),
-        preflight,
-    };
-    let conn_id = c.agent_hello(hello, tx).await.expect("hello");
-    assert!(matches!(rx.recv().await, Some(ControllerMessage { msg: Some(Msg::HelloAck(_)) })));
-    Agent { rx, conn_id }
-}
-
-struct Agent {
-    rx: mpsc::Receiver<ControllerMessage>,
-    conn_id: u64,
-}
-
-impl Agent {
-    /// Messages sent to this agent so far.
-    fn sent(&mut self) -> Vec<Msg> {
-        std::iter::from_fn(|| self.rx.try_recv().ok()).filter_map(|m| m.msg).collect()
-    }
-
-    fn launched_jobs(&mut self) -> Vec<u64> {
-        self.sent()
-            .into_iter()
-            .filter_map(|m| if let Msg::Launch(l) = m { Some(l.job_id) } else { None })
-            .collect()
-    }
-}
-
-fn spec(gpus: u32) -> JobSpec {
-    JobSpec {
-        name: format!("job-{gpus}"),
-        resources: Some(Resources { gpus, ..Default::default() }),
-        engine: Some(Engine::Exec(ExecEngine {
-            argv: vec!["true".into()],
-            workdir: "/tmp".into(),
-            ..Default::default()
-        })),
         ..Default::default()
     }
 }

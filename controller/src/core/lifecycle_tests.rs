@@ -1,0 +1,124 @@
+//! The job state machine against in-process agents: what happens when the controller or an
+//! agent goes away at an awkward moment.
+
+use std::time::Duration;
+
+use trainyard_proto::v1::{RankKey, RankReport, controller_message::Msg};
+
+use super::*;
+use crate::core::test_support::{connect, controller, spec, store};
+use crate::store::{Allocation, JobState, RankId, RankObserved};
+
+fn report(job_id: u64, attempt: u32, rank: u32, state: &str, exit_code: i32) -> RankReport {
+    RankReport {
+        key: Some(RankKey { job_id, attempt, rank }),
+        state: state.into(),
+        pid: 1000 + rank,
+        exit_code,
+        ..Default::default()
+    }
+}
+
+async fn state_of(c: &Controller, job: u64) -> (String, String) {
+    let j = c.job_view(job).await.expect("job");
+    (j.state, j.reason)
+}
+
+#[tokio::test]
+async fn a_placement_recorded_before_a_crash_is_launched_when_the_agent_returns() {
+    let store = store().await;
+    // The controller recorded the placement, then died before sending the launch.
+    let job = store.create_job(&spec(2), "submitted", 1).await.expect("create").id;
+    let allocs: Vec<Allocation> = (0..2)
+        .map(|rank| Allocation {
+            id: RankId { job_id: job, attempt: 0, rank },
+            agent_id: "a".into(),
+            gpu_index: rank,
+            node_rank: 0,
+            local_rank: rank,
+            planned_cpus: String::new(),
+            planned_mems: String::new(),
+            observed: RankObserved { state: "planned".into(), ..Default::default() },
+        })
+        .collect();
+    store.schedule(job, 0, &allocs, "placed", 2).await.expect("schedule");
+
+    let c = controller(&store).await;
+    let mut agent = connect(&c, "a", 2, None).await;
+    assert_eq!(agent.launched_jobs(), vec![job], "the launch is sent again");
+    assert_eq!(state_of(&c, job).await.0, "launching");
+    for rank in 0..2 {
+        c.rank_update("a", &report(job, 0, rank, "running", -1)).await.expect("update");
+    }
+    assert_eq!(state_of(&c, job).await.0, "running");
+    for rank in 0..2 {
+        c.rank_update("a", &report(job, 0, rank, "exited", 0)).await.expect("update");
+    }
+    assert_eq!(state_of(&c, job).await, ("succeeded".into(), "all 2 ranks exited with code 0".into()));
+    assert!(agent.sent().iter().any(|m| matches!(m, Msg::Forget(f) if f.job_id == job)), "ranks forgotten");
+}
+
+#[tokio::test]
+async fn an_agent_that_returns_without_its_running_ranks_fails_the_job() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let agent = connect(&c, "a", 2, None).await;
+    let job = c.submit(spec(2)).await.expect("submit");
+    for rank in 0..2 {
+        c.rank_update("a", &report(job, 0, rank, "running", -1)).await.expect("update");
+    }
+    c.agent_disconnected("a", agent.conn_id).await.expect("disconnect");
+    // Its state directory was wiped: the hello reports no ranks.
+    let _back = connect(&c, "a", 2, None).await;
+    let (state, reason) = state_of(&c, job).await;
+    assert_eq!(state, "failed");
+    assert!(reason.contains("agent a came back without it"), "{reason}");
+}
+
+#[tokio::test]
+async fn ranks_on_an_agent_gone_past_the_timeout_are_lost() {
+    let store = store().await;
+    let config = ControllerConfig::default().with_agent_timeout(Duration::from_millis(50));
+    let c = Controller::start(store.clone(), config).await.expect("start");
+    let agent = connect(&c, "a", 1, None).await;
+    let job = c.submit(spec(1)).await.expect("submit");
+    c.rank_update("a", &report(job, 0, 0, "running", -1)).await.expect("update");
+    c.agent_disconnected("a", agent.conn_id).await.expect("disconnect");
+    c.reap_vanished_agents().await.expect("reap");
+    assert_eq!(state_of(&c, job).await.0, "running", "within the timeout nothing happens");
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    c.reap_vanished_agents().await.expect("reap");
+    let (state, reason) = state_of(&c, job).await;
+    assert_eq!(state, "failed");
+    assert!(reason.contains("unreachable for more than"), "{reason}");
+}
+
+#[tokio::test]
+async fn ranks_of_a_finished_attempt_are_stopped_or_forgotten() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let mut agent = connect(&c, "a", 1, None).await;
+    let job = c.submit(spec(1)).await.expect("submit");
+    c.rank_update("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
+    agent.sent();
+    // A late report of a running rank of that finished attempt: stop it. An exited one: forget.
+    c.rank_update("a", &report(job, 0, 0, "running", -1)).await.expect("update");
+    assert!(agent.sent().iter().any(|m| matches!(m, Msg::Cancel(x) if x.job_id == job)));
+    c.rank_update("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
+    assert!(agent.sent().iter().any(|m| matches!(m, Msg::Forget(x) if x.job_id == job)));
+    assert_eq!(state_of(&c, job).await.0, "succeeded", "a late report changes nothing");
+}
+
+#[tokio::test]
+async fn cancelling_a_pending_job_ends_it_at_once() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let _agent = connect(&c, "a", 1, None).await;
+    let running = c.submit(spec(1)).await.expect("submit");
+    let waiting = c.submit(spec(1)).await.expect("submit");
+    assert_eq!(state_of(&c, waiting).await.0, "pending");
+    let record = c.cancel(waiting, "").await.expect("cancel");
+    assert_eq!((record.state, record.reason.as_str()), (JobState::Cancelled, "cancelled by operator"));
+    assert_eq!(state_of(&c, running).await.0, "launching", "the other job is untouched");
+    assert!(matches!(c.cancel(999, "").await, Err(ControllerError::JobNotFound(999))));
+}

@@ -1,0 +1,95 @@
+//! Test support for the controller's core: an in-memory store and in-process agents that
+//! talk to the [`Controller`] over channels instead of gRPC streams.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use trainyard_proto::PROTOCOL_VERSION;
+use trainyard_proto::v1::{
+    ControllerMessage, ExecEngine, Gpu, Hello, HostInventory, JobSpec, NumaNode, PreflightReport, Resources,
+    controller_message::Msg, job_spec::Engine,
+};
+
+use super::Controller;
+use crate::config::ControllerConfig;
+use crate::store::{SqliteStore, Store};
+
+pub(super) async fn store() -> Arc<dyn Store> {
+    Arc::new(SqliteStore::open_in_memory().await.expect("open store"))
+}
+
+pub(super) async fn controller(store: &Arc<dyn Store>) -> Arc<Controller> {
+    Controller::start(store.clone(), ControllerConfig::default()).await.expect("start")
+}
+
+pub(super) fn inventory(host: &str, gpus: u32) -> HostInventory {
+    HostInventory {
+        hostname: host.into(),
+        gpus: (0..gpus)
+            .map(|i| Gpu {
+                index: i,
+                uuid: format!("GPU-{host}-{i}"),
+                model: "NVIDIA H100 80GB HBM3".into(),
+                memory_mib: 81_559,
+                pci_bus_id: format!("00000000:{:02x}:00.0", 0x18 + i),
+                numa_node: (i * 2 / gpus) as i32,
+            })
+            .collect(),
+        numa_nodes: vec![NumaNode { id: 0, cpus: "0-55".into() }, NumaNode { id: 1, cpus: "56-111".into() }],
+        links: vec![],
+    }
+}
+
+/// Says hello as `host`; returns the agent's end of the stream with the hello ack read.
+pub(super) async fn connect(
+    c: &Controller,
+    host: &str,
+    gpus: u32,
+    preflight: Option<PreflightReport>,
+) -> Agent {
+    let (tx, mut rx) = mpsc::channel(64);
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        agent_id: host.into(),
+        address: "127.0.0.1".into(),
+        inventory: Some(inventory(host, gpus)),
+        ranks: vec![],
+        agent_version: "test".into(),
+        preflight,
+    };
+    let conn_id = c.agent_hello(hello, tx).await.expect("hello");
+    assert!(matches!(rx.recv().await, Some(ControllerMessage { msg: Some(Msg::HelloAck(_)) })));
+    Agent { rx, conn_id }
+}
+
+pub(super) struct Agent {
+    pub(super) rx: mpsc::Receiver<ControllerMessage>,
+    pub(super) conn_id: u64,
+}
+
+impl Agent {
+    /// Messages sent to this agent so far.
+    pub(super) fn sent(&mut self) -> Vec<Msg> {
+        std::iter::from_fn(|| self.rx.try_recv().ok()).filter_map(|m| m.msg).collect()
+    }
+
+    pub(super) fn launched_jobs(&mut self) -> Vec<u64> {
+        self.sent()
+            .into_iter()
+            .filter_map(|m| if let Msg::Launch(l) = m { Some(l.job_id) } else { None })
+            .collect()
+    }
+}
+
+pub(super) fn spec(gpus: u32) -> JobSpec {
+    JobSpec {
+        name: format!("job-{gpus}"),
+        resources: Some(Resources { gpus, ..Default::default() }),
+        engine: Some(Engine::Exec(ExecEngine {
+            argv: vec!["true".into()],
+            workdir: "/tmp".into(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
