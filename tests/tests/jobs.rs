@@ -50,3 +50,34 @@ fn sixteen_rank_job_completes_with_every_receipt_stored() -> anyhow::Result<()> 
     assert!(events[0][0] >= 5, "pending, scheduled, launching, running, succeeded: {events:?}");
     Ok(())
 }
+
+#[test]
+fn follow_and_watch_stream_until_the_job_ends() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 2)?;
+    let file = c.job_file("followed", 2, 0, &["--steps", "15", "--step-ms", "30"], "");
+    let out = c.ctl(&["submit", &file.display().to_string(), "--follow"])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "--follow exits 0 when the job succeeded: {stderr}");
+    let job: u64 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+    assert!(stderr.contains("succeeded"), "the end state is shown: {stderr}");
+
+    // Watching a finished job replays every receipt, then ends by itself.
+    let out = c.ctl(&["watch", &job.to_string(), "-o", "json"])?;
+    assert!(out.status.success());
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let steps = lines.iter().filter(|l| l["kind"] == "step").count();
+    assert_eq!(steps, 2 * 15, "every step receipt of both ranks");
+    // Resuming from a position sends only what came after it.
+    let mid = lines[lines.len() / 2]["position"].as_u64().unwrap();
+    let out = c.ctl(&["watch", &job.to_string(), "-o", "json", "--from", &mid.to_string()])?;
+    let rest = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert_eq!(rest, lines.len() - lines.len() / 2 - 1);
+
+    // A failing job: --follow exits non-zero.
+    let bad = c.job_file("followed-bad", 1, 0, &["--steps", "15", "--fail-at-step", "2"], "");
+    let out = c.ctl(&["submit", &bad.display().to_string(), "--follow"])?;
+    assert!(!out.status.success());
+    Ok(())
+}
