@@ -7,7 +7,12 @@
 //! 2. rpath: the wheel's `torch/lib` (and `.venv/nccl-lib`, where setup.sh links `libnccl.so` to
 //!    the wheel's `libnccl.so.2` for cudarc), so the binaries and tests run without
 //!    LD_LIBRARY_PATH. `tests/linking.rs` checks both on the built binary.
-use std::path::PathBuf;
+//! 3. `csrc/gpu_memory.cpp`: a small C++17 shim (the `cc` crate) that reads the CUDA caching
+//!    allocator's statistics, which tch does not expose (see `src/gpu_memory.rs`). Compiled
+//!    against the wheel's c10 headers only (no CUDA toolkit headers: the wheel lacks
+//!    `crt/host_config.h`), linked against the wheel's `libc10` and, when present,
+//!    `libc10_cuda` (whose static initialiser registers the CUDA allocator). About a second.
+use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -31,7 +36,14 @@ fn main() {
         if cuda {
             println!("cargo:rustc-link-arg=-ltorch_cuda");
         }
+        let c10_cuda = std::env::var_os("DEP_TCH_LIBTORCH_LIB")
+            .map(|lib| PathBuf::from(lib).join("libc10_cuda.so").exists())
+            .unwrap_or(false);
+        if c10_cuda {
+            println!("cargo:rustc-link-arg=-lc10_cuda");
+        }
     }
+    build_gpu_memory_shim();
     // Build revision for the launch receipt.
     let rev = std::process::Command::new("git")
         .args(["rev-parse", "--short=12", "HEAD"])
@@ -42,4 +54,37 @@ fn main() {
         .unwrap_or_else(|| "unknown".to_string());
     println!("cargo:rustc-env=TRAINYARD_BUILD_REV={rev}");
     println!("cargo:rerun-if-changed=../.git/logs/HEAD");
+}
+
+/// Compiles `csrc/gpu_memory.cpp` into a static library of this crate and links `c10`.
+fn build_gpu_memory_shim() {
+    println!("cargo:rerun-if-changed=csrc/gpu_memory.cpp");
+    let lib = std::env::var_os("DEP_TCH_LIBTORCH_LIB")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("LIBTORCH").map(|t| PathBuf::from(t).join("lib")))
+        .expect("libtorch location: torch-sys sets DEP_TCH_LIBTORCH_LIB (see .cargo/config.toml)");
+    let include = lib.parent().unwrap_or(Path::new("/")).join("include");
+    assert!(
+        include.join("c10/core/CachingDeviceAllocator.h").exists(),
+        "{} lacks c10/core/CachingDeviceAllocator.h: libtorch must be the torch 2.11 wheel \
+         (run deploy/setup.sh)",
+        include.display()
+    );
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_string());
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    // The wheel's headers as system headers: their own warnings are not ours to print.
+    cc::Build::new()
+        .cpp(true)
+        .file("csrc/gpu_memory.cpp")
+        .std("c++17")
+        .flag("-isystem")
+        .flag(include.to_str().expect("utf-8 libtorch path"))
+        .flag("-isystem")
+        .flag(include.join("torch/csrc/api/include").to_str().expect("utf-8 libtorch path"))
+        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+        .warnings(true)
+        .extra_warnings(true)
+        .compile("trainyard_gpu_memory");
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=c10");
 }

@@ -295,6 +295,12 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     let mut eval_s = 0.0;
     let mut ckpt_s = 0.0;
     let mut peak_mem: Option<u64> = None;
+    // Caching-allocator peaks over the whole run (the allocator's own peaks are reset each step).
+    let mut run_peak: Option<(u64, u64)> = None;
+    if let Device::Cuda(gpu) = device {
+        // Step 1's peaks then cover step 1, not the start-up (model init, resume).
+        let _ = crate::gpu_memory::reset_peak(gpu);
+    }
     let startup_s = started.elapsed().as_secs_f64();
     let mut last_loss = f64::NAN;
 
@@ -344,18 +350,32 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         step += 1;
         let tokens_per_s = cfg.total_batch_size as f64 / dt;
         let mfu = peak.map(|p| 100.0 * fpt * tokens_per_s / (p * world as f64));
-        let memory = match device {
-            Device::Cuda(_) => {
+        let (mem, memory) = match device {
+            Device::Cuda(gpu) => {
                 let used =
                     cudarc::driver::result::mem_get_info().ok().map(|(free, total)| (total - free) as u64);
                 if let Some(u) = used {
                     peak_mem = Some(peak_mem.unwrap_or(0).max(u));
                 }
-                json!({"device_used_bytes": used, "device_used_peak_bytes": peak_mem,
-                       "allocated_bytes": null, "reserved_bytes": null,
-                       "note": "tch 0.24 exposes no caching-allocator statistics; device-wide use from the driver"})
+                let stats = crate::gpu_memory::read(gpu);
+                let mut memory = json!({
+                    "device_used_bytes": used,
+                    "device_used_peak_bytes": peak_mem,
+                    "source": "mem_*: c10 CUDA caching allocator, aggregate pool, peaks over this step; device_used_*: driver, whole device, peak over the run",
+                });
+                match &stats {
+                    Ok(s) => {
+                        let _ = crate::gpu_memory::reset_peak(gpu);
+                        let (a, r) = run_peak.unwrap_or((0, 0));
+                        run_peak = Some((a.max(s.peak_allocated_bytes), r.max(s.peak_reserved_bytes)));
+                        memory["run_peak_allocated_bytes"] = json!(run_peak.map(|p| p.0));
+                        memory["run_peak_reserved_bytes"] = json!(run_peak.map(|p| p.1));
+                    }
+                    Err(why) => memory["note"] = json!(format!("no caching-allocator statistics: {why}")),
+                }
+                (stats.ok(), memory)
             }
-            _ => Value::Null,
+            _ => (None, json!({"note": "CPU device: no GPU memory statistics"})),
         };
         receipts.emit(
             "step",
@@ -374,6 +394,10 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu,
                 "mfu_peak": if peak.is_some() { json!(peak) } else { json!("unknown") },
+                "mem_allocated_bytes": mem.map(|m| m.allocated_bytes),
+                "mem_reserved_bytes": mem.map(|m| m.reserved_bytes),
+                "mem_peak_allocated_bytes": mem.map(|m| m.peak_allocated_bytes),
+                "mem_peak_reserved_bytes": mem.map(|m| m.peak_reserved_bytes),
                 "memory": memory,
                 "grad_norm": grad_norm,
             }),

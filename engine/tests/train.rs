@@ -232,3 +232,52 @@ fn bad_inputs_fail_clearly_before_training() {
     // 512 tokens do not divide into 3 ranks x 4 rows x 64.
     check(base_args(&c, 2), &[("WORLD_SIZE", "3".into()), ("RANK", "0".into())], "total_batch_size");
 }
+
+/// About 3 s: step receipts carry the caching-allocator fields. On CPU they are null and
+/// `memory.note` says why; on a GPU host a CUDA run fills them (reserved >= allocated, peaks >=
+/// current) next to the driver's device-wide figure.
+#[test]
+fn step_receipts_carry_allocator_memory_fields() {
+    const FIELDS: [&str; 4] =
+        ["mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_allocated_bytes", "mem_peak_reserved_bytes"];
+    let c = corpus();
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("cpu.jsonl");
+    let out = run(&base_args(&c, 2), &[("TRAINYARD_RECEIPTS", rec.display().to_string())]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let steps: Vec<Value> = receipts(&rec).into_iter().filter(|v| v["kind"] == "step").collect();
+    assert_eq!(steps.len(), 2);
+    for s in &steps {
+        for f in FIELDS {
+            assert!(s.get(f).is_some_and(Value::is_null), "{f} should be present and null on CPU: {s}");
+        }
+        assert!(s["memory"]["note"].as_str().is_some_and(|n| n.contains("CPU")), "{s}");
+    }
+
+    let info = Command::new(BIN).arg("info").output().unwrap();
+    let info: Value = serde_json::from_slice(&info.stdout).unwrap();
+    if info["cuda_available"] != true {
+        eprintln!("no CUDA: the GPU half of this test is skipped");
+        return;
+    }
+    let rec = dir.path().join("gpu.jsonl");
+    let mut args = base_args(&c, 3);
+    let i = args.iter().position(|s| s == "--device").unwrap();
+    args[i + 1] = "cuda".into();
+    let out = run(&args, &[("TRAINYARD_RECEIPTS", rec.display().to_string())]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let steps: Vec<Value> = receipts(&rec).into_iter().filter(|v| v["kind"] == "step").collect();
+    assert_eq!(steps.len(), 3);
+    for s in &steps {
+        let b = |f: &str| s[f].as_u64().unwrap_or_else(|| panic!("{f} missing on GPU: {s}"));
+        assert!(b("mem_allocated_bytes") > 0, "{s}");
+        assert!(b("mem_reserved_bytes") >= b("mem_allocated_bytes"), "{s}");
+        assert!(b("mem_peak_allocated_bytes") >= b("mem_allocated_bytes"), "{s}");
+        assert!(b("mem_peak_reserved_bytes") >= b("mem_reserved_bytes"), "{s}");
+        assert!(s["memory"]["device_used_bytes"].as_u64().unwrap_or(0) >= b("mem_reserved_bytes"), "{s}");
+        assert!(
+            s["memory"]["run_peak_allocated_bytes"].as_u64().unwrap() >= b("mem_peak_allocated_bytes"),
+            "{s}"
+        );
+    }
+}
