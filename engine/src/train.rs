@@ -283,7 +283,8 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
             "grad_accum_steps": accum,
             "config": cfg,
             "resumed_from": if start_step > 0 { json!(start_step) } else { Value::Null },
-            "env": std::env::vars().filter(|(k, _)| k.starts_with("TRAINYARD_") || ["RANK","LOCAL_RANK","WORLD_SIZE","LOCAL_WORLD_SIZE","NODE_RANK","MASTER_ADDR","MASTER_PORT"].contains(&k.as_str())).collect::<std::collections::BTreeMap<_,_>>(),
+            "env": recorded_env(),
+            "binding": binding(),
         }),
     )?;
 
@@ -468,4 +469,25 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     receipts.emit("exit", json!({"step": step, "status": "ok", "loss": last_loss}))?;
     drop(coll);
     Ok(())
+}
+
+/// The environment that reached this rank and matters for comparing runs (DOMAIN.md section
+/// 4: knobs belong in the receipt, not in shell history): the rank variables, and every
+/// NCCL/CUDA/PyTorch/OpenMP knob that is set, whatever its value.
+fn recorded_env() -> std::collections::BTreeMap<String, String> {
+    const RANK_VARS: [&str; 7] =
+        ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"];
+    const KNOB_PREFIXES: [&str; 6] = ["TRAINYARD_", "NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "OMP_"];
+    std::env::vars()
+        .filter(|(k, _)| RANK_VARS.contains(&k.as_str()) || KNOB_PREFIXES.iter().any(|p| k.starts_with(p)))
+        .collect()
+}
+
+/// The CPU and memory binding this process actually runs under, read back from the kernel.
+fn binding() -> Value {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':').map(|v| v.trim().to_string()))
+    };
+    json!({"cpus_allowed": field("Cpus_allowed_list"), "mems_allowed": field("Mems_allowed_list")})
 }

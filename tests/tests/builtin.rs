@@ -78,6 +78,14 @@ fn builtin_job_trains_and_resumes_after_a_killed_rank() -> anyhow::Result<()> {
         assert_eq!(row[2], STEPS, "a step receipt per step per rank: {per_rank:?}");
         assert!(row[3] >= 1, "checkpoints recorded: {per_rank:?}");
     }
+    let launch = c.query_text(&format!(
+        "SELECT json_extract(body, '$.env.TRAINYARD_PREFLIGHT_REPORT'), json_extract(body, '$.binding.cpus_allowed'), \
+                json_extract(body, '$.env.WORLD_SIZE') FROM receipts \
+         WHERE job_id = {reference} AND kind = 'launch' AND rank = 1"
+    ))?;
+    assert!(launch[0][0].starts_with("node-a-"), "launch receipt names its preflight report: {launch:?}");
+    assert!(!launch[0][1].is_empty(), "launch receipt records the CPU binding it got: {launch:?}");
+    assert_eq!(launch[0][2], "2");
     let expected = losses(&c, reference, 0)?;
 
     // The same run, with rank 1 killed mid-run: the restart resumes from the last checkpoint.
