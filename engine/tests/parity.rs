@@ -4,27 +4,18 @@
 use std::path::Path;
 use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_trainyard-engine");
+mod common;
+
+use common::{BIN, corpus};
 
 #[test]
 fn twenty_steps_match_pytorch_reference() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = root.join(".venv/bin/python");
     assert!(python.exists(), "{} missing: run deploy/setup.sh", python.display());
-    let dir = tempfile::tempdir().unwrap();
-    let texts = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
-    let mut files: Vec<_> = std::fs::read_dir(&texts).unwrap().map(|e| e.unwrap().path()).collect();
-    files.sort();
-    let out = Command::new(BIN)
-        .args(["tokenize", "--compact", "--out"])
-        .arg(dir.path())
-        .args(&files)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let vocab: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("vocab.json")).unwrap()).unwrap();
-    let train = dir.path().join("train_000000.bin");
+    let c = corpus();
+    let dir = &c.dir;
+    let train = c.train.clone();
     let weights = dir.path().join("init.safetensors");
     let rec = dir.path().join("r.jsonl");
     let common = ["--lr-scale", "1", "--num-iterations", "20", "--warmup-steps", "5"];
@@ -33,7 +24,7 @@ fn twenty_steps_match_pytorch_reference() {
         .args(["--device-batch-size", "4", "--total-batch-size", "512"])
         .args(common)
         .arg("--vocab-size")
-        .arg(vocab["vocab_size"].to_string())
+        .arg(c.vocab.to_string())
         .arg("--train")
         .arg(&train)
         .arg("--export-init")

@@ -1,40 +1,13 @@
 //! The engine binary end to end on the shipped corpus (license texts from Debian's
 //! /usr/share/common-licenses, in engine/corpus), on CPU. Times are for 2 busy cores.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_trainyard-engine");
+mod common;
 
-struct Corpus {
-    _dir: tempfile::TempDir,
-    train: PathBuf,
-    val: PathBuf,
-    vocab: i64,
-}
-
-fn corpus() -> Corpus {
-    let dir = tempfile::tempdir().unwrap();
-    let texts = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&texts).unwrap().map(|e| e.unwrap().path()).collect();
-    files.sort();
-    let out = Command::new(BIN)
-        .args(["tokenize", "--compact", "--out"])
-        .arg(dir.path())
-        .args(&files)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let vocab: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("vocab.json")).unwrap()).unwrap();
-    Corpus {
-        train: dir.path().join("train_000000.bin"),
-        val: dir.path().join("val_000000.bin"),
-        vocab: vocab["vocab_size"].as_i64().unwrap(),
-        _dir: dir,
-    }
-}
+use common::{BIN, Corpus, corpus};
 
 fn base_args(c: &Corpus, steps: i64) -> Vec<String> {
     [
