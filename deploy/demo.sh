@@ -3,7 +3,20 @@
 #   a controller on embedded SQLite, two agents standing in for 8xH100 SXM nodes,
 #   a 16-rank job of examples/rank.py, its status, and its receipts read straight from SQL.
 # Everything it starts is stopped when it exits. Each run keeps its files in demo-data/<time>/.
+#
+#   ./deploy/demo.sh       the 16-rank job of examples/rank.py
+#   ./deploy/demo.sh gpt   a built-in engine job instead: a d4 GPT trained on the corpus shipped
+#                          in engine/corpus, one CPU rank on each node (ZeRO-2 over TCP)
 set -euo pipefail
+
+MODE="${1:-ranks}"
+case "$MODE" in
+    ranks | gpt) ;;
+    *)
+        echo "usage: $0 [gpt]" >&2
+        exit 2
+        ;;
+esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -115,9 +128,38 @@ if ((connected < 2)); then
 fi
 echo "2 agents connected: 16 GPUs"
 
-say "Submitting deploy/demo-job.toml: 16 ranks, 8 per node, 30 steps of examples/rank.py"
-# The workdir must be absolute: write this checkout's path into a copy of the spec.
-sed "s|^workdir = .*|workdir = \"$ROOT\"|" deploy/demo-job.toml >"$DATA/demo-job.toml"
+if [[ "$MODE" == gpt ]]; then
+    say "Tokenizing engine/corpus into token shards (GPT-2 BPE, ids renumbered densely)"
+    "$ROOT/target/debug/trainyard-engine" tokenize --compact --out "$DATA/shards" "$ROOT"/engine/corpus/*.txt
+    VOCAB="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$DATA/shards/vocab.json")"
+    say "Submitting a built-in engine job: d4 GPT, 2 ranks (one per node), 60 steps, eval every 20"
+    cat >"$DATA/demo-job.toml" <<SPEC
+name = "demo-gpt"
+[resources]
+gpus = 2
+gpus_per_node = 1
+[engine]
+kind = "builtin"
+preset = "d4"
+data = "$DATA/shards"
+[engine.settings]
+vocab_size = "$VOCAB"
+seq_len = "64"
+device_batch_size = "4"
+num_iterations = "60"
+warmup_steps = "5"
+eval_every = "20"
+lr_scale = "1"
+threads = "1"
+device = "cpu"
+checkpoint_every = "30"
+checkpoint_dir = "$DATA/checkpoints"
+SPEC
+else
+    say "Submitting deploy/demo-job.toml: 16 ranks, 8 per node, 30 steps of examples/rank.py"
+    # The workdir must be absolute: write this checkout's path into a copy of the spec.
+    sed "s|^workdir = .*|workdir = \"$ROOT\"|" deploy/demo-job.toml >"$DATA/demo-job.toml"
+fi
 set +e
 JOB="$("$CTL" submit --follow "$DATA/demo-job.toml")"
 follow_rc=$?
@@ -144,6 +186,19 @@ cur = con.execute(sys.argv[2])
 print("  ".join(f"{d[0]:>6}" for d in cur.description))
 for row in cur:
     print("  ".join(f"{v:>6}" for v in row))
+PY
+fi
+
+if [[ "$MODE" == gpt ]]; then
+    say "Validation loss as the model trained (eval receipts of rank 0)"
+    python3 - "$DB" "$JOB" <<'PY'
+import sqlite3, sys
+con = sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True)
+rows = con.execute(
+    "SELECT step, json_extract(body, '$.val_loss') FROM receipts "
+    "WHERE job_id = ? AND rank = 0 AND kind = 'eval' ORDER BY step", (int(sys.argv[2]),)).fetchall()
+for step, loss in rows:
+    print(f"  step {step:>4}  val_loss {loss:.4f}")
 PY
 fi
 
