@@ -30,7 +30,10 @@ fn real_agent_with_a_broken_gpu_is_not_scheduled() -> anyhow::Result<()> {
     let status = c.wait_state(small_job, &["succeeded", "failed"], Duration::from_secs(60))?;
     assert_eq!(status["state"], "succeeded", "{status}");
     assert!(status["ranks"].as_array().unwrap().iter().all(|r| r["agent_id"] == "healthy"), "{status}");
-    assert_eq!(c.status(big_job)?["state"], "pending", "nothing may land on the failing node");
+    let big = c.status(big_job)?;
+    assert_eq!(big["state"], "pending", "nothing may land on the failing node");
+    let why = big["waiting_reason"].as_str().unwrap_or_default();
+    assert!(why.contains("8 GPUs"), "a waiting job says why: {big}");
     Ok(())
 }
 
