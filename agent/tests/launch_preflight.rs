@@ -3,51 +3,17 @@
 //! (ranks see `TRAINYARD_PREFLIGHT_REPORT`, `preflight.json` in the run directory), and
 //! `RunPreflight`.
 
-use std::pin::Pin;
-use std::sync::Mutex;
-use std::time::Duration;
+mod common;
 
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tokio_stream::{Stream, StreamExt};
-use tonic::{Request, Response, Status, Streaming};
-use trainyard_agent::AgentConfig;
+use tokio::sync::mpsc;
 use trainyard_proto::PROTOCOL_VERSION;
 use trainyard_proto::v1::agent_message::Msg as Out;
-use trainyard_proto::v1::agents_server::{Agents, AgentsServer};
 use trainyard_proto::v1::controller_message::Msg as In;
 use trainyard_proto::v1::{
-    AgentMessage, ControllerMessage, ExecEngine, HelloAck, JobSpec, Launch, RankAssignment, RankReport,
-    RunPreflight, job_spec,
+    AgentMessage, ExecEngine, HelloAck, JobSpec, Launch, RankAssignment, RankReport, RunPreflight, job_spec,
 };
 
-type ToAgent = mpsc::Receiver<Result<ControllerMessage, Status>>;
-
-struct FakeController {
-    ends: Mutex<Option<(mpsc::Sender<AgentMessage>, ToAgent)>>,
-}
-
-#[tonic::async_trait]
-impl Agents for FakeController {
-    type ConnectStream = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
-
-    async fn connect(
-        &self,
-        request: Request<Streaming<AgentMessage>>,
-    ) -> Result<Response<Self::ConnectStream>, Status> {
-        let ends = self.ends.lock().map_err(|_| Status::internal("poisoned"))?.take();
-        let (seen, to_agent) = ends.ok_or_else(|| Status::unavailable("one stream only"))?;
-        let mut inbound = request.into_inner();
-        tokio::spawn(async move {
-            while let Some(Ok(message)) = inbound.next().await {
-                if seen.send(message).await.is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(to_agent))))
-    }
-}
+use common::{msg, next};
 
 /// One H100 SXM GPU with fixture host facts and CUDA, so the verdicts do not depend on the
 /// machine running the test.
@@ -57,14 +23,6 @@ const HOST: &str = r#"{"hostname": "pf-host",
   "links": [["X"]], "numa_nodes": [{"id": 0, "cpus": "0-7"}],
   "host": {"numa_balancing": 0, "dev_shm_bytes": 17179869184},
   "cuda": {"cuda_version": "12.8"}}"#;
-
-async fn next(seen: &mut mpsc::Receiver<AgentMessage>) -> Out {
-    let message = tokio::time::timeout(Duration::from_secs(10), seen.recv())
-        .await
-        .expect("agent said nothing for 10 s")
-        .expect("agent stream ended");
-    message.msg.expect("empty agent message")
-}
 
 /// The next rank update in a final state, skipping heartbeats and the rest.
 async fn final_update(seen: &mut mpsc::Receiver<AgentMessage>) -> RankReport {
@@ -76,10 +34,6 @@ async fn final_update(seen: &mut mpsc::Receiver<AgentMessage>) -> RankReport {
             }
         }
     }
-}
-
-fn msg(m: In) -> Result<ControllerMessage, Status> {
-    Ok(ControllerMessage { msg: Some(m) })
 }
 
 fn launch(job_id: u64, work: &std::path::Path, env: &[(&str, &str)]) -> Launch {
@@ -108,28 +62,8 @@ fn launch(job_id: u64, work: &std::path::Path, env: &[(&str, &str)]) -> Launch {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn launch_preflight_refuses_or_starts_ranks_under_its_report() {
-    let dir = tempfile::tempdir().unwrap();
-    let (seen_tx, mut seen) = mpsc::channel(64);
-    let (to_agent, to_agent_rx) = mpsc::channel(64);
-    let fake = FakeController { ends: Mutex::new(Some((seen_tx, to_agent_rx))) };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(AgentsServer::new(fake))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    std::fs::write(dir.path().join("host.json"), HOST).unwrap();
-    let work = dir.path().join("work");
-    std::fs::create_dir(&work).unwrap();
-    let data = dir.path().join("data");
-    let mut config =
-        AgentConfig::new(format!("http://{addr}"), Some(dir.path().join("host.json")), data.clone());
-    config.shim_program = env!("CARGO_BIN_EXE_trainyard-agent").into();
-    let (stop, stop_rx) = oneshot::channel::<()>();
-    let agent = tokio::spawn(trainyard_agent::run(config, async move {
-        let _ = stop_rx.await;
-    }));
+    let common::Fake { mut seen, to_agent, server, stop, agent, dir: _dir, work, data } =
+        common::start(HOST).await;
 
     let Out::Hello(hello) = next(&mut seen).await else { panic!("first message must be Hello") };
     let start = hello.preflight.expect("Hello carries the start-up preflight");

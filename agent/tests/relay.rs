@@ -1,97 +1,27 @@
 //! The agent daemon against a fake controller on port 0: hello, launch, receipts before the
 //! exit, acks, forget, and `Leaving` on shutdown.
 
-use std::pin::Pin;
-use std::sync::Mutex;
+mod common;
+
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tokio_stream::{Stream, StreamExt};
-use tonic::{Request, Response, Status, Streaming};
-use trainyard_agent::AgentConfig;
 use trainyard_proto::PROTOCOL_VERSION;
 use trainyard_proto::v1::agent_message::Msg as Out;
-use trainyard_proto::v1::agents_server::{Agents, AgentsServer};
 use trainyard_proto::v1::controller_message::Msg as In;
 use trainyard_proto::v1::{
-    AgentMessage, ControllerMessage, ExecEngine, ForgetRanks, HelloAck, JobSpec, Launch, RankAck,
-    RankAssignment, ReceiptAck, job_spec,
+    ExecEngine, ForgetRanks, HelloAck, JobSpec, Launch, RankAck, RankAssignment, ReceiptAck, job_spec,
 };
 
-type ToAgent = mpsc::Receiver<Result<ControllerMessage, Status>>;
-
-/// Hands the one expected stream's two ends to the test.
-struct FakeController {
-    ends: Mutex<Option<(mpsc::Sender<AgentMessage>, ToAgent)>>,
-}
-
-#[tonic::async_trait]
-impl Agents for FakeController {
-    type ConnectStream = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
-
-    async fn connect(
-        &self,
-        request: Request<Streaming<AgentMessage>>,
-    ) -> Result<Response<Self::ConnectStream>, Status> {
-        let ends = self.ends.lock().map_err(|_| Status::internal("poisoned"))?.take();
-        let (seen, to_agent) = ends.ok_or_else(|| Status::unavailable("one stream only"))?;
-        let mut inbound = request.into_inner();
-        tokio::spawn(async move {
-            while let Some(Ok(message)) = inbound.next().await {
-                if seen.send(message).await.is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(to_agent))))
-    }
-}
+use common::{msg, next};
 
 const HOST: &str = r#"{"hostname": "test-host",
   "gpus": [{"index": 0, "uuid": "GPU-0", "model": "H100", "memory_mib": 80000,
             "pci_bus_id": "00000000:18:00.0", "numa_node": 0}],
   "links": [["X"]], "numa_nodes": [{"id": 0, "cpus": "0-1"}]}"#;
 
-async fn next(seen: &mut mpsc::Receiver<AgentMessage>) -> Out {
-    let message = tokio::time::timeout(Duration::from_secs(10), seen.recv())
-        .await
-        .expect("agent said nothing for 10 s")
-        .expect("agent stream ended");
-    message.msg.expect("empty agent message")
-}
-
-fn msg(m: In) -> Result<ControllerMessage, Status> {
-    Ok(ControllerMessage { msg: Some(m) })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receipts_arrive_before_the_exit_and_leaving_ends_the_stream() {
-    let dir = tempfile::tempdir().unwrap();
-    let (seen_tx, mut seen) = mpsc::channel(64);
-    let (to_agent, to_agent_rx) = mpsc::channel(64);
-    let fake = FakeController { ends: Mutex::new(Some((seen_tx, to_agent_rx))) };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(AgentsServer::new(fake))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-
-    std::fs::write(dir.path().join("host.json"), HOST).unwrap();
-    let work = dir.path().join("work");
-    std::fs::create_dir(&work).unwrap();
-    let mut config = AgentConfig::new(
-        format!("http://{addr}"),
-        Some(dir.path().join("host.json")),
-        dir.path().join("data"),
-    );
-    config.shim_program = env!("CARGO_BIN_EXE_trainyard-agent").into();
-    let (stop, stop_rx) = oneshot::channel::<()>();
-    let agent = tokio::spawn(trainyard_agent::run(config, async move {
-        let _ = stop_rx.await;
-    }));
+    let common::Fake { mut seen, to_agent, server, stop, agent, dir, work, .. } = common::start(HOST).await;
 
     let Out::Hello(hello) = next(&mut seen).await else { panic!("first message must be Hello") };
     assert_eq!(hello.protocol_version, PROTOCOL_VERSION);
