@@ -9,9 +9,7 @@ use tokio::sync::mpsc;
 use trainyard_proto::PROTOCOL_VERSION;
 use trainyard_proto::v1::agent_message::Msg as Out;
 use trainyard_proto::v1::controller_message::Msg as In;
-use trainyard_proto::v1::{
-    AgentMessage, ExecEngine, HelloAck, JobSpec, Launch, RankAssignment, RankReport, RunPreflight, job_spec,
-};
+use trainyard_proto::v1::{AgentMessage, HelloAck, Launch, RankReport, RunPreflight};
 
 use common::{msg, next};
 
@@ -38,26 +36,11 @@ async fn final_update(seen: &mut mpsc::Receiver<AgentMessage>) -> RankReport {
 
 fn launch(job_id: u64, work: &std::path::Path, env: &[(&str, &str)]) -> Launch {
     let script = r#"printf '%s' "$TRAINYARD_PREFLIGHT_REPORT" > report-id"#;
-    Launch {
-        job_id,
-        attempt: 0,
-        world_size: 1,
-        local_world_size: 1,
-        master_addr: "127.0.0.1".into(),
-        master_port: 29500,
-        ranks: vec![RankAssignment { rank: 0, local_rank: 0, gpu_index: 0, ..Default::default() }],
-        spec: Some(JobSpec {
-            engine: Some(job_spec::Engine::Exec(ExecEngine {
-                argv: vec!["sh".into(), "-c".into(), script.into()],
-                workdir: work.display().to_string(),
-                source_dir: String::new(),
-            })),
-            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            preflight: "quick".into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    let mut launch = common::sh_launch(job_id, work, script);
+    let spec = launch.spec.as_mut().expect("spec");
+    spec.env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    spec.preflight = "quick".into();
+    launch
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,9 +8,7 @@ use std::time::Duration;
 use trainyard_proto::PROTOCOL_VERSION;
 use trainyard_proto::v1::agent_message::Msg as Out;
 use trainyard_proto::v1::controller_message::Msg as In;
-use trainyard_proto::v1::{
-    ExecEngine, ForgetRanks, HelloAck, JobSpec, Launch, RankAck, RankAssignment, ReceiptAck, job_spec,
-};
+use trainyard_proto::v1::{ForgetRanks, HelloAck, RankAck, ReceiptAck};
 
 use common::{msg, next};
 
@@ -34,24 +32,7 @@ async fn receipts_arrive_before_the_exit_and_leaving_ends_the_stream() {
 
     let script = r#"for i in 0 1 2; do echo "{\"kind\":\"step\",\"step\":$i}" >> "$TRAINYARD_RECEIPTS"; done
 echo garbage >> "$TRAINYARD_RECEIPTS"; printf '{"kind":"exit"}' >> "$TRAINYARD_RECEIPTS""#;
-    let launch = Launch {
-        job_id: 9,
-        attempt: 0,
-        world_size: 1,
-        local_world_size: 1,
-        master_addr: "127.0.0.1".into(),
-        master_port: 29500,
-        ranks: vec![RankAssignment { rank: 0, local_rank: 0, gpu_index: 0, ..Default::default() }],
-        spec: Some(JobSpec {
-            engine: Some(job_spec::Engine::Exec(ExecEngine {
-                argv: vec!["sh".into(), "-c".into(), script.into()],
-                workdir: work.display().to_string(),
-                source_dir: String::new(),
-            })),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
+    let launch = common::sh_launch(9, &work, script);
     to_agent.send(msg(In::Launch(launch))).await.unwrap();
 
     let mut seqs = Vec::new();

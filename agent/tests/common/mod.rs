@@ -104,3 +104,26 @@ pub async fn next(seen: &mut mpsc::Receiver<AgentMessage>) -> Out {
 pub fn msg(m: In) -> Result<ControllerMessage, Status> {
     Ok(ControllerMessage { msg: Some(m) })
 }
+
+/// A one-rank launch of `sh -c script` in `work`, attempt 0.
+pub fn sh_launch(job_id: u64, work: &std::path::Path, script: &str) -> trainyard_proto::v1::Launch {
+    use trainyard_proto::v1::{ExecEngine, JobSpec, Launch, RankAssignment, job_spec};
+    Launch {
+        job_id,
+        attempt: 0,
+        world_size: 1,
+        local_world_size: 1,
+        master_addr: "127.0.0.1".into(),
+        master_port: 29500,
+        ranks: vec![RankAssignment { rank: 0, local_rank: 0, gpu_index: 0, ..Default::default() }],
+        spec: Some(JobSpec {
+            engine: Some(job_spec::Engine::Exec(ExecEngine {
+                argv: vec!["sh".into(), "-c".into(), script.into()],
+                workdir: work.display().to_string(),
+                source_dir: String::new(),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
