@@ -1,10 +1,13 @@
 """PyTorch reference of trainyard's built-in engine: the same nanochat-style GPT, the same
 Muon + AdamW (world size 1), the same data sampling. Used by the parity test (same exported
-weights, same batches, fp32 on CPU) and by bench.sh (tokens/s against the Rust engine).
+weights, same batches, fp32 on CPU), by bench.sh (tokens/s against the Rust engine on CPU) and
+by deploy/gpu/check.sh (the same on a GPU: bf16 compute as the engine does it, eager and, with
+--compile, torch.compile).
 
     python gpt_ref.py --weights init.safetensors --train train_000000.bin --vocab-size 3648 ...
 
-Prints one JSON object: {"losses": [...], "tokens_per_s": ..., "steps": ...}.
+Prints one JSON object: {"losses": [...], "tokens_per_s": ..., "steps": ..., "step_ms": [...]}
+plus, on CUDA, the caching allocator's peaks.
 """
 import argparse
 import json
@@ -86,13 +89,20 @@ def norm(x):
 
 
 class GPT:
-    def __init__(self, weights, depth, n_head, head_dim, seq_len, softcap=15.0):
-        self.w = {k: v.requires_grad_(True) for k, v in weights.items()}
+    """Master weights in fp32; on CUDA every weight is cast to bf16 where it is used (as the
+    engine and nanochat's Linear do), on CPU everything stays fp32."""
+
+    def __init__(self, weights, depth, n_head, head_dim, seq_len, softcap=15.0, device="cpu"):
+        self.w = {k: v.to(device).requires_grad_(True) for k, v in weights.items()}
         self.depth, self.h, self.hd, self.softcap = depth, n_head, head_dim, softcap
+        self.dt = torch.bfloat16 if device == "cuda" else torch.float32
         inv = 1.0 / torch.exp(torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim * math.log(100000.0))
         freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
-        self.cos = freqs.cos().view(1, seq_len, 1, head_dim // 2)
-        self.sin = freqs.sin().view(1, seq_len, 1, head_dim // 2)
+        self.cos = freqs.cos().view(1, seq_len, 1, head_dim // 2).to(device, self.dt)
+        self.sin = freqs.sin().view(1, seq_len, 1, head_dim // 2).to(device, self.dt)
+
+    def c(self, name):
+        return self.w[name].to(self.dt)
 
     def rope(self, x):
         t, half = x.size(1), self.hd // 2
@@ -101,29 +111,30 @@ class GPT:
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], 3)
 
     def loss(self, idx, targets):
-        w = self.w
+        c = self.c
         B, T = idx.shape
-        x = norm(F.embedding(idx, w["wte"]))
+        x = norm(F.embedding(idx, self.w["wte"]).to(self.dt))
         x0 = x
+        resid, x0l = c("resid_lambdas"), c("x0_lambdas")
         for i in range(self.depth):
-            x = x * w["resid_lambdas"][i] + x0 * w["x0_lambdas"][i]
+            x = x * resid[i] + x0 * x0l[i]
             p = f"h.{i}."
             xn = norm(x)
-            q = F.linear(xn, w[p + "c_q"]).view(B, T, self.h, self.hd)
-            k = F.linear(xn, w[p + "c_k"]).view(B, T, self.h, self.hd)
-            v = F.linear(xn, w[p + "c_v"]).view(B, T, self.h, self.hd)
-            if f"ve.{i}" in w:
-                ve = F.embedding(idx, w[f"ve.{i}"]).view(B, T, self.h, self.hd)
-                gate = torch.sigmoid(F.linear(xn[..., :12], w[p + "ve_gate"])) * 3.0
+            q = F.linear(xn, c(p + "c_q")).view(B, T, self.h, self.hd)
+            k = F.linear(xn, c(p + "c_k")).view(B, T, self.h, self.hd)
+            v = F.linear(xn, c(p + "c_v")).view(B, T, self.h, self.hd)
+            if f"ve.{i}" in self.w:
+                ve = F.embedding(idx, self.w[f"ve.{i}"]).to(self.dt).view(B, T, self.h, self.hd)
+                gate = torch.sigmoid(F.linear(xn[..., :12], c(p + "ve_gate"))) * 3.0
                 v = v + gate.unsqueeze(-1) * ve
             q = norm(self.rope(q)) * 1.2
             k = norm(self.rope(k)) * 1.2
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             y = y.transpose(1, 2).contiguous().view(B, T, -1)
-            x = x + F.linear(y, w[p + "c_proj"])
-            h = F.relu(F.linear(norm(x), w[p + "c_fc"])).square()
-            x = x + F.linear(h, w[p + "mlp_proj"])
-        logits = F.linear(norm(x), w["lm_head"]).float()
+            x = x + F.linear(y, c(p + "c_proj"))
+            h = F.relu(F.linear(norm(x), c(p + "c_fc"))).square()
+            x = x + F.linear(h, c(p + "mlp_proj"))
+        logits = F.linear(norm(x), c("lm_head")).float()
         logits = torch.tanh(logits / self.softcap) * self.softcap
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
@@ -136,6 +147,8 @@ class MuonAdamW:
     """nanochat's MuonAdamW for one rank, as per-tensor in-place ops (mirrors optim.rs)."""
 
     def __init__(self, model, names, a):
+        # Newton-Schulz (Polar Express) runs in the compute dtype, as the engine's optim.rs does.
+        self.ns_dt = model.dt
         d = model.w["wte"].size(1)
         s_b = a.lr_scale if a.lr_scale is not None else math.sqrt(a.total_batch_size / B_REF)
         dms = (d / 768) ** -0.5
@@ -180,12 +193,12 @@ class MuonAdamW:
             st = self.state.setdefault(("muon", gi), None)
             if st is None:
                 second = (len(params), rows, 1) if rows >= cols else (len(params), 1, cols)
-                st = {"m": torch.zeros_like(P), "s": torch.zeros(second)}
+                st = {"m": torch.zeros_like(P), "s": torch.zeros(second, device=P.device)}
                 self.state[("muon", gi)] = st
             st["m"].lerp_(g, 1 - momentum)
-            x = g.lerp(st["m"], momentum)
-            x = x * (fro(x, (-2, -1)) / rows**0.5 / fro(x, (-1,)).clamp_min(1e-6))
-            x = x / (fro(x, (-2, -1)) * 1.01 + 1e-6)
+            x = g.lerp(st["m"], momentum).to(self.ns_dt)
+            x = x * (fro(x, (-2, -1)) / rows**0.5 / fro(x, (-1,)).clamp_min(1e-6)).to(x.dtype)
+            x = x / (fro(x, (-2, -1)) * 1.01 + 1e-6).to(x.dtype)
             for a, b, c in POLAR:
                 if rows > cols:
                     A = x.mT @ x
@@ -193,6 +206,7 @@ class MuonAdamW:
                 else:
                     A = x @ x.mT
                     x = x * a + (A * b + (A @ A) * c) @ x
+            x = x.float()
             x = x * (fro(x, (-2, -1)).clamp_min(1e-6).reciprocal() * min(rows, cols) ** 0.5)
             red, size = (-1, cols) if rows >= cols else (-2, rows)
             v_mean = x.square().mean(dim=red, keepdim=True)
@@ -253,12 +267,16 @@ def main():
     ap.add_argument("--lr-scale", type=float, default=None)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the forward and loss")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    cuda = a.device == "cuda"
     weights = read_safetensors(a.weights)
     names = list(weights)
     n_embd = weights["wte"].size(1)
-    model = GPT(weights, a.depth, n_embd // 128, 128, a.seq_len)
+    model = GPT(weights, a.depth, n_embd // 128, 128, a.seq_len, device=a.device)
+    loss_fn = torch.compile(model.loss) if a.compile else model.loss
     opt = MuonAdamW(model, names, a)
     data = Rows(a.train, a.seq_len)
     B, T = a.device_batch_size, a.seq_len
@@ -267,19 +285,28 @@ def main():
     losses, times = [], []
     for step in range(a.num_iterations):
         t0 = time.perf_counter()
-        total = 0.0
+        total = torch.zeros((), device=a.device)
         for micro in range(accum):
-            rows = data.random_rows(a.seed, (step * accum + micro) * B, B)
-            loss = model.loss(rows[:, :-1], rows[:, 1:])
+            rows = data.random_rows(a.seed, (step * accum + micro) * B, B).to(a.device, non_blocking=True)
+            loss = loss_fn(rows[:, :-1], rows[:, 1:])
             (loss / accum).backward()
-            total += loss.item()
+            total += loss.detach()
         lrm, mom, wd = schedules(a, step)
         opt.step(lrm, mom, wd)
+        losses.append(total.item() / accum)  # synchronises the device: the step is done
         times.append(time.perf_counter() - t0)
-        losses.append(total / accum)
+        if cuda and step == 0:
+            torch.cuda.reset_peak_memory_stats()
     steady = times[2:] if len(times) > 4 else times
-    print(json.dumps({"losses": losses, "steps": len(losses),
-                      "tokens_per_s": a.total_batch_size * len(steady) / sum(steady)}))
+    out = {"losses": losses, "steps": len(losses), "step_ms": [t * 1e3 for t in times],
+           "tokens_per_s": a.total_batch_size * len(steady) / sum(steady),
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "compile": a.compile,
+           "torch": torch.__version__}
+    if cuda:
+        out.update({"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                    "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+                    "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))})
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

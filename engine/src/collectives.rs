@@ -27,8 +27,12 @@ pub trait Collectives {
     fn name(&self) -> &'static str;
 }
 
-/// World of one: nothing to exchange.
-pub struct Single;
+/// World of one: nothing to exchange. `gpu` is the CUDA device the rank computes on, so that
+/// [`Collectives::synchronize`] still marks real timing boundaries (the phases in the step
+/// receipts would otherwise time only the kernel launches).
+pub struct Single {
+    pub gpu: Option<usize>,
+}
 
 impl Collectives for Single {
     fn rank(&self) -> usize {
@@ -49,6 +53,11 @@ impl Collectives for Single {
             output.copy_(&input.view_as(output));
         }
         Ok(())
+    }
+    fn synchronize(&self) {
+        if let Some(gpu) = self.gpu {
+            tch::Cuda::synchronize(gpu as i64);
+        }
     }
     fn name(&self) -> &'static str {
         "single"

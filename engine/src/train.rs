@@ -225,7 +225,11 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
 
     let timeout = Duration::from_secs(300);
     let mut coll: Box<dyn Collectives> = if env.world == 1 {
-        Box::new(Single)
+        let gpu = match device {
+            Device::Cuda(gpu) => Some(gpu),
+            _ => None,
+        };
+        Box::new(Single { gpu })
     } else if let Device::Cuda(gpu) = device {
         Box::new(Nccl::connect(&env.master, env.rank, env.world, gpu, timeout)?)
     } else {

@@ -174,10 +174,35 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
     match output {
         Output::Text => print!("{}", preflight::table::render(&report)),
         Output::Json => {
-            println!("{}", serde_json::to_string_pretty(&preflight::to_json(&report)).unwrap_or_default())
+            // Beside the report: what the probe saw, so an operator can check NVML's inventory
+            // (model, memory, UUID, PCI bus id, NUMA node) and the health values themselves.
+            let mut json = preflight::to_json(&report);
+            json["inventory"] = match probe.inventory() {
+                Ok(inv) => inventory_json(&inv),
+                Err(e) => serde_json::json!({"error": format!("{e:#}")}),
+            };
+            json["health"] = match probe.gpu_health() {
+                Ok(health) => serde_json::to_value(&health).unwrap_or_default(),
+                Err(why) => serde_json::json!({"skipped": why}),
+            };
+            println!("{}", serde_json::to_string_pretty(&json).unwrap_or_default())
         }
     }
     if report.verdict == "fail" { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+}
+
+fn inventory_json(inv: &trainyard_proto::v1::HostInventory) -> serde_json::Value {
+    let gpus: Vec<serde_json::Value> = inv
+        .gpus
+        .iter()
+        .map(|g| {
+            serde_json::json!({"index": g.index, "model": g.model, "memory_mib": g.memory_mib, "uuid": g.uuid,
+                "pci_bus_id": g.pci_bus_id, "numa_node": g.numa_node})
+        })
+        .collect();
+    let numa: Vec<serde_json::Value> =
+        inv.numa_nodes.iter().map(|n| serde_json::json!({"id": n.id, "cpus": n.cpus})).collect();
+    serde_json::json!({"hostname": inv.hostname, "gpus": gpus, "numa_nodes": numa, "links": inv.links})
 }
 
 fn daemon(cli: &Cli) -> anyhow::Result<()> {

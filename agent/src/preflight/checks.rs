@@ -397,10 +397,11 @@ pub fn nccl(outcome: &nccl::Outcome, class: Class, n: usize) -> Vec<Check> {
             let mut checks: Vec<Check> = results
                 .iter()
                 .map(|r| {
+                    let busbw = if n < 2 { "busbw n/a (1 GPU)".to_string() } else { format!("busbw {:.1} GB/s", r.busbw_gbps) };
                     Check::new(
                         format!("nccl.allreduce.{}", r.bytes),
                         Status::Pass,
-                        format!("{}: {:.1} us, algbw {:.1} GB/s, busbw {:.1} GB/s", human_bytes(r.bytes), r.time_us, r.algbw_gbps, r.busbw_gbps),
+                        format!("{}: {:.1} us, algbw {:.1} GB/s, {busbw}", human_bytes(r.bytes), r.time_us, r.algbw_gbps),
                         format!("recorded (NCCL {version}, {n} GPUs)"),
                     )
                 })
@@ -409,6 +410,21 @@ pub fn nccl(outcome: &nccl::Outcome, class: Class, n: usize) -> Vec<Check> {
                 checks.push(Check::skipped("nccl.busbw", "the sweep measured no size", "all_reduce busbw at the class floor"));
                 return checks;
             };
+            if n < 2 {
+                // The communicator, the collective and the timing ran (rows above); on one GPU an
+                // all_reduce is a device-local copy, so busbw (x 2(n-1)/n = 0) says nothing.
+                checks.push(Check::skipped(
+                    "nccl.busbw",
+                    &format!(
+                        "1 GPU: NCCL {version} ran the all_reduce sweep (communicator, collective, timing; {:.1} us at {}), \
+                         but one GPU has no GPU-to-GPU traffic, so bus bandwidth is not defined",
+                        last.time_us,
+                        human_bytes(last.bytes)
+                    ),
+                    "all_reduce busbw at the class floor (nodes of 2 or more GPUs)",
+                ));
+                return checks;
+            }
             let floor = class.busbw_floor_gbps(last.bytes);
             let status = if last.busbw_gbps >= floor {
                 Status::Pass
@@ -465,6 +481,13 @@ mod tests {
         assert_eq!(rows[0].id, "nccl.allreduce.1073741824");
         assert!(rows[1].measured.starts_with("380.0 GB/s at 1 GiB"), "{}", rows[1].measured);
         assert_eq!(nccl(&Outcome::Skipped("x".into()), Class::Pcie, 8)[0].measured, "skipped: x");
+        // One GPU: the sweep's rows are recorded, busbw is skipped with the reason, never a pass.
+        let one = Outcome::Ran { version: "2.28.9".into(), results: vec![SizeResult::new(1 << 20, 1, 20.0)] };
+        let rows = nccl(&one, Class::Pcie, 1);
+        assert_eq!(rows[0].status, Status::Pass);
+        assert!(rows[0].measured.contains("busbw n/a (1 GPU)"), "{}", rows[0].measured);
+        assert_eq!(rows[1].status, Status::Skipped);
+        assert!(rows[1].measured.starts_with("skipped: 1 GPU: NCCL 2.28.9 ran"), "{}", rows[1].measured);
     }
 
     #[test]

@@ -69,7 +69,7 @@ enum Library {
 pub fn sweep_with_agent_binary(n: usize, sizes: &[u64]) -> Outcome {
     let exe = std::env::current_exe().unwrap_or_default();
     let is_agent = exe.file_name().is_some_and(|name| name == "trainyard-agent");
-    if n >= 2 && locate().is_some() && !is_agent {
+    if n >= 1 && locate().is_some() && !is_agent {
         return Outcome::Skipped(format!(
             "the NCCL sweep runs in the trainyard-agent binary, not {}",
             exe.display()
@@ -79,9 +79,13 @@ pub fn sweep_with_agent_binary(n: usize, sizes: &[u64]) -> Outcome {
 }
 
 /// Runs the sweep over GPUs `0..n` in a child process of `helper` (the agent binary).
+///
+/// One GPU runs too: the communicator, the all_reduce and the timing path are the same code a
+/// multi-GPU node runs, so a broken NCCL install fails here even on a 1-GPU host; only the bus
+/// bandwidth means nothing there (no GPU-to-GPU traffic), which [`super::checks::nccl`] says.
 pub fn sweep(helper: &Path, n: usize, sizes: &[u64]) -> Outcome {
-    if n < 2 {
-        return Outcome::Skipped(format!("{n} GPU: no GPU-to-GPU traffic to measure"));
+    if n == 0 {
+        return Outcome::Skipped("no GPU to run NCCL on".into());
     }
     let library = match locate() {
         Some(library) => library,
@@ -297,5 +301,6 @@ mod tests {
         assert_eq!(sweep(Path::new("/nonexistent"), 8, &[1 << 20]), Outcome::Skipped(NOT_FOUND.into()));
         assert_eq!(sweep_in_process(8, &[1 << 20]), Outcome::Skipped(NOT_FOUND.into()));
         assert!(matches!(sweep(Path::new("/nonexistent"), 1, &[1 << 20]), Outcome::Skipped(_)));
+        assert!(matches!(sweep(Path::new("/nonexistent"), 0, &[1 << 20]), Outcome::Skipped(_)));
     }
 }

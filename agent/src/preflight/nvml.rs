@@ -22,7 +22,7 @@ pub const NOT_FOUND: &str = "NVML (libnvidia-ml.so.1) not found";
 const MAX_NVLINKS: u32 = 18;
 
 /// Health of the node's GPUs as NVML reports it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Health {
     pub driver_version: String,
     /// CUDA version the driver supports, e.g. "12.8".
@@ -31,7 +31,7 @@ pub struct Health {
 }
 
 /// One GPU's health; `None` where NVML does not support the query on this GPU.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GpuHealth {
     pub index: u32,
     pub name: String,
