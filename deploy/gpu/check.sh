@@ -18,7 +18,10 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
-BIN="$(cd "${TRAINYARD_BIN:-target/release}" && pwd)"
+BIN="$(cd "${TRAINYARD_BIN:-target/release}" 2>/dev/null && pwd)" || {
+    echo "check.sh: no binaries in ${TRAINYARD_BIN:-target/release}: build with cargo build --release --bins or set TRAINYARD_BIN" >&2
+    exit 1
+}
 RES="${1:-$ROOT/gpu-results}"
 mkdir -p "$RES"
 RES="$(cd "$RES" && pwd)"
