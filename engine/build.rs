@@ -8,7 +8,9 @@
 //!    the wheel's `libnccl.so.2` for cudarc), so the binaries and tests run without
 //!    LD_LIBRARY_PATH. `tests/linking.rs` checks both on the built binary.
 //! 3. `csrc/gpu_memory.cpp`: a small C++17 shim (the `cc` crate) that reads the CUDA caching
-//!    allocator's statistics, which tch does not expose (see `src/gpu_memory.rs`). Compiled
+//!    allocator's statistics, which tch does not expose (see `src/gpu_memory.rs`); and
+//!    `csrc/fused_adamw.cpp`, libtorch's fused AdamW kernel, which tch does not bind either
+//!    (see `src/fused_adamw.rs`). Compiled
 //!    against the wheel's c10 headers only (no CUDA toolkit headers: the wheel lacks
 //!    `crt/host_config.h`), linked against the wheel's `libc10` and, when present,
 //!    `libc10_cuda` (whose static initialiser registers the CUDA allocator). About a second.
@@ -56,7 +58,8 @@ fn main() {
     println!("cargo:rerun-if-changed=../.git/logs/HEAD");
 }
 
-/// Compiles `csrc/gpu_memory.cpp` into a static library of this crate and links `c10`.
+/// Compiles the shims (`csrc/gpu_memory.cpp`, `csrc/fused_adamw.cpp`) into a static library of
+/// this crate and links `c10` and `torch_cpu`.
 fn build_gpu_memory_shim() {
     println!("cargo:rerun-if-changed=csrc/gpu_memory.cpp");
     let lib = std::env::var_os("DEP_TCH_LIBTORCH_LIB")
@@ -73,9 +76,11 @@ fn build_gpu_memory_shim() {
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_string());
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     // The wheel's headers as system headers: their own warnings are not ours to print.
+    println!("cargo:rerun-if-changed=csrc/fused_adamw.cpp");
     cc::Build::new()
         .cpp(true)
         .file("csrc/gpu_memory.cpp")
+        .file("csrc/fused_adamw.cpp")
         .std("c++17")
         .flag("-isystem")
         .flag(include.to_str().expect("utf-8 libtorch path"))
@@ -87,4 +92,6 @@ fn build_gpu_memory_shim() {
         .compile("trainyard_gpu_memory");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=c10");
+    // fused_adamw.cpp calls into ATen's operator registry.
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
 }

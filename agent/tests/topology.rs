@@ -133,3 +133,16 @@ fn malformed_input_names_the_line() {
     refused(&with(1, &lines[1].replace("0-47,96-143", "0-47;96")), 2, "CPU Affinity");
     refused(&with(1, &lines[1].replace("96-143\t0", "96-143\tzero")), 2, "NUMA Affinity");
 }
+
+/// Captured on a 1-GPU H100 virtual machine (driver 580): the header has a `GPU NUMA ID`
+/// column, the GPU row has one more cell than the header (an empty one before `N/A`), and the
+/// header is wrapped in underline escape codes.
+#[test]
+fn one_gpu_vm_as_nvidia_smi_580_prints_it() {
+    let t = parsed("h100-1gpu-vm.txt");
+    assert_eq!(t.gpus.len(), 1);
+    assert_eq!(t.links, vec![vec![Link::X]]);
+    assert_eq!(t.gpus[0].cpus, "0-15");
+    assert_eq!(t.gpus[0].numa_node, Some(0));
+    assert_eq!(t.numa_layout(), "0:1");
+}

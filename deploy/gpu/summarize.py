@@ -74,7 +74,10 @@ def main():
             if r is not None:
                 entry[mode] = r
                 if "losses" in r:
-                    n = min(5, len(r["losses"]), len(e["losses"]))
+                    # Same weights, same first batch: step 1's loss must agree in every mode. Later
+                    # steps agree with eager (the same kernels); compiled kernels keep fused
+                    # intermediates in fp32, so its trajectory drifts apart within a few steps.
+                    n = 1 if mode == "compile" else min(5, len(r["losses"]), len(e["losses"]))
                     entry[f"loss_max_rel_diff_first{n}_{mode}"] = max(
                         abs(a - b) / abs(b) for a, b in zip(e["losses"][:n], r["losses"][:n]))
                     entry[f"tokens_per_s_ratio_vs_{mode}"] = e["tokens_per_s"] / r["tokens_per_s"]

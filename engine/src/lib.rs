@@ -3,6 +3,7 @@
 pub mod collectives;
 pub mod config;
 pub mod data;
+pub mod fused_adamw;
 pub mod gpu_memory;
 pub mod model;
 pub mod optim;

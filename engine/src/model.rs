@@ -216,6 +216,13 @@ impl Gpt {
         )
     }
 
+    /// The gradient of `loss` for every parameter, in `params` order, computed by autograd
+    /// without touching the parameters' `.grad` fields (see [`crate::optim::MuonAdamW::step`]).
+    pub fn grads(&self, loss: &Tensor) -> Vec<Tensor> {
+        let params: Vec<&Tensor> = self.params.iter().map(|p| &p.tensor).collect();
+        Tensor::run_backward(&[loss], &params, false, false)
+    }
+
     pub fn num_params(&self) -> i64 {
         self.params.iter().map(|p| p.tensor.numel() as i64).sum()
     }
@@ -282,9 +289,13 @@ mod tests {
     }
 
     fn loss_backward_reaches_every_param(m: &Gpt, idx: &Tensor) {
-        m.loss(idx, idx).backward();
-        for p in &m.params {
-            assert!(p.tensor.grad().defined(), "{} has no gradient", p.name);
+        let grads = m.grads(&m.loss(idx, idx));
+        assert_eq!(grads.len(), m.params.len());
+        for (p, g) in m.params.iter().zip(&grads) {
+            assert!(g.defined(), "{} has no gradient", p.name);
+            assert_eq!(g.size(), p.tensor.size(), "{}", p.name);
+            // Returned, not accumulated into the parameter's .grad.
+            assert!(!p.tensor.grad().defined(), "{} has a .grad", p.name);
         }
     }
 }

@@ -329,11 +329,20 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         coll.synchronize();
         let tf = Instant::now();
         let mut loss_sum = Tensor::zeros([], (tch::Kind::Float, device));
+        let mut grads: Vec<Tensor> = Vec::new();
         for micro in 0..accum {
             let rows = train.random_rows(cfg.seed, first_row(step, micro, accum, world, rank, b), b as usize);
             let (x, y) = to_batch(&rows, b, seq_len, device);
             let loss = model.loss(&x, &y);
-            (&loss / accum as f64).backward();
+            let micro_grads =
+                model.grads(&if accum == 1 { loss.shallow_clone() } else { &loss / accum as f64 });
+            if grads.is_empty() {
+                grads = micro_grads;
+            } else {
+                for (sum, g) in grads.iter_mut().zip(&micro_grads) {
+                    *sum += g;
+                }
+            }
             loss_sum += loss.detach();
         }
         coll.synchronize();
@@ -341,7 +350,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         let lrm = cfg.lr_multiplier(step);
         let momentum = cfg.muon_momentum(step);
         let wd = cfg.muon_weight_decay(step);
-        let (phases, grad_norm) = opt.step(&mut model, coll.as_mut(), lrm, momentum, wd)?;
+        let (phases, grad_norm) = opt.step(&mut model, grads, coll.as_mut(), lrm, momentum, wd)?;
         let mut loss_t = loss_sum / accum as f64;
         coll.all_reduce_avg(&mut loss_t)?;
         let loss = loss_t.double_value(&[]);
