@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use trainyard_agent::topology::{Class, Link, Topology, parse, render};
+use trainyard_agent::topology::{Class, Link, Topology, compare, explain, parse, render};
 
 fn fixture(name: &str) -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/topo").join(name);
@@ -145,4 +145,109 @@ fn one_gpu_vm_as_nvidia_smi_580_prints_it() {
     assert_eq!(t.gpus[0].cpus, "0-15");
     assert_eq!(t.gpus[0].numa_node, Some(0));
     assert_eq!(t.numa_layout(), "0:1");
+}
+
+/// A NUMA Affinity range (`0-1`: the platform ties the GPU to several nodes) is read as such,
+/// not refused, and renders back the same.
+#[test]
+fn a_numa_range_is_several_nodes() {
+    let text = fixture("h100-nvl.txt").replacen("96-143\t0", "96-143\t0-1", 1);
+    let t = parse(&text).expect("a range parses");
+    assert_eq!(t.gpus[0].numa_affinity, vec![0, 1]);
+    assert_eq!(t.gpus[0].numa_node, None);
+    assert_eq!(t.gpus[1].numa_node, Some(0));
+    assert_eq!(parse(&render(&t)).expect("render reads back"), t);
+    let text = explain(&t);
+    assert!(text.contains("GPU0: NUMA nodes 0-1 (several)"), "{text}");
+    assert!(text.contains("GPU0 report several NUMA nodes"), "{text}");
+}
+
+/// What each class means, with the field's costs.
+#[test]
+fn explain_names_the_class_the_split_and_their_costs() {
+    let nvl = explain(&parsed("h100-nvl.txt"));
+    assert!(nvl.starts_with("class: nvlink-pairs (8 GPUs, worst GPU-GPU path SYS)"), "{nvl}");
+    assert!(nvl.contains("2031 ms per step against 702 ms"), "{nvl}");
+    assert!(nvl.contains("GPUs split over 2 NUMA nodes (0:4 1:4)"), "{nvl}");
+    assert!(nvl.contains("1295 ms per step instead of 702 ms"), "{nvl}");
+    assert!(nvl.contains("GPU4: NUMA node 1, CPUs 48-95,144-191"), "{nvl}");
+    let sxm = explain(&parsed("h100-sxm-1numa.txt"));
+    assert!(sxm.starts_with("class: nvswitch (8 GPUs, worst GPU-GPU path NV18)"), "{sxm}");
+    assert!(!sxm.contains("split"), "{sxm}");
+    let pcie = explain(&parsed("h100-pcie.txt"));
+    assert!(pcie.contains("1412 ms per step"), "{pcie}");
+    let nics = explain(&parsed("h100-sxm-2numa.txt"));
+    assert!(nics.contains("mlx5_2: GPU2 (PIX)"), "{nics}");
+    let one = explain(&parsed("h100-1gpu-vm.txt"));
+    assert!(one.contains("one GPU: no GPU-to-GPU traffic"), "{one}");
+}
+
+/// NVML's view of the 1-GPU H100 VM (the inventory its preflight printed, committed under
+/// docs/gpu-results/) agrees cell for cell with that machine's `nvidia-smi topo -m`; a changed
+/// link, CPU list or NUMA node is reported by name.
+#[test]
+fn nvml_and_nvidia_smi_views_compare_cell_for_cell() {
+    use trainyard_proto::v1::{Gpu, HostInventory, NumaNode};
+    let inventory = HostInventory {
+        hostname: "vm".into(),
+        gpus: vec![Gpu {
+            index: 0,
+            uuid: "GPU-9755e7df-acbd-f438-f3da-904cad73240b".into(),
+            model: "NVIDIA H100 80GB HBM3".into(),
+            memory_mib: 81559,
+            pci_bus_id: "00000000:00:06.0".into(),
+            numa_node: 0,
+        }],
+        numa_nodes: vec![NumaNode { id: 0, cpus: "0-15".into() }],
+        links: vec!["X".into()],
+    };
+    let nvml = Topology::from_inventory(&inventory).expect("inventory");
+    assert_eq!(compare("NVML", &nvml, "nvidia-smi", &parsed("h100-1gpu-vm.txt")), Vec::<String>::new());
+
+    let smi = parsed("h100-nvl.txt");
+    assert!(compare("a", &smi, "b", &smi).is_empty());
+    let mut broken = smi.clone();
+    broken.links[0][1] = Link::Node;
+    broken.links[1][0] = Link::Node;
+    broken.gpus[2].cpus = "0-47".into();
+    broken.gpus[3].numa_affinity = vec![1];
+    let diffs = compare("NVML", &broken, "nvidia-smi", &smi);
+    assert_eq!(
+        diffs,
+        vec![
+            "GPU0 to GPU1: NVML NODE, nvidia-smi NV12",
+            "GPU1 to GPU0: NVML NODE, nvidia-smi NV12",
+            "GPU2 CPU affinity: NVML 0-47, nvidia-smi 0-47,96-143",
+            "GPU3 NUMA affinity: NVML 1, nvidia-smi 0",
+        ]
+    );
+    assert_eq!(compare("a", &parsed("h100-1gpu-vm.txt"), "b", &smi), vec!["a has 1 GPUs, b has 8"]);
+}
+
+/// `trainyard-agent topo FILE` and `topo -` (standard input) explain a pasted matrix; a cell it
+/// cannot read is exit code 2 with the line named.
+#[test]
+fn topo_command_reads_a_file_or_stdin_and_names_bad_lines() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let agent = env!("CARGO_BIN_EXE_trainyard-agent");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/topo/h100-nvl.txt");
+    let out = Command::new(agent).arg("topo").arg(&path).output().expect("run topo");
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.starts_with("class: nvlink-pairs"), "{stdout}");
+
+    let bad = fixture("h100-nvl.txt").replacen("NV12", "NV??", 1);
+    let mut child = Command::new(agent)
+        .args(["topo", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn topo -");
+    child.stdin.take().expect("stdin").write_all(bad.as_bytes()).expect("write stdin");
+    let out = child.wait_with_output().expect("topo -");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("standard input: line 2: row GPU0, column 2"), "{stderr}");
 }

@@ -68,6 +68,33 @@ pub fn step(batch: &Batch<'_>, h: Hyper) -> Result<(), String> {
     if n == 0 {
         return Ok(());
     }
+    // libtorch's CPU kernel does not check that the tensors match (it walks the parameter's
+    // elements and reads the others at the same offsets), so a mismatch is refused here.
+    for i in 0..n {
+        let p = batch.params[i];
+        let (size, device) = (p.size(), p.device());
+        for (what, t) in [
+            ("gradient", batch.grads[i]),
+            ("exp_avg", batch.exp_avgs[i]),
+            ("exp_avg_sq", batch.exp_avg_sqs[i]),
+        ] {
+            if t.size() != size || t.device() != device || t.kind() != p.kind() {
+                return Err(format!(
+                    "fused AdamW: tensor {i}: {what} is {:?} {:?} on {:?}, the parameter {size:?} {:?} on {device:?}",
+                    t.size(),
+                    t.kind(),
+                    t.device(),
+                    p.kind()
+                ));
+            }
+        }
+        let step = &batch.steps[i];
+        if step.numel() != 1 || step.kind() != tch::Kind::Float || step.device() != device {
+            return Err(format!(
+                "fused AdamW: tensor {i}: the step count must be one fp32 value on {device:?}"
+            ));
+        }
+    }
     let handles =
         |ts: &[&Tensor]| -> Vec<*const c_void> { ts.iter().map(|t| t.as_ptr() as *const c_void).collect() };
     let steps: Vec<&Tensor> = batch.steps.iter().collect();

@@ -19,6 +19,22 @@ fn assert_complete(c: &Cluster, job: u64, ranks: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Waits until every rank has stored a few step receipts (a fixed sleep is not mid-job on a
+/// loaded 2-core machine, where 8 Python ranks can take over a second to start).
+fn wait_until_stepping(c: &Cluster, job: u64) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let stored = c.query(&format!(
+            "SELECT COUNT(DISTINCT rank) FROM receipts WHERE job_id = {job} AND kind = 'step' AND step >= 3"
+        ))?;
+        if stored[0][0] == 8 {
+            return Ok(());
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "ranks did not reach step 3 within 60 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The kill really happened mid-job: some but not all step receipts were stored.
 fn assert_mid_job(c: &Cluster, job: u64) -> anyhow::Result<()> {
     let stored = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'step'"))?;
@@ -34,7 +50,7 @@ fn controller_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
     let file = c.job_file("survivor", 8, 4, &["--steps", &STEPS.to_string(), "--step-ms", "50"], "");
     let job = c.submit(&file)?;
     c.wait_state(job, &["running"], Duration::from_secs(60))?;
-    std::thread::sleep(Duration::from_millis(700));
+    wait_until_stepping(&c, job)?;
     c.kill_controller();
     assert_mid_job(&c, job)?;
     std::thread::sleep(Duration::from_millis(1200));
@@ -52,7 +68,7 @@ fn agent_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
     let file = c.job_file("orphans", 8, 4, &["--steps", &STEPS.to_string(), "--step-ms", "50"], "");
     let job = c.submit(&file)?;
     c.wait_state(job, &["running"], Duration::from_secs(60))?;
-    std::thread::sleep(Duration::from_millis(700));
+    wait_until_stepping(&c, job)?;
     c.kill_agent("node-b");
     assert_mid_job(&c, job)?;
     // The ranks outlive their agent.

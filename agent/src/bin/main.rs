@@ -56,6 +56,15 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// Say what a GPU topology means for training: reads the text of `nvidia-smi topo -m`
+    /// (FILE, or - for standard input) as operators paste it. Without FILE: this host's matrix
+    /// from NVML (or --host-file), compared cell for cell with `nvidia-smi topo -m` when that
+    /// command exists. Exit code: 0; 1 when NVML and nvidia-smi disagree; 2 when the text or
+    /// the host cannot be read.
+    Topo {
+        /// A saved `nvidia-smi topo -m` output, or - for standard input.
+        file: Option<PathBuf>,
+    },
     /// Internal: the NCCL sweep's child process; prints its outcome as one JSON line.
     #[command(hide = true)]
     NcclSweep {
@@ -111,6 +120,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Some(Command::Preflight { level, output }) => return preflight(&cli, level, *output),
+        Some(Command::Topo { file }) => return topo(&cli, file.as_deref()),
         Some(Command::NcclSweep { gpus, sizes }) => {
             let outcome = trainyard_agent::preflight::nccl::sweep_in_process(*gpus, sizes);
             println!("{}", serde_json::to_string(&outcome).unwrap_or_default());
@@ -189,6 +199,99 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
         }
     }
     if report.verdict == "fail" { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+}
+
+fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
+    use std::io::Read;
+    use trainyard_agent::host::{HostFile, HostProbe};
+    use trainyard_agent::preflight::nvml::NvmlProbe;
+    use trainyard_agent::topology::{self, Topology};
+
+    let fail = |message: String| {
+        eprintln!("trainyard-agent topo: {message}");
+        ExitCode::from(2)
+    };
+    if let Some(path) = file {
+        let (name, text) = if path.as_os_str() == "-" {
+            let mut text = String::new();
+            if let Err(e) = std::io::stdin().read_to_string(&mut text) {
+                return fail(format!("cannot read standard input: {e}"));
+            }
+            ("standard input".to_string(), text)
+        } else {
+            match std::fs::read_to_string(path) {
+                Ok(text) => (path.display().to_string(), text),
+                Err(e) => return fail(format!("cannot read {}: {e}", path.display())),
+            }
+        };
+        return match topology::parse(&text) {
+            Ok(t) => {
+                print!("{}", topology::explain(&t));
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(format!("{name}: {e}")),
+        };
+    }
+    let probe: Box<dyn HostProbe> = match &cli.host_file {
+        Some(path) => match HostFile::load(path) {
+            Ok(file) => Box::new(file),
+            Err(e) => return fail(e.to_string()),
+        },
+        None => match NvmlProbe::new(trainyard_agent::host::hostname()) {
+            Ok(probe) => Box::new(probe),
+            Err(why) => return fail(format!("no FILE, no --host-file and {why}")),
+        },
+    };
+    let ours = match probe
+        .inventory()
+        .map_err(|e| format!("{e:#}"))
+        .and_then(|inv| Topology::from_inventory(&inv).map_err(|e| e.to_string()))
+    {
+        Ok(t) => t,
+        Err(e) => return fail(format!("this host's inventory: {e}")),
+    };
+    let source = probe.source();
+    println!("this host, from {source}:\n{}", topology::render(&ours));
+    print!("{}", topology::explain(&ours));
+    if source != "nvml" {
+        return ExitCode::SUCCESS;
+    }
+    let smi = match std::process::Command::new("nvidia-smi").args(["topo", "-m"]).output() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!("\nnvidia-smi topo -m: skipped: nvidia-smi is not on PATH");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => return fail(format!("cannot run nvidia-smi topo -m: {e}")),
+        Ok(out) if !out.status.success() => {
+            return fail(format!(
+                "nvidia-smi topo -m exited with {}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned(),
+    };
+    let theirs = match topology::parse(&smi) {
+        Ok(t) => t,
+        Err(e) => return fail(format!("cannot read the output of nvidia-smi topo -m: {e}")),
+    };
+    match topology::compare("NVML", &ours, "nvidia-smi", &theirs).as_slice() {
+        [] => {
+            println!(
+                "\nNVML and nvidia-smi topo -m agree cell for cell on {} GPU row(s): links, CPU and NUMA affinity",
+                ours.gpus.len()
+            );
+            ExitCode::SUCCESS
+        }
+        diffs => {
+            println!("\nNVML and nvidia-smi topo -m DISAGREE:");
+            for d in diffs {
+                println!("  {d}");
+            }
+            println!("\nnvidia-smi topo -m printed:\n{smi}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn inventory_json(inv: &trainyard_proto::v1::HostInventory) -> serde_json::Value {

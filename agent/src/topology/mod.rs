@@ -5,6 +5,7 @@
 //! `nvidia-smi topo -m` that operators paste ([`parse`]). One way out: the same text layout
 //! ([`render`]), so the agent's report reads like the command every operator already knows.
 
+mod explain;
 mod link;
 mod parse;
 mod render;
@@ -12,6 +13,7 @@ mod render;
 use std::collections::BTreeMap;
 use std::fmt;
 
+pub use explain::{compare, explain};
 pub use link::Link;
 pub use parse::{ParseError, parse};
 pub use render::render;
@@ -19,11 +21,15 @@ use trainyard_proto::v1::HostInventory;
 
 use trainyard_proto::contract::cpulist;
 
-/// One GPU: its index, NUMA node (None when the platform reports none) and local CPUs.
+/// One GPU: its index, NUMA node (None when the platform reports none, or several) and local
+/// CPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuNode {
     pub index: u32,
     pub numa_node: Option<u32>,
+    /// Every NUMA node the platform ties the GPU to: one normally, several where
+    /// `nvidia-smi topo -m` prints a range such as `0-1`, none for `N/A`.
+    pub numa_affinity: Vec<u32>,
     /// Kernel CPU list of the CPUs local to the GPU, e.g. `0-51,104-155`; empty when unknown.
     pub cpus: String,
 }
@@ -88,7 +94,7 @@ impl Topology {
                     .and_then(|id| numa_nodes.iter().find(|n| n.id == id))
                     .map(|n| n.cpus.clone())
                     .unwrap_or_default();
-                GpuNode { index: g.index, numa_node, cpus }
+                GpuNode { index: g.index, numa_node, numa_affinity: numa_node.into_iter().collect(), cpus }
             })
             .collect();
         Ok(Self { gpus, links, numa_nodes, nics: Vec::new() })

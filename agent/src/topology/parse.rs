@@ -161,8 +161,8 @@ fn parse_header(line: usize, text: &str) -> Result<Header, ParseError> {
     Ok(Header { gpus, nics: columns[gpus..].iter().map(|s| s.to_string()).collect() })
 }
 
-/// The GPU row's `CPU Affinity` and `NUMA Affinity` tokens (`N/A` allowed); a trailing
-/// `GPU NUMA ID` is ignored.
+/// The GPU row's `CPU Affinity` and `NUMA Affinity` tokens (`N/A` allowed, and a range such
+/// as `0-1` read as several nodes); a trailing `GPU NUMA ID` is ignored.
 fn gpu_row(line: usize, index: u32, extra: &[&str]) -> Result<GpuNode, ParseError> {
     let cpus = match extra.first() {
         None | Some(&"N/A") => String::new(),
@@ -172,13 +172,23 @@ fn gpu_row(line: usize, index: u32, extra: &[&str]) -> Result<GpuNode, ParseErro
             list.to_string()
         }
     };
-    let numa_node = match extra.get(1) {
-        None | Some(&"N/A") => None,
-        Some(n) => Some(n.parse::<u32>().map_err(|_| {
-            err(line, format!("GPU{index} NUMA Affinity {n:?} is not a NUMA node id or N/A"))
-        })?),
+    // One node id, or a list or range (`0-1`) where the platform ties the GPU to several.
+    let numa_affinity = match extra.get(1) {
+        None | Some(&"N/A") => Vec::new(),
+        Some(n) => trainyard_proto::contract::cpulist::parse(n).map_err(|_| {
+            err(
+                line,
+                format!(
+                    "GPU{index} NUMA Affinity {n:?} is not a NUMA node id, a list or range of ids, or N/A"
+                ),
+            )
+        })?,
     };
-    Ok(GpuNode { index, numa_node, cpus })
+    let numa_node = match numa_affinity.as_slice() {
+        [only] => Some(*only),
+        _ => None,
+    };
+    Ok(GpuNode { index, numa_node, numa_affinity, cpus })
 }
 
 /// `X` on the diagonal and the same code both ways; an error names the later row's line.

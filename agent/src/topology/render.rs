@@ -28,7 +28,11 @@ pub fn render(topology: &Topology) -> String {
         let mut cells: Vec<String> = topology.links[i].iter().map(cell).collect();
         cells.extend(topology.nics.iter().map(|nic| cell(&nic.to_gpus[i])));
         cells.push(if gpu.cpus.is_empty() { "N/A".into() } else { gpu.cpus.clone() });
-        cells.push(gpu.numa_node.map_or("N/A".into(), |n| n.to_string()));
+        cells.push(if gpu.numa_affinity.is_empty() {
+            "N/A".into()
+        } else {
+            trainyard_proto::contract::cpulist::format(&gpu.numa_affinity)
+        });
         let _ = writeln!(out, "GPU{}\t{}", gpu.index, cells.join("\t"));
     }
     for (k, nic) in topology.nics.iter().enumerate() {
