@@ -9,11 +9,12 @@
 # Steps (each logged to RESULTS_DIR/<step>.log; a failing step does not stop the others):
 #   facts      nvidia-smi, nvidia-smi topo -m, torch/CUDA/NCCL versions, `trainyard-engine info`
 #   preflight  `trainyard-agent preflight --level full` (text and JSON) through NVML, CUDA, NCCL
+#   topo       `trainyard-agent topo`: NVML's matrix compared cell for cell with nvidia-smi's
 #   engine     the built-in engine in bf16 (d12, and d20) and the PyTorch reference (eager and
 #              torch.compile), same config, same GPU; summary.json compares them
 #   cluster    controller + agent (NVML, no host file) + a builtin job with a `standard` launch
 #              preflight, checkpoints, its rank SIGKILLed and restarted, resuming
-# Environment: STEPS (default 30), SKIP="compile d20 cluster" to leave steps out.
+# Environment: STEPS (default 30), SKIP="engine compile d20 cluster" to leave steps out.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -78,6 +79,10 @@ timeout 240 "$BIN/trainyard-agent" preflight --level full -o json >"$RES/preflig
 echo "exit $?" >>"$RES/preflight.log"
 timeout 240 "$BIN/trainyard-agent" preflight --level full >"$RES/preflight-full.txt" 2>>"$RES/preflight.log"
 
+say "topo: NVML's matrix against nvidia-smi topo -m"
+"$BIN/trainyard-agent" topo >"$RES/topo.txt" 2>&1
+echo "exit $?" >>"$RES/topo.txt"
+
 # --- engine vs reference -------------------------------------------------------------------
 say "tokenize"
 "$BIN/trainyard-engine" tokenize --out "$WORK/shards" engine/corpus/*.txt >"$RES/tokenize.log" 2>&1
@@ -105,10 +110,12 @@ run_pair() {
     fi
     rm -f "$WORK/init-$tag.safetensors"
 }
-run_pair 12 16
-skipped d20 || SKIP="$SKIP compile" run_pair 20 8
-"$PY" deploy/gpu/summarize.py "$RES" >"$RES/summary.txt" 2>&1
-cat "$RES/summary.txt"
+if ! skipped engine; then
+    run_pair 12 16
+    skipped d20 || SKIP="$SKIP compile" run_pair 20 8
+    "$PY" deploy/gpu/summarize.py "$RES" >"$RES/summary.txt" 2>&1
+    cat "$RES/summary.txt"
+fi
 
 # --- a job through the cluster ---------------------------------------------------------------
 if ! skipped cluster; then
