@@ -35,8 +35,8 @@ import time
 # Tokens one rank processes per step: a micro-batch of 8 sequences of 2,048 tokens.
 TOKENS_PER_STEP = 8 * 2048
 
-# Share of a step the optimizer (collectives included) takes: DOMAIN.md's nanochat d26 on
-# 8xH100 SXM spends 57.8 ms of a 701.9 ms step there.
+# Share of a step the optimizer (collectives included) takes: nanochat d26 on 8xH100 SXM
+# spends 57.8 ms of a 701.9 ms step there (docs/field-notes.md §1).
 OPTIMIZER_SHARE = 57.8 / 701.9
 
 # Variables worth recording in the launch receipt when present.
@@ -45,10 +45,32 @@ TORCHRUN_VARS = (
     "LOCAL_RANK",
     "WORLD_SIZE",
     "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
     "NODE_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
 )
+
+
+def device_gpu(local_rank):
+    """The physical GPU index that `cuda:LOCAL_RANK` opens, as CUDA resolves it: the
+    LOCAL_RANK-th entry of CUDA_VISIBLE_DEVICES when set, else LOCAL_RANK itself."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return local_rank
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    return int(entries[local_rank]) if local_rank < len(entries) else None
 
 
 def parse_args(argv):
@@ -147,6 +169,7 @@ def launch_fields(rank, local_rank, world):
         "local_rank": local_rank,
         "world_size": world,
         "gpu": os.environ.get("TRAINYARD_GPU"),
+        "cuda_device_gpu": device_gpu(local_rank),
         "cpu_affinity": affinity,
         "mems_allowed": proc_status_field("Mems_allowed_list"),
         "memory_policy": memory_policy(),

@@ -20,7 +20,7 @@ use serde_json::json;
 use tracing::{info, warn};
 use trainyard_proto::v1::{ExecEngine, HostInventory, Launch, RankAssignment, job_spec};
 
-use crate::env::{NEVER_SET, PREFLIGHT_REPORT, rank_env};
+use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::layout::{Layout, RankId, write_atomic};
 use crate::pinning;
 use crate::procfs;
@@ -200,7 +200,11 @@ impl Launcher {
         let files = self.layout.rank_files(id);
         std::fs::create_dir_all(&files.dir)
             .map_err(|e| format!("cannot create {}: {e}", files.dir.display()))?;
-        let mut env = rank_env(launch, assignment, &files.receipts);
+        let host = HostContext {
+            gpus: &self.inventory.gpus,
+            inherited_omp_threads: std::env::var_os("OMP_NUM_THREADS").is_some(),
+        };
+        let mut env = rank_env(launch, assignment, &files.receipts, &host);
         if let Some(local_id) = &self.preflight_report {
             env.vars.insert(PREFLIGHT_REPORT.to_string(), local_id.clone());
         }
@@ -237,7 +241,8 @@ impl Launcher {
             .arg("--")
             .args(&exec.argv)
             .current_dir(workdir)
-            .env_remove(NEVER_SET)
+            // Never inherited from the agent: set by the device rule or not at all.
+            .env_remove(VISIBLE_DEVICES)
             .envs(&env.vars)
             .stdin(Stdio::null())
             .stdout(stdout)
@@ -507,7 +512,8 @@ fn launch_json(launch: &Launch, inventory: &HostInventory, layout: &Layout) -> s
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: a.rank };
             json!({
                 "rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu_index,
-                "gpu_uuid": gpu.map(|g| g.uuid.clone()), "numa_node": numa,
+                "gpu_uuid": gpu.map(|g| g.uuid.clone()), "gpu_pci_bus_id": gpu.map(|g| g.pci_bus_id.clone()),
+                "cuda_device": format!("cuda:{}", a.local_rank), "numa_node": numa,
                 "cpus": cpus.map(|n| n.cpus.clone()), "dir": layout.rank_dir(id),
                 "planned_cpus": a.cpus, "planned_mems": (!a.cpus.is_empty() && a.numa_node >= 0).then_some(a.numa_node),
             })
@@ -518,6 +524,7 @@ fn launch_json(launch: &Launch, inventory: &HostInventory, layout: &Layout) -> s
         "job_id": launch.job_id, "attempt": launch.attempt, "world_size": launch.world_size,
         "node_rank": launch.node_rank, "local_world_size": launch.local_world_size,
         "master_addr": launch.master_addr, "master_port": launch.master_port,
+        "cuda_visible_devices": crate::env::visible_devices(launch, &inventory.gpus),
         "spec": {
             "name": spec.name, "engine": engine, "env": spec.env, "preflight": spec.preflight,
             "priority": spec.priority,

@@ -1,5 +1,5 @@
 //! Rank pinning on the agent's side: binding a rank to the CPUs and memory node the controller
-//! planned (DOMAIN.md section 2), and reading back what the kernel really applied.
+//! planned (docs/field-notes.md §2), and reading back what the kernel really applied.
 //!
 //! Applied in the rank's process between fork and exec (see [`Binding::apply_in_child`]):
 //! `sched_setaffinity` for the CPUs and `set_mempolicy(MPOL_BIND)` for memory, as raw calls, so

@@ -45,6 +45,7 @@ fn launch(job_id: u64, ranks: u32, workdir: &Path, argv: &[&str], env: &[(&str, 
             env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             ..Default::default()
         }),
+        node_count: 1,
     }
 }
 
@@ -139,6 +140,11 @@ async fn rank_gets_its_environment_and_exit_status() {
             ("TRAINYARD_ATTEMPT", "1".into()),
             ("TRAINYARD_GPU", rank.to_string()),
             ("TRAINYARD_RECEIPTS", r.files.receipts.display().to_string()),
+            ("GROUP_RANK", "0".into()),
+            ("GROUP_WORLD_SIZE", "1".into()),
+            ("TORCHELASTIC_RUN_ID", "trainyard-job-1".into()),
+            ("TORCHELASTIC_RESTART_COUNT", "1".into()),
+            ("TRAINYARD_GPU_UUID", format!("GPU-{rank}")),
             ("FOO", "bar".into()),
         ];
         for (k, v) in expect {
@@ -151,6 +157,27 @@ async fn rank_gets_its_environment_and_exit_status() {
         serde_json::from_slice(&std::fs::read(h.launcher.layout().launch_json(1, 1)).unwrap()).unwrap();
     assert_eq!(launch_json["ranks"][1]["gpu_uuid"], "GPU-1");
     assert_eq!(launch_json["ranks"][1]["cpus"], "0-3");
+}
+
+/// A job holding part of the host (GPU 1 of 2): its rank sees only that GPU, as cuda:0 =
+/// cuda:LOCAL_RANK, and the launch record says so.
+#[tokio::test]
+async fn a_job_on_part_of_the_host_sees_its_gpus_only() {
+    let mut h = Harness::new();
+    let mut l = launch(9, 1, &h.workdir(), &["sh", "-c", r#"env > "env-part.txt""#], &[]);
+    l.ranks[0].gpu_index = 1;
+    h.launcher.launch(&l);
+    h.wait_for(id(9, 0), "exited", |p, _| p == Phase::Exited).await;
+    let env = std::fs::read_to_string(h.workdir().join("env-part.txt")).unwrap();
+    for line in ["CUDA_VISIBLE_DEVICES=1", "LOCAL_RANK=0", "TRAINYARD_GPU=1", "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
+    {
+        assert!(env.lines().any(|l| l == line), "{line} missing from:\n{env}");
+    }
+    let launch_json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(h.launcher.layout().launch_json(9, 1)).unwrap()).unwrap();
+    assert_eq!(launch_json["cuda_visible_devices"], "1");
+    assert_eq!(launch_json["ranks"][0]["cuda_device"], "cuda:0");
+    assert_eq!(launch_json["ranks"][0]["gpu_uuid"], "GPU-1");
 }
 
 #[tokio::test]

@@ -2,7 +2,7 @@
 //! NVL and PCIe nodes, three quarters of the GPUs busy in a scattered pattern) and 10,000
 //! queued jobs of 1 to 16 GPUs with mixed priorities and class constraints. A decision is one
 //! `scheduler::schedule` pass: every queued job placed, backfilled or given its waiting reason.
-//! Prints the median time per decision; DESIGN.md's target is under 10 ms.
+//! Prints the median time per decision; the target (docs/architecture.md) is under 10 ms.
 //!
 //! Run: `cargo bench -p trainyard-controller --bench schedule` (add `--profile dev` for a
 //! quicker build).

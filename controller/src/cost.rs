@@ -1,5 +1,5 @@
 //! The placement cost model: how long a job's collectives take per optimizer step on a given
-//! placement (pure, DOMAIN.md section 1).
+//! placement (pure, docs/field-notes.md §1).
 //!
 //! Ring algorithms over `N` GPUs moving a buffer of `B` bytes at bus bandwidth `W`:
 //! AllGather and ReduceScatter take `B / W * (N-1)/N`, AllReduce twice that. `W` is the peak
@@ -7,9 +7,9 @@
 //! message size ([`nccl_efficiency`]): real NCCL reaches ~370-410 GB/s bus bandwidth on an
 //! 8xH100 SXM node only for ~1 GB messages and ~150 GB/s for a 58 MB one.
 //!
-//! Checked against DOMAIN.md: nanochat d26 moves ~7.1 GB per step; on SXM the model predicts
-//! ~41 ms (measured optimizer step 57.8 ms, NCCL ~49 ms per GPU), on PCIe ~290 ms (375 ms), a
-//! ratio of ~7x as measured (7.3x).
+//! Checked against the field reports in docs/field-notes.md §1: nanochat d26 moves ~7.1 GB per
+//! step; on SXM the model predicts ~41 ms (measured optimizer step 57.8 ms, NCCL ~49 ms per GPU),
+//! on PCIe ~290 ms (375 ms), a ratio of ~7x as measured (7.3x).
 
 use crate::scheduler::LinkClass;
 
@@ -18,7 +18,8 @@ use crate::scheduler::LinkClass;
 pub const NETWORK_GBPS: f64 = 400.0;
 
 /// Message size assumed when a job declares only its bytes per step: the 58 MB per NCCL call
-/// that DOMAIN.md measured on nanochat d26 (ZeRO-2 moves one parameter matrix per call).
+/// measured on nanochat d26 (docs/field-notes.md §1; ZeRO-2 moves one parameter matrix per
+/// call).
 pub const DEFAULT_MESSAGE_BYTES: u64 = 58_000_000;
 
 /// Peak per-GPU, per-direction bandwidth of a link class in GB/s.
@@ -26,8 +27,8 @@ pub const DEFAULT_MESSAGE_BYTES: u64 = 58_000_000;
 /// - `NV#`: 25 GB/s per NVLink4 link: `NV18` (NVSwitch, SXM) 450, `NV12` (an NVL pair) 300.
 /// - `PIX`/`PXB`/`PHB`: PCIe Gen5 x16, ~64 GB/s.
 /// - `NODE`: PCIe across host bridges in one socket, a little below a direct PCIe path.
-/// - `SYS`: PCIe plus the UPI hop between sockets (DOMAIN.md: an NVL node's cross-pair
-///   AllGather took 8.7 ms against 8.5 ms on PCIe, and CPU-side stalls come on top).
+/// - `SYS`: PCIe plus the UPI hop between sockets (docs/field-notes.md §1: an NVL node's
+///   cross-pair AllGather took 8.7 ms against 8.5 ms on PCIe, and CPU-side stalls come on top).
 /// - `Network`: [`NETWORK_GBPS`]. `Unknown` is costed as `SYS`, the worst known case.
 pub fn link_bandwidth_gbps(link: LinkClass) -> f64 {
     match link {
@@ -56,8 +57,9 @@ const HALF_SATURATION_BYTES: f64 = 109e6;
 const MAX_EFFICIENCY: f64 = 0.962;
 
 /// Fraction of the link's peak that NCCL reaches for one collective of `message_bytes`:
-/// `e(m) = 0.962 * m / (m + 109 MB)`, a saturation curve fitted to DOMAIN.md's two points on
-/// an 8xH100 SXM node (peak 450 GB/s): ~390 GB/s (0.87) at 1 GB and ~150 GB/s (0.33) at 58 MB.
+/// `e(m) = 0.962 * m / (m + 109 MB)`, a saturation curve fitted to the two points of
+/// docs/field-notes.md §1 on an 8xH100 SXM node (peak 450 GB/s): ~390 GB/s (0.87) at 1 GB and
+/// ~150 GB/s (0.33) at 58 MB.
 /// Small messages are latency-bound, hence the steep fall below ~100 MB.
 pub fn nccl_efficiency(message_bytes: u64) -> f64 {
     let m = message_bytes as f64;
@@ -102,10 +104,11 @@ pub fn step_comm_ms(bytes_per_step: u64, world: u32, link: LinkClass) -> f64 {
     calls as f64 * collective_ms(Collective::AllGather, per_call, world, link)
 }
 
-/// The collective calls of one ZeRO-2 optimizer step of the built-in engine (DOMAIN.md
-/// section 6): per parameter tensor, a ReduceScatter of its gradient and an AllGather of the
-/// updated parameter, or one AllReduce of the gradient for tensors under 1024 elements.
-/// `shapes` are the parameter shapes; sizes in bytes per element. The engine feeds this.
+/// The collective calls of one ZeRO-2 optimizer step of the built-in engine
+/// (docs/field-notes.md §6): per parameter tensor, a ReduceScatter of its gradient and an
+/// AllGather of the updated parameter, or one AllReduce of the gradient for tensors under 1024
+/// elements. `shapes` are the parameter shapes; sizes in bytes per element. The engine feeds
+/// this.
 pub fn builtin_calls(shapes: &[Vec<usize>], grad_bytes: u64, param_bytes: u64) -> Vec<(Collective, u64)> {
     let mut calls = Vec::new();
     for shape in shapes {
@@ -136,7 +139,8 @@ mod tests {
         let sxm = step_comm_ms(D26_BYTES, 8, LinkClass::NvLink(18));
         let pcie = step_comm_ms(D26_BYTES, 8, LinkClass::Pix);
         let ratio = pcie / sxm;
-        // DOMAIN.md: 3.9 s vs 28.5 s of NCCL kernel time, 7.3x, "matching the ~7x link ratio".
+        // docs/field-notes.md §1: 3.9 s vs 28.5 s of NCCL kernel time, 7.3x, in line with the ~7x
+        // link-bandwidth ratio.
         assert!((6.5..7.6).contains(&ratio), "ratio {ratio}");
         // Below the measured optimizer steps (57.8 ms and 375 ms), which also hold compute.
         assert!((25.0..57.8).contains(&sxm), "sxm {sxm}");

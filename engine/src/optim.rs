@@ -57,7 +57,7 @@ struct MuonState {
     second: Tensor,
 }
 
-/// Seconds spent in each phase of one step (DOMAIN.md's optimizer phases).
+/// Seconds spent in each phase of one step (the optimizer phases of docs/field-notes.md §5).
 #[derive(Debug, Default, Clone, Copy, serde::Serialize)]
 pub struct Phases {
     pub reduce_s: f64,

@@ -151,8 +151,11 @@ pub struct RunSpec {
     pub stop_after: Option<i64>,
 }
 
+/// The rank's GPU is `cuda:LOCAL_RANK`: the agent's device rule makes that the allocated GPU
+/// (every GPU visible when the job holds the whole host, else a job-wide
+/// `CUDA_VISIBLE_DEVICES` in ascending order). `TRAINYARD_GPU`, the physical index, is recorded.
 fn pick_device(want: &str, env: &RankEnv) -> Result<Device> {
-    let gpu = env.gpu.unwrap_or(env.local_rank);
+    let gpu = env.local_rank;
     match want {
         "cpu" => Ok(Device::Cpu),
         "cuda" => {
@@ -484,8 +487,8 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     Ok(())
 }
 
-/// The environment that reached this rank and matters for comparing runs (DOMAIN.md section
-/// 4: knobs belong in the receipt, not in shell history): the rank variables, and every
+/// The environment that reached this rank and matters for comparing runs (docs/field-notes.md
+/// §4: knobs belong in the receipt, not in shell history): the rank variables, and every
 /// NCCL/CUDA/PyTorch/OpenMP knob that is set, whatever its value.
 fn recorded_env() -> std::collections::BTreeMap<String, String> {
     const RANK_VARS: [&str; 7] =

@@ -4,19 +4,36 @@
 
 /// Variables trainyard sets for every rank (torchrun's, then trainyard's own); a job's
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
-/// when the rank is pinned.
-pub const RANK_ENV: [&str; 15] = [
+/// when the rank is pinned, `CUDA_VISIBLE_DEVICES` only when the job holds part of a host.
+/// docs/internals.md has the table of their meanings next to torchrun's.
+pub const RANK_ENV: [&str; 28] = [
+    // torchrun (torch.distributed.elastic's local agent) gives its workers these.
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
     "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    // The device rule: cuda:LOCAL_RANK is the rank's allocated GPU.
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    // trainyard's own.
+    "NODE_RANK",
     "TRAINYARD_JOB_ID",
     "TRAINYARD_ATTEMPT",
     "TRAINYARD_RECEIPTS",
     "TRAINYARD_GPU",
+    "TRAINYARD_GPU_UUID",
+    "TRAINYARD_GPU_PCI_BUS_ID",
     "TRAINYARD_RESUME",
     "TRAINYARD_CPUS",
     "TRAINYARD_MEMS",

@@ -1,6 +1,6 @@
 //! Receipts from rank files to SQL rows: sustained rate and rank-to-row latency.
 //!
-//! DESIGN.md's targets: at least 100,000 receipts/s sustained into the store on a 2-core
+//! Targets (docs/architecture.md): at least 100,000 receipts/s sustained into the store on a 2-core
 //! controller, and p99 under 1 s from a rank writing a receipt to the row being visible in SQL.
 //! Two agents with 4 ranks each run `examples/flood.py`, which writes receipts stamped with their
 //! write time. Two phases: *burst* (as fast as the ranks can write: the sustained store rate is

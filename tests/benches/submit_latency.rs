@@ -1,5 +1,5 @@
 //! Submit-to-running latency: how long from `ctl submit` to every rank of a trivial exec job
-//! running on localhost (DESIGN.md target: under 300 ms at the median).
+//! running on localhost (target in docs/architecture.md: under 300 ms at the median).
 //!
 //! Starts a real controller and one agent standing in for an 8-GPU node, submits trivial jobs
 //! one after another (each waits for the previous to finish), and reads the times back from the

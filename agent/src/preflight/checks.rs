@@ -1,5 +1,5 @@
 //! The checks: pure functions from what was gathered to rows of `pass | warn | fail | skipped`.
-//! Every remedy quotes what the fault cost in the field reports (DOMAIN.md sections 1-3).
+//! Every remedy quotes what the fault cost in the field reports (docs/field-notes.md §1-§3).
 
 use std::collections::BTreeMap;
 

@@ -1,6 +1,6 @@
 //! CUDA on every GPU, through cudarc's driver API loaded at run time: `cuInit`, then per GPU a
 //! context, an allocation and a round-trip copy. A driver/runtime mismatch shows up here as
-//! "CUDA unknown error" in seconds (DOMAIN.md section 2), before any job is placed.
+//! "CUDA unknown error" in seconds (docs/field-notes.md §2), before any job is placed.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

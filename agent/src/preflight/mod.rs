@@ -1,4 +1,4 @@
-//! Preflight: the checks an operator runs on every fresh node (DOMAIN.md section 3), run by
+//! Preflight: the checks an operator runs on every fresh node (docs/field-notes.md §3), run by
 //! the agent at start, before every launch at the job's level, and on the controller's request.
 //!
 //! [`run`] gathers (through the [`HostProbe`]: inventory, NVML health, CUDA, NCCL) and then

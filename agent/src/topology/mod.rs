@@ -189,11 +189,12 @@ impl Class {
 
     /// Expected all_reduce bus bandwidth (GB/s) at 1 GiB on a healthy 8-GPU node of this class.
     ///
-    /// NVSwitch: DOMAIN.md measures ~370-410 GB/s busbw at ~1 GB on 8xH100 SXM; we expect the
-    /// low end, 370. PCIe and NVL: the field reports measured 7.3x (PCIe) and 7.7x (NVL) the
-    /// NCCL kernel time of SXM for the same traffic (28.5 s and 30.1 s vs 3.9 s per 10 steps),
-    /// matching the ~7x link-bandwidth ratio (450 vs 64 GB/s per GPU), hence 370/7.3 ≈ 50 and
-    /// 370/7.7 ≈ 48. Mixed: a ring runs at its slowest hop, so PCIe's figure.
+    /// NVSwitch: the field reports (docs/field-notes.md §1) measure ~370-410 GB/s busbw at ~1 GB
+    /// on 8xH100 SXM; we expect the low end, 370. PCIe and NVL: the same reports measured 7.3x
+    /// (PCIe) and 7.7x (NVL) the NCCL kernel time of SXM for the same traffic (28.5 s and 30.1 s
+    /// vs 3.9 s per 10 steps), matching the ~7x link-bandwidth ratio (450 vs 64 GB/s per GPU),
+    /// hence 370/7.3 ≈ 50 and 370/7.7 ≈ 48. Mixed: a ring runs at its slowest hop, so PCIe's
+    /// figure.
     pub fn expected_busbw_gbps(self) -> f64 {
         match self {
             Class::NvSwitch => 370.0,
@@ -207,17 +208,18 @@ impl Class {
     /// 85 % of the expectation: a healthy node varies by a few percent run to run, while the
     /// faults this is for cost far more (a NUMA split 1.8x the step time, SHM disabled 3.2x, a
     /// node falling back from NVLink to PCIe ~7x), so a 15 % margin separates the two. Below
-    /// 1 GiB, NCCL does not reach its peak: DOMAIN.md measures ~150 GB/s at 58 MB against ~370
-    /// at 1 GB on NVSwitch, so the floor scales log-linearly between those two points (the same
-    /// shape for every class, which is conservative for PCIe, whose curve flattens earlier).
+    /// 1 GiB, NCCL does not reach its peak: the field reports (docs/field-notes.md §1) measure
+    /// ~150 GB/s at 58 MB against ~370 at 1 GB on NVSwitch, so the floor scales log-linearly
+    /// between those two points (the same shape for every class, which is conservative for PCIe,
+    /// whose curve flattens earlier).
     pub fn busbw_floor_gbps(self, bytes: u64) -> f64 {
         const MARGIN: f64 = 0.85;
         self.expected_busbw_gbps() * MARGIN * size_efficiency(bytes)
     }
 }
 
-/// Fraction of the 1 GiB bus bandwidth an all_reduce of `bytes` reaches (DOMAIN.md: 150/370 at
-/// 58 MB, 1.0 at 1 GB), log-linear in between, clamped to those ends.
+/// Fraction of the 1 GiB bus bandwidth an all_reduce of `bytes` reaches (docs/field-notes.md §1:
+/// 150/370 at 58 MB, 1.0 at 1 GB), log-linear in between, clamped to those ends.
 pub fn size_efficiency(bytes: u64) -> f64 {
     const SMALL_BYTES: f64 = 58e6;
     const SMALL_FRACTION: f64 = 150.0 / 370.0;

@@ -342,10 +342,12 @@ fn launch_messages(core: &Core, job: &ActiveJob, port_base: u16) -> Vec<(String,
     for a in &job.allocations {
         by_agent.entry(a.agent_id.as_str()).or_default().push(a);
     }
+    let node_count = by_agent.len() as u32;
     by_agent
         .into_iter()
         .map(|(agent, allocs)| {
             let launch = Launch {
+                node_count,
                 job_id: job.record.id,
                 attempt: job.record.attempt,
                 world_size,

@@ -1,7 +1,7 @@
 //! Gang placement: a pure function from (queue, fleet view) to placements and waiting reasons.
 //!
 //! All ranks of a job are placed at once or none are, and where they go follows the hardware
-//! (DOMAIN.md sections 1 and 2):
+//! (docs/field-notes.md §1 and §2):
 //!
 //! - A job that fits on one node goes on one node. Inside a node the GPU set with the best
 //!   *worst link* wins (all `NV18` beats NVLink pairs beats PCIe `PIX`/`PXB`/`PHB` beats `NODE`

@@ -1,4 +1,4 @@
-//! Which CPU cores and memory node each rank is bound to (DOMAIN.md section 2).
+//! Which CPU cores and memory node each rank is bound to (docs/field-notes.md §2).
 //!
 //! A rank is bound to the CPUs and the memory of its GPU's NUMA node. The node's CPUs are cut
 //! into one fixed slice per GPU hanging off that NUMA node (the `j`-th GPU by index gets the

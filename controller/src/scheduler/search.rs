@@ -1,10 +1,10 @@
 //! The working state of one scheduling pass and the searches over it.
 //!
-//! Speed (DESIGN.md: one decision over 1,000 hosts x 8 GPUs in under 10 ms): GPUs are bit
-//! masks by position in the node; nodes sit in an index ordered by available GPU count, so a
-//! `k`-GPU search starts at the nodes that fit it most tightly and stops at the first set that
-//! no other node could beat; link matrices are parsed only for nodes a search looks at; and a
-//! request shape that failed once in a pass fails again without a search (capacity only
+//! Speed (docs/architecture.md: one decision over 1,000 hosts x 8 GPUs in under 10 ms): GPUs
+//! are bit masks by position in the node; nodes sit in an index ordered by available GPU count,
+//! so a `k`-GPU search starts at the nodes that fit it most tightly and stops at the first set
+//! that no other node could beat; link matrices are parsed only for nodes a search looks at; and
+//! a request shape that failed once in a pass fails again without a search (capacity only
 //! shrinks during a pass).
 
 use std::cell::OnceCell;
@@ -65,8 +65,13 @@ impl NodeState<'_> {
         self.free & !self.reserved
     }
 
+    /// The GPU indices of `mask`, ascending: local rank i gets the i-th lowest index, so that
+    /// `cuda:LOCAL_RANK` is the rank's GPU under the job's `CUDA_VISIBLE_DEVICES` (the agent
+    /// lists a job's GPUs in ascending order).
     fn gpu_indices(&self, mask: u64) -> Vec<u32> {
-        bits(mask).map(|p| self.view.gpus[p].index).collect()
+        let mut gpus: Vec<u32> = bits(mask).map(|p| self.view.gpus[p].index).collect();
+        gpus.sort_unstable();
+        gpus
     }
 }
 

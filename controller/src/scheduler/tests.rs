@@ -33,7 +33,8 @@ fn node(id: &str, class: &str, numa: &[i32], cell: impl Fn(usize, usize) -> &'st
     }
 }
 
-/// 8x H100 SXM, every GPU on NUMA node 0 (the healthy node of DOMAIN.md's field report).
+/// 8x H100 SXM, every GPU on NUMA node 0 (the healthy node of the field report in
+/// docs/field-notes.md §1).
 fn sxm(id: &str) -> NodeView {
     node(id, "nvswitch", &[0; 8], |_, _| "NV18")
 }

@@ -3,7 +3,7 @@
 //! A node's `links` matrix is what `nvidia-smi topo -m` prints. A set of GPUs is as fast as its
 //! slowest pair (ring collectives run at the pace of their slowest hop), so a set is judged by
 //! its worst link, then by how many NUMA nodes it spans (a split set pays in CPU proxy threads,
-//! DOMAIN.md section 2).
+//! docs/field-notes.md §2).
 
 use std::cmp::Reverse;
 

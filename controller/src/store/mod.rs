@@ -17,8 +17,9 @@
 //! view the scheduler works on. Both are rebuilt at start-up from these tables plus the
 //! agents' hellos.
 //!
-//! The trait is narrow on purpose (see STYLE.md on Ballista's deleted backends): every method
-//! is one transaction, and every implementation runs the same test suite.
+//! The trait is narrow on purpose, because every implementation must be exercised by CI and a
+//! backend nobody runs rots: every method is one transaction, and every implementation runs the
+//! same test suite.
 
 pub mod sqlite;
 
@@ -48,8 +49,8 @@ pub enum StoreError {
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
-/// The states of DESIGN.md: `pending → scheduled → launching → running → succeeded | failed |
-/// cancelled`, plus `restarting` between attempts.
+/// The states of docs/architecture.md: `pending → scheduled → launching → running → succeeded |
+/// failed | cancelled`, plus `restarting` between attempts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum JobState {
     Pending,
