@@ -69,6 +69,10 @@ struct FileJson {
     gpus: Vec<GpuJson>,
     links: Vec<Vec<String>>,
     numa_nodes: Vec<NumaJson>,
+    /// Optional: one entry per physical core, its logical CPUs (`thread_siblings_list`, e.g.
+    /// `"0,112"`), so pinning keeps hyperthread siblings together.
+    #[serde(default)]
+    cores: Vec<String>,
     /// Optional: the host's non-GPU state, instead of reading this machine's.
     #[serde(default)]
     host: Option<HostFacts>,
@@ -205,6 +209,17 @@ fn validate(file: &FileJson) -> Result<(), Invalid> {
             ));
         }
     }
+    let mut seen = BTreeSet::new();
+    for (i, core) in file.cores.iter().enumerate() {
+        let cpus = trainyard_proto::contract::cpulist::parse(core)
+            .map_err(|reason| invalid(format!("cores[{i}]"), reason))?;
+        if cpus.is_empty() {
+            return Err(invalid(format!("cores[{i}]"), "lists no CPU"));
+        }
+        if let Some(cpu) = cpus.iter().find(|c| !seen.insert(**c)) {
+            return Err(invalid(format!("cores[{i}]"), format!("CPU {cpu} is already in another core")));
+        }
+    }
     if let Some(cuda) = &file.cuda {
         for key in cuda.gpu_errors.keys() {
             if !key.parse::<usize>().is_ok_and(|i| i < file.gpus.len()) {
@@ -259,6 +274,7 @@ fn to_inventory(file: FileJson) -> HostInventory {
             .collect(),
         numa_nodes: file.numa_nodes.into_iter().map(|n| NumaNode { id: n.id, cpus: n.cpus }).collect(),
         links: file.links.into_iter().flatten().collect(),
+        cores: file.cores,
     }
 }
 
@@ -308,6 +324,19 @@ mod tests {
         assert_eq!(inv.gpus[1].numa_node, 1);
         assert_eq!(inv.links, vec!["X", "NV18", "NV18", "X"]);
         assert_eq!(inv.numa_nodes[1].cpus, "56-111,168-223");
+    }
+
+    #[test]
+    fn cores_keep_their_siblings_and_may_not_overlap() {
+        let mut v = good();
+        v["cores"] = json!(["0,112", "1,113"]);
+        assert_eq!(parse(&v).unwrap().inventory().unwrap().cores, vec!["0,112", "1,113"]);
+        assert!(parse(&good()).unwrap().inventory().unwrap().cores.is_empty(), "optional");
+        v["cores"] = json!(["0,112", "112,1"]);
+        let err = error_naming(&v, "cores[1]");
+        assert!(err.contains("CPU 112 is already in another core"), "{err}");
+        v["cores"] = json!(["0-"]);
+        error_naming(&v, "cores[0]");
     }
 
     #[test]

@@ -20,6 +20,7 @@ fn inventory() -> HostInventory {
         gpus: vec![gpu(0), gpu(1)],
         numa_nodes: vec![NumaNode { id: 0, cpus: "0-3".into() }],
         links: vec!["X".into(), "NV4".into(), "NV4".into(), "X".into()],
+        cores: vec![],
     }
 }
 

@@ -200,6 +200,7 @@ fn nvml_and_nvidia_smi_views_compare_cell_for_cell() {
         }],
         numa_nodes: vec![NumaNode { id: 0, cpus: "0-15".into() }],
         links: vec!["X".into()],
+        cores: vec![],
     };
     let nvml = Topology::from_inventory(&inventory).expect("inventory");
     assert_eq!(compare("NVML", &nvml, "nvidia-smi", &parsed("h100-1gpu-vm.txt")), Vec::<String>::new());

@@ -68,6 +68,7 @@ fn inventory() -> HostInventory {
             .collect(),
         numa_nodes: vec![NumaNode { id: 0, cpus: "0-55".into() }, NumaNode { id: 1, cpus: "56-111".into() }],
         links: vec![],
+        cores: vec![],
     }
 }
 

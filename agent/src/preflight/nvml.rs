@@ -110,6 +110,7 @@ impl HostProbe for NvmlProbe {
             gpus,
             numa_nodes,
             links: links.iter().flatten().map(Link::to_string).collect(),
+            cores: sysfs_cores(),
         })
     }
 
@@ -228,6 +229,32 @@ fn sysfs_numa_node(bus_id: &str) -> i32 {
     std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(-1)
 }
 
+/// One entry per physical core (`/sys/devices/system/cpu/cpu*/topology/thread_siblings_list`),
+/// ordered by the core's lowest CPU; empty when sysfs does not say.
+pub fn sysfs_cores() -> Vec<String> {
+    let mut cores: BTreeMap<u32, String> = BTreeMap::new();
+    if let Ok(entries) = std::fs::read_dir("/sys/devices/system/cpu") {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.strip_prefix("cpu").and_then(|n| n.parse::<u32>().ok()).is_none() {
+                continue;
+            }
+            let Ok(list) = std::fs::read_to_string(entry.path().join("topology/thread_siblings_list")) else {
+                continue;
+            };
+            let list = list.trim().to_string();
+            if let Some(&first) = trainyard_proto::contract::cpulist::parse(&list)
+                .ok()
+                .and_then(|v| v.first().copied())
+                .as_ref()
+            {
+                cores.insert(first, list);
+            }
+        }
+    }
+    cores.into_values().collect()
+}
+
 /// `/sys/devices/system/node/node*/cpulist`, nodes with CPUs only.
 fn sysfs_numa_nodes() -> Vec<NumaNode> {
     let mut nodes = BTreeMap::new();
@@ -252,6 +279,26 @@ mod tests {
     fn nvml_bus_ids_map_to_sysfs() {
         assert_eq!(sysfs_bus("00000000:18:00.0"), "0000:18:00.0");
         assert_eq!(sysfs_bus("0000:AB:00.0"), "0000:ab:00.0");
+    }
+
+    /// This machine's cores from sysfs: every logical CPU in exactly one core, siblings
+    /// together (on a machine without SMT each core is one CPU).
+    #[test]
+    fn sysfs_cores_partition_the_cpus() {
+        let cores = sysfs_cores();
+        if cores.is_empty() {
+            return; // no sysfs topology here: nothing to check
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for core in &cores {
+            for cpu in trainyard_proto::contract::cpulist::parse(core).expect("kernel list format") {
+                assert!(seen.insert(cpu), "CPU {cpu} in two cores: {cores:?}");
+            }
+        }
+        let online = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_default();
+        if let Ok(online) = trainyard_proto::contract::cpulist::parse(online.trim()) {
+            assert_eq!(seen.into_iter().collect::<Vec<_>>(), online, "every online CPU in a core");
+        }
     }
 
     /// CI has no driver: the probe is refused with the not-found wording.

@@ -183,11 +183,10 @@ impl Controller {
         let allocations: Vec<Allocation> = placement
             .ranks()
             .map(|(rank, node_rank, local_rank, agent, gpu)| {
-                let plan = views
-                    .iter()
-                    .find(|v| v.agent_id == agent)
-                    .filter(|_| pin)
-                    .and_then(|v| scheduler::plan_cpus(v, gpu));
+                let plan = views.iter().find(|v| v.agent_id == agent).filter(|_| pin).and_then(|v| {
+                    let cores = core.agents.get(agent).map_or(&[][..], |e| &e.record.inventory.cores[..]);
+                    scheduler::plan_cpus(v, gpu, cores)
+                });
                 Allocation {
                     id: RankId { job_id, attempt, rank },
                     agent_id: agent.to_string(),

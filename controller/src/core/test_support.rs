@@ -37,6 +37,7 @@ pub(super) fn inventory(host: &str, gpus: u32) -> HostInventory {
             .collect(),
         numa_nodes: vec![NumaNode { id: 0, cpus: "0-55".into() }, NumaNode { id: 1, cpus: "56-111".into() }],
         links: vec![],
+        cores: vec![],
     }
 }
 

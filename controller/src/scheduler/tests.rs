@@ -300,15 +300,44 @@ fn jobs_that_can_never_fit_are_refused_with_the_reason() {
 #[test]
 fn pinning_plan_divides_numa_cores_among_its_gpus() {
     let node = split("split");
-    let p = plan_cpus(&node, 5).unwrap();
+    let p = plan_cpus(&node, 5, &[]).unwrap();
     assert_eq!(p, CpuPlan { cpus: "80-95".into(), numa_node: 1 });
-    assert_eq!(plan_cpus(&node, 0).unwrap().cpus, "0-15");
+    assert_eq!(plan_cpus(&node, 0, &[]).unwrap().cpus, "0-15");
     // Fewer cores than GPUs: each rank gets the whole NUMA node.
     let mut small = sxm("small");
     small.numa_cpus = vec![(0, "0-1".into())];
-    assert_eq!(plan_cpus(&small, 3).unwrap().cpus, "0-1");
+    assert_eq!(plan_cpus(&small, 3, &[]).unwrap().cpus, "0-1");
     small.gpus.truncate(2);
-    assert_eq!(plan_cpus(&small, 1).unwrap().cpus, "1");
+    assert_eq!(plan_cpus(&small, 1, &[]).unwrap().cpus, "1");
     small.gpus[0].numa_node = -1;
-    assert_eq!(plan_cpus(&small, 0), None, "unknown NUMA node: unpinned");
+    assert_eq!(plan_cpus(&small, 0, &[]), None, "unknown NUMA node: unpinned");
+}
+
+/// A real SXM layout: 2 sockets of 56 cores with SMT, NUMA node 0 = CPUs 0-55,112-167 (core c
+/// has the siblings c and c+112), 4 GPUs per node. Each rank gets 14 whole cores, siblings
+/// together, and no two ranks share a physical core; without the sibling map the same CPU list
+/// cut in runs would hand GPU 0 and GPU 2 the two threads of the same 28 cores.
+#[test]
+fn pinning_keeps_hyperthread_siblings_together() {
+    let mut node = split("smt");
+    node.numa_cpus = vec![(0, "0-55,112-167".into()), (1, "56-111,168-223".into())];
+    let cores: Vec<String> = (0..112).map(|c| format!("{c},{}", c + 112)).collect();
+    let plan = |gpu: u32| plan_cpus(&node, gpu, &cores).unwrap().cpus;
+    assert_eq!(plan(0), "0-13,112-125");
+    assert_eq!(plan(2), "28-41,140-153");
+    assert_eq!(plan(5), "70-83,182-195");
+    let core_of = |cpu: u32| cpu % 112;
+    let mut owner = std::collections::HashMap::new();
+    for gpu in 0..8 {
+        let cpus = trainyard_proto::contract::cpulist::parse(&plan(gpu)).unwrap();
+        assert_eq!(cpus.len(), 28, "GPU {gpu}: 14 cores x 2 threads");
+        for cpu in cpus {
+            if let Some(other) = owner.insert(core_of(cpu), gpu) {
+                assert_eq!(other, gpu, "core {} shared by GPUs {other} and {gpu}", core_of(cpu));
+            }
+        }
+    }
+    // Without the siblings: runs of the CPU list, and GPUs 0 and 2 share cores 0-27.
+    let flat = |gpu: u32| plan_cpus(&node, gpu, &[]).unwrap().cpus;
+    assert_eq!((flat(0).as_str(), flat(2).as_str()), ("0-27", "112-139"));
 }

@@ -117,6 +117,7 @@ pub mod fixtures {
                     .collect(),
                 numa_nodes: vec![],
                 links: vec![],
+                cores: vec![],
             },
             state: state.to_owned(),
             last_seen_ms: now_ms,
