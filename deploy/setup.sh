@@ -40,6 +40,13 @@ if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
     echo "setup: installing torch==$TORCH_VERSION into $VENV (a few GB with its CUDA libraries)"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy
 fi
+# PyTorch Lightning, for the end-to-end test that runs a Lightning DDP script as a job
+# (tests/tests/real_scripts.rs); torchrun comes with torch.
+LIGHTNING_VERSION=2.6.6
+if ! "$VENV/bin/python" -c "import sys, lightning; sys.exit(lightning.__version__ != '$LIGHTNING_VERSION')" >/dev/null 2>&1; then
+    echo "setup: installing lightning==$LIGHTNING_VERSION into $VENV"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "lightning==$LIGHTNING_VERSION" "torch==$TORCH_VERSION"
+fi
 TORCH_DIR="$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 ln -sfnr "$TORCH_DIR" "$VENV/libtorch"
 # cudarc looks for libnccl.so, not the wheel's libnccl.so.2: a link to the same file, in a

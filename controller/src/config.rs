@@ -33,4 +33,9 @@ impl ControllerConfig {
         self.agent_timeout = timeout;
         self
     }
+
+    pub fn with_master_port_base(mut self, base: u16) -> Self {
+        self.master_port_base = base;
+        self
+    }
 }
