@@ -53,7 +53,15 @@ impl Controller {
             (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
             (new, old) => new.or(old),
         };
-        let entry = AgentEntry { record, link, leaving: false, disconnected_since: None, preflight };
+        let entry = AgentEntry {
+            record,
+            link,
+            leaving: false,
+            disconnected_since: None,
+            preflight,
+            unresponsive: false,
+        };
+        self.agent_seen(&agent_id);
         core.agents.insert(agent_id.clone(), entry);
         tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
         for report in &hello.ranks {
@@ -242,6 +250,62 @@ impl Controller {
         entry.record.last_seen_ms = now;
         tracing::info!(agent_id, conn_id, state, "agent stream ended");
         self.store.set_agent_state(agent_id, state, now).await?;
+        Ok(())
+    }
+
+    /// Notes that `agent_id` just sent something (every message of its stream counts, a
+    /// heartbeat included). Takes no lock on the controller's state.
+    pub fn agent_seen(&self, agent_id: &str) {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.insert(agent_id.to_string(), now_ms());
+    }
+
+    /// Marks connected agents that have sent nothing for `unresponsive_after` as
+    /// `unresponsive` (no new work) and back when they speak again, moves their `last_seen_ms`
+    /// forward, and writes it to the store every [`super::SEEN_PERSIST_EVERY`].
+    pub async fn check_liveness(&self) -> Result<()> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let limit = self.config.unresponsive_after.as_millis() as i64;
+        let now = now_ms();
+        let mut recovered = false;
+        let mut touched = Vec::new();
+        {
+            let mut core = self.core.lock().await;
+            for e in core.agents.values_mut() {
+                if e.link.is_none() {
+                    e.unresponsive = false;
+                    continue;
+                }
+                let id = e.record.agent_id.clone();
+                if let Some(&at) = seen.get(&id) {
+                    e.record.last_seen_ms = e.record.last_seen_ms.max(at);
+                }
+                let silent_ms = now - e.record.last_seen_ms;
+                let silent = silent_ms > limit;
+                if silent && !e.unresponsive {
+                    tracing::warn!(agent_id = %id, silent_s = silent_ms / 1000, "agent unresponsive: its stream is open but it sent nothing; no new work goes there");
+                } else if !silent && e.unresponsive {
+                    tracing::info!(agent_id = %id, "agent responsive again");
+                    recovered = true;
+                }
+                e.unresponsive = silent;
+                touched.push((id, e.record.last_seen_ms));
+            }
+            if recovered {
+                self.schedule_pass(&mut core).await?;
+            }
+        }
+        let due = {
+            let mut last = self.seen_persisted.lock().unwrap_or_else(|p| p.into_inner());
+            let due = last.elapsed() >= super::SEEN_PERSIST_EVERY;
+            if due {
+                *last = Instant::now();
+            }
+            due
+        };
+        if due {
+            self.store.touch_agents(&touched).await?;
+        }
         Ok(())
     }
 

@@ -270,7 +270,7 @@ impl Core {
         }
         self.agents
             .values()
-            .filter(|e| all || (e.link.is_some() && !e.leaving && !e.failing()))
+            .filter(|e| all || (e.link.is_some() && !e.leaving && !e.unresponsive && !e.failing()))
             .map(|e| {
                 let inv = &e.record.inventory;
                 let id = e.record.agent_id.as_str();

@@ -72,7 +72,16 @@ pub struct Controller {
     core: Mutex<Core>,
     /// Bumped whenever receipts are stored or a job changes; `Watch` streams wait on it.
     changes: watch::Sender<u64>,
+    /// When each agent last sent anything (a heartbeat or any other message), in ms. A
+    /// `std::sync::Mutex`, not the core's lock: every message of every agent touches it, no
+    /// `.await` happens while it is held, and the liveness check reads it twice a second.
+    seen: std::sync::Mutex<HashMap<String, i64>>,
+    /// When `last_seen_ms` was last written to the store (at most every [`SEEN_PERSIST_EVERY`]).
+    seen_persisted: std::sync::Mutex<Instant>,
 }
+
+/// How often heartbeats move `agents.last_seen_ms` forward in the store.
+const SEEN_PERSIST_EVERY: Duration = Duration::from_secs(10);
 
 /// What lives only in memory, rebuilt at start-up from the store and the agents' hellos.
 #[derive(Default)]
@@ -94,6 +103,8 @@ struct AgentEntry {
     disconnected_since: Option<Instant>,
     /// The agent's latest preflight report (from its hello or a re-run), if any.
     preflight: Option<trainyard_proto::v1::PreflightReport>,
+    /// Its stream is open but it has sent nothing for `unresponsive_after`: no new work.
+    unresponsive: bool,
 }
 
 /// The send side of an agent's stream.
@@ -122,6 +133,7 @@ impl Controller {
                 leaving: false,
                 disconnected_since: Some(now),
                 preflight: None,
+                unresponsive: false,
             };
             core.agents.insert(entry.record.agent_id.clone(), entry);
         }
@@ -144,7 +156,14 @@ impl Controller {
         }
         tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
         let (changes, _) = watch::channel(0);
-        Ok(Arc::new(Controller { store, config, core: Mutex::new(core), changes }))
+        Ok(Arc::new(Controller {
+            store,
+            config,
+            core: Mutex::new(core),
+            changes,
+            seen: std::sync::Mutex::new(HashMap::new()),
+            seen_persisted: std::sync::Mutex::new(now),
+        }))
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -174,13 +193,16 @@ impl Controller {
                     if let Err(e) = self.reap_vanished_agents().await {
                         tracing::error!(error = %e, "failed to reap vanished agents");
                     }
+                    if let Err(e) = self.check_liveness().await {
+                        tracing::error!(error = %e, "failed to check agent liveness");
+                    }
                 }
             }
         }
     }
 }
 
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)

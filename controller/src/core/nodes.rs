@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use trainyard_proto::v1::{HostInventory, NodeInfo, PreflightReport, RunPreflight, controller_message::Msg};
 
-use super::{AgentEntry, Controller, ControllerError, Core, Result, now_ms, rank_done};
+use super::{AgentEntry, Controller, ControllerError, Core, Result, rank_done};
 
 /// Levels an operator may ask an agent to run.
 pub const PREFLIGHT_RUN_LEVELS: [&str; 3] = ["quick", "standard", "full"];
@@ -24,9 +24,10 @@ impl AgentEntry {
         self.preflight.as_ref().is_some_and(|r| r.verdict == "fail")
     }
 
-    /// `connected`, `leaving` or `disconnected`, as the fleet table shows it.
+    /// `connected`, `unresponsive`, `leaving` or `disconnected`, as the fleet table shows it.
     fn state(&self) -> &'static str {
         match (self.link.is_some(), self.leaving || self.record.state == "leaving") {
+            (true, false) if self.unresponsive => "unresponsive",
             (true, false) => "connected",
             (_, true) => "leaving",
             (false, false) => "disconnected",
@@ -37,12 +38,16 @@ impl AgentEntry {
 impl Controller {
     /// One row per known agent, by agent id.
     pub async fn nodes(&self) -> Vec<NodeInfo> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let core = self.core.lock().await;
         let busy = core.busy_gpus();
-        let now = now_ms();
         core.agents
             .values()
-            .map(|e| node_info(e, &busy, now))
+            .map(|e| {
+                // A connected agent's newest message may be younger than the last liveness pass.
+                let heard = seen.get(&e.record.agent_id).copied().filter(|_| e.link.is_some());
+                node_info(e, &busy, heard.map_or(e.record.last_seen_ms, |at| at.max(e.record.last_seen_ms)))
+            })
             .collect::<BTreeMap<_, _>>()
             .into_values()
             .collect()
@@ -143,7 +148,7 @@ impl Core {
 }
 
 /// (agent id, row of the fleet table) for one agent.
-fn node_info(e: &AgentEntry, busy: &BTreeSet<(String, u32)>, now_ms: i64) -> (String, NodeInfo) {
+fn node_info(e: &AgentEntry, busy: &BTreeSet<(String, u32)>, last_seen_ms: i64) -> (String, NodeInfo) {
     let inv = &e.record.inventory;
     let id = &e.record.agent_id;
     let report = e.preflight.as_ref();
@@ -160,8 +165,8 @@ fn node_info(e: &AgentEntry, busy: &BTreeSet<(String, u32)>, now_ms: i64) -> (St
         numa_layout: numa_layout(inv),
         verdict: report.map(|r| r.verdict.clone()).unwrap_or_default(),
         verdict_reason: unschedulable_reason(report, state),
-        // A connected agent is seen right now (heartbeats are not written to the store).
-        last_seen_ms: if state == "connected" { now_ms } else { e.record.last_seen_ms },
+        // The last message of a connected agent (heartbeats every 2 s), or when it went away.
+        last_seen_ms,
         preflight_report_id: report.map_or(0, |r| r.report_id),
     };
     (id.clone(), info)
@@ -212,6 +217,9 @@ pub fn unschedulable_reason(report: Option<&PreflightReport>, state: &str) -> St
         (true, _) => failing.join("; "),
         (false, "connected") => String::new(),
         (false, "leaving") => "agent is leaving".to_string(),
+        (false, "unresponsive") => {
+            "agent is unresponsive: its stream is open but its heartbeats stopped".to_string()
+        }
         (false, _) => "agent is not connected".to_string(),
     }
 }

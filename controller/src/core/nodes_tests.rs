@@ -188,3 +188,34 @@ fn reasons_name_failing_checks_or_the_state() {
     assert_eq!(unschedulable_reason(None, "disconnected"), "agent is not connected");
     assert_eq!(unschedulable_reason(Some(&report("h", 1, &[])), "connected"), "");
 }
+
+/// An agent whose stream stays open but sends nothing is `unresponsive` after
+/// `unresponsive_after`: the table says so with its real age, and no new work goes there; the
+/// next message it sends brings it back and the waiting job is placed at once.
+#[tokio::test]
+async fn a_silent_agent_is_unresponsive_and_gets_no_work_until_it_speaks() {
+    let store = store().await;
+    let config = crate::ControllerConfig::default().with_unresponsive_after(Duration::from_millis(300));
+    let c = Controller::start(store.clone(), config).await.expect("start");
+    let mut quiet = connect(&c, "quiet", 2, Some(report("quiet", 1, &[]))).await;
+    c.check_liveness().await.expect("liveness");
+    assert_eq!(row(&c.nodes().await, "quiet").state, "connected");
+
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    c.check_liveness().await.expect("liveness");
+    let nodes = c.nodes().await;
+    let q = row(&nodes, "quiet");
+    assert_eq!(q.state, "unresponsive");
+    assert!(q.verdict_reason.contains("heartbeats stopped"), "{}", q.verdict_reason);
+    let age = crate::core::now_ms() - q.last_seen_ms;
+    assert!(age >= 400, "ctl nodes shows the real age of the last message: {age} ms");
+    let job = c.submit(spec(1)).await.expect("submit");
+    assert!(quiet.launched_jobs().is_empty(), "no work for an unresponsive agent");
+
+    c.agent_seen("quiet");
+    c.check_liveness().await.expect("liveness");
+    assert_eq!(row(&c.nodes().await, "quiet").state, "connected");
+    assert_eq!(quiet.launched_jobs(), [job], "the waiting job goes there once it speaks");
+    let stored = store.snapshot().await.expect("snapshot");
+    assert!(stored.agents.iter().any(|a| a.agent_id == "quiet" && a.state == "connected"));
+}

@@ -89,8 +89,14 @@ async fn serve(
             next = inbound.message() => next,
         };
         let msg = match next {
-            Ok(Some(AgentMessage { msg: Some(msg) })) => msg,
-            Ok(Some(AgentMessage { msg: None })) => continue,
+            Ok(Some(AgentMessage { msg: Some(msg) })) => {
+                controller.agent_seen(agent_id);
+                msg
+            }
+            Ok(Some(AgentMessage { msg: None })) => {
+                controller.agent_seen(agent_id);
+                continue;
+            }
             Ok(None) => return,
             Err(status) => {
                 tracing::info!(agent_id, code = ?status.code(), message = status.message(), "agent stream broke");
@@ -132,6 +138,7 @@ async fn serve(
                     tracing::error!(agent_id, error = %e, "failed to record that an agent is leaving");
                 }
             }
+            // Every message counts as a sign of life (see the top of the loop).
             agent_message::Msg::Heartbeat(_) => {}
             agent_message::Msg::Preflight(report) => {
                 if let Err(e) = controller.agent_preflight(agent_id, report).await {

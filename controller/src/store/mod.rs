@@ -259,6 +259,10 @@ pub trait Store: Send + Sync + 'static {
 
     async fn set_agent_state(&self, agent_id: &str, state: &str, now_ms: i64) -> Result<()>;
 
+    /// Moves `last_seen_ms` of connected agents forward (heartbeats), one transaction for all;
+    /// unknown agents are ignored.
+    async fn touch_agents(&self, seen: &[(String, i64)]) -> Result<()>;
+
     /// Jobs, allocations and agents to rebuild the in-memory view after a restart.
     async fn snapshot(&self) -> Result<Snapshot>;
 

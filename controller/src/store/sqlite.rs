@@ -345,6 +345,23 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn touch_agents(&self, seen: &[(String, i64)]) -> Result<()> {
+        if seen.is_empty() {
+            return Ok(());
+        }
+        self.run("touch_agents", Mode::Write, async |c| {
+            for (agent_id, at_ms) in seen {
+                sqlx::query("UPDATE agents SET last_seen_ms = max(last_seen_ms, ?) WHERE agent_id = ?")
+                    .bind(*at_ms)
+                    .bind(agent_id.to_owned())
+                    .execute(&mut *c)
+                    .await?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// An unknown agent is ignored: it has never said hello, so there is nothing to update.
     async fn set_agent_state(&self, agent_id: &str, state: &str, now_ms: i64) -> Result<()> {
         self.run("set_agent_state", Mode::Write, async |c| {

@@ -313,10 +313,13 @@ pub mod suite {
         s.upsert_agent(&again).await.unwrap();
         s.set_agent_state("sxm-b", "leaving", 300).await.unwrap();
         s.set_agent_state("never-seen", "connected", 300).await.unwrap();
+        // Heartbeats move last_seen forward, never back; unknown agents are ignored.
+        s.touch_agents(&[("sxm-a".into(), 5_000), ("never-seen".into(), 9_000)]).await.unwrap();
+        s.touch_agents(&[("sxm-a".into(), 4_000)]).await.unwrap();
 
         let snap = s.snapshot().await.unwrap();
         assert_eq!(snap.agents.len(), 2);
-        assert_eq!(snap.agents[0], again);
+        assert_eq!(snap.agents[0], AgentRecord { last_seen_ms: 5_000, ..again });
         assert_eq!((snap.agents[1].state.as_str(), snap.agents[1].last_seen_ms), ("leaving", 300));
         assert_eq!(snap.agents[1].inventory.gpus.len(), 4);
     }
