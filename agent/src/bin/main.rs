@@ -150,8 +150,6 @@ fn main() -> ExitCode {
 
 /// `trainyard-agent preflight`: exit 0 on pass or warn, 1 on fail, 2 when it cannot run.
 fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
-    use trainyard_agent::host::{HostFile, HostProbe};
-    use trainyard_agent::preflight::nvml::NvmlProbe;
     use trainyard_agent::preflight::{self, HostFacts, Level, Request};
 
     let usage = |message: String| {
@@ -162,15 +160,9 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
         Ok(level) => level,
         Err(e) => return usage(e),
     };
-    let probe: Box<dyn HostProbe> = match &cli.host_file {
-        Some(path) => match HostFile::load(path) {
-            Ok(file) => Box::new(file),
-            Err(e) => return usage(e.to_string()),
-        },
-        None => match NvmlProbe::new(trainyard_agent::host::hostname()) {
-            Ok(probe) => Box::new(probe),
-            Err(why) => return usage(format!("no --host-file and {why}")),
-        },
+    let probe = match host_probe(cli) {
+        Ok(probe) => probe,
+        Err(why) => return usage(why),
     };
     let agent_id = match (&cli.agent_id, probe.inventory()) {
         (Some(id), _) => id.clone(),
@@ -203,8 +195,6 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
 
 fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
     use std::io::Read;
-    use trainyard_agent::host::{HostFile, HostProbe};
-    use trainyard_agent::preflight::nvml::NvmlProbe;
     use trainyard_agent::topology::{self, Topology};
 
     let fail = |message: String| {
@@ -232,15 +222,9 @@ fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
             Err(e) => fail(format!("{name}: {e}")),
         };
     }
-    let probe: Box<dyn HostProbe> = match &cli.host_file {
-        Some(path) => match HostFile::load(path) {
-            Ok(file) => Box::new(file),
-            Err(e) => return fail(e.to_string()),
-        },
-        None => match NvmlProbe::new(trainyard_agent::host::hostname()) {
-            Ok(probe) => Box::new(probe),
-            Err(why) => return fail(format!("no FILE, no --host-file and {why}")),
-        },
+    let probe = match host_probe(cli) {
+        Ok(probe) => probe,
+        Err(why) => return fail(format!("no FILE, and {why}")),
     };
     let ours = match probe
         .inventory()
@@ -291,6 +275,18 @@ fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
             println!("\nnvidia-smi topo -m printed:\n{smi}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The host file when one is given, NVML otherwise; the error says why neither can be used.
+fn host_probe(cli: &Cli) -> Result<Box<dyn trainyard_agent::host::HostProbe>, String> {
+    use trainyard_agent::host::HostFile;
+    use trainyard_agent::preflight::nvml::NvmlProbe;
+    match &cli.host_file {
+        Some(path) => HostFile::load(path).map(|f| Box::new(f) as _).map_err(|e| e.to_string()),
+        None => NvmlProbe::new(trainyard_agent::host::hostname())
+            .map(|p| Box::new(p) as _)
+            .map_err(|why| format!("no --host-file and {why}")),
     }
 }
 
