@@ -80,6 +80,7 @@ pub async fn serve<F: Future>(
         preflight: identity.preflight.clone(),
         checked_tx,
         checked,
+        logs: HashMap::new(),
     };
     let hello = session.hello(identity);
     if session.send(Out::Hello(hello)).await.is_err() {
@@ -138,6 +139,8 @@ struct Session<'a> {
     /// Launches whose preflight finished, from the tasks that ran it.
     checked_tx: mpsc::Sender<(Launch, PreflightReport)>,
     checked: mpsc::Receiver<(Launch, PreflightReport)>,
+    /// `ctl logs` readers by request id; a reader cancels its own token when it is done.
+    logs: HashMap<u64, tokio_util::sync::CancellationToken>,
 }
 
 /// The stream is gone; the session ends.
@@ -245,6 +248,22 @@ impl Session<'_> {
                 }
                 Err(e) => warn!(error = %e, "ignoring run-preflight"),
             },
+            Some(In::ReadLogs(request)) => {
+                let id = RankId { job_id: request.job_id, attempt: request.attempt, rank: request.rank };
+                let files = self.launcher.layout().rank_files(id);
+                let files =
+                    crate::logs::RankLogs { stdout: files.stdout, stderr: files.stderr, exit: files.exit };
+                self.logs.retain(|_, stop| !stop.is_cancelled());
+                let stop = tokio_util::sync::CancellationToken::new();
+                self.logs.insert(request.request_id, stop.clone());
+                debug!(request_id = request.request_id, job_id = id.job_id, rank = id.rank, "reading logs");
+                tokio::spawn(crate::logs::serve(request, files, self.tx.clone(), stop));
+            }
+            Some(In::StopLogs(stop)) => {
+                if let Some(token) = self.logs.remove(&stop.request_id) {
+                    token.cancel();
+                }
+            }
             Some(In::HelloAck(_)) => debug!("ignoring a second HelloAck"),
             None => debug!("ignoring an empty controller message"),
         }

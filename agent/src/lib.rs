@@ -13,6 +13,7 @@
 //! - [`launcher`]: turns a `Launch` into shims and ranks, cancels, detects exits, adopts.
 //! - [`tail`]: the receipts tailer: lines to receipts, acknowledged positions, rewinds.
 //! - [`connection`]: one stream to the controller: hello, then the select loop.
+//! - [`logs`]: a rank's stdout/stderr for `ctl logs`, read from its run directory in chunks.
 //! - [`preflight`]: the node checks (topology, NUMA, host, NVML, CUDA, NCCL) and their report.
 //! - [`topology`]: the node's GPU/NUMA/NIC model, its interconnect class, `nvidia-smi topo -m`
 //!   rendering and parsing.
@@ -24,6 +25,7 @@ pub mod env;
 pub mod host;
 pub mod launcher;
 pub mod layout;
+pub mod logs;
 pub mod pinning;
 pub mod preflight;
 pub mod procfs;

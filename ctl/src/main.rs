@@ -65,6 +65,19 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
         output: Format,
     },
+    /// Print a rank's stdout and stderr, read by its agent (works after the job ended).
+    Logs {
+        job: u64,
+        /// The rank (default 0).
+        #[arg(long, default_value_t = 0)]
+        rank: u32,
+        /// Only the last N lines of each stream (0: everything).
+        #[arg(long, default_value_t = 0)]
+        tail: u32,
+        /// Keep printing new output until the rank ends.
+        #[arg(short = 'f', long)]
+        follow: bool,
+    },
     /// Show the fleet: every node with its GPUs, class, NUMA layout, verdict and free GPUs.
     Nodes {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
@@ -122,6 +135,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cancel { job } => commands::cancel::run(&mut ctl, job).await,
         Command::Watch { job, from, output } => {
             commands::watch::run(&mut ctl, job, from, output == Format::Json).await
+        }
+        Command::Logs { job, rank, tail, follow } => {
+            commands::logs::run(&mut ctl, job, rank, tail, follow).await
         }
         Command::Nodes { output } => commands::nodes::run(&mut ctl, output == Format::Json).await,
         Command::Preflight { host, run, output } => {

@@ -249,6 +249,7 @@ impl Controller {
         entry.record.state = state.to_string();
         entry.record.last_seen_ms = now;
         tracing::info!(agent_id, conn_id, state, "agent stream ended");
+        self.fail_logs_of(agent_id);
         self.store.set_agent_state(agent_id, state, now).await?;
         Ok(())
     }

@@ -17,6 +17,8 @@
 mod agents;
 pub use agents::MAX_BATCH;
 mod jobs;
+mod logs;
+pub use logs::LogEvent;
 mod nodes;
 pub use nodes::{PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
 #[cfg(test)]
@@ -58,6 +60,9 @@ pub enum ControllerError {
     PreflightTimeout { agent: String, level: String, waited_s: u64 },
     #[error("request rejected: {0}")]
     BadRequest(String),
+    /// The logs cannot be read now (no ranks yet, the node is not connected), and why.
+    #[error("{0}")]
+    LogsUnavailable(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -78,6 +83,9 @@ pub struct Controller {
     seen: std::sync::Mutex<HashMap<String, i64>>,
     /// When `last_seen_ms` was last written to the store (at most every [`SEEN_PERSIST_EVERY`]).
     seen_persisted: std::sync::Mutex<Instant>,
+    /// Open `Logs` requests by id (see `logs`), and the last id handed out.
+    logs: std::sync::Mutex<HashMap<u64, logs::LogWaiter>>,
+    next_log_request: std::sync::atomic::AtomicU64,
 }
 
 /// How often heartbeats move `agents.last_seen_ms` forward in the store.
@@ -163,6 +171,8 @@ impl Controller {
             changes,
             seen: std::sync::Mutex::new(HashMap::new()),
             seen_persisted: std::sync::Mutex::new(now),
+            logs: std::sync::Mutex::new(HashMap::new()),
+            next_log_request: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 

@@ -13,12 +13,12 @@ use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::Jobs;
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, GetJobRequest, Job, JobStateChange, ListJobsRequest, ListJobsResponse,
-    NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt, SubmitRequest,
-    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    LogChunk, LogsRequest, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt,
+    SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use super::to_status;
-use crate::core::{Controller, ControllerError, PREFLIGHT_RUN_TIMEOUT};
+use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
 use crate::store::{JobState, StoreError};
 
 /// Receipts read from the store per round trip of a watcher.
@@ -36,6 +36,7 @@ impl JobsService {
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchEvent, Status>> + Send>>;
+type LogsStream = Pin<Box<dyn Stream<Item = Result<LogChunk, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Jobs for JobsService {
@@ -92,6 +93,21 @@ impl Jobs for JobsService {
     }
 
     type WatchStream = WatchStream;
+    type LogsStream = LogsStream;
+
+    async fn logs(&self, request: Request<LogsRequest>) -> Result<Response<LogsStream>, Status> {
+        let req = request.into_inner();
+        let rx = self
+            .controller
+            .open_logs(req.job_id, req.rank, req.tail_lines, req.follow)
+            .await
+            .map_err(to_status)?;
+        let chunks = tokio_stream::StreamExt::map(ReceiverStream::new(rx), |event| match event {
+            LogEvent::Chunk { stream, data } => Ok(LogChunk { stream, data }),
+            LogEvent::Failed(why) => Err(Status::unavailable(why)),
+        });
+        Ok(Response::new(Box::pin(chunks)))
+    }
 
     async fn watch(&self, request: Request<WatchRequest>) -> Result<Response<WatchStream>, Status> {
         let req = request.into_inner();

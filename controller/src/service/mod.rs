@@ -26,6 +26,7 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
         }
         ControllerError::PreflightTimeout { .. } => tonic::Status::deadline_exceeded(e.to_string()),
         ControllerError::BadRequest(_) => tonic::Status::invalid_argument(e.to_string()),
+        ControllerError::LogsUnavailable(_) => tonic::Status::failed_precondition(e.to_string()),
         ControllerError::Store(StoreError::JobNotFound(_)) => tonic::Status::not_found(e.to_string()),
         ControllerError::Store(StoreError::StateConflict { .. }) => tonic::Status::aborted(e.to_string()),
         ControllerError::Store(_) => {

@@ -7,8 +7,9 @@ use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest,
-    ListJobsResponse, NodeInfo, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus,
-    StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    ListJobsResponse, LogChunk, LogsRequest, NodeInfo, NodesRequest, NodesResponse, PreflightReport,
+    PreflightRequest, RankStatus, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
+    watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -72,6 +73,17 @@ impl Jobs for Fake {
         let mut job = self.job.lock().expect("lock");
         job.state = "cancelled".into();
         Ok(Response::new(CancelResponse { job: Some(job.clone()) }))
+    }
+
+    type LogsStream = tokio_stream::Iter<std::vec::IntoIter<Result<LogChunk, Status>>>;
+
+    /// One line of stdout, then the node goes away mid-stream.
+    async fn logs(&self, _: Request<LogsRequest>) -> Result<Response<Self::LogsStream>, Status> {
+        let chunks = vec![
+            Ok(LogChunk { stream: "stdout".into(), data: b"hello\n".to_vec() }),
+            Err(Status::unavailable("node node-a disconnected while its logs were being read")),
+        ];
+        Ok(Response::new(tokio_stream::iter(chunks)))
     }
 
     type WatchStream = tokio_stream::Iter<std::vec::IntoIter<Result<WatchEvent, Status>>>;
@@ -158,4 +170,13 @@ async fn nodes_and_preflight_answer_or_say_why_not() {
     let err =
         super::preflight::run(&mut ctl, "node-a", Some("quick"), true).await.expect_err("not connected");
     assert_eq!(err.to_string(), "node node-a is not connected, so it cannot run a preflight now");
+}
+
+/// A log stream that breaks (its node went away) ends `ctl logs` with the reason.
+#[tokio::test]
+async fn logs_end_with_the_reason_when_the_stream_breaks() {
+    let fake = Fake { job: Mutex::new(job("running", 1)), gets_until_stopped: Mutex::new(0), events: vec![] };
+    let mut ctl = serve(fake).await;
+    let err = super::logs::run(&mut ctl, 7, 0, 0, true).await.expect_err("broken stream");
+    assert!(err.to_string().contains("disconnected while its logs were being read"), "{err}");
 }

@@ -1,0 +1,248 @@
+//! A rank's stdout and stderr for `ctl logs`, read from the files the agent keeps in the rank's
+//! run directory (nothing is copied to the store) and sent back as `LogData` on the stream.
+//!
+//! Memory stays bounded whatever the file sizes: the files are read in [`CHUNK`]-byte pieces,
+//! each sent before the next is read, through the session's bounded channel (a slow controller
+//! slows the reader, it does not queue the file). The tail is found by scanning back from the
+//! end in blocks. With `follow`, new output is read every [`FOLLOW_EVERY`] until the rank has
+//! ended (its `exit.json` exists) and both files are read to the end, or the request is stopped.
+
+use std::io::SeekFrom;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use trainyard_proto::v1::agent_message::Msg as Out;
+use trainyard_proto::v1::{AgentMessage, LogData, ReadLogs};
+
+/// Bytes per `LogData` message.
+pub const CHUNK: usize = 64 * 1024;
+/// How often a followed rank's files are read for new output.
+pub const FOLLOW_EVERY: Duration = Duration::from_millis(250);
+
+/// The files of one rank.
+#[derive(Debug, Clone)]
+pub struct RankLogs {
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+    /// Written by the shim when the rank ends: following stops once it exists.
+    pub exit: PathBuf,
+}
+
+/// Serves `request` until it is answered, stopped, or the stream is gone; the last message has
+/// `done` set, with `error` when the files cannot be read.
+pub async fn serve(
+    request: ReadLogs,
+    files: RankLogs,
+    tx: mpsc::Sender<AgentMessage>,
+    stop: CancellationToken,
+) {
+    let id = request.request_id;
+    let outcome = tokio::select! {
+        _ = stop.cancelled() => return,
+        outcome = stream(&request, &files, &tx) => outcome,
+    };
+    let error = match outcome {
+        Ok(()) => String::new(),
+        Err(Gone) => return,
+        Err(Failed(e)) => e,
+    };
+    let _ = tx.send(message(LogData { request_id: id, done: true, error, ..Default::default() })).await;
+    stop.cancel();
+}
+
+/// Why streaming ended early.
+enum End {
+    /// The stream to the controller is closed: nothing more to do.
+    Gone,
+    Failed(String),
+}
+use End::{Failed, Gone};
+
+async fn stream(request: &ReadLogs, files: &RankLogs, tx: &mpsc::Sender<AgentMessage>) -> Result<(), End> {
+    let what = format!("job {} attempt {} rank {}", request.job_id, request.attempt, request.rank);
+    if !files.stdout.exists() && !files.stderr.exists() {
+        return Err(Failed(format!(
+            "no logs of {what} on this host ({} does not exist: the run directory was removed or the rank never started here)",
+            files.stdout.display()
+        )));
+    }
+    let mut offsets = [0u64; 2];
+    let streams = [("stdout", &files.stdout), ("stderr", &files.stderr)];
+    for (k, (name, path)) in streams.iter().enumerate() {
+        offsets[k] = tail_start(path, request.tail_lines)
+            .await
+            .map_err(|e| Failed(format!("{}: {e}", path.display())))?;
+        offsets[k] = send_from(request.request_id, name, path, offsets[k], tx).await?;
+    }
+    if !request.follow {
+        return Ok(());
+    }
+    loop {
+        // Read once more after the rank ended, so its last lines are not lost.
+        let ended = files.exit.exists();
+        for (k, (name, path)) in streams.iter().enumerate() {
+            offsets[k] = send_from(request.request_id, name, path, offsets[k], tx).await?;
+        }
+        if ended {
+            return Ok(());
+        }
+        tokio::time::sleep(FOLLOW_EVERY).await;
+    }
+}
+
+/// Sends `path` from `offset` to its current end in [`CHUNK`]s; returns the new offset. A file
+/// that does not exist (yet) sends nothing.
+async fn send_from(
+    request_id: u64,
+    stream: &str,
+    path: &PathBuf,
+    mut offset: u64,
+    tx: &mpsc::Sender<AgentMessage>,
+) -> Result<u64, End> {
+    let Ok(mut file) = tokio::fs::File::open(path).await else { return Ok(offset) };
+    let len = file.metadata().await.map_err(|e| Failed(format!("{}: {e}", path.display())))?.len();
+    if len < offset {
+        offset = 0; // truncated: start over
+    }
+    file.seek(SeekFrom::Start(offset)).await.map_err(|e| Failed(format!("{}: {e}", path.display())))?;
+    let mut buf = vec![0u8; CHUNK];
+    while offset < len {
+        let want = CHUNK.min((len - offset) as usize);
+        let n = file.read(&mut buf[..want]).await.map_err(|e| Failed(format!("{}: {e}", path.display())))?;
+        if n == 0 {
+            break;
+        }
+        offset += n as u64;
+        let data =
+            LogData { request_id, stream: stream.to_string(), data: buf[..n].to_vec(), ..Default::default() };
+        tx.send(message(data)).await.map_err(|_| Gone)?;
+    }
+    Ok(offset)
+}
+
+/// Where the last `lines` lines of `path` start (0 for the whole file, or a missing one),
+/// scanning back from the end one [`CHUNK`] at a time.
+async fn tail_start(path: &PathBuf, lines: u32) -> std::io::Result<u64> {
+    if lines == 0 {
+        return Ok(0);
+    }
+    let Ok(mut file) = tokio::fs::File::open(path).await else { return Ok(0) };
+    let len = file.metadata().await?.len();
+    let mut end = len;
+    // A final newline ends the last line rather than starting an empty one.
+    let mut newlines = 0u32;
+    let mut buf = vec![0u8; CHUNK];
+    let mut skip_final = true;
+    while end > 0 {
+        let start = end.saturating_sub(CHUNK as u64);
+        let n = (end - start) as usize;
+        file.seek(SeekFrom::Start(start)).await?;
+        file.read_exact(&mut buf[..n]).await?;
+        for i in (0..n).rev() {
+            if buf[i] != b'\n' {
+                skip_final = false;
+                continue;
+            }
+            if skip_final {
+                skip_final = false;
+                continue;
+            }
+            newlines += 1;
+            if newlines == lines {
+                return Ok(start + i as u64 + 1);
+            }
+        }
+        end = start;
+    }
+    Ok(0)
+}
+
+fn message(data: LogData) -> AgentMessage {
+    AgentMessage { msg: Some(Out::LogData(data)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(dir: &std::path::Path) -> RankLogs {
+        RankLogs {
+            stdout: dir.join("stdout.log"),
+            stderr: dir.join("stderr.log"),
+            exit: dir.join("exit.json"),
+        }
+    }
+
+    async fn collect(rx: &mut mpsc::Receiver<AgentMessage>) -> (String, String, String) {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        loop {
+            let Some(AgentMessage { msg: Some(Out::LogData(d)) }) = rx.recv().await else {
+                panic!("stream ended early")
+            };
+            if d.done {
+                return (String::from_utf8(out).unwrap(), String::from_utf8(err).unwrap(), d.error);
+            }
+            match d.stream.as_str() {
+                "stdout" => out.extend(d.data),
+                _ => err.extend(d.data),
+            }
+        }
+    }
+
+    fn request(tail_lines: u32, follow: bool) -> ReadLogs {
+        ReadLogs { request_id: 7, job_id: 1, attempt: 0, rank: 3, tail_lines, follow }
+    }
+
+    #[tokio::test]
+    async fn whole_files_tails_and_a_missing_run_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = files(dir.path());
+        // Several chunks, so the tail scan crosses block boundaries.
+        let big: String = (0..20_000).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&f.stdout, &big).unwrap();
+        std::fs::write(&f.stderr, "warning\nno newline at the end").unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        tokio::spawn(serve(request(0, false), f.clone(), tx, CancellationToken::new()));
+        let (out, err, error) = collect(&mut rx).await;
+        assert_eq!(
+            (out.len(), err.as_str(), error.as_str()),
+            (big.len(), "warning\nno newline at the end", "")
+        );
+
+        let (tx, mut rx) = mpsc::channel(4);
+        tokio::spawn(serve(request(3, false), f.clone(), tx, CancellationToken::new()));
+        let (out, err, _) = collect(&mut rx).await;
+        assert_eq!(out, "line 19997\nline 19998\nline 19999\n");
+        assert_eq!(err, "warning\nno newline at the end", "fewer lines than asked: the whole file");
+
+        let (tx, mut rx) = mpsc::channel(4);
+        let gone = files(&dir.path().join("nope"));
+        tokio::spawn(serve(request(0, false), gone, tx, CancellationToken::new()));
+        let (_, _, error) = collect(&mut rx).await;
+        assert!(error.starts_with("no logs of job 1 attempt 0 rank 3 on this host"), "{error}");
+    }
+
+    /// Following: output written later arrives, and the stream ends once the rank has ended.
+    #[tokio::test]
+    async fn follow_streams_new_output_until_the_rank_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = files(dir.path());
+        std::fs::write(&f.stdout, "first\n").unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        tokio::spawn(serve(request(0, true), f.clone(), tx, CancellationToken::new()));
+        let writer = f.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            std::fs::write(&writer.stdout, "first\nsecond\n").unwrap();
+            std::fs::write(&writer.stderr, "oops\n").unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            std::fs::write(&writer.exit, "{}").unwrap();
+        });
+        let (out, err, error) =
+            tokio::time::timeout(Duration::from_secs(10), collect(&mut rx)).await.unwrap();
+        assert_eq!((out.as_str(), err.as_str(), error.as_str()), ("first\nsecond\n", "oops\n", ""));
+    }
+}

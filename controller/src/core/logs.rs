@@ -1,0 +1,131 @@
+//! `Jobs.Logs`: a rank's stdout and stderr, read by its agent from the files it keeps and
+//! relayed over the agent's stream to the client. Nothing is stored: the controller holds one
+//! small bounded channel per open request, and a client that stops reading for
+//! [`CLIENT_STALL`] is dropped (its agent is told to stop), so a stuck client never holds up
+//! that agent's receipts.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use trainyard_proto::v1::controller_message::Msg;
+use trainyard_proto::v1::{ControllerMessage, LogData, ReadLogs, StopLogs};
+
+use super::{Controller, ControllerError, Result};
+use crate::store::JobId;
+
+/// How long one piece may wait for a client that does not read.
+pub const CLIENT_STALL: Duration = Duration::from_secs(10);
+/// Pieces of 64 KiB buffered per request.
+const BUFFER: usize = 16;
+
+/// What a `Logs` client receives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogEvent {
+    Chunk {
+        stream: String,
+        data: Vec<u8>,
+    },
+    /// The request ended with this error (the agent could not read the files, or went away).
+    Failed(String),
+}
+
+/// An open request: which agent answers it and where its pieces go.
+pub(super) struct LogWaiter {
+    agent_id: String,
+    tx: mpsc::Sender<LogEvent>,
+}
+
+impl Controller {
+    /// Asks the agent of `rank` of the job's current attempt for its logs; the receiver yields
+    /// them and closes when they are all sent (or, with `follow`, when the rank has ended).
+    pub async fn open_logs(
+        &self,
+        job_id: JobId,
+        rank: u32,
+        tail_lines: u32,
+        follow: bool,
+    ) -> Result<mpsc::Receiver<LogEvent>> {
+        let job = self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
+        let attempt = job.attempt;
+        let allocations = self.store.allocations(job_id, attempt).await?;
+        if allocations.is_empty() {
+            return Err(ControllerError::LogsUnavailable(format!(
+                "job {job_id} has no ranks placed yet (it is {}): there are no logs",
+                job.state.as_str()
+            )));
+        }
+        let Some(alloc) = allocations.iter().find(|a| a.id.rank == rank) else {
+            return Err(ControllerError::BadRequest(format!(
+                "job {job_id} has ranks 0 to {}; there is no rank {rank}",
+                allocations.len() - 1
+            )));
+        };
+        let agent_id = alloc.agent_id.clone();
+        let link = {
+            let core = self.core.lock().await;
+            core.agents.get(&agent_id).and_then(|e| e.link.as_ref()).map(|l| l.tx.clone())
+        };
+        let Some(link) = link else {
+            return Err(ControllerError::LogsUnavailable(format!(
+                "node {agent_id} is not connected, so the logs of job {job_id} rank {rank} cannot be read now; they \
+                 stay on that host under the agent's data directory, in runs/job-{job_id}/attempt-{attempt}/rank-{rank}/"
+            )));
+        };
+        let request_id = self.next_log_request.fetch_add(1, Ordering::Relaxed) + 1;
+        let (tx, rx) = mpsc::channel(BUFFER);
+        self.log_waiters().insert(request_id, LogWaiter { agent_id: agent_id.clone(), tx });
+        let read = ReadLogs { request_id, job_id, attempt, rank, tail_lines, follow };
+        if link.send(ControllerMessage { msg: Some(Msg::ReadLogs(read)) }).await.is_err() {
+            self.log_waiters().remove(&request_id);
+            return Err(ControllerError::AgentGone(agent_id));
+        }
+        Ok(rx)
+    }
+
+    /// A piece of logs from `agent_id`: forwarded to its client. The last piece closes the
+    /// request; a client that went away (or stalls) closes it too and stops the agent.
+    pub async fn log_data(&self, agent_id: &str, data: LogData) {
+        let request_id = data.request_id;
+        let tx = self.log_waiters().get(&request_id).filter(|w| w.agent_id == agent_id).map(|w| w.tx.clone());
+        let Some(tx) = tx else { return };
+        let event = match (data.done, data.error.is_empty()) {
+            (true, true) => None,
+            (true, false) => Some(LogEvent::Failed(data.error)),
+            (false, _) => Some(LogEvent::Chunk { stream: data.stream, data: data.data }),
+        };
+        let delivered = match event {
+            Some(event) => matches!(tokio::time::timeout(CLIENT_STALL, tx.send(event)).await, Ok(Ok(()))),
+            None => true,
+        };
+        if data.done || !delivered {
+            self.log_waiters().remove(&request_id);
+        }
+        if !delivered && !data.done {
+            tracing::info!(agent_id, request_id, "logs client gone or stalled; stopping the agent's reader");
+            let core = self.core.lock().await;
+            if let Some(link) = core.agents.get(agent_id).and_then(|e| e.link.as_ref()) {
+                let _ =
+                    link.tx.try_send(ControllerMessage { msg: Some(Msg::StopLogs(StopLogs { request_id })) });
+            }
+        }
+    }
+
+    /// `agent_id`'s stream ended: its open log requests fail with the reason.
+    pub(super) fn fail_logs_of(&self, agent_id: &str) {
+        let mut waiters = self.log_waiters();
+        let ids: Vec<u64> =
+            waiters.iter().filter(|(_, w)| w.agent_id == agent_id).map(|(id, _)| *id).collect();
+        for id in ids {
+            if let Some(w) = waiters.remove(&id) {
+                let _ = w.tx.try_send(LogEvent::Failed(format!(
+                    "node {agent_id} disconnected while its logs were being read"
+                )));
+            }
+        }
+    }
+
+    fn log_waiters(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, LogWaiter>> {
+        self.logs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}

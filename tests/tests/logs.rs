@@ -1,0 +1,83 @@
+//! `ctl logs`: a rank's stdout and stderr read by its agent through the controller, after the
+//! job ended, as a tail, followed live until the rank ends, and a clear error when the rank or
+//! the node is not there.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use trainyard_tests::Cluster;
+
+fn sh_job(c: &Cluster, name: &str, ranks: u32, script: &str) -> PathBuf {
+    let text = format!(
+        "name = {name:?}\n\n[resources]\ngpus = {ranks}\n\n[engine]\nkind = \"exec\"\n\
+         argv = [\"sh\", \"-c\", {script:?}]\nworkdir = {:?}\n",
+        c.path("").display().to_string()
+    );
+    let path = c.path(&format!("{name}.toml"));
+    std::fs::write(&path, text).expect("write job file");
+    path
+}
+
+fn logs(c: &Cluster, args: &[&str]) -> anyhow::Result<(bool, String, String)> {
+    let mut all = vec!["logs"];
+    all.extend_from_slice(args);
+    let out = c.ctl(&all)?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    ))
+}
+
+#[test]
+fn logs_of_an_ended_job_a_tail_and_bad_requests() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 2)?;
+    let script = "for i in 1 2 3 4 5; do echo \"out $RANK $i\"; echo \"err $RANK $i\" >&2; done";
+    let job = c.submit(&sh_job(&c, "chatty", 2, script))?;
+    let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "succeeded", "{status}");
+    let id = job.to_string();
+
+    let (ok, out, err) = logs(&c, &[&id, "--rank", "1"])?;
+    assert!(ok, "{err}");
+    assert_eq!(out, (1..=5).map(|i| format!("out 1 {i}\n")).collect::<String>());
+    assert_eq!(err, (1..=5).map(|i| format!("err 1 {i}\n")).collect::<String>());
+
+    let (ok, out, _) = logs(&c, &[&id, "--tail", "2"])?;
+    assert!(ok);
+    assert_eq!(out, "out 0 4\nout 0 5\n", "the last 2 lines of rank 0's stdout");
+
+    let (ok, _, err) = logs(&c, &[&id, "--rank", "7"])?;
+    assert!(!ok);
+    assert!(err.contains(&format!("job {job} has ranks 0 to 1; there is no rank 7")), "{err}");
+    let (ok, _, err) = logs(&c, &["99"])?;
+    assert!(!ok && err.contains("99"), "{err}");
+
+    // The node is gone: the error says where the files are.
+    c.kill_agent("a");
+    std::thread::sleep(Duration::from_millis(500));
+    let (ok, _, err) = logs(&c, &[&id])?;
+    assert!(!ok);
+    let dir = format!("runs/job-{job}/attempt-0/rank-0/");
+    assert!(err.contains("node a is not connected") && err.contains(&dir), "{err}");
+    Ok(())
+}
+
+/// `--follow` prints output as the rank writes it and returns by itself once the rank ends.
+#[test]
+fn follow_streams_until_the_rank_ends() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 1)?;
+    let script = "for i in 1 2 3 4 5 6; do echo \"tick $i\"; sleep 0.3; done";
+    let job = c.submit(&sh_job(&c, "ticker", 1, script))?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    let started = std::time::Instant::now();
+    let (ok, out, err) = logs(&c, &[&job.to_string(), "--follow"])?;
+    assert!(ok, "{err}");
+    assert_eq!(out, (1..=6).map(|i| format!("tick {i}\n")).collect::<String>());
+    assert!(started.elapsed() < Duration::from_secs(30), "follow ended with the rank");
+    let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(30))?;
+    assert_eq!(status["state"], "succeeded");
+    Ok(())
+}
