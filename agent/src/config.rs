@@ -16,8 +16,9 @@ pub struct AgentConfig {
     pub data_dir: PathBuf,
     /// Identity in the fleet; `None` means the hostname of the inventory.
     pub agent_id: Option<String>,
-    /// What other hosts dial for `MASTER_ADDR` when this host holds rank 0.
-    pub address: String,
+    /// What other hosts dial for `MASTER_ADDR` when this host holds rank 0; `None`: the local
+    /// address of the connection to the controller ([`crate::address::detect`]).
+    pub address: Option<String>,
     /// Program run as `PROGRAM supervise ...` for every rank. The daemon passes its own
     /// executable; tests pass the built `trainyard-agent` binary.
     pub shim_program: PathBuf,
@@ -45,7 +46,7 @@ impl AgentConfig {
             host_file,
             data_dir,
             agent_id: None,
-            address: "127.0.0.1".to_string(),
+            address: None,
             shim_program,
             tick: Duration::from_millis(50),
             heartbeat: Duration::from_secs(2),

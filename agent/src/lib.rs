@@ -2,6 +2,8 @@
 //!
 //! # Layout
 //!
+//! - [`address`]: the address this host advertises for `MASTER_ADDR`, detected from its
+//!   connection to the controller.
 //! - [`config`]: [`AgentConfig`], the plain settings struct the binary builds from its flags.
 //! - [`host`]: the [`host::HostProbe`] seam and the JSON host-description file behind it.
 //! - [`layout`]: where things live under the data directory (run directories, state files).
@@ -19,6 +21,7 @@
 //!   rendering and parsing.
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
+pub mod address;
 pub mod config;
 pub mod connection;
 pub mod env;

@@ -40,6 +40,24 @@ fn probe(config: &AgentConfig) -> anyhow::Result<Arc<dyn HostProbe>> {
     }
 }
 
+/// The address to advertise: the local address of a connection to the controller, or, when
+/// that cannot be found, the one advertised before (127.0.0.1 at first), with a warning.
+async fn advertised_address(controller: &str, previous: &str) -> String {
+    match crate::address::detect(controller).await {
+        Ok(ip) => {
+            let ip = ip.to_string();
+            if ip != previous {
+                info!(address = %ip, "advertising the address this host reaches the controller from (MASTER_ADDR)");
+            }
+            ip
+        }
+        Err(e) => {
+            warn!(error = %e, address = %previous, "cannot detect this host's address; set --address");
+            previous.to_string()
+        }
+    }
+}
+
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(5);
 const REFUSED_RETRY: Duration = Duration::from_secs(30);
@@ -63,8 +81,12 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
             info!(local_id = %report.local_id, verdict = %report.verdict, class = %report.interconnect_class, "start-up preflight")
         }
     }
-    let identity =
-        Identity { agent_id, address: config.address.clone(), inventory: inventory.clone(), preflight };
+    let mut identity = Identity {
+        agent_id,
+        address: config.address.clone().unwrap_or_else(|| "127.0.0.1".into()),
+        inventory: inventory.clone(),
+        preflight,
+    };
     let layout = Layout::new(&config.data_dir);
     let mut launcher = Launcher::new(layout, config.shim_program.clone(), inventory)
         .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?;
@@ -85,6 +107,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
         };
         let delay = match channel {
             Ok(channel) => {
+                if config.address.is_none() {
+                    identity.address = advertised_address(&config.controller, &identity.address).await;
+                }
                 let client = AgentsClient::new(channel);
                 match connection::serve(&config, &identity, &mut launcher, client, shutdown.as_mut()).await {
                     Ended::Shutdown => {

@@ -221,7 +221,8 @@ impl Cluster {
             .arg(host)
             .arg("--data-dir")
             .arg(self.path(&format!("agent-{name}")))
-            .args(["--agent-id", name, "--address", "127.0.0.1"])
+            // No --address: the agent advertises the address it reaches the controller from.
+            .args(["--agent-id", name])
             .env(MARKER, &self.marker)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())

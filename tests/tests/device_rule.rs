@@ -53,6 +53,14 @@ fn cuda_local_rank_is_the_allocated_gpu_on_part_of_a_host() -> anyhow::Result<()
                 json_extract(body, '$.env.TORCHELASTIC_USE_AGENT_STORE'), json_extract(body, '$.env.OMP_NUM_THREADS') \
          FROM receipts WHERE job_id = {second} AND kind = 'launch' AND rank = 2"
     ))?;
+    // The agent was started without --address: it advertises the address it reaches the
+    // controller (127.0.0.1 here) from, and that is the job's MASTER_ADDR.
+    let addr = c.query_text("SELECT address FROM agents WHERE agent_id = 'eight'")?;
+    assert_eq!(addr, vec![vec!["127.0.0.1".to_string()]]);
+    let master = c.query_text(&format!(
+        "SELECT DISTINCT json_extract(body, '$.env.MASTER_ADDR') FROM receipts WHERE job_id = {second} AND kind = 'launch'"
+    ))?;
+    assert_eq!(master, vec![vec!["127.0.0.1".to_string()]]);
     let run_id = format!("trainyard-job-{second}");
     let want = ["0", "1", "2", "4", "default", "0", "0", run_id.as_str(), "False", "1"];
     assert_eq!(env[0], want, "torchrun's variables in the launch receipt");

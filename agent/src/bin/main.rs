@@ -25,9 +25,10 @@ struct Cli {
     /// Identity in the fleet (default: the hostname of the host description).
     #[arg(long, global = true)]
     agent_id: Option<String>,
-    /// Address other hosts dial for MASTER_ADDR.
-    #[arg(long, default_value = "127.0.0.1", global = true)]
-    address: String,
+    /// Address other hosts dial for MASTER_ADDR (default: the local address of this host's
+    /// connection to the controller, detected at every connect).
+    #[arg(long, global = true)]
+    address: Option<String>,
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
     /// CPUs kept for the agent: the lowest-numbered N CPUs never get a rank pinned to them.
