@@ -110,6 +110,11 @@ impl Launcher {
     }
 
     fn launch_or_refuse(&mut self, launch: &Launch, refusal: Option<&str>) -> Vec<RankId> {
+        let mut launch = launch.clone();
+        if launch.master_port == 0 {
+            launch.master_port = u32::from(self.master_port_for(&launch));
+        }
+        let launch = &launch;
         if let Err(e) = self.write_launch_json(launch) {
             warn!(job_id = launch.job_id, attempt = launch.attempt, error = %e, "failed to write launch.json");
         }
@@ -129,6 +134,35 @@ impl Launcher {
             self.ranks.insert(id, Rank { record, tailer });
         }
         ids
+    }
+
+    /// `MASTER_PORT` for a launch that came without one (this host holds rank 0): the port its
+    /// ranks already have after a re-sent launch, else a port free on this host (bind port 0 on
+    /// every interface, as torchrun does, then release it) that no live rank here was handed.
+    /// The rare race with another program taking it in between fails the job's rendezvous,
+    /// and its restart policy retries with a new port.
+    fn master_port_for(&self, launch: &Launch) -> u16 {
+        let mine = |r: &&Rank| r.record.id.job_id == launch.job_id && r.record.id.attempt == launch.attempt;
+        if let Some(port) = self.ranks.values().filter(mine).map(|r| r.record.master_port).find(|p| *p > 0) {
+            return port;
+        }
+        let taken: std::collections::BTreeSet<u16> = self
+            .ranks
+            .values()
+            .filter(|r| !matches!(r.record.phase, Phase::Exited | Phase::Lost))
+            .map(|r| r.record.master_port)
+            .collect();
+        for _ in 0..32 {
+            match std::net::TcpListener::bind(("0.0.0.0", 0)).and_then(|l| l.local_addr()) {
+                Ok(addr) if !taken.contains(&addr.port()) => return addr.port(),
+                Ok(_) => continue,
+                Err(e) => {
+                    warn!(error = %e, "cannot find a free port for MASTER_PORT");
+                    break;
+                }
+            }
+        }
+        0
     }
 
     fn write_launch_json(&self, launch: &Launch) -> std::io::Result<()> {
@@ -164,6 +198,7 @@ impl Launcher {
             forget: false,
             effective_cpus: String::new(),
             effective_mems: String::new(),
+            master_port: u16::try_from(launch.master_port).unwrap_or(0),
         };
         if let Some(reason) = refusal {
             record.phase = Phase::Lost;

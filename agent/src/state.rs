@@ -73,6 +73,9 @@ pub struct RankRecord {
     pub effective_cpus: String,
     #[serde(default)]
     pub effective_mems: String,
+    /// `MASTER_PORT` of the rank's job attempt (chosen here when this host holds rank 0).
+    #[serde(default)]
+    pub master_port: u16,
 }
 
 impl RankRecord {
@@ -102,6 +105,7 @@ impl RankRecord {
             skipped_lines,
             effective_cpus: self.effective_cpus.clone(),
             effective_mems: self.effective_mems.clone(),
+            master_port: u32::from(self.master_port),
         }
     }
 }

@@ -9,8 +9,6 @@ pub struct ControllerConfig {
     pub cancel_grace: Duration,
     /// How long an agent may stay disconnected before its ranks count as lost.
     pub agent_timeout: Duration,
-    /// `MASTER_PORT` of a job is this plus a hash of job and attempt (below 10,000).
-    pub master_port_base: u16,
     /// An agent whose stream stays open but sends nothing (not even a heartbeat) for this long
     /// is `unresponsive`: no new work goes there until it speaks again.
     pub unresponsive_after: Duration,
@@ -21,7 +19,6 @@ impl Default for ControllerConfig {
         ControllerConfig {
             cancel_grace: Duration::from_secs(10),
             agent_timeout: Duration::from_secs(60),
-            master_port_base: 29_500,
             // Agents heartbeat every 2 s: 15 s is several missed beats, not a slow network.
             unresponsive_after: Duration::from_secs(15),
         }
@@ -41,11 +38,6 @@ impl ControllerConfig {
 
     pub fn with_unresponsive_after(mut self, after: Duration) -> Self {
         self.unresponsive_after = after;
-        self
-    }
-
-    pub fn with_master_port_base(mut self, base: u16) -> Self {
-        self.master_port_base = base;
         self
     }
 }

@@ -128,18 +128,6 @@ pub struct Cluster {
     controller: Option<Child>,
     pub addr: String,
     agents: HashMap<String, Child>,
-    /// This cluster's `--master-port-base`.
-    port_base: u16,
-}
-
-/// A `--master-port-base` that the other clusters of this test process do not have. It is
-/// spread so that parallel test processes rarely overlap either, and kept below Linux's
-/// ephemeral range (32768 and up), where outgoing connections take their ports.
-fn port_base() -> u16 {
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let seed = std::process::id().wrapping_mul(2_654_435_761).wrapping_add(n.wrapping_mul(977));
-    20_000 + (seed % 2_700) as u16
 }
 
 impl Cluster {
@@ -147,9 +135,8 @@ impl Cluster {
     pub fn start() -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
         let marker = dir.path().display().to_string();
-        let port_base = port_base();
         let mut cluster =
-            Cluster { dir, marker, controller: None, addr: String::new(), agents: HashMap::new(), port_base };
+            Cluster { dir, marker, controller: None, addr: String::new(), agents: HashMap::new() };
         cluster.start_controller()?;
         Ok(cluster)
     }
@@ -183,9 +170,6 @@ impl Cluster {
             .arg("--addr-file")
             .arg(&addr_file)
             .args(["--cancel-grace-secs", "3", "--agent-timeout-secs", "30"])
-            // Clusters of tests running in parallel each get their own rendezvous ports: job 1
-            // of two clusters would otherwise share MASTER_PORT on 127.0.0.1.
-            .args(["--master-port-base", &self.port_base.to_string()])
             .env(MARKER, &self.marker)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())

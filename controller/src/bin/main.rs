@@ -38,10 +38,6 @@ struct Cli {
     /// unresponsive and gets no new work; agents heartbeat every 2 s.
     #[arg(long, default_value_t = 15)]
     unresponsive_secs: u64,
-    /// Lowest `MASTER_PORT` handed to jobs: a job's port is this plus a hash of job and attempt
-    /// below 10,000, so the range [BASE, BASE + 10,000) must be open between GPU hosts.
-    #[arg(long, default_value_t = 29_500, value_parser = clap::value_parser!(u16).range(1024..=55_535))]
-    master_port_base: u16,
     /// Log format on stderr.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
@@ -52,7 +48,6 @@ impl From<&Cli> for ControllerConfig {
         ControllerConfig::default()
             .with_cancel_grace(Duration::from_secs(cli.cancel_grace_secs))
             .with_agent_timeout(Duration::from_secs(cli.agent_timeout_secs))
-            .with_master_port_base(cli.master_port_base)
             .with_unresponsive_after(Duration::from_secs(cli.unresponsive_secs))
     }
 }

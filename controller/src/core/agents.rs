@@ -214,6 +214,22 @@ impl Controller {
             effective_mems: report.effective_mems.clone(),
         };
         let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
+        // The rank-0 agent chose the attempt's MASTER_PORT: the other hosts can launch now.
+        let port = u16::try_from(report.master_port).unwrap_or(0);
+        let started = matches!(report.state.as_str(), "launching" | "running");
+        if port > 0 && started && job.master_port.is_none() {
+            job.master_port = Some(port);
+            let waiting = self.send_launches(core, id.job_id, None).saturating_sub(1);
+            tracing::info!(
+                job_id = id.job_id,
+                attempt = id.attempt,
+                agent_id,
+                port,
+                waiting,
+                "MASTER_PORT chosen by the rank-0 host; launching the others"
+            );
+        }
+        let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
         if unchanged(&job.allocations[pos].observed, &observed) {
             return Ok(());
         }

@@ -24,7 +24,7 @@ impl Controller {
         let record = self.store.create_job(&spec, "submitted", now_ms()).await?;
         let id = record.id;
         tracing::info!(job_id = id, name = %spec.name, gpus = request.gpus, "job submitted");
-        core.jobs.insert(id, ActiveJob { record, allocations: Vec::new() });
+        core.jobs.insert(id, ActiveJob { record, allocations: Vec::new(), master_port: None });
         self.bump();
         self.schedule_pass(&mut core).await?;
         Ok(id)
@@ -218,6 +218,7 @@ impl Controller {
         if let Some(job) = core.jobs.get_mut(&job_id) {
             job.record = record;
             job.allocations = allocations;
+            job.master_port = None;
         }
         self.bump();
         let sent = self.send_launches(core, job_id, None);
@@ -229,7 +230,7 @@ impl Controller {
     /// Sends `Launch` to every agent of the job (or only `only`); returns how many were sent.
     pub(super) fn send_launches(&self, core: &mut Core, job_id: JobId, only: Option<&str>) -> usize {
         let Some(job) = core.jobs.get(&job_id) else { return 0 };
-        let launches = launch_messages(core, job, self.config.master_port_base);
+        let launches = launch_messages(core, job);
         let mut sent = 0;
         for (agent, launch) in launches {
             if only.is_none_or(|o| o == agent) && core.send(&agent, Msg::Launch(launch)) {
@@ -327,16 +328,15 @@ fn agents_of<'a>(allocs: impl Iterator<Item = &'a Allocation>) -> Vec<String> {
 
 /// One `Launch` per node of the job's current attempt, rebuilt from its allocations so the
 /// same message can be sent again after a reconnect.
-fn launch_messages(core: &Core, job: &ActiveJob, port_base: u16) -> Vec<(String, Launch)> {
+fn launch_messages(core: &Core, job: &ActiveJob) -> Vec<(String, Launch)> {
     let world_size = job.allocations.len() as u32;
-    let master_addr = job
-        .allocations
-        .iter()
-        .find(|a| a.id.rank == 0)
+    let rank0 = job.allocations.iter().find(|a| a.id.rank == 0);
+    let master_addr = rank0
         .and_then(|a| core.agents.get(&a.agent_id))
         .map(|e| e.record.address.clone())
         .unwrap_or_else(|| "127.0.0.1".into());
-    let master_port = master_port(port_base, job.record.id, job.record.attempt);
+    // Until the rank-0 agent has reported the port it chose, only it is launched (with 0).
+    let master_port = job.master_port.map_or(0, u32::from);
     let mut by_agent: BTreeMap<&str, Vec<&Allocation>> = BTreeMap::new();
     for a in &job.allocations {
         by_agent.entry(a.agent_id.as_str()).or_default().push(a);
@@ -344,6 +344,7 @@ fn launch_messages(core: &Core, job: &ActiveJob, port_base: u16) -> Vec<(String,
     let node_count = by_agent.len() as u32;
     by_agent
         .into_iter()
+        .filter(|(agent, _)| master_port != 0 || rank0.is_some_and(|a| a.agent_id == *agent))
         .map(|(agent, allocs)| {
             let launch = Launch {
                 node_count,
@@ -353,7 +354,7 @@ fn launch_messages(core: &Core, job: &ActiveJob, port_base: u16) -> Vec<(String,
                 node_rank: allocs[0].node_rank,
                 local_world_size: allocs.len() as u32,
                 master_addr: master_addr.clone(),
-                master_port: master_port as u32,
+                master_port,
                 ranks: allocs
                     .iter()
                     .map(|a| RankAssignment {
@@ -369,10 +370,4 @@ fn launch_messages(core: &Core, job: &ActiveJob, port_base: u16) -> Vec<(String,
             (agent.to_string(), launch)
         })
         .collect()
-}
-
-/// `MASTER_PORT` of a job attempt: spread over 10,000 ports above the base so that jobs sharing
-/// a host rarely collide, and stable so a relaunch after a reconnect gets the same port.
-pub(crate) fn master_port(base: u16, job_id: JobId, attempt: u32) -> u16 {
-    base.saturating_add(((job_id.wrapping_mul(7919) + attempt as u64) % 10_000) as u16)
 }

@@ -125,6 +125,10 @@ struct ActiveJob {
     record: JobRecord,
     /// Allocations of the current attempt; empty while pending.
     allocations: Vec<Allocation>,
+    /// `MASTER_PORT` of the current attempt, as its rank-0 agent chose it and reported it in a
+    /// rank report; `None` until then (and after a controller restart, until the agents' hellos
+    /// report it again). The hosts without rank 0 are launched once it is known.
+    master_port: Option<u16>,
 }
 
 impl Controller {
@@ -152,7 +156,7 @@ impl Controller {
             }
         }
         for record in snapshot.active_jobs {
-            core.jobs.insert(record.id, ActiveJob { record, allocations: Vec::new() });
+            core.jobs.insert(record.id, ActiveJob { record, allocations: Vec::new(), master_port: None });
         }
         for alloc in snapshot.allocations {
             if let Some(job) = core.jobs.get_mut(&alloc.id.job_id) {
