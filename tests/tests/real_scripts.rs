@@ -46,6 +46,20 @@ fn job(
     path
 }
 
+/// Runs `script ARGS` under `torchrun --standalone --nproc-per-node N` in `dir`: the reference
+/// launcher, for the same scripts the jobs run.
+fn under_torchrun(dir: &Path, nproc: u32, script: &str, args: &[&str]) -> anyhow::Result<()> {
+    let out = std::process::Command::new(repo_root().join(".venv/bin/torchrun"))
+        .args(["--standalone", "--nproc-per-node", &nproc.to_string(), script])
+        .args(args)
+        .current_dir(dir)
+        .env_remove("OMP_NUM_THREADS")
+        .output()
+        .context("run torchrun")?;
+    ensure!(out.status.success(), "torchrun {script}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
+
 fn run_to_success(c: &Cluster, file: &Path) -> anyhow::Result<u64> {
     let id = c.submit(file)?;
     let status = c.wait_state(id, &["succeeded", "failed", "cancelled"], Duration::from_secs(240))?;
@@ -106,6 +120,11 @@ fn pytorch_examples_ddp_scripts_run_on_one_and_two_agents() -> anyhow::Result<()
     for dir in [&one, &two] {
         assert!(dir.join("snapshot.pt").is_file(), "rank 0 saved its snapshot in {}", dir.display());
     }
+    // The same script under torchrun, the launcher it was written for.
+    let reference = c.path("ddp-torchrun");
+    cpu_copy(&reference)?;
+    under_torchrun(&reference, 2, "multigpu_torchrun.py", &["3", "1"])?;
+    assert!(reference.join("snapshot.pt").is_file(), "under torchrun too");
     Ok(())
 }
 
@@ -149,6 +168,8 @@ fn lightning_ddp_runs_on_one_and_two_agents() -> anyhow::Result<()> {
             assert_eq!(row, &want, "Lightning's view of rank {rank} (rank, global, world, node, local, env)");
         }
     }
+    // The same script under torchrun, the launcher it was written for.
+    under_torchrun(&work, 2, &script, &["--devices", "2", "--num-nodes", "1"])?;
     Ok(())
 }
 
