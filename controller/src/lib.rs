@@ -2,16 +2,18 @@
 //!
 //! # Layout
 //! - [`config`]: the controller's settings, a plain struct.
+//! - [`domain`]: job, rank and agent states as enums with one word each.
 //! - [`spec`]: validation of job specs at submit (pure).
 //! - [`scheduler`]: gang placement over the fleet view and the rank pinning plan (pure).
 //! - [`cost`]: the placement cost model, collective time per optimizer step (pure).
-//! - [`store`]: the durable store (SQLite; PostgreSQL follows) behind one narrow trait.
+//! - [`store`]: the durable store (SQLite by default, PostgreSQL for fleets) behind one trait.
 //! - [`core`]: the in-memory state and the job state machine; the one place that mutates state.
 //! - [`service`]: the gRPC services (`Jobs` for operators, `Agents` for hosts).
 //! - [`server`]: `run(listener, controller, shutdown)`, the entry point.
 pub mod config;
 pub mod core;
 pub mod cost;
+pub mod domain;
 pub mod scheduler;
 pub mod server;
 pub mod service;

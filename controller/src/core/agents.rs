@@ -10,7 +10,7 @@ use trainyard_proto::v1::{
 };
 
 use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, now_ms, rank_done};
-use crate::store::{AgentRecord, JobState, NewReceipt, RankId, RankObserved};
+use crate::store::{AgentRecord, AgentState, JobState, NewReceipt, RankId, RankObserved, RankState};
 
 /// Largest batch an agent may send; larger ones are refused as a protocol error.
 pub const MAX_BATCH: usize = 20_000;
@@ -26,7 +26,7 @@ impl Controller {
             address: hello.address.clone(),
             agent_version: hello.agent_version.clone(),
             inventory: hello.inventory.clone().unwrap_or_default(),
-            state: "connected".into(),
+            state: AgentState::Connected,
             last_seen_ms: now_ms(),
         };
         self.store.upsert_agent(&record).await?;
@@ -97,7 +97,7 @@ impl Controller {
                 .allocations
                 .iter()
                 .filter(|a| unknown.contains(&a.id))
-                .all(|a| a.observed.state == "planned");
+                .all(|a| a.observed.state == RankState::Planned);
             if starting && never_started {
                 relaunch.push(job.record.id);
             } else {
@@ -186,6 +186,13 @@ impl Controller {
 
     async fn apply_report(&self, core: &mut super::Core, agent_id: &str, report: &RankReport) -> Result<()> {
         let Some(id) = report.key.map(rank_id) else { return Ok(()) };
+        let state = match report.state.parse::<RankState>() {
+            Ok(RankState::Planned) | Err(_) => {
+                tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, state = %report.state, "ignoring a rank report with a state agents do not send");
+                return Ok(());
+            }
+            Ok(state) => state,
+        };
         let known = core.jobs.get(&id.job_id).and_then(|j| {
             let current = j.record.attempt == id.attempt;
             j.allocations.iter().position(|a| a.id == id && a.agent_id == agent_id && current)
@@ -193,7 +200,7 @@ impl Controller {
         let Some(pos) = known else {
             // A rank of a job or attempt the controller is done with: stop it, then forget it.
             let (job_id, attempt) = (id.job_id, id.attempt);
-            if report.state == "exited" || report.state == "lost" {
+            if state.is_done() {
                 core.send(agent_id, Msg::Forget(ForgetRanks { job_id, attempt }));
             } else {
                 let reason = "the controller no longer runs this job attempt".to_string();
@@ -203,9 +210,9 @@ impl Controller {
             return Ok(());
         };
         let observed = RankObserved {
-            state: report.state.clone(),
+            state,
             pid: (report.pid > 0).then_some(report.pid),
-            exit_code: (report.state == "exited" && report.signal == 0).then_some(report.exit_code),
+            exit_code: (state == RankState::Exited && report.signal == 0).then_some(report.exit_code),
             signal: (report.signal != 0).then_some(report.signal),
             message: report.message.clone(),
             skipped_lines: report.skipped_lines,
@@ -216,7 +223,7 @@ impl Controller {
         let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
         // The rank-0 agent chose the attempt's MASTER_PORT: the other hosts can launch now.
         let port = u16::try_from(report.master_port).unwrap_or(0);
-        let started = matches!(report.state.as_str(), "launching" | "running");
+        let started = matches!(state, RankState::Launching | RankState::Running);
         if port > 0 && started && job.master_port.is_none() {
             job.master_port = Some(port);
             let waiting = self.send_launches(core, id.job_id, None).saturating_sub(1);
@@ -247,7 +254,7 @@ impl Controller {
             entry.leaving = true;
         }
         tracing::info!(agent_id, reason, "agent is leaving");
-        self.store.set_agent_state(agent_id, "leaving", now_ms()).await?;
+        self.store.set_agent_state(agent_id, AgentState::Leaving, now_ms()).await?;
         Ok(())
     }
 
@@ -260,11 +267,11 @@ impl Controller {
         }
         entry.link = None;
         entry.disconnected_since = Some(Instant::now());
-        let state = if entry.leaving { "leaving" } else { "disconnected" };
+        let state = if entry.leaving { AgentState::Leaving } else { AgentState::Disconnected };
         let now = now_ms();
-        entry.record.state = state.to_string();
+        entry.record.state = state;
         entry.record.last_seen_ms = now;
-        tracing::info!(agent_id, conn_id, state, "agent stream ended");
+        tracing::info!(agent_id, conn_id, %state, "agent stream ended");
         self.fail_logs_of(agent_id);
         self.store.set_agent_state(agent_id, state, now).await?;
         Ok(())
@@ -418,7 +425,7 @@ fn unchanged(a: &RankObserved, b: &RankObserved) -> bool {
 fn lost_report(id: RankId, message: &str) -> RankReport {
     RankReport {
         key: Some(rank_key(id)),
-        state: "lost".into(),
+        state: RankState::Lost.to_string(),
         exit_code: -1,
         message: message.to_string(),
         ..Default::default()

@@ -10,7 +10,7 @@ use super::{ActiveJob, Controller, ControllerError, Core, Result, now_ms, rank_d
 use crate::cost;
 use crate::scheduler::{self, GpuView, NodeView, Placement, Request};
 use crate::spec;
-use crate::store::{Allocation, JobId, JobRecord, JobState, RankId, RankObserved};
+use crate::store::{Allocation, JobId, JobRecord, JobState, RankId, RankObserved, RankState};
 
 impl Controller {
     /// Validates, stores and queues a job; returns its id. Nothing is stored for a bad spec or
@@ -98,7 +98,7 @@ impl Controller {
                 return Box::pin(self.settle(core, job_id)).await;
             }
             JobState::Scheduled | JobState::Launching
-                if allocs.iter().all(|a| a.observed.state == "running" || rank_done(a)) =>
+                if allocs.iter().all(|a| a.observed.state == RankState::Running || rank_done(a)) =>
             {
                 let reason = format!("all {} ranks running", allocs.len());
                 self.move_job(core, job_id, JobState::Running, None, &reason).await?;
@@ -196,7 +196,7 @@ impl Controller {
                     planned_cpus: plan.as_ref().map(|p| p.cpus.clone()).unwrap_or_default(),
                     planned_mems: plan.map(|p| p.numa_node.to_string()).unwrap_or_default(),
                     observed: RankObserved {
-                        state: "planned".into(),
+                        state: RankState::Planned,
                         updated_at_ms: now,
                         ..Default::default()
                     },

@@ -38,7 +38,7 @@ async fn a_placement_recorded_before_a_crash_is_launched_when_the_agent_returns(
             local_rank: rank,
             planned_cpus: String::new(),
             planned_mems: String::new(),
-            observed: RankObserved { state: "planned".into(), ..Default::default() },
+            observed: RankObserved { state: crate::store::RankState::Planned, ..Default::default() },
         })
         .collect();
     store.schedule(job, 0, &allocs, "placed", 2).await.expect("schedule");

@@ -36,7 +36,7 @@ use trainyard_proto::v1::ControllerMessage;
 
 use crate::config::ControllerConfig;
 use crate::spec::SpecError;
-use crate::store::{AgentRecord, Allocation, JobId, JobRecord, Store, StoreError};
+use crate::store::{AgentRecord, Allocation, JobId, JobRecord, RankState, Store, StoreError};
 
 /// Errors an operator or agent request can end in; mapped to `tonic::Status` in
 /// `crate::service::to_status`.
@@ -225,17 +225,17 @@ pub(crate) fn now_ms() -> i64 {
 
 /// A rank is done when it exited or was lost.
 fn rank_done(a: &Allocation) -> bool {
-    matches!(a.observed.state.as_str(), "exited" | "lost")
+    a.observed.state.is_done()
 }
 
 /// Why a rank failed, or `None` if it has not failed.
 fn rank_failure(a: &Allocation) -> Option<String> {
     let o = &a.observed;
     let on = format!("rank {} on {}", a.id.rank, a.agent_id);
-    match o.state.as_str() {
-        "lost" if o.message.is_empty() => Some(format!("{on} was lost")),
-        "lost" => Some(format!("{on} was lost: {}", o.message)),
-        "exited" => match (o.exit_code, o.signal) {
+    match o.state {
+        RankState::Lost if o.message.is_empty() => Some(format!("{on} was lost")),
+        RankState::Lost => Some(format!("{on} was lost: {}", o.message)),
+        RankState::Exited => match (o.exit_code, o.signal) {
             (Some(0), _) => None,
             (Some(code), _) => Some(format!("{on} exited with code {code}")),
             (None, Some(sig)) => Some(format!("{on} was killed by signal {sig}")),

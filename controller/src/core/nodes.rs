@@ -10,6 +10,7 @@ use std::time::Duration;
 use trainyard_proto::v1::{HostInventory, NodeInfo, PreflightReport, RunPreflight, controller_message::Msg};
 
 use super::{AgentEntry, Controller, ControllerError, Core, Result, rank_done};
+use crate::store::AgentState;
 
 /// Levels an operator may ask an agent to run.
 pub const PREFLIGHT_RUN_LEVELS: [&str; 3] = ["quick", "standard", "full"];
@@ -26,7 +27,7 @@ impl AgentEntry {
 
     /// `connected`, `unresponsive`, `leaving` or `disconnected`, as the fleet table shows it.
     fn state(&self) -> &'static str {
-        match (self.link.is_some(), self.leaving || self.record.state == "leaving") {
+        match (self.link.is_some(), self.leaving || self.record.state == AgentState::Leaving) {
             (true, false) if self.unresponsive => "unresponsive",
             (true, false) => "connected",
             (_, true) => "leaving",

@@ -217,5 +217,5 @@ async fn a_silent_agent_is_unresponsive_and_gets_no_work_until_it_speaks() {
     assert_eq!(row(&c.nodes().await, "quiet").state, "connected");
     assert_eq!(quiet.launched_jobs(), [job], "the waiting job goes there once it speaks");
     let stored = store.snapshot().await.expect("snapshot");
-    assert!(stored.agents.iter().any(|a| a.agent_id == "quiet" && a.state == "connected"));
+    assert!(stored.agents.iter().any(|a| a.agent_id == "quiet" && a.state == crate::store::AgentState::Connected));
 }

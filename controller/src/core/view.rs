@@ -61,7 +61,7 @@ impl Controller {
                 rank: a.id.rank,
                 agent_id: a.agent_id,
                 gpu_index: a.gpu_index,
-                state: a.observed.state,
+                state: a.observed.state.to_string(),
                 exit_code: a.observed.exit_code.unwrap_or(-1),
                 signal: a.observed.signal.unwrap_or(0),
                 pid: a.observed.pid.unwrap_or(0),

@@ -19,7 +19,7 @@ use trainyard_proto::v1::{
 
 use super::to_status;
 use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
-use crate::store::{JobState, StoreError};
+use crate::store::{JobState, RankState, StoreError};
 
 /// Receipts read from the store per round trip of a watcher.
 const WATCH_PAGE: u32 = 2_000;
@@ -151,7 +151,7 @@ impl Watcher {
                 .allocations(self.job_id, job.attempt)
                 .await?
                 .iter()
-                .all(|a| matches!(a.observed.state.as_str(), "exited" | "lost" | "planned"));
+                .all(|a| a.observed.state.is_done() || a.observed.state == RankState::Planned);
             if last_state != Some(job.state) {
                 last_state = Some(job.state);
                 let change = JobStateChange {

@@ -21,12 +21,29 @@
 //! backend nobody runs rots: every method is one transaction, and every implementation runs the
 //! same test suite.
 
+pub mod pg_server;
+pub mod postgres;
+mod rows;
 pub mod sqlite;
+
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use trainyard_proto::v1::{HostInventory, JobSpec, PreflightReport};
 
+pub use crate::domain::{AgentState, JobState, RankState};
+pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
+
+/// Opens the store a `--db` value names: `postgres://` or `postgresql://` URLs open
+/// PostgreSQL, `sqlite:` URLs and plain paths open SQLite. Migrations run on open.
+pub async fn open(url_or_path: &str) -> Result<Arc<dyn Store>> {
+    if url_or_path.starts_with("postgres://") || url_or_path.starts_with("postgresql://") {
+        Ok(Arc::new(PostgresStore::open(url_or_path).await?))
+    } else {
+        Ok(Arc::new(SqliteStore::open(url_or_path).await?))
+    }
+}
 
 /// A job's id, assigned by the store.
 pub type JobId = u64;
@@ -41,6 +58,10 @@ pub enum StoreError {
     StateConflict { job: JobId, expected: JobState, actual: JobState },
     #[error("corrupt row in {table}: {detail}")]
     Corrupt { table: &'static str, detail: String },
+    /// The database cannot be reached (connection refused or dropped, server shutting down)
+    /// even after the retries of the backend's one database helper.
+    #[error("the database is unavailable: {0}")]
+    Unavailable(String),
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     #[error("migration: {0}")]
@@ -48,61 +69,6 @@ pub enum StoreError {
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
-
-/// The states of docs/architecture.md: `pending → scheduled → launching → running → succeeded |
-/// failed | cancelled`, plus `restarting` between attempts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum JobState {
-    Pending,
-    Scheduled,
-    Launching,
-    Running,
-    Restarting,
-    Succeeded,
-    Failed,
-    Cancelled,
-}
-
-impl JobState {
-    pub const ALL: [JobState; 8] = [
-        JobState::Pending,
-        JobState::Scheduled,
-        JobState::Launching,
-        JobState::Running,
-        JobState::Restarting,
-        JobState::Succeeded,
-        JobState::Failed,
-        JobState::Cancelled,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Pending => "pending",
-            JobState::Scheduled => "scheduled",
-            JobState::Launching => "launching",
-            JobState::Running => "running",
-            JobState::Restarting => "restarting",
-            JobState::Succeeded => "succeeded",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<JobState> {
-        JobState::ALL.into_iter().find(|st| st.as_str() == s)
-    }
-
-    /// No transition leaves a terminal state.
-    pub fn is_terminal(self) -> bool {
-        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
-    }
-}
-
-impl std::fmt::Display for JobState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// A row of `jobs`.
 #[derive(Debug, Clone, PartialEq)]
@@ -154,7 +120,7 @@ pub struct Allocation {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct RankObserved {
     /// `planned` until the agent reports; then `launching`, `running`, `exited` or `lost`.
-    pub state: String,
+    pub state: RankState,
     pub pid: Option<u32>,
     pub exit_code: Option<i32>,
     pub signal: Option<i32>,
@@ -174,8 +140,7 @@ pub struct AgentRecord {
     pub address: String,
     pub agent_version: String,
     pub inventory: HostInventory,
-    /// `connected`, `disconnected` or `leaving`.
-    pub state: String,
+    pub state: AgentState,
     pub last_seen_ms: i64,
 }
 
@@ -257,7 +222,7 @@ pub trait Store: Send + Sync + 'static {
     /// Inserts or replaces an agent and its `gpus` rows.
     async fn upsert_agent(&self, agent: &AgentRecord) -> Result<()>;
 
-    async fn set_agent_state(&self, agent_id: &str, state: &str, now_ms: i64) -> Result<()>;
+    async fn set_agent_state(&self, agent_id: &str, state: AgentState, now_ms: i64) -> Result<()>;
 
     /// Moves `last_seen_ms` of connected agents forward (heartbeats), one transaction for all;
     /// unknown agents are ignored.

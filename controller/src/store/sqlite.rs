@@ -3,26 +3,23 @@
 //! Everything SQLite-specific lives in this module and its migration folder; the rest of the
 //! controller sees only [`Store`].
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use prost::Message;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions, SqliteRow,
     SqliteSynchronous,
 };
-use sqlx::{AssertSqlSafe, Row, SqlitePool};
+use sqlx::{AssertSqlSafe, SqlitePool};
 use tracing::Instrument;
-use trainyard_proto::v1::{HostInventory, JobSpec, PreflightCheck, PreflightReport, job_spec::Engine};
 
-use super::{
-    AgentRecord, Allocation, JobEventRecord, JobId, JobRecord, JobState, NewReceipt, RankId, RankObserved,
-    Result, Snapshot, Store, StoreError, StoredReceiptRecord,
-};
+use super::rows::{engine_columns, int, job_id_from};
+use super::{AgentState, JobId, NewReceipt, Result, Snapshot, Store, StoreError};
+
+super::rows::row_readers!(SqliteRow, sqlx::Sqlite);
 
 /// Connections in the pool. SQLite has one writer at a time anyway; a few connections let
 /// readers (`Watch`, `ctl status`) run beside the writer under WAL.
@@ -279,7 +276,7 @@ impl Store for SqliteStore {
                  effective_cpus = ?, effective_mems = ? \
                  WHERE job_id = ? AND attempt = ? AND rank = ?",
             )
-            .bind(observed.state.clone())
+            .bind(observed.state.as_str())
             .bind(observed.pid)
             .bind(observed.exit_code)
             .bind(observed.signal)
@@ -314,7 +311,7 @@ impl Store for SqliteStore {
             .bind(inv.hostname.clone())
             .bind(agent.address.clone())
             .bind(agent.agent_version.clone())
-            .bind(agent.state.clone())
+            .bind(agent.state.as_str())
             .bind(inv.gpus.len() as i64)
             .bind(inv.encode_to_vec())
             .bind(agent.last_seen_ms)
@@ -363,10 +360,10 @@ impl Store for SqliteStore {
     }
 
     /// An unknown agent is ignored: it has never said hello, so there is nothing to update.
-    async fn set_agent_state(&self, agent_id: &str, state: &str, now_ms: i64) -> Result<()> {
+    async fn set_agent_state(&self, agent_id: &str, state: AgentState, now_ms: i64) -> Result<()> {
         self.run("set_agent_state", Mode::Write, async |c| {
             sqlx::query("UPDATE agents SET state = ?, last_seen_ms = ? WHERE agent_id = ?")
-                .bind(state.to_owned())
+                .bind(state.as_str())
                 .bind(now_ms)
                 .bind(agent_id.to_owned())
                 .execute(&mut *c)
@@ -465,7 +462,7 @@ impl Store for SqliteStore {
             .bind(attempt)
             .fetch_all(&mut *c)
             .await?;
-            rows.iter().map(|row| Ok((col(row, "receipts", "rank")?, col(row, "receipts", "seq")?))).collect()
+            rows.iter().map(|row| Ok((num(row, "receipts", "rank")?, num(row, "receipts", "seq")?))).collect()
         })
         .await
     }
@@ -476,7 +473,7 @@ impl Store for SqliteStore {
                 .bind(int(job)?)
                 .fetch_one(&mut *c)
                 .await?;
-            col(&row, "receipts", "n")
+            num(&row, "receipts", "n")
         })
         .await
     }
@@ -610,48 +607,12 @@ async fn fetch_preflights(
     }
     let mut reports: Vec<PreflightReport> =
         reports_query.fetch_all(&mut *c).await?.iter().map(preflight_from_row).collect::<Result<_>>()?;
-    let mut checks: HashMap<u64, Vec<PreflightCheck>> = HashMap::new();
-    for row in checks_query.fetch_all(&mut *c).await? {
-        let t = "preflight_checks";
-        let report_id: i64 = col(&row, t, "report_id")?;
-        checks.entry(report_id_from(report_id)?).or_default().push(PreflightCheck {
-            id: col(&row, t, "check_id")?,
-            status: col(&row, t, "status")?,
-            measured: col(&row, t, "measured")?,
-            expected: col(&row, t, "expected")?,
-            remedy: col(&row, t, "remedy")?,
-        });
-    }
-    for report in &mut reports {
-        report.checks = checks.remove(&report.report_id).unwrap_or_default();
-    }
+    let checks = checks_query.fetch_all(&mut *c).await?.iter().map(check_from_row).collect::<Result<_>>()?;
+    attach_checks(&mut reports, checks);
     Ok(reports)
 }
 
-fn preflight_from_row(row: &SqliteRow) -> Result<PreflightReport> {
-    let t = "preflight_reports";
-    let id: i64 = col(row, t, "id")?;
-    Ok(PreflightReport {
-        report_id: report_id_from(id)?,
-        agent_id: col(row, t, "agent_id")?,
-        local_id: col(row, t, "local_id")?,
-        level: col(row, t, "level")?,
-        started_at_ms: col(row, t, "started_at_ms")?,
-        finished_at_ms: col(row, t, "finished_at_ms")?,
-        verdict: col(row, t, "verdict")?,
-        interconnect_class: col(row, t, "interconnect_class")?,
-        topology: col(row, t, "topology")?,
-        driver_version: col(row, t, "driver_version")?,
-        cuda_version: col(row, t, "cuda_version")?,
-        nccl_version: col(row, t, "nccl_version")?,
-        source: col(row, t, "source")?,
-        checks: Vec::new(),
-    })
-}
 
-fn report_id_from(v: i64) -> Result<u64> {
-    u64::try_from(v).map_err(|_| corrupt("preflight_reports", format!("negative id {v}")))
-}
 
 /// `INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING` for `2^log2` receipts, built once per
 /// size and shared, so the statement text (the key of sqlx's statement cache) is identical
@@ -726,7 +687,7 @@ async fn insert_event(
 }
 
 /// Writes one planned rank; `job` and `attempt` come from the `schedule` call, the rank from
-/// the allocation. An empty observed state is stored as `planned`.
+/// the allocation.
 async fn insert_allocation(
     c: &mut SqliteConnection,
     job: JobId,
@@ -735,7 +696,6 @@ async fn insert_allocation(
     now_ms: i64,
 ) -> Result<()> {
     let o = &a.observed;
-    let state = if o.state.is_empty() { "planned" } else { o.state.as_str() };
     sqlx::query(
         "INSERT INTO allocations (job_id, attempt, rank, agent_id, gpu_index, node_rank, \
          local_rank, state, pid, exit_code, signal, message, skipped_lines, updated_at_ms, \
@@ -749,7 +709,7 @@ async fn insert_allocation(
     .bind(a.gpu_index)
     .bind(a.node_rank)
     .bind(a.local_rank)
-    .bind(state.to_owned())
+    .bind(o.state.as_str())
     .bind(o.pid)
     .bind(o.exit_code)
     .bind(o.signal)
@@ -773,130 +733,16 @@ async fn fetch_job(c: &mut SqliteConnection, job: JobId) -> Result<Option<JobRec
     row.as_ref().map(job_from_row).transpose()
 }
 
-/// The plain engine columns of `jobs`: kind, argv as JSON, working directory.
-fn engine_columns(spec: &JobSpec) -> (Option<&'static str>, Option<String>, Option<String>) {
-    match &spec.engine {
-        Some(Engine::Exec(exec)) => {
-            (Some("exec"), serde_json::to_string(&exec.argv).ok(), Some(exec.workdir.clone()))
-        }
-        Some(Engine::Builtin(_)) => (Some("builtin"), None, None),
-        None => (None, None, None),
-    }
-}
 
-/// Ids and counters are `u64` in Rust and `INTEGER` (i64) in SQL; values past `i64::MAX`
-/// cannot be stored and are refused as an encode error.
-fn int(v: u64) -> Result<i64> {
-    i64::try_from(v).map_err(|e| StoreError::Database(sqlx::Error::Encode(Box::new(e))))
-}
 
-fn job_id_from(v: i64) -> Result<JobId> {
-    u64::try_from(v).map_err(|_| corrupt("jobs", format!("negative id {v}")))
-}
 
-fn corrupt(table: &'static str, detail: impl Into<String>) -> StoreError {
-    StoreError::Corrupt { table, detail: detail.into() }
-}
 
-/// Reads one column, naming the table when the value does not decode.
-fn col<'r, T>(row: &'r SqliteRow, table: &'static str, name: &str) -> Result<T>
-where
-    T: sqlx::Decode<'r, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>,
-{
-    row.try_get(name).map_err(|e| corrupt(table, format!("column {name}: {e}")))
-}
 
-fn state_col(row: &SqliteRow, table: &'static str, name: &str) -> Result<JobState> {
-    let s: String = col(row, table, name)?;
-    JobState::parse(&s).ok_or_else(|| corrupt(table, format!("column {name}: unknown state {s:?}")))
-}
 
-fn job_from_row(row: &SqliteRow) -> Result<JobRecord> {
-    let t = "jobs";
-    let spec_pb: Vec<u8> = col(row, t, "spec_pb")?;
-    Ok(JobRecord {
-        id: col(row, t, "id")?,
-        spec: JobSpec::decode(spec_pb.as_slice()).map_err(|e| corrupt(t, format!("column spec_pb: {e}")))?,
-        state: state_col(row, t, "state")?,
-        reason: col(row, t, "reason")?,
-        attempt: col(row, t, "attempt")?,
-        created_at_ms: col(row, t, "created_at_ms")?,
-        updated_at_ms: col(row, t, "updated_at_ms")?,
-    })
-}
 
-fn event_from_row(row: &SqliteRow) -> Result<JobEventRecord> {
-    let t = "job_events";
-    let from: Option<String> = col(row, t, "from_state")?;
-    Ok(JobEventRecord {
-        job_id: col(row, t, "job_id")?,
-        at_ms: col(row, t, "at_ms")?,
-        from_state: match from {
-            None => None,
-            Some(_) => Some(state_col(row, t, "from_state")?),
-        },
-        to_state: state_col(row, t, "to_state")?,
-        reason: col(row, t, "reason")?,
-    })
-}
 
-fn allocation_from_row(row: &SqliteRow) -> Result<Allocation> {
-    let t = "allocations";
-    Ok(Allocation {
-        id: RankId {
-            job_id: col(row, t, "job_id")?,
-            attempt: col(row, t, "attempt")?,
-            rank: col(row, t, "rank")?,
-        },
-        agent_id: col(row, t, "agent_id")?,
-        gpu_index: col(row, t, "gpu_index")?,
-        node_rank: col(row, t, "node_rank")?,
-        local_rank: col(row, t, "local_rank")?,
-        planned_cpus: col(row, t, "planned_cpus")?,
-        planned_mems: col(row, t, "planned_mems")?,
-        observed: RankObserved {
-            state: col(row, t, "state")?,
-            pid: col(row, t, "pid")?,
-            exit_code: col(row, t, "exit_code")?,
-            signal: col(row, t, "signal")?,
-            message: col(row, t, "message")?,
-            skipped_lines: col(row, t, "skipped_lines")?,
-            updated_at_ms: col(row, t, "updated_at_ms")?,
-            effective_cpus: col(row, t, "effective_cpus")?,
-            effective_mems: col(row, t, "effective_mems")?,
-        },
-    })
-}
 
-fn agent_from_row(row: &SqliteRow) -> Result<AgentRecord> {
-    let t = "agents";
-    let inventory_pb: Vec<u8> = col(row, t, "inventory_pb")?;
-    Ok(AgentRecord {
-        agent_id: col(row, t, "agent_id")?,
-        address: col(row, t, "address")?,
-        agent_version: col(row, t, "agent_version")?,
-        inventory: HostInventory::decode(inventory_pb.as_slice())
-            .map_err(|e| corrupt(t, format!("column inventory_pb: {e}")))?,
-        state: col(row, t, "state")?,
-        last_seen_ms: col(row, t, "last_seen_ms")?,
-    })
-}
 
-fn receipt_from_row(row: &SqliteRow) -> Result<StoredReceiptRecord> {
-    let t = "receipts";
-    Ok(StoredReceiptRecord {
-        position: col(row, t, "position")?,
-        id: RankId {
-            job_id: col(row, t, "job_id")?,
-            attempt: col(row, t, "attempt")?,
-            rank: col(row, t, "rank")?,
-        },
-        seq: col(row, t, "seq")?,
-        kind: col(row, t, "kind")?,
-        step: col(row, t, "step")?,
-        body: col(row, t, "body")?,
-    })
-}
 
 #[cfg(test)]
 #[path = "tests.rs"]

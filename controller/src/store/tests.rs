@@ -7,8 +7,11 @@ use trainyard_proto::v1::{
     ExecEngine, Gpu, HostInventory, JobSpec, PreflightCheck, PreflightReport, Resources, job_spec::Engine,
 };
 
-use super::SqliteStore;
-use crate::store::{AgentRecord, Allocation, JobState, NewReceipt, RankId, RankObserved, Store, StoreError};
+use crate::store::pg_server::{Durability, TempPostgres};
+use crate::store::{PostgresStore, SqliteStore};
+use crate::store::{
+    AgentRecord, AgentState, Allocation, JobState, NewReceipt, RankId, RankObserved, RankState, Store, StoreError,
+};
 
 /// Opens a backend's store; `open` called twice opens the same database (restart tests).
 pub trait Harness: Sized {
@@ -17,14 +20,34 @@ pub trait Harness: Sized {
     async fn open(&self) -> Self::S;
 }
 
-/// Generates one `#[tokio::test]` per suite function for a harness type.
+/// Generates, in the calling module, one `#[tokio::test]` per suite function for a harness.
 macro_rules! store_suite {
-    ($harness:ty: $($name:ident),+ $(,)?) => {
+    ($harness:ty) => {
+        store_suite!(@each $harness:
+            create_get_list,
+            transitions_and_conflicts,
+            events_in_order_with_reasons,
+            schedule_writes_allocations,
+            schedule_refuses_non_pending_job_atomically,
+            observe_rank_known_and_unknown,
+            agents_upsert_with_gpus,
+            snapshot_after_reopen,
+            receipts_dedup,
+            receipts_after_pages_by_cursor,
+            last_seqs_and_counts,
+            preflight_round_trip_with_checks_in_order,
+            preflight_same_report_twice_is_stored_once,
+            preflight_latest_per_agent_after_reopen,
+            binding_planned_then_effective,
+            mean_optimizer_ms_of_step_receipts,
+        );
+    };
+    (@each $harness:ty: $($name:ident),+ $(,)?) => {
         $(
             #[tokio::test]
             async fn $name() {
                 let harness = <$harness as Harness>::new().await;
-                suite::$name(&harness).await;
+                super::suite::$name(&harness).await;
             }
         )+
     };
@@ -45,24 +68,38 @@ impl Harness for SqliteHarness {
     }
 }
 
-store_suite!(SqliteHarness:
-    create_get_list,
-    transitions_and_conflicts,
-    events_in_order_with_reasons,
-    schedule_writes_allocations,
-    schedule_refuses_non_pending_job_atomically,
-    observe_rank_known_and_unknown,
-    agents_upsert_with_gpus,
-    snapshot_after_reopen,
-    receipts_dedup,
-    receipts_after_pages_by_cursor,
-    last_seqs_and_counts,
-    preflight_round_trip_with_checks_in_order,
-    preflight_same_report_twice_is_stored_once,
-    preflight_latest_per_agent_after_reopen,
-    binding_planned_then_effective,
-    mean_optimizer_ms_of_step_receipts,
-);
+/// A fresh database on the PostgreSQL server this test binary started (one server for all
+/// tests, stopped when the process ends; see `pg_server`).
+pub struct PgHarness {
+    url: String,
+}
+
+/// The test binary's PostgreSQL server, started on first use.
+pub fn pg_server() -> &'static TempPostgres {
+    static SERVER: std::sync::OnceLock<TempPostgres> = std::sync::OnceLock::new();
+    SERVER.get_or_init(|| TempPostgres::start(Durability::Relaxed).unwrap_or_else(|e| panic!("{e}")))
+}
+
+impl Harness for PgHarness {
+    type S = PostgresStore;
+    async fn new() -> Self {
+        let url = tokio::task::spawn_blocking(|| pg_server().create_database()).await.unwrap();
+        PgHarness { url: url.unwrap_or_else(|e| panic!("{e}")) }
+    }
+    async fn open(&self) -> PostgresStore {
+        PostgresStore::open(&self.url).await.expect("open store")
+    }
+}
+
+mod sqlite_store {
+    use super::{Harness, SqliteHarness};
+    store_suite!(SqliteHarness);
+}
+
+mod postgres_store {
+    use super::{Harness, PgHarness};
+    store_suite!(PgHarness);
+}
 
 /// Builders shared by the suite.
 pub mod fixtures {
@@ -94,11 +131,11 @@ pub mod fixtures {
             local_rank: rank,
             planned_cpus: String::new(),
             planned_mems: String::new(),
-            observed: RankObserved { state: "planned".into(), ..Default::default() },
+            observed: RankObserved { state: RankState::Planned, ..Default::default() },
         }
     }
 
-    pub fn agent(id: &str, gpus: u32, state: &str, now_ms: i64) -> AgentRecord {
+    pub fn agent(id: &str, gpus: u32, state: AgentState, now_ms: i64) -> AgentRecord {
         AgentRecord {
             agent_id: id.to_owned(),
             address: "10.0.0.7".into(),
@@ -119,7 +156,7 @@ pub mod fixtures {
                 links: vec![],
                 cores: vec![],
             },
-            state: state.to_owned(),
+            state,
             last_seen_ms: now_ms,
         }
     }
@@ -287,7 +324,7 @@ pub mod suite {
         let j = s.create_job(&spec("o", 1), "submitted", 1).await.unwrap();
         s.schedule(j.id, 0, &[allocation(j.id, 0, 0, "a")], "placed", 2).await.unwrap();
         let running = RankObserved {
-            state: "exited".into(),
+            state: RankState::Exited,
             pid: Some(4242),
             exit_code: Some(1),
             signal: None,
@@ -306,13 +343,13 @@ pub mod suite {
 
     pub async fn agents_upsert_with_gpus(h: &impl Harness) {
         let s = h.open().await;
-        s.upsert_agent(&agent("sxm-a", 8, "connected", 100)).await.unwrap();
-        s.upsert_agent(&agent("sxm-b", 4, "connected", 100)).await.unwrap();
+        s.upsert_agent(&agent("sxm-a", 8, AgentState::Connected, 100)).await.unwrap();
+        s.upsert_agent(&agent("sxm-b", 4, AgentState::Connected, 100)).await.unwrap();
         // A second hello with a smaller inventory replaces the first.
-        let again = agent("sxm-a", 2, "connected", 200);
+        let again = agent("sxm-a", 2, AgentState::Connected, 200);
         s.upsert_agent(&again).await.unwrap();
-        s.set_agent_state("sxm-b", "leaving", 300).await.unwrap();
-        s.set_agent_state("never-seen", "connected", 300).await.unwrap();
+        s.set_agent_state("sxm-b", AgentState::Leaving, 300).await.unwrap();
+        s.set_agent_state("never-seen", AgentState::Connected, 300).await.unwrap();
         // Heartbeats move last_seen forward, never back; unknown agents are ignored.
         s.touch_agents(&[("sxm-a".into(), 5_000), ("never-seen".into(), 9_000)]).await.unwrap();
         s.touch_agents(&[("sxm-a".into(), 4_000)]).await.unwrap();
@@ -320,7 +357,7 @@ pub mod suite {
         let snap = s.snapshot().await.unwrap();
         assert_eq!(snap.agents.len(), 2);
         assert_eq!(snap.agents[0], AgentRecord { last_seen_ms: 5_000, ..again });
-        assert_eq!((snap.agents[1].state.as_str(), snap.agents[1].last_seen_ms), ("leaving", 300));
+        assert_eq!((snap.agents[1].state, snap.agents[1].last_seen_ms), (AgentState::Leaving, 300));
         assert_eq!(snap.agents[1].inventory.gpus.len(), 4);
     }
 
@@ -328,7 +365,7 @@ pub mod suite {
         let (active, done);
         {
             let s = h.open().await;
-            s.upsert_agent(&agent("sxm-a", 8, "connected", 1)).await.unwrap();
+            s.upsert_agent(&agent("sxm-a", 8, AgentState::Connected, 1)).await.unwrap();
             active = s.create_job(&spec("active", 2), "submitted", 1).await.unwrap();
             done = s.create_job(&spec("done", 1), "submitted", 2).await.unwrap();
             let two = [allocation(active.id, 0, 0, "sxm-a"), allocation(active.id, 0, 1, "sxm-a")];
@@ -367,7 +404,7 @@ pub mod suite {
         let planned = s.allocations(j.id, 0).await.unwrap().remove(0);
         assert_eq!((planned.planned_cpus, planned.planned_mems), (a.planned_cpus, a.planned_mems));
         let running = RankObserved {
-            state: "running".into(),
+            state: RankState::Running,
             pid: Some(7),
             effective_cpus: "0-15".into(),
             effective_mems: "0".into(),
@@ -601,4 +638,104 @@ async fn sqlite_open_url_and_in_memory() {
         assert_eq!(m.list_jobs(false, 10).await.unwrap()[0].id, j.id);
         assert_eq!(m.get_job(j.id).await.unwrap().map(|r| r.id), Some(j.id));
     }
+}
+
+/// The PostgreSQL views answer like the SQLite ones (numbers from JSON are `float8` here).
+#[tokio::test]
+async fn postgres_views_return_sensible_rows() {
+    use fixtures::*;
+    let h = PgHarness::new().await;
+    let s = h.open().await;
+    let j = s.create_job(&spec("views", 2), "submitted", 1).await.unwrap();
+    let two = [allocation(j.id, 0, 0, "a"), allocation(j.id, 0, 1, "a")];
+    s.schedule(j.id, 0, &two, "placed", 2).await.unwrap();
+    let rank0 = RankId { job_id: j.id, attempt: 0, rank: 0 };
+    let mut batch = receipts(rank0, 0, 20);
+    // Not a number, and a string holding an escaped NUL: neither may break the view.
+    batch.push(NewReceipt {
+        id: rank0,
+        seq: 20,
+        kind: "step".into(),
+        step: Some(20),
+        body: r#"{"kind":"step","step":20,"step_time_ms":"slow","note":"a\u0000b"}"#.into(),
+    });
+    s.insert_receipts(&batch, 777).await.unwrap();
+
+    type ProgressRow = (i64, i64, Option<i64>, i64, Option<i64>);
+    let rows: Vec<ProgressRow> = sqlx::query_as(
+        "SELECT job_id, rank, last_step, receipt_count, last_receipt_at_ms FROM job_progress ORDER BY rank",
+    )
+    .fetch_all(s.pool())
+    .await
+    .unwrap();
+    let id = j.id as i64;
+    assert_eq!(rows, vec![(id, 0, Some(20), 21, Some(777)), (id, 1, None, 0, None)]);
+
+    let (n, mean, min, max, tps): (i64, f64, f64, f64, f64) = sqlx::query_as(
+        "SELECT step_receipts, mean_step_time_ms, min_step_time_ms, max_step_time_ms, \
+         mean_tokens_per_s FROM step_time_summary WHERE job_id = $1",
+    )
+    .bind(id)
+    .fetch_one(s.pool())
+    .await
+    .unwrap();
+    assert_eq!((n, min, max), (21, 100.0, 109.0), "the non-number and the NUL body count as steps without a time");
+    assert!((mean - 104.5).abs() < 1e-9, "mean step time {mean}");
+    assert!((tps - 50_009.5).abs() < 1e-9, "mean tokens/s {tps}");
+}
+
+/// Concurrent receipt batches become visible in position order, so a `Watch` cursor that read
+/// up to some position never misses a row committed later with a smaller one.
+#[tokio::test]
+async fn postgres_receipt_positions_commit_in_order() {
+    use fixtures::*;
+    let h = PgHarness::new().await;
+    let s = std::sync::Arc::new(h.open().await);
+    let j = s.create_job(&spec("order", 4), "submitted", 1).await.unwrap();
+    let mut writers = Vec::new();
+    for rank in 0..4 {
+        let s = s.clone();
+        writers.push(tokio::spawn(async move {
+            for chunk in 0..20 {
+                let id = RankId { job_id: j.id, attempt: 0, rank };
+                s.insert_receipts(&receipts(id, chunk * 50, 50), 1).await.unwrap();
+            }
+        }));
+    }
+    // A reader pages like `Watch`; every row it ever sees must be new and in order.
+    let mut cursor = 0;
+    let mut seen = 0;
+    while seen < 4_000 {
+        for r in s.receipts_after(j.id, cursor, 500).await.unwrap() {
+            assert!(r.position > cursor);
+            cursor = r.position;
+            seen += 1;
+        }
+        if writers.iter().all(|w| w.is_finished()) && s.receipt_count(j.id).await.unwrap() == seen {
+            break;
+        }
+    }
+    assert_eq!(seen, 4_000, "the cursor stepped over rows");
+}
+
+/// PostgreSQL restarted under an open store: the next operations wait for it and succeed.
+#[tokio::test]
+async fn postgres_store_survives_a_server_restart() {
+    use fixtures::*;
+    let mut server = tokio::task::spawn_blocking(|| TempPostgres::start(Durability::Relaxed).unwrap()).await.unwrap();
+    let url = server.url("postgres");
+    let s = PostgresStore::open(&url).await.unwrap();
+    let j = s.create_job(&spec("restart", 1), "submitted", 1).await.unwrap();
+    let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
+    s.insert_receipts(&receipts(id, 0, 10), 1).await.unwrap();
+    let server = tokio::task::spawn_blocking(move || {
+        server.restart().unwrap();
+        server
+    })
+    .await
+    .unwrap();
+    // The pool's connections died with the old server; the store reconnects by itself.
+    assert_eq!(s.insert_receipts(&receipts(id, 5, 10), 2).await.unwrap(), 5);
+    assert_eq!(s.receipt_count(j.id).await.unwrap(), 15);
+    drop(server);
 }

@@ -1,0 +1,131 @@
+//! The controller's domain words as types: every state a job, a rank or an agent can be in has
+//! one enum variant and one string form, the word the store keeps and `ctl` prints. Parsing a
+//! word no variant has is an error naming the word, so a typo in a row or a message never turns
+//! into a silent default.
+
+/// Declares a `Copy` enum whose variants each have one string form, with `as_str`, `ALL`,
+/// `Display` and `FromStr` (the error names the kind and the rejected word).
+macro_rules! string_enum {
+    ($(#[$meta:meta])* pub enum $name:ident ($what:literal) { $($(#[$vmeta:meta])* $variant:ident = $word:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name { $($(#[$vmeta])* $variant),+ }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $word),+ }
+            }
+
+            /// The variant whose word is `s`, if any.
+            pub fn parse(s: &str) -> Option<$name> {
+                match s { $($word => Some($name::$variant),)+ _ => None }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = UnknownWord;
+            fn from_str(s: &str) -> Result<Self, UnknownWord> {
+                $name::parse(s).ok_or_else(|| UnknownWord { kind: $what, word: s.to_owned() })
+            }
+        }
+    };
+}
+
+/// A word that names no variant of a domain enum.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {kind} {word:?}")]
+pub struct UnknownWord {
+    pub kind: &'static str,
+    pub word: String,
+}
+
+string_enum! {
+    /// The job states: `pending → scheduled → launching → running → succeeded | failed |
+    /// cancelled`, plus `restarting` between attempts (docs/architecture.md).
+    pub enum JobState ("job state") {
+        Pending = "pending",
+        Scheduled = "scheduled",
+        Launching = "launching",
+        Running = "running",
+        Restarting = "restarting",
+        Succeeded = "succeeded",
+        Failed = "failed",
+        Cancelled = "cancelled",
+    }
+}
+
+impl JobState {
+    /// No transition leaves a terminal state.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
+    }
+}
+
+string_enum! {
+    /// A rank as the controller knows it: `planned` by the scheduler, then what its agent
+    /// reported.
+    pub enum RankState ("rank state") {
+        /// Placed; the agent has not reported on it yet.
+        Planned = "planned",
+        /// The agent is starting its process.
+        Launching = "launching",
+        Running = "running",
+        /// The process ended (exit code or signal in the allocation).
+        Exited = "exited",
+        /// The agent lost track of it, or the agent itself is gone.
+        Lost = "lost",
+    }
+}
+
+impl RankState {
+    /// A rank is done when it exited or was lost.
+    pub fn is_done(self) -> bool {
+        matches!(self, RankState::Exited | RankState::Lost)
+    }
+}
+
+impl Default for RankState {
+    fn default() -> Self {
+        RankState::Planned
+    }
+}
+
+string_enum! {
+    /// An agent's state as the `agents` table keeps it.
+    pub enum AgentState ("agent state") {
+        Connected = "connected",
+        Disconnected = "disconnected",
+        /// It announced that it is stopping: no new work goes there.
+        Leaving = "leaving",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_word_round_trips_and_unknown_words_are_named() {
+        for s in JobState::ALL {
+            assert_eq!(s.as_str().parse::<JobState>(), Ok(*s));
+        }
+        for s in RankState::ALL {
+            assert_eq!(s.to_string().parse::<RankState>(), Ok(*s));
+        }
+        for s in AgentState::ALL {
+            assert_eq!(AgentState::parse(s.as_str()), Some(*s));
+        }
+        let err = "exitted".parse::<RankState>().unwrap_err();
+        assert_eq!(err.to_string(), "unknown rank state \"exitted\"");
+        assert!(RankState::Lost.is_done() && !RankState::Running.is_done());
+        assert!(JobState::Cancelled.is_terminal() && !JobState::Restarting.is_terminal());
+    }
+}

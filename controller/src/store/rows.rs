@@ -1,0 +1,214 @@
+//! What both SQL backends share: plain column values of a job, integer conversions, and the
+//! readers that turn a row into a record.
+//!
+//! Every integer is read as `i64` (SQLite's `INTEGER`, PostgreSQL's `BIGINT`) and converted with
+//! a range check, so a row that does not fit its Rust type is a [`StoreError::Corrupt`] naming
+//! the table and column, never a panic or a silent wrap. The readers are generated per backend
+//! by [`row_readers!`] because sqlx's row types differ while the code is the same.
+
+use trainyard_proto::v1::{JobSpec, job_spec::Engine};
+
+use super::{JobId, Result, StoreError};
+
+/// The plain engine columns of `jobs`: kind, argv as JSON, working directory.
+pub(super) fn engine_columns(spec: &JobSpec) -> (Option<&'static str>, Option<String>, Option<String>) {
+    match &spec.engine {
+        Some(Engine::Exec(exec)) => {
+            (Some("exec"), serde_json::to_string(&exec.argv).ok(), Some(exec.workdir.clone()))
+        }
+        Some(Engine::Builtin(_)) => (Some("builtin"), None, None),
+        None => (None, None, None),
+    }
+}
+
+/// Ids and counters are `u64` in Rust and 64-bit signed in SQL; values past `i64::MAX` cannot
+/// be stored and are refused as an encode error.
+pub(super) fn int(v: u64) -> Result<i64> {
+    i64::try_from(v).map_err(|e| StoreError::Database(sqlx::Error::Encode(Box::new(e))))
+}
+
+pub(super) fn job_id_from(v: i64) -> Result<JobId> {
+    u64::try_from(v).map_err(|_| corrupt("jobs", format!("negative id {v}")))
+}
+
+pub(super) fn report_id_from(v: i64) -> Result<u64> {
+    u64::try_from(v).map_err(|_| corrupt("preflight_reports", format!("negative id {v}")))
+}
+
+pub(super) fn corrupt(table: &'static str, detail: impl Into<String>) -> StoreError {
+    StoreError::Corrupt { table, detail: detail.into() }
+}
+
+/// Converts an integer read from column `name` of `table` to the record's type.
+pub(super) fn fit<T: TryFrom<i64>>(v: i64, table: &'static str, name: &str) -> Result<T> {
+    T::try_from(v).map_err(|_| corrupt(table, format!("column {name}: {v} out of range")))
+}
+
+/// Generates, for one backend's row type, the functions that read records out of rows:
+/// `col` (any decodable column), `num` / `opt_num` (integers with a range check), and one
+/// `*_from_row` per record type.
+macro_rules! row_readers {
+    ($row:ty, $db:ty) => {
+        use $crate::store::rows::{corrupt, fit, report_id_from};
+        use $crate::store::{
+            AgentRecord, Allocation, JobEventRecord, JobRecord, JobState, RankId, RankObserved,
+            StoredReceiptRecord,
+        };
+        use prost::Message as _;
+        use sqlx::Row as _;
+        use trainyard_proto::v1::{HostInventory, JobSpec, PreflightCheck, PreflightReport};
+
+        /// Reads one column, naming the table when the value does not decode.
+        fn col<'r, T>(row: &'r $row, table: &'static str, name: &str) -> Result<T>
+        where
+            T: sqlx::Decode<'r, $db> + sqlx::Type<$db>,
+        {
+            row.try_get(name).map_err(|e| corrupt(table, format!("column {name}: {e}")))
+        }
+
+        /// Reads an integer column into the record's integer type.
+        fn num<T: TryFrom<i64>>(row: &$row, table: &'static str, name: &str) -> Result<T> {
+            fit(col::<i64>(row, table, name)?, table, name)
+        }
+
+        fn opt_num<T: TryFrom<i64>>(row: &$row, table: &'static str, name: &str) -> Result<Option<T>> {
+            col::<Option<i64>>(row, table, name)?.map(|v| fit(v, table, name)).transpose()
+        }
+
+        fn state_col(row: &$row, table: &'static str, name: &str) -> Result<JobState> {
+            let s: String = col(row, table, name)?;
+            JobState::parse(&s).ok_or_else(|| corrupt(table, format!("column {name}: unknown state {s:?}")))
+        }
+
+        fn job_from_row(row: &$row) -> Result<JobRecord> {
+            let t = "jobs";
+            let spec_pb: Vec<u8> = col(row, t, "spec_pb")?;
+            Ok(JobRecord {
+                id: num(row, t, "id")?,
+                spec: JobSpec::decode(spec_pb.as_slice())
+                    .map_err(|e| corrupt(t, format!("column spec_pb: {e}")))?,
+                state: state_col(row, t, "state")?,
+                reason: col(row, t, "reason")?,
+                attempt: num(row, t, "attempt")?,
+                created_at_ms: col(row, t, "created_at_ms")?,
+                updated_at_ms: col(row, t, "updated_at_ms")?,
+            })
+        }
+
+        fn event_from_row(row: &$row) -> Result<JobEventRecord> {
+            let t = "job_events";
+            let from: Option<String> = col(row, t, "from_state")?;
+            Ok(JobEventRecord {
+                job_id: num(row, t, "job_id")?,
+                at_ms: col(row, t, "at_ms")?,
+                from_state: match from {
+                    None => None,
+                    Some(_) => Some(state_col(row, t, "from_state")?),
+                },
+                to_state: state_col(row, t, "to_state")?,
+                reason: col(row, t, "reason")?,
+            })
+        }
+
+        fn allocation_from_row(row: &$row) -> Result<Allocation> {
+            let t = "allocations";
+            let state: String = col(row, t, "state")?;
+            Ok(Allocation {
+                id: RankId { job_id: num(row, t, "job_id")?, attempt: num(row, t, "attempt")?, rank: num(row, t, "rank")? },
+                agent_id: col(row, t, "agent_id")?,
+                gpu_index: num(row, t, "gpu_index")?,
+                node_rank: num(row, t, "node_rank")?,
+                local_rank: num(row, t, "local_rank")?,
+                planned_cpus: col(row, t, "planned_cpus")?,
+                planned_mems: col(row, t, "planned_mems")?,
+                observed: RankObserved {
+                    state: state.parse().map_err(|e| corrupt(t, format!("column state: {e}")))?,
+                    pid: opt_num(row, t, "pid")?,
+                    exit_code: opt_num(row, t, "exit_code")?,
+                    signal: opt_num(row, t, "signal")?,
+                    message: col(row, t, "message")?,
+                    skipped_lines: num(row, t, "skipped_lines")?,
+                    updated_at_ms: col(row, t, "updated_at_ms")?,
+                    effective_cpus: col(row, t, "effective_cpus")?,
+                    effective_mems: col(row, t, "effective_mems")?,
+                },
+            })
+        }
+
+        fn agent_from_row(row: &$row) -> Result<AgentRecord> {
+            let t = "agents";
+            let inventory_pb: Vec<u8> = col(row, t, "inventory_pb")?;
+            let state: String = col(row, t, "state")?;
+            Ok(AgentRecord {
+                agent_id: col(row, t, "agent_id")?,
+                address: col(row, t, "address")?,
+                agent_version: col(row, t, "agent_version")?,
+                inventory: HostInventory::decode(inventory_pb.as_slice())
+                    .map_err(|e| corrupt(t, format!("column inventory_pb: {e}")))?,
+                state: state.parse().map_err(|e| corrupt(t, format!("column state: {e}")))?,
+                last_seen_ms: col(row, t, "last_seen_ms")?,
+            })
+        }
+
+        fn receipt_from_row(row: &$row) -> Result<StoredReceiptRecord> {
+            let t = "receipts";
+            Ok(StoredReceiptRecord {
+                position: num(row, t, "position")?,
+                id: RankId { job_id: num(row, t, "job_id")?, attempt: num(row, t, "attempt")?, rank: num(row, t, "rank")? },
+                seq: num(row, t, "seq")?,
+                kind: col(row, t, "kind")?,
+                step: col(row, t, "step")?,
+                body: col(row, t, "body")?,
+            })
+        }
+
+        fn preflight_from_row(row: &$row) -> Result<PreflightReport> {
+            let t = "preflight_reports";
+            let id: i64 = col(row, t, "id")?;
+            Ok(PreflightReport {
+                report_id: report_id_from(id)?,
+                agent_id: col(row, t, "agent_id")?,
+                local_id: col(row, t, "local_id")?,
+                level: col(row, t, "level")?,
+                started_at_ms: col(row, t, "started_at_ms")?,
+                finished_at_ms: col(row, t, "finished_at_ms")?,
+                verdict: col(row, t, "verdict")?,
+                interconnect_class: col(row, t, "interconnect_class")?,
+                topology: col(row, t, "topology")?,
+                driver_version: col(row, t, "driver_version")?,
+                cuda_version: col(row, t, "cuda_version")?,
+                nccl_version: col(row, t, "nccl_version")?,
+                source: col(row, t, "source")?,
+                checks: Vec::new(),
+            })
+        }
+
+        /// A row of `preflight_checks` with the id of its report.
+        fn check_from_row(row: &$row) -> Result<(u64, PreflightCheck)> {
+            let t = "preflight_checks";
+            let report_id: i64 = col(row, t, "report_id")?;
+            Ok((
+                report_id_from(report_id)?,
+                PreflightCheck {
+                    id: col(row, t, "check_id")?,
+                    status: col(row, t, "status")?,
+                    measured: col(row, t, "measured")?,
+                    expected: col(row, t, "expected")?,
+                    remedy: col(row, t, "remedy")?,
+                },
+            ))
+        }
+
+        /// Attaches checks (in order) to their reports.
+        fn attach_checks(reports: &mut [PreflightReport], checks: Vec<(u64, PreflightCheck)>) {
+            let mut by_report: std::collections::HashMap<u64, Vec<PreflightCheck>> = Default::default();
+            for (id, check) in checks {
+                by_report.entry(id).or_default().push(check);
+            }
+            for report in reports {
+                report.checks = by_report.remove(&report.report_id).unwrap_or_default();
+            }
+        }
+    };
+}
+pub(super) use row_readers;
