@@ -15,6 +15,20 @@ need() {
 need cargo "Install the Rust toolchain (https://rustup.rs), then run this script again."
 need python3 "Install Python 3 (e.g. apt-get install python3); the example rank program needs it."
 
+# PostgreSQL's server binaries: the store suite, the end-to-end tests on PostgreSQL and the
+# PostgreSQL benches start throwaway servers of their own (controller/src/store/pg_server.rs).
+# A controller pointed at an existing PostgreSQL needs none of this.
+if ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null && ! command -v initdb >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing PostgreSQL (apt-get install postgresql) for the store tests"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+    else
+        echo "setup: PostgreSQL's server is not installed; the tests start their own (as root: apt-get install postgresql)" >&2
+        exit 1
+    fi
+fi
+
 # The built-in engine links libtorch from the PyPI torch==2.11.0 wheel (the version tch 0.24
 # is built against), installed into the virtual environment .venv of this checkout. The wheel
 # pulls the nvidia-* CUDA libraries (a few GB) that the GPU path needs. .cargo/config.toml points

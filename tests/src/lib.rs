@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use sqlx::Row;
+use trainyard_controller::store::pg_server::{Durability, TempPostgres};
 
 /// Environment variable that marks every process of one test cluster.
 const MARKER: &str = "TRAINYARD_TEST_CLUSTER";
@@ -121,6 +122,15 @@ pub fn proc_status_field(pid: u32, name: &str) -> Option<String> {
     status.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':').map(|v| v.trim().to_string()))
 }
 
+/// The store a test cluster's controller runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The default: a SQLite file under the cluster's directory.
+    Sqlite,
+    /// A PostgreSQL server of the cluster's own (see `TempPostgres`), so a test may restart it.
+    Postgres,
+}
+
 /// A controller with its agents, all in one temporary directory.
 pub struct Cluster {
     pub dir: tempfile::TempDir,
@@ -128,17 +138,44 @@ pub struct Cluster {
     controller: Option<Child>,
     pub addr: String,
     agents: HashMap<String, Child>,
+    /// The cluster's PostgreSQL server and database URL ([`Backend::Postgres`] only); dropped
+    /// after every process of the cluster is gone.
+    postgres: Option<(TempPostgres, String)>,
 }
 
 impl Cluster {
     /// Starts a controller on port 0 with its SQLite store under the cluster's directory.
     pub fn start() -> Result<Cluster> {
+        Cluster::start_on(Backend::Sqlite)
+    }
+
+    /// Starts a controller on port 0 with its store on `backend`.
+    pub fn start_on(backend: Backend) -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
         let marker = dir.path().display().to_string();
+        let postgres = match backend {
+            Backend::Sqlite => None,
+            Backend::Postgres => {
+                let server = TempPostgres::start(Durability::Full).map_err(anyhow::Error::msg)?;
+                let url = server.create_database().map_err(anyhow::Error::msg)?;
+                Some((server, url))
+            }
+        };
         let mut cluster =
-            Cluster { dir, marker, controller: None, addr: String::new(), agents: HashMap::new() };
+            Cluster { dir, marker, controller: None, addr: String::new(), agents: HashMap::new(), postgres };
         cluster.start_controller()?;
         Ok(cluster)
+    }
+
+    pub fn backend(&self) -> Backend {
+        if self.postgres.is_some() { Backend::Postgres } else { Backend::Sqlite }
+    }
+
+    /// Restarts the cluster's PostgreSQL server under the running controller
+    /// ([`Backend::Postgres`] only).
+    pub fn restart_postgres(&mut self) -> Result<()> {
+        let (server, _) = self.postgres.as_mut().context("this cluster runs on SQLite")?;
+        server.restart().map_err(anyhow::Error::msg)
     }
 
     pub fn path(&self, name: &str) -> PathBuf {
@@ -164,9 +201,13 @@ impl Cluster {
         let addr_file = self.path("controller.addr");
         let _ = std::fs::remove_file(&addr_file);
         let listen = if self.addr.is_empty() { "127.0.0.1:0".to_string() } else { self.addr.clone() };
-        let child = Command::new(bin("trainyard-controller")?)
-            .args(["--listen", &listen, "--data-dir"])
-            .arg(self.path("controller"))
+        let mut command = Command::new(bin("trainyard-controller")?);
+        match &self.postgres {
+            Some((_, url)) => command.args(["--db", url]),
+            None => command.arg("--data-dir").arg(self.path("controller")),
+        };
+        let child = command
+            .args(["--listen", &listen])
             .arg("--addr-file")
             .arg(&addr_file)
             .args(["--cancel-grace-secs", "3", "--agent-timeout-secs", "30"])
@@ -341,39 +382,48 @@ impl Cluster {
         }
     }
 
-    /// Path of the controller's SQLite database.
+    /// Path of the controller's SQLite database ([`Backend::Sqlite`]).
     pub fn db_path(&self) -> PathBuf {
         self.path("controller").join("trainyard.db")
     }
 
-    /// Runs a query against the controller's database and returns rows of i64 columns.
+    /// Runs a query against the controller's database, whichever backend it is, and returns
+    /// rows of integer columns. Write SQL both dialects accept (`COUNT(*) FILTER (WHERE ...)`,
+    /// not `SUM(kind = 'step')`).
     pub fn query(&self, sql: &str) -> Result<Vec<Vec<i64>>> {
-        self.query_with(sql, |row, i| row.try_get::<i64, _>(i))
+        self.query_cells(sql)
     }
 
-    /// Runs a query against the controller's database and returns rows of text columns
-    /// (NULL as "").
+    /// Like [`Cluster::query`], for text columns (NULL as "").
     pub fn query_text(&self, sql: &str) -> Result<Vec<Vec<String>>> {
-        self.query_with(sql, |row, i| row.try_get::<Option<String>, _>(i).map(Option::unwrap_or_default))
+        let rows: Vec<Vec<Option<String>>> = self.query_cells(sql)?;
+        Ok(rows.into_iter().map(|r| r.into_iter().map(Option::unwrap_or_default).collect()).collect())
     }
 
-    /// Runs a query on a read-only connection and converts every column with `cell`.
-    fn query_with<T>(
-        &self,
-        sql: &str,
-        cell: impl Fn(&sqlx::sqlite::SqliteRow, usize) -> Result<T, sqlx::Error>,
-    ) -> Result<Vec<Vec<T>>> {
-        let url = format!("sqlite://{}?mode=ro", self.db_path().display());
+    /// Runs a query on a fresh connection (read-only on SQLite) and decodes every cell as `T`.
+    fn query_cells<T>(&self, sql: &str) -> Result<Vec<Vec<T>>>
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>,
+        T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+    {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let sql = sqlx::AssertSqlSafe(sql.to_string());
         rt.block_on(async {
-            let pool = sqlx::SqlitePool::connect(&url).await?;
-            let rows = sqlx::query(sqlx::AssertSqlSafe(sql.to_string())).fetch_all(&pool).await?;
-            pool.close().await;
-            let out = rows
-                .iter()
-                .map(|row| (0..row.len()).map(|i| cell(row, i)).collect::<Result<Vec<_>, _>>())
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(out)
+            match &self.postgres {
+                Some((_, url)) => {
+                    let pool = sqlx::PgPool::connect(url).await?;
+                    let rows = sqlx::query(sql).fetch_all(&pool).await;
+                    pool.close().await;
+                    cells(&rows?)
+                }
+                None => {
+                    let url = format!("sqlite://{}?mode=ro", self.db_path().display());
+                    let pool = sqlx::SqlitePool::connect(&url).await?;
+                    let rows = sqlx::query(sql).fetch_all(&pool).await;
+                    pool.close().await;
+                    cells(&rows?)
+                }
+            }
         })
     }
 
@@ -455,6 +505,16 @@ impl Drop for Cluster {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// Every cell of `rows`, decoded as `T`.
+fn cells<R: Row, T>(rows: &[R]) -> Result<Vec<Vec<T>>>
+where
+    T: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+{
+    let decoded = rows.iter().map(|row| (0..row.len()).map(|i| row.try_get::<T, _>(i)).collect());
+    Ok(decoded.collect::<Result<Vec<Vec<T>>, sqlx::Error>>()?)
 }
 
 /// Live (non-zombie) processes whose environment has `MARKER=marker`.

@@ -1,16 +1,18 @@
-//! Daemons killed with SIGKILL mid-job: the job finishes, and no receipt is lost or stored twice.
+//! Daemons killed with SIGKILL mid-job, and the database restarted under a running controller:
+//! the job finishes, and no receipt is lost or stored twice. Every scenario runs on SQLite and
+//! on PostgreSQL.
 
 use std::time::Duration;
 
-use trainyard_tests::Cluster;
+use trainyard_tests::{Backend, Cluster};
 
 const STEPS: i64 = 60;
 
 /// Per rank: exactly `STEPS` step receipts, `STEPS` distinct steps, one launch, one exit.
 fn assert_complete(c: &Cluster, job: u64, ranks: usize) -> anyhow::Result<()> {
     let rows = c.query(&format!(
-        "SELECT rank, SUM(kind = 'step'), COUNT(DISTINCT step), SUM(kind = 'launch'), SUM(kind = 'exit') \
-         FROM receipts WHERE job_id = {job} GROUP BY rank ORDER BY rank"
+        "SELECT rank, COUNT(*) FILTER (WHERE kind = 'step'), COUNT(DISTINCT step), \
+         COUNT(*) FILTER (WHERE kind = 'launch'), COUNT(*) FILTER (WHERE kind = 'exit') FROM receipts WHERE job_id = {job} GROUP BY rank ORDER BY rank"
     ))?;
     assert_eq!(rows.len(), ranks, "{rows:?}");
     for (rank, row) in rows.iter().enumerate() {
@@ -43,8 +45,27 @@ fn assert_mid_job(c: &Cluster, job: u64) -> anyhow::Result<()> {
 }
 
 #[test]
-fn controller_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
-    let mut c = Cluster::start()?;
+fn controller_killed_mid_job_loses_nothing_sqlite() -> anyhow::Result<()> {
+    controller_killed_mid_job_loses_nothing(Backend::Sqlite)
+}
+
+#[test]
+fn controller_killed_mid_job_loses_nothing_postgres() -> anyhow::Result<()> {
+    controller_killed_mid_job_loses_nothing(Backend::Postgres)
+}
+
+#[test]
+fn agent_killed_mid_job_loses_nothing_sqlite() -> anyhow::Result<()> {
+    agent_killed_mid_job_loses_nothing(Backend::Sqlite)
+}
+
+#[test]
+fn agent_killed_mid_job_loses_nothing_postgres() -> anyhow::Result<()> {
+    agent_killed_mid_job_loses_nothing(Backend::Postgres)
+}
+
+fn controller_killed_mid_job_loses_nothing(backend: Backend) -> anyhow::Result<()> {
+    let mut c = Cluster::start_on(backend)?;
     c.start_agent("node-a", 4)?;
     c.start_agent("node-b", 4)?;
     let file = c.job_file("survivor", 8, 4, &["--steps", &STEPS.to_string(), "--step-ms", "50"], "");
@@ -60,9 +81,8 @@ fn controller_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
     assert_complete(&c, job, 8)
 }
 
-#[test]
-fn agent_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
-    let mut c = Cluster::start()?;
+fn agent_killed_mid_job_loses_nothing(backend: Backend) -> anyhow::Result<()> {
+    let mut c = Cluster::start_on(backend)?;
     c.start_agent("node-a", 4)?;
     c.start_agent("node-b", 4)?;
     let file = c.job_file("orphans", 8, 4, &["--steps", &STEPS.to_string(), "--step-ms", "50"], "");
@@ -78,4 +98,28 @@ fn agent_killed_mid_job_loses_nothing() -> anyhow::Result<()> {
     let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(90))?;
     assert_eq!(status["state"], "succeeded", "{status}\n{}", c.logs("agent-node-b"));
     assert_complete(&c, job, 8)
+}
+
+/// PostgreSQL restarted (fast shutdown: every connection cut) while receipts stream in: the
+/// controller's store retries, the agents resend what was not acknowledged, nothing is lost or
+/// doubled and the job succeeds without anyone restarting the controller.
+#[test]
+fn postgres_restarted_under_a_running_controller_loses_nothing() -> anyhow::Result<()> {
+    let mut c = Cluster::start_on(Backend::Postgres)?;
+    c.start_agent("node-a", 4)?;
+    c.start_agent("node-b", 4)?;
+    let file = c.job_file("db-restart", 8, 4, &["--steps", &STEPS.to_string(), "--step-ms", "50"], "");
+    let job = c.submit(&file)?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    wait_until_stepping(&c, job)?;
+    c.restart_postgres()?;
+    assert_mid_job(&c, job)?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(90))?;
+    assert_eq!(status["state"], "succeeded", "{status}\n{}", c.logs("controller"));
+    assert_complete(&c, job, 8)?;
+    let log = c.logs("controller");
+    // The pool found its connections cut (or a transaction failed and was tried again).
+    let noticed = log.contains("terminating connection") || log.contains("trying again");
+    assert!(noticed, "the restart was not noticed:\n{log}");
+    Ok(())
 }

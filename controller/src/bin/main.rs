@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use tokio::net::TcpListener;
-use trainyard_controller::store::SqliteStore;
+use trainyard_controller::store::{self, SqliteStore};
 use trainyard_controller::{Controller, ControllerConfig, server};
 
 /// Schedules training jobs onto GPU hosts and stores the receipts their ranks write.
@@ -22,8 +22,9 @@ struct Cli {
     /// Directory of the embedded SQLite database (trainyard.db).
     #[arg(long, default_value = "./trainyard-data")]
     data_dir: PathBuf,
-    /// Database URL, overriding --data-dir (e.g. sqlite:///var/lib/trainyard/trainyard.db).
-    #[arg(long)]
+    /// Database URL, overriding --data-dir: postgres://user@host/db for a fleet (the database
+    /// must exist; tables are created on start), or sqlite:///var/lib/trainyard/trainyard.db.
+    #[arg(long, env = "TRAINYARD_DB")]
     db: Option<String>,
     /// Write the bound address here once listening (for scripts and tests using port 0).
     #[arg(long)]
@@ -63,18 +64,20 @@ async fn main() {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let store = match &cli.db {
-        Some(url) => SqliteStore::open(url).await.with_context(|| format!("open the database {url}"))?,
+    let store: Arc<dyn store::Store> = match &cli.db {
+        Some(url) => store::open(url).await.with_context(|| format!("open the database {}", redact(url)))?,
         None => {
             std::fs::create_dir_all(&cli.data_dir)
                 .with_context(|| format!("create the data directory {}", cli.data_dir.display()))?;
             let path = cli.data_dir.join("trainyard.db");
-            SqliteStore::open_file(&path)
-                .await
-                .with_context(|| format!("open the database {}", path.display()))?
+            Arc::new(
+                SqliteStore::open_file(&path)
+                    .await
+                    .with_context(|| format!("open the database {}", path.display()))?,
+            )
         }
     };
-    let controller = Controller::start(Arc::new(store), ControllerConfig::from(&cli))
+    let controller = Controller::start(store, ControllerConfig::from(&cli))
         .await
         .context("load jobs and agents from the store")?;
     let listener =
@@ -85,6 +88,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     tracing::info!(%addr, "trainyard-controller listening");
     server::run(listener, controller, shutdown_signal()).await.context("serve")
+}
+
+/// The URL without its password, for messages and logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
 }
 
 fn write_atomically(path: &std::path::Path, text: &str) -> std::io::Result<()> {
