@@ -85,6 +85,10 @@ pub struct Tailer {
     /// Sent, not yet acknowledged: seq of each sent receipt and the position after it (moved
     /// on past skipped lines that follow it).
     in_flight: VecDeque<(u64, Position)>,
+    /// The controller has stored every receipt up to this seq, including lines this tailer has
+    /// not read (again) yet: the acks of a `HelloAck`, which arrive after the rewind of a new
+    /// stream. Such lines are passed over as acknowledged instead of being sent twice.
+    stored_through: Option<u64>,
 }
 
 impl Tailer {
@@ -100,6 +104,7 @@ impl Tailer {
             partial: Vec::new(),
             too_long: false,
             in_flight: VecDeque::new(),
+            stored_through: None,
         }
     }
 
@@ -201,6 +206,17 @@ impl Tailer {
     fn finish_line(&mut self, out: &mut Vec<Receipt>, budget: &mut Budget, newline: bool) -> bool {
         let seq = self.line.next_seq;
         let end = self.line.offset + self.consumed + u64::from(newline);
+        if self.stored_through.is_some_and(|s| seq <= s) {
+            // Stored already (acked before it was read again): acknowledged, not sent.
+            let after = Position { offset: end, next_seq: seq + 1, skipped: self.line.skipped };
+            match self.in_flight.back_mut() {
+                Some(last) => last.1 = after,
+                None => self.set_acked(after),
+            }
+            self.line = after;
+            self.reset_line();
+            return true;
+        }
         let verdict = if self.too_long { Err("longer than 1 MiB") } else { parse_receipt(&self.partial) };
         let after = match verdict {
             Ok((kind, step)) => {
@@ -251,8 +267,13 @@ impl Tailer {
     }
 
     /// The controller stored everything up to `seq`: move the durable position past it.
-    /// Returns whether it moved.
+    /// Returns whether it moved. A `seq` beyond what was sent on this stream (the acks of a
+    /// `HelloAck`, after [`Tailer::rewind`]) also takes effect: the lines up to it are passed
+    /// over as acknowledged when they are read.
     pub fn ack(&mut self, seq: u64) -> bool {
+        if seq >= self.line.next_seq {
+            self.stored_through = Some(self.stored_through.map_or(seq, |s| s.max(seq)));
+        }
         let mut advanced = None;
         while let Some(&(sent, after)) = self.in_flight.front() {
             if sent > seq {
@@ -274,6 +295,7 @@ impl Tailer {
     /// reconnect, nothing unacknowledged is known to have arrived).
     pub fn rewind(&mut self) {
         self.in_flight.clear();
+        self.stored_through = None;
         self.line = self.acked;
         self.reset_line();
     }

@@ -219,6 +219,34 @@ fn rewind_after_reconnect_replays_exactly_the_unacked_lines() {
     assert!(t.fully_acked());
 }
 
+/// The acks of a `HelloAck` arrive after the rewind: they still move the durable position, and
+/// the lines they cover are not sent again.
+#[test]
+fn acks_after_a_rewind_skip_what_the_controller_already_stored() {
+    let fx = Fixture::new();
+    for i in 0..6 {
+        fx.append(format!("{{\"kind\":\"step\",\"step\":{i}}}\n").as_bytes());
+    }
+    fx.append(b"garbage\n");
+    fx.append(b"{\"kind\":\"step\",\"step\":7}\n");
+    let mut t = fx.tailer(Position::default());
+    let (out, _) = poll(&mut t);
+    assert_eq!(seqs(&out), vec![0, 1, 2, 3, 4, 5, 7]);
+    t.ack(1);
+    // The stream breaks before the acks of 2..=4 arrive; the new stream's HelloAck carries 4.
+    t.rewind();
+    assert!(!t.ack(4), "nothing in flight moved");
+    let (out, caught_up) = poll(&mut t);
+    assert!(caught_up);
+    assert_eq!(seqs(&out), vec![5, 7], "2..=4 were stored already");
+    assert_eq!(t.acked().next_seq, 5, "the durable position moved past 4");
+    assert!(t.take_acked_dirty());
+    assert_eq!(t.skipped_lines(), 1);
+    // An agent restarted from that durable position starts at 5.
+    let mut again = fx.tailer(t.acked());
+    assert_eq!(seqs(&poll(&mut again).0), vec![5, 7]);
+}
+
 #[test]
 fn restart_from_persisted_position_resumes_there() {
     let fx = Fixture::new();

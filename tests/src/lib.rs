@@ -31,11 +31,14 @@ pub fn bin_dir() -> PathBuf {
 }
 
 /// A workspace binary: next to the test executable's profile directory, or in `target/debug`
-/// (benches run in the release profile but use the debug binaries that setup built).
+/// (benches run in the release profile but may use the debug binaries that setup built),
+/// whichever was built last, so a stale build of the other profile is never picked.
 pub fn bin(name: &str) -> Result<PathBuf> {
     let dir = bin_dir();
     let debug = dir.parent().map(|t| t.join("debug").join(name));
-    match [Some(dir.join(name)), debug].into_iter().flatten().find(|p| p.exists()) {
+    let built = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let newest = [Some(dir.join(name)), debug].into_iter().flatten().filter_map(|p| Some((built(&p)?, p))).max();
+    match newest.map(|(_, p)| p) {
         Some(path) => Ok(path),
         None => bail!("{name} is missing from {}: run `cargo build --workspace --bins` first", dir.display()),
     }
