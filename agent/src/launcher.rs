@@ -67,7 +67,13 @@ impl Launcher {
     pub fn adopt(&mut self) -> std::io::Result<usize> {
         let records = state::load_all(&self.layout)?;
         let count = records.len();
-        for record in records {
+        for mut record in records {
+            if record.phase == Phase::Launching && record.shim_pid.is_none() {
+                find_unrecorded_shim(&mut record);
+                if let Err(e) = record.save(&self.layout) {
+                    warn!(rank_id = %record.id, error = %e, "failed to write rank state file");
+                }
+            }
             info!(rank_id = %record.id, phase = record.phase.as_str(), "adopting rank");
             let tailer = Tailer::new(record.id, record.files.receipts.clone(), record.acked);
             self.ranks.insert(record.id, Rank { record, tailer });
@@ -126,7 +132,14 @@ impl Launcher {
                 info!(rank_id = %id, "rank already known; launch is idempotent");
                 continue;
             }
-            let record = self.start_rank(id, launch, assignment, refusal);
+            let record = match self.start_rank(id, launch, assignment, refusal) {
+                Ok(record) => record,
+                Err(e) => {
+                    // Not recorded, so not started: the controller sees no report for it.
+                    warn!(rank_id = %id, error = %e, "cannot record the rank before starting it; not started");
+                    continue;
+                }
+            };
             if let Err(e) = record.save(&self.layout) {
                 warn!(rank_id = %id, error = %e, "failed to write rank state file");
             }
@@ -173,13 +186,18 @@ impl Launcher {
         write_atomic(&self.layout.launch_json(launch.job_id, launch.attempt), &bytes)
     }
 
+    /// Records the rank (phase `launching`, no shim yet) durably, then spawns its shim. The
+    /// record comes first so that an agent killed in between never starts the rank twice:
+    /// after a restart, [`Launcher::adopt`] finds the shim if it was spawned, and marks the
+    /// rank lost if it was not, instead of the re-sent launch starting it again. Fails only
+    /// when the record cannot be written, and then nothing was started.
     fn start_rank(
         &self,
         id: RankId,
         launch: &Launch,
         assignment: &RankAssignment,
         refusal: Option<&str>,
-    ) -> RankRecord {
+    ) -> std::io::Result<RankRecord> {
         let files = self.layout.rank_files(id);
         let mut record = RankRecord {
             id,
@@ -203,9 +221,16 @@ impl Launcher {
         if let Some(reason) = refusal {
             record.phase = Phase::Lost;
             record.message = reason.to_string();
-            return record;
+            return Ok(record);
         }
-        match self.spawn_shim(id, launch, assignment) {
+        std::fs::create_dir_all(&files.dir)?;
+        record.save(&self.layout)?;
+        failpoint("before-spawn");
+        let spawned = self.spawn_shim(id, launch, assignment);
+        if spawned.is_ok() {
+            failpoint("after-spawn");
+        }
+        match spawned {
             Ok((pid, start_time)) => {
                 info!(rank_id = %id, shim_pid = pid, "rank started");
                 record.shim_pid = Some(pid);
@@ -218,7 +243,7 @@ impl Launcher {
                 record.message = message;
             }
         }
-        record
+        Ok(record)
     }
 
     /// Spawns the shim for one rank; returns its pid and start time, or why it could not.
@@ -435,6 +460,33 @@ fn check_program(program: &str, workdir: &Path, path_var: &str) -> Result<(), St
 }
 
 /// Looks at one unfinished rank; returns whether its record changed.
+/// For a rank recorded as launching with no shim (the agent stopped between recording it and
+/// recording its shim): adopts the shim if one runs for it, else marks the rank lost, since it
+/// was never started (or its shim is gone without a trace) and must not be started twice.
+fn find_unrecorded_shim(record: &mut RankRecord) {
+    let found = procfs::find_by_argument("--status-file", record.files.exit.as_os_str());
+    if let Some((pid, stat)) = found.into_iter().next() {
+        info!(rank_id = %record.id, shim_pid = pid, "found the shim of a rank the agent had not recorded as started");
+        record.shim_pid = Some(pid);
+        record.shim_start_time = Some(stat.start_time);
+    } else if !record.files.exit.exists() {
+        warn!(rank_id = %record.id, "the agent stopped while starting this rank; it was not started");
+        record.phase = Phase::Lost;
+        record.message = "the agent stopped while starting this rank; it was not started".to_string();
+    }
+}
+
+/// Test hook: with `TRAINYARD_AGENT_FAILPOINT=<name>` the agent dies (SIGKILL-like, no cleanup)
+/// when it reaches failpoint `name`. The end-to-end tests kill the agent at the exact moments
+/// between recording a rank and spawning it this way; unset in production, it costs one
+/// environment lookup per rank start.
+fn failpoint(name: &str) {
+    if std::env::var("TRAINYARD_AGENT_FAILPOINT").is_ok_and(|v| v == name) {
+        warn!(failpoint = name, "failpoint reached; the agent dies here");
+        std::process::abort();
+    }
+}
+
 fn observe(record: &mut RankRecord) -> bool {
     // Liveness first: the shim writes exit.json before it exits, so a shim seen gone before
     // exit.json is looked for really left without writing it.

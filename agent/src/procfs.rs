@@ -95,3 +95,23 @@ mod tests {
         assert!(killpg(1, 0).is_err());
     }
 }
+
+/// The live processes whose command line holds `flag` followed by `value` as two arguments
+/// (e.g. a shim's `--status-file <path>`), with their stat. A restarted agent finds a shim it
+/// spawned but did not get to record this way: the status file path names one rank.
+pub fn find_by_argument(flag: &str, value: &std::ffi::OsStr) -> Vec<(u32, ProcStat)> {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let (flag, value) = (flag.as_bytes(), value.as_bytes());
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            args.windows(2).any(|w| w[0] == flag && w[1] == value)
+        })
+        .filter_map(|pid| Some((pid, stat(pid).filter(|s| s.state != 'Z')?)))
+        .collect()
+}

@@ -242,7 +242,13 @@ impl Cluster {
     /// Starts an agent standing in for the node a host description describes (e.g. one of
     /// `tests/fixtures/hosts/`), with agent id `name`.
     pub fn start_agent_with_host_file(&mut self, name: &str, host: &Path) -> Result<()> {
+        self.start_agent_env(name, host, &[])
+    }
+
+    /// Starts an agent with extra environment variables (e.g. `TRAINYARD_AGENT_FAILPOINT`).
+    pub fn start_agent_env(&mut self, name: &str, host: &Path, env: &[(&str, &str)]) -> Result<()> {
         let child = Command::new(bin("trainyard-agent")?)
+            .envs(env.iter().copied())
             .arg("--controller")
             .arg(self.url())
             .arg("--host-file")
@@ -277,6 +283,20 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Waits until an agent's process has ended by itself (a failpoint), and reaps it.
+    pub fn wait_agent_exit(&mut self, name: &str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let child = self.agents.get_mut(name).context("no such agent")?;
+        while child.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                bail!("agent {name} still running after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.agents.remove(name);
+        Ok(())
     }
 
     /// Kills an agent with SIGKILL; its ranks keep running.

@@ -123,3 +123,43 @@ fn postgres_restarted_under_a_running_controller_loses_nothing() -> anyhow::Resu
     assert!(noticed, "the restart was not noticed:\n{log}");
     Ok(())
 }
+
+/// The agent dies after recording a rank and before spawning its shim: restarted, it reports the
+/// rank lost (it was never started) instead of starting it; nothing ever ran for the attempt.
+#[test]
+fn agent_killed_between_record_and_spawn_never_starts_the_rank() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    let host = trainyard_tests::host_file(c.dir.path(), "node-a", 1);
+    c.start_agent_env("node-a", &host, &[("TRAINYARD_AGENT_FAILPOINT", "before-spawn")])?;
+    let job = c.submit(&c.job_file("unborn", 1, 1, &["--steps", "5"], ""))?;
+    c.wait_agent_exit("node-a", Duration::from_secs(30))?;
+    assert!(c.live_processes("python").is_empty(), "a rank started before the failpoint");
+    c.start_agent_with_host_file("node-a", &host)?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "failed", "{status}");
+    let reason = status["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("was not started"), "{status}");
+    assert_eq!(c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job}"))?[0][0], 0);
+    Ok(())
+}
+
+/// The agent dies right after spawning a shim and before recording it: restarted, it finds the
+/// shim by its command line and adopts it; the rank runs exactly once and the job succeeds.
+#[test]
+fn agent_killed_between_spawn_and_record_adopts_the_rank_it_started() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    let host = trainyard_tests::host_file(c.dir.path(), "node-a", 1);
+    c.start_agent_env("node-a", &host, &[("TRAINYARD_AGENT_FAILPOINT", "after-spawn")])?;
+    let job = c.submit(&c.job_file("orphan", 1, 1, &["--steps", "40", "--step-ms", "50"], ""))?;
+    c.wait_agent_exit("node-a", Duration::from_secs(30))?;
+    c.start_agent_with_host_file("node-a", &host)?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "succeeded", "{status}\n{}", c.logs("agent-node-a"));
+    assert_eq!(status["attempt"], 0, "{status}");
+    let launches = c.query(&format!(
+        "SELECT COUNT(*) FILTER (WHERE kind = 'launch'), COUNT(*) FILTER (WHERE kind = 'step') \
+         FROM receipts WHERE job_id = {job}"
+    ))?;
+    assert_eq!(launches[0], vec![1, 40], "the rank ran exactly once");
+    Ok(())
+}
