@@ -37,7 +37,7 @@ async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
             resources: Some(Resources { gpus: RANKS, ..Default::default() }),
             ..Default::default()
         };
-        let job = store.create_job(&spec, "bench", 0).await?;
+        let job = store.create_job(&spec, None, "bench", 0).await?;
         let receipts = receipts(job.id, total);
         let started = Instant::now();
         let mut inserted = 0;

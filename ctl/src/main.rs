@@ -47,6 +47,11 @@ enum Command {
         /// Stream progress to stderr until the job ends; exit 0 only if it succeeded.
         #[arg(long)]
         follow: bool,
+        /// Idempotency key: a submit with a key already used returns that job instead of
+        /// creating another (for scripts that retry). Default: a fresh random key, which ctl
+        /// reuses when it retries on its own.
+        #[arg(long, value_name = "KEY")]
+        key: Option<String>,
     },
     /// Show all jobs, or one job's events and ranks.
     Status {
@@ -127,9 +132,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     let mut ctl = client::connect(&cli.controller).await?;
     match cli.command {
-        Command::Submit { follow, .. } => {
+        Command::Submit { follow, key, .. } => {
             let spec = spec.unwrap_or_default();
-            commands::submit::run(&mut ctl, spec, follow).await
+            commands::submit::run(&mut ctl, spec, key, follow).await
         }
         Command::Status { job, output } => commands::status::run(&mut ctl, job, output == Format::Json).await,
         Command::Cancel { job } => commands::cancel::run(&mut ctl, job).await,

@@ -81,3 +81,24 @@ fn follow_and_watch_stream_until_the_job_ends() -> anyhow::Result<()> {
     assert!(!out.status.success());
     Ok(())
 }
+
+/// A submit retried with the same idempotency key returns the first job; the same key with
+/// another spec is refused, and neither creates a second job.
+#[test]
+fn submit_with_the_same_key_creates_one_job() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 2)?;
+    let file = c.job_file("once", 1, 1, &["--steps", "3"], "");
+    let submit = |file: &std::path::Path| c.ctl(&["submit", &file.display().to_string(), "--key", "deploy-42"]);
+    let first = submit(&file)?;
+    let again = submit(&file)?;
+    assert!(first.status.success() && again.status.success(), "{first:?} {again:?}");
+    assert_eq!(first.stdout, again.stdout, "the retry returned another job");
+    let other = c.job_file("other", 2, 2, &["--steps", "3"], "");
+    let refused = submit(&other)?;
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("deploy-42") && stderr.contains("different spec"), "{stderr}");
+    assert_eq!(c.query("SELECT COUNT(*) FROM jobs")?[0][0], 1);
+    Ok(())
+}

@@ -10,24 +10,50 @@ use super::{ActiveJob, Controller, ControllerError, Core, Result, now_ms, rank_d
 use crate::cost;
 use crate::scheduler::{self, GpuView, NodeView, Placement, Request};
 use crate::spec;
-use crate::store::{Allocation, JobId, JobRecord, JobState, RankId, RankObserved, RankState};
+use crate::store::{Allocation, JobId, JobRecord, JobState, RankId, RankObserved, RankState, StoreError};
 
 impl Controller {
     /// Validates, stores and queues a job; returns its id. Nothing is stored for a bad spec or
-    /// one that no node set of the fleet could ever hold.
-    pub async fn submit(&self, spec: JobSpec) -> Result<JobId> {
+    /// one that no node set of the fleet could ever hold. With an idempotency `key`, a submit
+    /// that was already stored (a client retrying after a lost reply) returns that job.
+    pub async fn submit(&self, spec: JobSpec, key: Option<&str>) -> Result<JobId> {
         spec::validate(&spec)?;
+        if let Some(key) = key
+            && let Some(id) = self.submitted_before(&spec, key).await?
+        {
+            return Ok(id);
+        }
         let mut core = self.core.lock().await;
         let request = request_of(0, &spec);
         let all_nodes = core.node_views(true);
         scheduler::feasible(&request, &all_nodes).map_err(ControllerError::Unsatisfiable)?;
-        let record = self.store.create_job(&spec, "submitted", now_ms()).await?;
+        let record = match self.store.create_job(&spec, key, "submitted", now_ms()).await {
+            Err(StoreError::Duplicate(_)) if let Some(key) = key => {
+                // The same key raced in from another connection and won.
+                drop(core);
+                return self.submitted_before(&spec, key).await?.ok_or(StoreError::JobNotFound(0).into());
+            }
+            other => other?,
+        };
         let id = record.id;
         tracing::info!(job_id = id, name = %spec.name, gpus = request.gpus, "job submitted");
         core.jobs.insert(id, ActiveJob { record, allocations: Vec::new(), master_port: None });
         self.bump();
         self.schedule_pass(&mut core).await?;
         Ok(id)
+    }
+
+    /// The job an earlier submit with `key` created, if any; an error if it had another spec.
+    async fn submitted_before(&self, spec: &JobSpec, key: &str) -> Result<Option<JobId>> {
+        let Some(job) = self.store.job_by_key(key).await? else { return Ok(None) };
+        if &job.spec != spec {
+            return Err(ControllerError::BadRequest(format!(
+                "idempotency key {key:?} was used for job {} with a different spec",
+                job.id
+            )));
+        }
+        tracing::info!(job_id = job.id, key, "submit retried; returning the job it created");
+        Ok(Some(job.id))
     }
 
     /// Cancels a job: pending jobs end at once; placed ones get their ranks stopped (SIGTERM,

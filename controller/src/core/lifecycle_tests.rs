@@ -28,7 +28,7 @@ async fn state_of(c: &Controller, job: u64) -> (String, String) {
 async fn a_placement_recorded_before_a_crash_is_launched_when_the_agent_returns() {
     let store = store().await;
     // The controller recorded the placement, then died before sending the launch.
-    let job = store.create_job(&spec(2), "submitted", 1).await.expect("create").id;
+    let job = store.create_job(&spec(2), None, "submitted", 1).await.expect("create").id;
     let allocs: Vec<Allocation> = (0..2)
         .map(|rank| Allocation {
             id: RankId { job_id: job, attempt: 0, rank },
@@ -63,7 +63,7 @@ async fn an_agent_that_returns_without_its_running_ranks_fails_the_job() {
     let store = store().await;
     let c = controller(&store).await;
     let agent = connect(&c, "a", 2, None).await;
-    let job = c.submit(spec(2)).await.expect("submit");
+    let job = c.submit(spec(2), None).await.expect("submit");
     for rank in 0..2 {
         c.rank_update("a", &report(job, 0, rank, "running", -1)).await.expect("update");
     }
@@ -81,7 +81,7 @@ async fn ranks_on_an_agent_gone_past_the_timeout_are_lost() {
     let config = ControllerConfig::default().with_agent_timeout(Duration::from_millis(50));
     let c = Controller::start(store.clone(), config).await.expect("start");
     let agent = connect(&c, "a", 1, None).await;
-    let job = c.submit(spec(1)).await.expect("submit");
+    let job = c.submit(spec(1), None).await.expect("submit");
     c.rank_update("a", &report(job, 0, 0, "running", -1)).await.expect("update");
     c.agent_disconnected("a", agent.conn_id).await.expect("disconnect");
     c.reap_vanished_agents().await.expect("reap");
@@ -98,7 +98,7 @@ async fn ranks_of_a_finished_attempt_are_stopped_or_forgotten() {
     let store = store().await;
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 1, None).await;
-    let job = c.submit(spec(1)).await.expect("submit");
+    let job = c.submit(spec(1), None).await.expect("submit");
     c.rank_update("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
     agent.sent();
     // A late report of a running rank of that finished attempt: stop it. An exited one: forget.
@@ -114,8 +114,8 @@ async fn cancelling_a_pending_job_ends_it_at_once() {
     let store = store().await;
     let c = controller(&store).await;
     let _agent = connect(&c, "a", 1, None).await;
-    let running = c.submit(spec(1)).await.expect("submit");
-    let waiting = c.submit(spec(1)).await.expect("submit");
+    let running = c.submit(spec(1), None).await.expect("submit");
+    let waiting = c.submit(spec(1), None).await.expect("submit");
     assert_eq!(state_of(&c, waiting).await.0, "pending");
     let record = c.cancel(waiting, "").await.expect("cancel");
     assert_eq!((record.state, record.reason.as_str()), (JobState::Cancelled, "cancelled by operator"));

@@ -65,13 +65,13 @@ async fn failing_node_is_not_scheduled_and_the_table_says_why() {
     // Four 1-GPU jobs: two fit on the good node, two wait rather than go to the failing one.
     let mut ids = Vec::new();
     for _ in 0..4 {
-        ids.push(c.submit(spec(1)).await.expect("submit"));
+        ids.push(c.submit(spec(1), None).await.expect("submit"));
     }
     assert_eq!(good.launched_jobs(), ids[..2]);
     assert!(bad_agent.launched_jobs().is_empty());
     assert_eq!(row(&c.nodes().await, "good").free_gpus, 0);
     // A job only the failing node could hold is still accepted: the node can be fixed.
-    let big = c.submit(spec(8)).await.expect("an 8-GPU job is feasible on the fleet");
+    let big = c.submit(spec(8), None).await.expect("an 8-GPU job is feasible on the fleet");
 
     // The node is fixed and says so: the waiting jobs go there at once.
     c.agent_preflight("bad", report("bad", 2, &[])).await.expect("report");
@@ -99,7 +99,7 @@ async fn verdicts_come_back_after_a_restart() {
 
     // The agent comes back with a hello without a report: it stays failing, and a job waits.
     let mut bad = connect(&c, "bad", 4, None).await;
-    c.submit(spec(1)).await.expect("submit");
+    c.submit(spec(1), None).await.expect("submit");
     assert!(bad.launched_jobs().is_empty());
     assert_eq!(row(&c.nodes().await, "bad").verdict, "fail");
     // Its hello with the same report again (after a reconnect) does not store it twice.
@@ -209,7 +209,7 @@ async fn a_silent_agent_is_unresponsive_and_gets_no_work_until_it_speaks() {
     assert!(q.verdict_reason.contains("heartbeats stopped"), "{}", q.verdict_reason);
     let age = crate::core::now_ms() - q.last_seen_ms;
     assert!(age >= 400, "ctl nodes shows the real age of the last message: {age} ms");
-    let job = c.submit(spec(1)).await.expect("submit");
+    let job = c.submit(spec(1), None).await.expect("submit");
     assert!(quiet.launched_jobs().is_empty(), "no work for an unresponsive agent");
 
     c.agent_seen("quiet");

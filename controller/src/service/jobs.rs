@@ -41,11 +41,12 @@ type LogsStream = Pin<Box<dyn Stream<Item = Result<LogChunk, Status>> + Send>>;
 #[tonic::async_trait]
 impl Jobs for JobsService {
     async fn submit(&self, request: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
+        let request = request.into_inner();
         let spec = request
-            .into_inner()
             .spec
             .ok_or_else(|| Status::invalid_argument("job spec rejected: the request carries no spec"))?;
-        let job_id = self.controller.submit(spec).await.map_err(to_status)?;
+        let key = Some(request.idempotency_key).filter(|k| !k.is_empty());
+        let job_id = self.controller.submit(spec, key.as_deref()).await.map_err(to_status)?;
         Ok(Response::new(SubmitResponse { job_id }))
     }
 

@@ -56,6 +56,10 @@ pub enum StoreError {
     /// A transition was asked from a state the job is no longer in (someone else moved it).
     #[error("job {job} is {actual}, not {expected}")]
     StateConflict { job: JobId, expected: JobState, actual: JobState },
+    /// A unique key is taken (SQLSTATE 23505, SQLite's UNIQUE constraint), e.g. a submit's
+    /// idempotency key.
+    #[error("already exists: {0}")]
+    Duplicate(String),
     #[error("corrupt row in {table}: {detail}")]
     Corrupt { table: &'static str, detail: String },
     /// The database cannot be reached (connection refused or dropped, server shutting down)
@@ -180,8 +184,13 @@ pub struct Snapshot {
 /// The controller's store. Every method is one transaction.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// Stores a new job in `pending` with a creation event, and returns it.
-    async fn create_job(&self, spec: &JobSpec, reason: &str, now_ms: i64) -> Result<JobRecord>;
+    /// Stores a new job in `pending` with a creation event, and returns it. `key` is the
+    /// submit's idempotency key: a second job with the same key fails with
+    /// [`StoreError::Duplicate`] and stores nothing.
+    async fn create_job(&self, spec: &JobSpec, key: Option<&str>, reason: &str, now_ms: i64) -> Result<JobRecord>;
+
+    /// The job created with idempotency key `key`, if any.
+    async fn job_by_key(&self, key: &str) -> Result<Option<JobRecord>>;
 
     /// Moves a job from `from` to `to`, writing the event; fails with `StateConflict` if the job
     /// is not in `from`. `attempt` is the job's attempt after the transition.

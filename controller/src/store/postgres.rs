@@ -18,7 +18,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool};
 use tracing::Instrument;
 
-use super::rows::{engine_columns, int, job_id_from};
+use super::rows::{duplicate_or, engine_columns, int, job_id_from};
 use super::{AgentState, JobId, NewReceipt, Result, Snapshot, Store, StoreError};
 
 super::rows::row_readers!(PgRow, sqlx::Postgres);
@@ -157,15 +157,21 @@ fn classify(e: sqlx::Error) -> StoreError {
 
 #[async_trait]
 impl Store for PostgresStore {
-    async fn create_job(&self, spec: &trainyard_proto::v1::JobSpec, reason: &str, now_ms: i64) -> Result<JobRecord> {
+    async fn create_job(
+        &self,
+        spec: &trainyard_proto::v1::JobSpec,
+        key: Option<&str>,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<JobRecord> {
         use prost::Message as _;
         self.run("create_job", async |c| {
             let (engine_kind, argv_json, workdir) = engine_columns(spec);
             let resources = spec.resources.clone().unwrap_or_default();
             let id: i64 = sqlx::query_scalar(
                 "INSERT INTO jobs (name, state, reason, attempt, priority, gpus, gpus_per_node, \
-                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms) \
-                 VALUES ($1, 'pending', $2, 0, $3, $4, $5, $6, $7, $8, $9, $10, $10) RETURNING id",
+                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms, submit_key) \
+                 VALUES ($1, 'pending', $2, 0, $3, $4, $5, $6, $7, $8, $9, $10, $10, $11) RETURNING id",
             )
             .bind(&spec.name)
             .bind(reason)
@@ -177,8 +183,10 @@ impl Store for PostgresStore {
             .bind(&workdir)
             .bind(spec.encode_to_vec())
             .bind(now_ms)
+            .bind(key)
             .fetch_one(&mut *c)
-            .await?;
+            .await
+            .map_err(duplicate_or)?;
             let id = job_id_from(id)?;
             insert_event(c, id, None, JobState::Pending, 0, reason, now_ms).await?;
             fetch_job(c, id, false).await?.ok_or(StoreError::JobNotFound(id))
@@ -211,6 +219,17 @@ impl Store for PostgresStore {
                 move_job(c, job, JobState::Pending, JobState::Scheduled, attempt, reason, now_ms).await?;
             insert_allocations(c, job, attempt, allocations, now_ms).await?;
             Ok(record)
+        })
+        .await
+    }
+
+    async fn job_by_key(&self, key: &str) -> Result<Option<JobRecord>> {
+        self.run("job_by_key", async |c| {
+            let row = sqlx::query(concat!("SELECT ", job_columns!(), " FROM jobs WHERE submit_key = $1"))
+                .bind(key)
+                .fetch_optional(&mut *c)
+                .await?;
+            row.as_ref().map(job_from_row).transpose()
         })
         .await
     }

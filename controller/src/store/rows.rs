@@ -35,6 +35,16 @@ pub(super) fn report_id_from(v: i64) -> Result<u64> {
     u64::try_from(v).map_err(|_| corrupt("preflight_reports", format!("negative id {v}")))
 }
 
+/// A unique-key violation of either backend as [`StoreError::Duplicate`]; other errors as they are.
+pub(super) fn duplicate_or(e: sqlx::Error) -> StoreError {
+    match &e {
+        sqlx::Error::Database(db) if db.kind() == sqlx::error::ErrorKind::UniqueViolation => {
+            StoreError::Duplicate(db.message().to_string())
+        }
+        _ => StoreError::Database(e),
+    }
+}
+
 pub(super) fn corrupt(table: &'static str, detail: impl Into<String>) -> StoreError {
     StoreError::Corrupt { table, detail: detail.into() }
 }

@@ -16,7 +16,7 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, SqlitePool};
 use tracing::Instrument;
 
-use super::rows::{engine_columns, int, job_id_from};
+use super::rows::{duplicate_or, engine_columns, int, job_id_from};
 use super::{AgentState, JobId, NewReceipt, Result, Snapshot, Store, StoreError};
 
 super::rows::row_readers!(SqliteRow, sqlx::Sqlite);
@@ -154,14 +154,14 @@ impl SqliteStore {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn create_job(&self, spec: &JobSpec, reason: &str, now_ms: i64) -> Result<JobRecord> {
+    async fn create_job(&self, spec: &JobSpec, key: Option<&str>, reason: &str, now_ms: i64) -> Result<JobRecord> {
         self.run("create_job", Mode::Write, async |c| {
             let (engine_kind, argv_json, workdir) = engine_columns(spec);
             let resources = spec.resources.clone().unwrap_or_default();
             let id: i64 = sqlx::query_scalar(
                 "INSERT INTO jobs (name, state, reason, attempt, priority, gpus, gpus_per_node, \
-                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms) \
-                 VALUES (?, 'pending', ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms, submit_key) \
+                 VALUES (?, 'pending', ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
             )
             .bind(spec.name.clone())
             .bind(reason.to_owned())
@@ -174,8 +174,10 @@ impl Store for SqliteStore {
             .bind(spec.encode_to_vec())
             .bind(now_ms)
             .bind(now_ms)
+            .bind(key)
             .fetch_one(&mut *c)
-            .await?;
+            .await
+            .map_err(duplicate_or)?;
             let id = job_id_from(id)?;
             insert_event(c, id, None, JobState::Pending, 0, reason, now_ms).await?;
             fetch_job(c, id).await?.ok_or(StoreError::JobNotFound(id))
@@ -213,6 +215,17 @@ impl Store for SqliteStore {
                 insert_allocation(c, job, attempt, a, now_ms).await?;
             }
             Ok(record)
+        })
+        .await
+    }
+
+    async fn job_by_key(&self, key: &str) -> Result<Option<JobRecord>> {
+        self.run("job_by_key", Mode::Read, async |c| {
+            let row = sqlx::query(concat!("SELECT ", job_columns!(), " FROM jobs WHERE submit_key = ?"))
+                .bind(key)
+                .fetch_optional(&mut *c)
+                .await?;
+            row.as_ref().map(job_from_row).transpose()
         })
         .await
     }

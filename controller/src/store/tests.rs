@@ -40,6 +40,7 @@ macro_rules! store_suite {
             preflight_latest_per_agent_after_reopen,
             binding_planned_then_effective,
             mean_optimizer_ms_of_step_receipts,
+            submit_keys_are_unique,
         );
     };
     (@each $harness:ty: $($name:ident),+ $(,)?) => {
@@ -217,9 +218,9 @@ pub mod suite {
 
     pub async fn create_get_list(h: &impl Harness) {
         let s = h.open().await;
-        let a = s.create_job(&spec("a", 8), "submitted", 1_000).await.unwrap();
-        let b = s.create_job(&spec("b", 2), "submitted", 2_000).await.unwrap();
-        let c = s.create_job(&spec("c", 1), "submitted", 3_000).await.unwrap();
+        let a = s.create_job(&spec("a", 8), None, "submitted", 1_000).await.unwrap();
+        let b = s.create_job(&spec("b", 2), None, "submitted", 2_000).await.unwrap();
+        let c = s.create_job(&spec("c", 1), None, "submitted", 3_000).await.unwrap();
         assert_eq!(a.state, JobState::Pending);
         assert_eq!((a.attempt, a.created_at_ms, a.updated_at_ms), (0, 1_000, 1_000));
         assert_eq!(a.spec, spec("a", 8));
@@ -235,9 +236,21 @@ pub mod suite {
         assert_eq!(ids(s.list_jobs(true, 1).await.unwrap()), vec![c.id]);
     }
 
+    pub async fn submit_keys_are_unique(h: &impl Harness) {
+        let s = h.open().await;
+        let a = s.create_job(&spec("a", 1), Some("key-1"), "submitted", 1).await.unwrap();
+        s.create_job(&spec("plain", 1), None, "submitted", 1).await.unwrap();
+        s.create_job(&spec("plain", 1), None, "submitted", 1).await.unwrap();
+        let again = s.create_job(&spec("a", 1), Some("key-1"), "submitted", 2).await;
+        assert!(matches!(again, Err(StoreError::Duplicate(_))), "{again:?}");
+        assert_eq!(s.list_jobs(false, 10).await.unwrap().len(), 3, "the duplicate stored nothing");
+        assert_eq!(s.job_by_key("key-1").await.unwrap().map(|j| j.id), Some(a.id));
+        assert_eq!(s.job_by_key("key-2").await.unwrap(), None);
+    }
+
     pub async fn transitions_and_conflicts(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("t", 1), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("t", 1), None, "submitted", 1).await.unwrap();
         let r = s.transition(j.id, JobState::Pending, JobState::Scheduled, 0, "placed", 2);
         let r = r.await.unwrap();
         assert_eq!((r.state, r.reason.as_str(), r.updated_at_ms), (JobState::Scheduled, "placed", 2));
@@ -268,7 +281,7 @@ pub mod suite {
 
     pub async fn events_in_order_with_reasons(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("e", 1), "submitted by alice", 10).await.unwrap();
+        let j = s.create_job(&spec("e", 1), None, "submitted by alice", 10).await.unwrap();
         s.transition(j.id, JobState::Pending, JobState::Scheduled, 0, "placed on a", 20).await.unwrap();
         s.transition(j.id, JobState::Scheduled, JobState::Failed, 0, "agent a lost", 30).await.unwrap();
         let events = s.job_events(j.id).await.unwrap();
@@ -287,7 +300,7 @@ pub mod suite {
 
     pub async fn schedule_writes_allocations(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("s", 2), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("s", 2), None, "submitted", 1).await.unwrap();
         let allocs = vec![allocation(j.id, 0, 0, "a"), allocation(j.id, 0, 1, "a")];
         let r = s.schedule(j.id, 0, &allocs, "placed on a", 5).await.unwrap();
         assert_eq!(r.state, JobState::Scheduled);
@@ -304,14 +317,14 @@ pub mod suite {
 
     pub async fn schedule_refuses_non_pending_job_atomically(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("s", 1), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("s", 1), None, "submitted", 1).await.unwrap();
         s.transition(j.id, JobState::Pending, JobState::Cancelled, 0, "ctl cancel", 2).await.unwrap();
         let err = s.schedule(j.id, 0, &[allocation(j.id, 0, 0, "a")], "placed", 3).await;
         assert!(matches!(err, Err(StoreError::StateConflict { actual: JobState::Cancelled, .. })));
         assert!(s.allocations(j.id, 0).await.unwrap().is_empty(), "nothing half-recorded");
 
         // A failing allocation insert (duplicate rank) rolls the state change back too.
-        let k = s.create_job(&spec("k", 2), "submitted", 4).await.unwrap();
+        let k = s.create_job(&spec("k", 2), None, "submitted", 4).await.unwrap();
         let dup = [allocation(k.id, 0, 0, "a"), allocation(k.id, 0, 0, "b")];
         assert!(s.schedule(k.id, 0, &dup, "placed", 5).await.is_err());
         assert_eq!(s.get_job(k.id).await.unwrap().unwrap().state, JobState::Pending);
@@ -321,7 +334,7 @@ pub mod suite {
 
     pub async fn observe_rank_known_and_unknown(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("o", 1), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("o", 1), None, "submitted", 1).await.unwrap();
         s.schedule(j.id, 0, &[allocation(j.id, 0, 0, "a")], "placed", 2).await.unwrap();
         let running = RankObserved {
             state: RankState::Exited,
@@ -366,8 +379,8 @@ pub mod suite {
         {
             let s = h.open().await;
             s.upsert_agent(&agent("sxm-a", 8, AgentState::Connected, 1)).await.unwrap();
-            active = s.create_job(&spec("active", 2), "submitted", 1).await.unwrap();
-            done = s.create_job(&spec("done", 1), "submitted", 2).await.unwrap();
+            active = s.create_job(&spec("active", 2), None, "submitted", 1).await.unwrap();
+            done = s.create_job(&spec("done", 1), None, "submitted", 2).await.unwrap();
             let two = [allocation(active.id, 0, 0, "sxm-a"), allocation(active.id, 0, 1, "sxm-a")];
             s.schedule(active.id, 0, &two, "placed", 3).await.unwrap();
             s.transition(active.id, JobState::Scheduled, JobState::Restarting, 1, "lost", 4).await.unwrap();
@@ -396,7 +409,7 @@ pub mod suite {
 
     pub async fn binding_planned_then_effective(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("pin", 2), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("pin", 2), None, "submitted", 1).await.unwrap();
         let mut a = allocation(j.id, 0, 0, "a");
         a.planned_cpus = "0-15".into();
         a.planned_mems = "0".into();
@@ -419,7 +432,7 @@ pub mod suite {
 
     pub async fn mean_optimizer_ms_of_step_receipts(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("opt", 1), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("opt", 1), None, "submitted", 1).await.unwrap();
         assert_eq!(s.mean_optimizer_ms(j.id).await.unwrap(), None);
         let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
         let bodies = [
@@ -445,7 +458,7 @@ pub mod suite {
 
     pub async fn receipts_dedup(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("r", 2), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("r", 2), None, "submitted", 1).await.unwrap();
         let mut batch = receipts(RankId { job_id: j.id, attempt: 0, rank: 0 }, 0, 1500);
         batch.extend(receipts(RankId { job_id: j.id, attempt: 0, rank: 1 }, 0, 1500));
         assert_eq!(s.insert_receipts(&batch, 10).await.unwrap(), 3000);
@@ -463,8 +476,8 @@ pub mod suite {
 
     pub async fn receipts_after_pages_by_cursor(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("w", 1), "submitted", 1).await.unwrap();
-        let other = s.create_job(&spec("other", 1), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("w", 1), None, "submitted", 1).await.unwrap();
+        let other = s.create_job(&spec("other", 1), None, "submitted", 1).await.unwrap();
         let rank = RankId { job_id: j.id, attempt: 0, rank: 0 };
         let written = receipts(rank, 0, 25);
         for (i, chunk) in written.chunks(5).enumerate() {
@@ -494,7 +507,7 @@ pub mod suite {
 
     pub async fn last_seqs_and_counts(h: &impl Harness) {
         let s = h.open().await;
-        let j = s.create_job(&spec("l", 3), "submitted", 1).await.unwrap();
+        let j = s.create_job(&spec("l", 3), None, "submitted", 1).await.unwrap();
         let at = |attempt, rank| RankId { job_id: j.id, attempt, rank };
         let mut batch = receipts(at(0, 0), 0, 10);
         batch.extend(receipts(at(0, 2), 5, 3));
@@ -582,7 +595,7 @@ async fn sqlite_views_return_sensible_rows() {
     use fixtures::*;
     let h = SqliteHarness::new().await;
     let s = h.open().await;
-    let j = s.create_job(&spec("views", 2), "submitted", 1).await.unwrap();
+    let j = s.create_job(&spec("views", 2), None, "submitted", 1).await.unwrap();
     let two = [allocation(j.id, 0, 0, "a"), allocation(j.id, 0, 1, "a")];
     s.schedule(j.id, 0, &two, "placed", 2).await.unwrap();
     let mut batch = receipts(RankId { job_id: j.id, attempt: 0, rank: 0 }, 0, 20);
@@ -625,7 +638,7 @@ async fn sqlite_open_url_and_in_memory() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("by-url.db").display());
     let s = SqliteStore::open(&url).await.unwrap();
-    s.create_job(&fixtures::spec("u", 1), "submitted", 1).await.unwrap();
+    s.create_job(&fixtures::spec("u", 1), None, "submitted", 1).await.unwrap();
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode").fetch_one(s.pool()).await.unwrap();
     assert_eq!(mode, "wal");
     let sync: i64 = sqlx::query_scalar("PRAGMA synchronous").fetch_one(s.pool()).await.unwrap();
@@ -634,7 +647,7 @@ async fn sqlite_open_url_and_in_memory() {
     for m in
         [SqliteStore::open_in_memory().await.unwrap(), SqliteStore::open("sqlite::memory:").await.unwrap()]
     {
-        let j = m.create_job(&fixtures::spec("m", 1), "submitted", 1).await.unwrap();
+        let j = m.create_job(&fixtures::spec("m", 1), None, "submitted", 1).await.unwrap();
         assert_eq!(m.list_jobs(false, 10).await.unwrap()[0].id, j.id);
         assert_eq!(m.get_job(j.id).await.unwrap().map(|r| r.id), Some(j.id));
     }
@@ -646,7 +659,7 @@ async fn postgres_views_return_sensible_rows() {
     use fixtures::*;
     let h = PgHarness::new().await;
     let s = h.open().await;
-    let j = s.create_job(&spec("views", 2), "submitted", 1).await.unwrap();
+    let j = s.create_job(&spec("views", 2), None, "submitted", 1).await.unwrap();
     let two = [allocation(j.id, 0, 0, "a"), allocation(j.id, 0, 1, "a")];
     s.schedule(j.id, 0, &two, "placed", 2).await.unwrap();
     let rank0 = RankId { job_id: j.id, attempt: 0, rank: 0 };
@@ -691,7 +704,7 @@ async fn postgres_receipt_positions_commit_in_order() {
     use fixtures::*;
     let h = PgHarness::new().await;
     let s = std::sync::Arc::new(h.open().await);
-    let j = s.create_job(&spec("order", 4), "submitted", 1).await.unwrap();
+    let j = s.create_job(&spec("order", 4), None, "submitted", 1).await.unwrap();
     let mut writers = Vec::new();
     for rank in 0..4 {
         let s = s.clone();
@@ -725,7 +738,7 @@ async fn postgres_store_survives_a_server_restart() {
     let mut server = tokio::task::spawn_blocking(|| TempPostgres::start(Durability::Relaxed).unwrap()).await.unwrap();
     let url = server.url("postgres");
     let s = PostgresStore::open(&url).await.unwrap();
-    let j = s.create_job(&spec("restart", 1), "submitted", 1).await.unwrap();
+    let j = s.create_job(&spec("restart", 1), None, "submitted", 1).await.unwrap();
     let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
     s.insert_receipts(&receipts(id, 0, 10), 1).await.unwrap();
     let server = tokio::task::spawn_blocking(move || {

@@ -13,19 +13,51 @@ use crate::progress::Progress;
 /// How often `--follow` prints a progress line at most.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Submits `spec`, prints the job id alone on stdout, and with `follow` streams
-/// progress to stderr until the job ends; fails unless it succeeded.
-pub async fn run(ctl: &mut Controller, spec: JobSpec, follow: bool) -> anyhow::Result<()> {
-    let request = SubmitRequest { spec: Some(spec) };
-    let job_id = match ctl.jobs.submit(request).await {
-        Ok(r) => r.into_inner().job_id,
-        Err(status) => return Err(ctl.error(status, None)),
+/// How often a submit whose reply was lost (controller restarting, connection cut) is sent
+/// again, with the same idempotency key, and the pause before the first retry (doubled each time).
+const SUBMIT_TRIES: u32 = 5;
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(250);
+
+/// Submits `spec` under idempotency key `key` (a fresh one when `None`), prints the job id
+/// alone on stdout, and with `follow` streams progress to stderr until the job ends; fails
+/// unless it succeeded. A submit that fails with `Unavailable` is sent again with the same key,
+/// so it never creates a second job.
+pub async fn run(ctl: &mut Controller, spec: JobSpec, key: Option<String>, follow: bool) -> anyhow::Result<()> {
+    let key = key.unwrap_or_else(new_key);
+    let mut pause = FIRST_RETRY_PAUSE;
+    let mut tries = 0;
+    let job_id = loop {
+        tries += 1;
+        let request = SubmitRequest { spec: Some(spec.clone()), idempotency_key: key.clone() };
+        match ctl.jobs.submit(request).await {
+            Ok(r) => break r.into_inner().job_id,
+            Err(status) if status.code() == tonic::Code::Unavailable && tries < SUBMIT_TRIES => {
+                eprintln!("ctl: the controller did not answer ({}); submitting again with the same key", status.message());
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            Err(status) => return Err(ctl.error(status, None)),
+        }
     };
     println!("{job_id}");
     if follow {
         follow_job(ctl, job_id).await?;
     }
     Ok(())
+}
+
+/// A fresh idempotency key: 128 bits from the kernel's random source, or, if that cannot be
+/// read, the time and process id (unique enough for one host's submits).
+fn new_key() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if random.is_err() {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        bytes[..8].copy_from_slice(&(nanos.as_nanos() as u64).to_le_bytes());
+        bytes[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Prints state changes and progress lines (stderr, so stdout stays the job id) until the

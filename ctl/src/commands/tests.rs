@@ -149,12 +149,12 @@ async fn follow_exits_by_the_final_state() {
     let events = vec![state("running"), receipt(0, 1), receipt(1, 1), state("succeeded")];
     let fake = Fake { job: Mutex::new(done), gets_until_stopped: Mutex::new(0), events };
     let mut ctl = serve(fake).await;
-    super::submit::run(&mut ctl, JobSpec::default(), true).await.expect("job succeeded");
+    super::submit::run(&mut ctl, JobSpec::default(), None, true).await.expect("job succeeded");
 
     let events = vec![state("running"), state("failed")];
     let fake = Fake { job: Mutex::new(job("failed", 2)), gets_until_stopped: Mutex::new(0), events };
     let mut ctl = serve(fake).await;
-    let err = super::submit::run(&mut ctl, JobSpec::default(), true).await.expect_err("job failed");
+    let err = super::submit::run(&mut ctl, JobSpec::default(), None, true).await.expect_err("job failed");
     assert!(err.to_string().starts_with("job 7 failed"), "{err}");
 }
 
