@@ -225,6 +225,24 @@ impl Cluster {
         Ok(())
     }
 
+    /// Waits until no job of the cluster is unfinished.
+    pub fn wait_all_finished(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let sql = "SELECT COUNT(*) FROM jobs WHERE state NOT IN ('succeeded', 'failed', 'cancelled')";
+        while self.query(sql)?[0][0] > 0 {
+            if Instant::now() > deadline {
+                bail!("jobs still unfinished after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
+    }
+
+    /// The controller's process id, while it runs.
+    pub fn controller_pid(&self) -> Option<u32> {
+        self.controller.as_ref().map(Child::id)
+    }
+
     /// Kills the controller with SIGKILL, as a crash would.
     pub fn kill_controller(&mut self) {
         if let Some(mut child) = self.controller.take() {
