@@ -68,6 +68,26 @@ pub fn group_has_live_member(pgid: u32) -> bool {
         .any(|s| s.pgrp as i64 == pgid as i64 && s.state != 'Z')
 }
 
+/// The live processes whose command line holds `flag` followed by `value` as two arguments
+/// (e.g. a shim's `--status-file <path>`), with their stat. A restarted agent finds a shim it
+/// spawned but did not get to record this way: the status file path names one rank.
+pub fn find_by_argument(flag: &str, value: &std::ffi::OsStr) -> Vec<(u32, ProcStat)> {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let (flag, value) = (flag.as_bytes(), value.as_bytes());
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            args.windows(2).any(|w| w[0] == flag && w[1] == value)
+        })
+        .filter_map(|pid| Some((pid, stat(pid).filter(|s| s.state != 'Z')?)))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,24 +114,4 @@ mod tests {
         assert!(killpg(0, 0).is_err());
         assert!(killpg(1, 0).is_err());
     }
-}
-
-/// The live processes whose command line holds `flag` followed by `value` as two arguments
-/// (e.g. a shim's `--status-file <path>`), with their stat. A restarted agent finds a shim it
-/// spawned but did not get to record this way: the status file path names one rank.
-pub fn find_by_argument(flag: &str, value: &std::ffi::OsStr) -> Vec<(u32, ProcStat)> {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let (flag, value) = (flag.as_bytes(), value.as_bytes());
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            args.windows(2).any(|w| w[0] == flag && w[1] == value)
-        })
-        .filter_map(|pid| Some((pid, stat(pid).filter(|s| s.state != 'Z')?)))
-        .collect()
 }

@@ -92,6 +92,8 @@ impl RankState {
     }
 }
 
+// Written out: the enum comes from `string_enum!`, whose derives are shared by every enum.
+#[allow(clippy::derivable_impls)]
 impl Default for RankState {
     fn default() -> Self {
         RankState::Planned

@@ -43,9 +43,9 @@ fn main() -> anyhow::Result<()> {
     let mut samples = Vec::new();
     let mut next_sample = Duration::from_secs(60);
     while started.elapsed() < Duration::from_secs(seconds) {
-        let unfinished = c.query(
-            "SELECT COUNT(*) FROM jobs WHERE state NOT IN ('succeeded', 'failed', 'cancelled')",
-        )?[0][0];
+        let unfinished = c
+            .query("SELECT COUNT(*) FROM jobs WHERE state NOT IN ('succeeded', 'failed', 'cancelled')")?[0]
+            [0];
         if unfinished < MAX_IN_FLIGHT {
             c.submit(&file)?;
             submitted += 1;
@@ -58,7 +58,8 @@ fn main() -> anyhow::Result<()> {
     }
     c.wait_all_finished(Duration::from_secs(120))?;
     let end_rss = rss_kib(pid);
-    let states = c.query_text("SELECT state, CAST(COUNT(*) AS TEXT) FROM jobs GROUP BY state ORDER BY state")?;
+    let states =
+        c.query_text("SELECT state, CAST(COUNT(*) AS TEXT) FROM jobs GROUP BY state ORDER BY state")?;
     let log = c.logs("controller");
     let errors: Vec<&str> = log.lines().filter(|l| l.contains(" ERROR ")).collect();
     println!("rss samples (s, KiB): {samples:?}");

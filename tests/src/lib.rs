@@ -37,7 +37,8 @@ pub fn bin(name: &str) -> Result<PathBuf> {
     let dir = bin_dir();
     let debug = dir.parent().map(|t| t.join("debug").join(name));
     let built = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let newest = [Some(dir.join(name)), debug].into_iter().flatten().filter_map(|p| Some((built(&p)?, p))).max();
+    let newest =
+        [Some(dir.join(name)), debug].into_iter().flatten().filter_map(|p| Some((built(&p)?, p))).max();
     match newest.map(|(_, p)| p) {
         Some(path) => Ok(path),
         None => bail!("{name} is missing from {}: run `cargo build --workspace --bins` first", dir.display()),

@@ -89,7 +89,8 @@ fn submit_with_the_same_key_creates_one_job() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
     c.start_agent("node-a", 2)?;
     let file = c.job_file("once", 1, 1, &["--steps", "3"], "");
-    let submit = |file: &std::path::Path| c.ctl(&["submit", &file.display().to_string(), "--key", "deploy-42"]);
+    let submit =
+        |file: &std::path::Path| c.ctl(&["submit", &file.display().to_string(), "--key", "deploy-42"]);
     let first = submit(&file)?;
     let again = submit(&file)?;
     assert!(first.status.success() && again.status.success(), "{first:?} {again:?}");

@@ -1,7 +1,7 @@
 //! Agents: hellos, disconnects, rank reports, receipts, and the reaper of vanished agents.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use tokio::sync::mpsc;
 use trainyard_proto::v1::{
@@ -9,7 +9,7 @@ use trainyard_proto::v1::{
     RankReport, ReceiptAck, ReceiptBatch, controller_message::Msg,
 };
 
-use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, now_ms, rank_done};
+use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, rank_done};
 use crate::store::{AgentRecord, AgentState, JobState, NewReceipt, RankId, RankObserved, RankState};
 
 /// Largest batch an agent may send; larger ones are refused as a protocol error.
@@ -27,7 +27,7 @@ impl Controller {
             agent_version: hello.agent_version.clone(),
             inventory: hello.inventory.clone().unwrap_or_default(),
             state: AgentState::Connected,
-            last_seen_ms: now_ms(),
+            last_seen_ms: self.now_ms(),
         };
         self.store.upsert_agent(&record).await?;
         let preflight = match hello.preflight.clone() {
@@ -41,45 +41,53 @@ impl Controller {
         if tx.try_send(ControllerMessage { msg: Some(Msg::HelloAck(ack)) }).is_err() {
             return Err(ControllerError::AgentGone(agent_id));
         }
-        let mut core = self.core.lock().await;
-        core.next_conn_id += 1;
-        let conn_id = core.next_conn_id;
-        let link = Some(AgentLink { conn_id, tx });
-        // The newest report is the verdict: a hello without one, or with the report the agent
-        // ran at start while a later re-run is stored, keeps what the node had (from the store
-        // after a restart of the controller, or from before the reconnect).
-        let previous = core.agents.get(&agent_id).and_then(|e| e.preflight.clone());
-        let preflight = match (preflight, previous) {
-            (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
-            (new, old) => new.or(old),
+        let (conn_id, lost) = {
+            let mut core = self.lock();
+            core.next_conn_id += 1;
+            let conn_id = core.next_conn_id;
+            let link = Some(AgentLink { conn_id, tx });
+            // The newest report is the verdict: a hello without one, or with the report the agent
+            // ran at start while a later re-run is stored, keeps what the node had (from the store
+            // after a restart of the controller, or from before the reconnect).
+            let previous = core.agents.get(&agent_id).and_then(|e| e.preflight.clone());
+            let preflight = match (preflight, previous) {
+                (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
+                (new, old) => new.or(old),
+            };
+            let entry = AgentEntry {
+                record,
+                link,
+                leaving: false,
+                disconnected_since: None,
+                preflight,
+                unresponsive: false,
+            };
+            self.agent_seen(&agent_id);
+            core.agents.insert(agent_id.clone(), entry);
+            let lost = self.resend_missed(&mut core, &agent_id, &reported);
+            (conn_id, lost)
         };
-        let entry = AgentEntry {
-            record,
-            link,
-            leaving: false,
-            disconnected_since: None,
-            preflight,
-            unresponsive: false,
-        };
-        self.agent_seen(&agent_id);
-        core.agents.insert(agent_id.clone(), entry);
         tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
         for report in &hello.ranks {
-            self.apply_report(&mut core, &agent_id, report).await?;
+            self.observe(&agent_id, report).await?;
         }
-        self.resend_missed(&mut core, &agent_id, &reported).await?;
-        self.schedule_pass(&mut core).await?;
+        for id in lost {
+            let message = format!("agent {agent_id} came back without it");
+            self.observe(&agent_id, &lost_report(id, &message)).await?;
+        }
+        self.wake();
         Ok(conn_id)
     }
 
     /// After a hello: ranks placed on this agent that it does not know are launched again if
-    /// their job is still starting, or marked lost if it was already running.
-    async fn resend_missed(
+    /// their job is still starting and they never started; the others are returned, to be
+    /// recorded as lost.
+    fn resend_missed(
         &self,
         core: &mut super::Core,
         agent_id: &str,
         reported: &BTreeSet<RankId>,
-    ) -> Result<()> {
+    ) -> Vec<RankId> {
         let mut relaunch = Vec::new();
         let mut lost = Vec::new();
         for job in core.jobs.values() {
@@ -106,20 +114,13 @@ impl Controller {
         }
         for job_id in relaunch {
             tracing::info!(job_id, agent_id, "agent missed a launch; sending it again");
-            if self.send_launches(core, job_id, Some(agent_id)) > 0
-                && core.jobs.get(&job_id).is_some_and(|j| j.record.state == JobState::Scheduled)
-            {
-                // The controller stopped between recording the placement and sending it.
-                let reason = format!("launch sent to {agent_id} after it reconnected");
-                self.move_job(core, job_id, JobState::Launching, None, &reason).await?;
+            let sent = self.send_launches(core, job_id, Some(agent_id));
+            if let Some(job) = core.jobs.get_mut(&job_id) {
+                job.launches_sent += sent;
             }
+            core.dirty.insert(job_id);
         }
-        for id in lost {
-            let message = format!("agent {agent_id} came back without it");
-            let report = lost_report(id, &message);
-            self.apply_report(core, agent_id, &report).await?;
-        }
-        Ok(())
+        lost
     }
 
     async fn acks_for(&self, reported: &BTreeSet<RankId>) -> Result<Vec<RankAck>> {
@@ -141,14 +142,17 @@ impl Controller {
     /// pending jobs.
     pub async fn agent_preflight(&self, agent_id: &str, report: PreflightReport) -> Result<()> {
         let Some(report) = self.store_preflight(agent_id, report).await? else { return Ok(()) };
-        let mut core = self.core.lock().await;
-        if let Some(entry) = core.agents.get_mut(agent_id)
-            && entry.preflight.as_ref().is_none_or(|r| r.report_id <= report.report_id)
         {
-            entry.preflight = Some(report);
+            let mut core = self.lock();
+            if let Some(entry) = core.agents.get_mut(agent_id)
+                && entry.preflight.as_ref().is_none_or(|r| r.report_id <= report.report_id)
+            {
+                entry.preflight = Some(report);
+            }
         }
         self.bump();
-        self.schedule_pass(&mut core).await
+        self.wake();
+        Ok(())
     }
 
     /// Stores a report as the agent's own (an agent speaks only for itself) and returns it
@@ -163,7 +167,7 @@ impl Controller {
             return Ok(None);
         }
         report.agent_id = agent_id.to_string();
-        report.report_id = self.store.insert_preflight(&report, now_ms()).await?;
+        report.report_id = self.store.insert_preflight(&report, self.now_ms()).await?;
         let failing: Vec<&str> =
             report.checks.iter().filter(|c| c.status == "fail").map(|c| c.id.as_str()).collect();
         tracing::info!(
@@ -180,11 +184,13 @@ impl Controller {
 
     /// A rank changed state on an agent.
     pub async fn rank_update(&self, agent_id: &str, report: &RankReport) -> Result<()> {
-        let mut core = self.core.lock().await;
-        self.apply_report(&mut core, agent_id, report).await
+        self.observe(agent_id, report).await
     }
 
-    async fn apply_report(&self, core: &mut super::Core, agent_id: &str, report: &RankReport) -> Result<()> {
+    /// Records what an agent observed about one of its ranks: in the store, then in memory,
+    /// then wakes the reconciler to move the job on. A report about a rank the controller is
+    /// done with is answered with a stop or a forget instead.
+    async fn observe(&self, agent_id: &str, report: &RankReport) -> Result<()> {
         let Some(id) = report.key.map(rank_id) else { return Ok(()) };
         let state = match report.state.parse::<RankState>() {
             Ok(RankState::Planned) | Err(_) => {
@@ -193,22 +199,6 @@ impl Controller {
             }
             Ok(state) => state,
         };
-        let known = core.jobs.get(&id.job_id).and_then(|j| {
-            let current = j.record.attempt == id.attempt;
-            j.allocations.iter().position(|a| a.id == id && a.agent_id == agent_id && current)
-        });
-        let Some(pos) = known else {
-            // A rank of a job or attempt the controller is done with: stop it, then forget it.
-            let (job_id, attempt) = (id.job_id, id.attempt);
-            if state.is_done() {
-                core.send(agent_id, Msg::Forget(ForgetRanks { job_id, attempt }));
-            } else {
-                let reason = "the controller no longer runs this job attempt".to_string();
-                let grace_ms = self.config.cancel_grace.as_millis() as u64;
-                core.send(agent_id, Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason }));
-            }
-            return Ok(());
-        };
         let observed = RankObserved {
             state,
             pid: (report.pid > 0).then_some(report.pid),
@@ -216,61 +206,98 @@ impl Controller {
             signal: (report.signal != 0).then_some(report.signal),
             message: report.message.clone(),
             skipped_lines: report.skipped_lines,
-            updated_at_ms: now_ms(),
+            updated_at_ms: self.now_ms(),
             effective_cpus: report.effective_cpus.clone(),
             effective_mems: report.effective_mems.clone(),
         };
-        let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
-        // The rank-0 agent chose the attempt's MASTER_PORT: the other hosts can launch now.
-        let port = u16::try_from(report.master_port).unwrap_or(0);
-        let started = matches!(state, RankState::Launching | RankState::Running);
-        if port > 0 && started && job.master_port.is_none() {
-            job.master_port = Some(port);
-            let waiting = self.send_launches(core, id.job_id, None).saturating_sub(1);
-            tracing::info!(
-                job_id = id.job_id,
-                attempt = id.attempt,
-                agent_id,
-                port,
-                waiting,
-                "MASTER_PORT chosen by the rank-0 host; launching the others"
-            );
-        }
-        let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
-        if unchanged(&job.allocations[pos].observed, &observed) {
-            return Ok(());
+        {
+            let mut core = self.lock();
+            let known = core.jobs.get(&id.job_id).and_then(|j| {
+                let current = j.record.attempt == id.attempt;
+                j.allocations.iter().position(|a| a.id == id && a.agent_id == agent_id && current)
+            });
+            let Some(pos) = known else {
+                self.answer_unknown(&mut core, agent_id, id, state);
+                return Ok(());
+            };
+            // The rank-0 agent chose the attempt's MASTER_PORT: the other hosts can launch now.
+            let port = u16::try_from(report.master_port).unwrap_or(0);
+            let started = matches!(state, RankState::Launching | RankState::Running);
+            let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
+            if port > 0 && started && job.master_port.is_none() {
+                job.master_port = Some(port);
+                let sent = self.send_launches(&mut core, id.job_id, None);
+                if let Some(job) = core.jobs.get_mut(&id.job_id) {
+                    job.launches_sent = job.launches_sent.max(sent);
+                }
+                tracing::info!(
+                    job_id = id.job_id,
+                    attempt = id.attempt,
+                    agent_id,
+                    port,
+                    waiting = sent.saturating_sub(1),
+                    "MASTER_PORT chosen by the rank-0 host; launching the others"
+                );
+            }
+            let job = core.jobs.get(&id.job_id).expect("job looked up above");
+            if unchanged(&job.allocations[pos].observed, &observed) {
+                return Ok(());
+            }
         }
         self.store.observe_rank(id, &observed).await?;
-        job.allocations[pos].observed = observed;
+        {
+            let mut core = self.lock();
+            let current = core.jobs.get_mut(&id.job_id).filter(|j| j.record.attempt == id.attempt);
+            if let Some(a) = current.and_then(|j| j.allocations.iter_mut().find(|a| a.id == id)) {
+                a.observed = observed;
+            }
+            core.dirty.insert(id.job_id);
+        }
         tracing::debug!(job_id = id.job_id, rank = id.rank, state = %report.state, "rank update");
         self.bump();
-        self.settle(core, id.job_id).await
+        self.wake();
+        Ok(())
+    }
+
+    /// A report about a rank of a job or attempt the controller is done with: stop it, then
+    /// forget it.
+    fn answer_unknown(&self, core: &mut super::Core, agent_id: &str, id: RankId, state: RankState) {
+        let (job_id, attempt) = (id.job_id, id.attempt);
+        if state.is_done() {
+            core.send(agent_id, Msg::Forget(ForgetRanks { job_id, attempt }));
+        } else {
+            let reason = "the controller no longer runs this job attempt".to_string();
+            let grace_ms = self.config.cancel_grace.as_millis() as u64;
+            core.send(agent_id, Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason }));
+        }
     }
 
     /// The agent said it is stopping: place nothing new there.
     pub async fn agent_leaving(&self, agent_id: &str, reason: &str) -> Result<()> {
-        let mut core = self.core.lock().await;
-        if let Some(entry) = core.agents.get_mut(agent_id) {
+        if let Some(entry) = self.lock().agents.get_mut(agent_id) {
             entry.leaving = true;
         }
         tracing::info!(agent_id, reason, "agent is leaving");
-        self.store.set_agent_state(agent_id, AgentState::Leaving, now_ms()).await?;
+        self.store.set_agent_state(agent_id, AgentState::Leaving, self.now_ms()).await?;
         Ok(())
     }
 
     /// The stream `conn_id` of an agent ended. A newer stream of the same agent is left alone.
     pub async fn agent_disconnected(&self, agent_id: &str, conn_id: u64) -> Result<()> {
-        let mut core = self.core.lock().await;
-        let Some(entry) = core.agents.get_mut(agent_id) else { return Ok(()) };
-        if entry.link.as_ref().is_none_or(|l| l.conn_id != conn_id) {
-            return Ok(());
-        }
-        entry.link = None;
-        entry.disconnected_since = Some(Instant::now());
-        let state = if entry.leaving { AgentState::Leaving } else { AgentState::Disconnected };
-        let now = now_ms();
-        entry.record.state = state;
-        entry.record.last_seen_ms = now;
+        let now = self.now_ms();
+        let state = {
+            let mut core = self.lock();
+            let Some(entry) = core.agents.get_mut(agent_id) else { return Ok(()) };
+            if entry.link.as_ref().is_none_or(|l| l.conn_id != conn_id) {
+                return Ok(());
+            }
+            entry.link = None;
+            entry.disconnected_since = Some(Instant::now());
+            let state = if entry.leaving { AgentState::Leaving } else { AgentState::Disconnected };
+            entry.record.state = state;
+            entry.record.last_seen_ms = now;
+            state
+        };
         tracing::info!(agent_id, conn_id, %state, "agent stream ended");
         self.fail_logs_of(agent_id);
         self.store.set_agent_state(agent_id, state, now).await?;
@@ -281,7 +308,7 @@ impl Controller {
     /// heartbeat included). Takes no lock on the controller's state.
     pub fn agent_seen(&self, agent_id: &str) {
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.insert(agent_id.to_string(), now_ms());
+        seen.insert(agent_id.to_string(), self.now_ms());
     }
 
     /// Marks connected agents that have sent nothing for `unresponsive_after` as
@@ -290,11 +317,11 @@ impl Controller {
     pub async fn check_liveness(&self) -> Result<()> {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let limit = self.config.unresponsive_after.as_millis() as i64;
-        let now = now_ms();
+        let now = self.now_ms();
         let mut recovered = false;
         let mut touched = Vec::new();
         {
-            let mut core = self.core.lock().await;
+            let mut core = self.lock();
             for e in core.agents.values_mut() {
                 if e.link.is_none() {
                     e.unresponsive = false;
@@ -315,9 +342,9 @@ impl Controller {
                 e.unresponsive = silent;
                 touched.push((id, e.record.last_seen_ms));
             }
-            if recovered {
-                self.schedule_pass(&mut core).await?;
-            }
+        }
+        if recovered {
+            self.wake();
         }
         let due = {
             let mut last = self.seen_persisted.lock().unwrap_or_else(|p| p.into_inner());
@@ -335,27 +362,30 @@ impl Controller {
 
     /// Ranks on agents gone for longer than `agent_timeout` are lost; their jobs fail (or
     /// restart) instead of waiting forever.
-    pub(super) async fn reap_vanished_agents(&self) -> Result<()> {
-        let mut core = self.core.lock().await;
+    pub(super) async fn reap_vanished_agents(&self) {
         let timeout = self.config.agent_timeout;
-        let gone: Vec<String> = core
-            .agents
-            .values()
-            .filter(|e| e.link.is_none() && e.disconnected_since.is_some_and(|t| t.elapsed() > timeout))
-            .map(|e| e.record.agent_id.clone())
-            .collect();
-        let mut lost: Vec<(String, RankId)> = Vec::new();
-        for job in core.jobs.values() {
-            for a in job.allocations.iter().filter(|a| gone.contains(&a.agent_id) && !rank_done(a)) {
-                lost.push((a.agent_id.clone(), a.id));
-            }
-        }
+        let lost: Vec<(String, RankId)> = {
+            let core = self.lock();
+            let gone: Vec<&String> = core
+                .agents
+                .values()
+                .filter(|e| e.link.is_none() && e.disconnected_since.is_some_and(|t| t.elapsed() > timeout))
+                .map(|e| &e.record.agent_id)
+                .collect();
+            core.jobs
+                .values()
+                .flat_map(|job| job.allocations.iter())
+                .filter(|a| gone.contains(&&a.agent_id) && !rank_done(a))
+                .map(|a| (a.agent_id.clone(), a.id))
+                .collect()
+        };
         for (agent_id, id) in lost {
             let message = format!("agent {agent_id} unreachable for more than {}s", timeout.as_secs());
             tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, "rank lost with its agent");
-            self.apply_report(&mut core, &agent_id, &lost_report(id, &message)).await?;
+            if let Err(e) = self.observe(&agent_id, &lost_report(id, &message)).await {
+                tracing::error!(agent_id, job_id = id.job_id, rank = id.rank, error = %e, "failed to record a lost rank; trying again");
+            }
         }
-        Ok(())
     }
 
     /// Stores a batch of receipts (one transaction) and returns the ack to send back: the
@@ -390,7 +420,7 @@ impl Controller {
             }
         }
         if !rows.is_empty() {
-            self.store.insert_receipts(&rows, now_ms()).await?;
+            self.store.insert_receipts(&rows, self.now_ms()).await?;
             self.bump();
         }
         let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();

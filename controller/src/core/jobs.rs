@@ -1,21 +1,26 @@
-//! Submit, cancel, the per-job state machine and the scheduling pass.
+//! Submit and cancel (requests: they record and wake the reconciler), and the messages that
+//! start, stop and forget ranks.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use trainyard_proto::v1::{
     CancelRanks, ControllerMessage, ForgetRanks, JobSpec, Launch, RankAssignment, controller_message::Msg,
 };
 
-use super::{ActiveJob, Controller, ControllerError, Core, Result, now_ms, rank_done, rank_failure};
-use crate::cost;
-use crate::scheduler::{self, GpuView, NodeView, Placement, Request};
+use super::{ActiveJob, Controller, ControllerError, Core, Result, rank_done};
+use crate::scheduler::{self, GpuView, NodeView, Request};
 use crate::spec;
-use crate::store::{Allocation, JobId, JobRecord, JobState, RankId, RankObserved, RankState, StoreError};
+use crate::store::{Allocation, JobId, JobRecord, StoreError};
+
+/// How long a cancel waits for the reconciler to store it before telling the caller so.
+const CANCEL_STORE_WAIT: Duration = Duration::from_secs(30);
 
 impl Controller {
     /// Validates, stores and queues a job; returns its id. Nothing is stored for a bad spec or
     /// one that no node set of the fleet could ever hold. With an idempotency `key`, a submit
-    /// that was already stored (a client retrying after a lost reply) returns that job.
+    /// that was already stored (a client retrying after a lost reply) returns that job. The
+    /// reconciler places it; nothing that happens there can fail this request.
     pub async fn submit(&self, spec: JobSpec, key: Option<&str>) -> Result<JobId> {
         spec::validate(&spec)?;
         if let Some(key) = key
@@ -23,23 +28,25 @@ impl Controller {
         {
             return Ok(id);
         }
-        let mut core = self.core.lock().await;
         let request = request_of(0, &spec);
-        let all_nodes = core.node_views(true);
+        let all_nodes = self.lock().node_views(true);
         scheduler::feasible(&request, &all_nodes).map_err(ControllerError::Unsatisfiable)?;
-        let record = match self.store.create_job(&spec, key, "submitted", now_ms()).await {
+        let record = match self.store.create_job(&spec, key, "submitted", self.now_ms()).await {
             Err(StoreError::Duplicate(_)) if let Some(key) = key => {
                 // The same key raced in from another connection and won.
-                drop(core);
                 return self.submitted_before(&spec, key).await?.ok_or(StoreError::JobNotFound(0).into());
             }
             other => other?,
         };
         let id = record.id;
         tracing::info!(job_id = id, name = %spec.name, gpus = request.gpus, "job submitted");
-        core.jobs.insert(id, ActiveJob { record, allocations: Vec::new(), master_port: None });
+        {
+            let mut core = self.lock();
+            core.jobs.insert(id, ActiveJob::new(record));
+            core.dirty.insert(id);
+        }
         self.bump();
-        self.schedule_pass(&mut core).await?;
+        self.wake();
         Ok(id)
     }
 
@@ -57,39 +64,52 @@ impl Controller {
     }
 
     /// Cancels a job: pending jobs end at once; placed ones get their ranks stopped (SIGTERM,
-    /// then SIGKILL after the grace period). Cancelling a finished job changes nothing.
+    /// then SIGKILL after the grace period). Cancelling a finished job changes nothing. Returns
+    /// once the cancel is stored (the reconciler carries it out), so an acknowledged cancel
+    /// survives a controller restart.
     pub async fn cancel(&self, job_id: JobId, reason: &str) -> Result<JobRecord> {
-        let mut core = self.core.lock().await;
-        let Some(job) = core.jobs.get(&job_id) else {
-            return self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id));
+        let mut changes = self.subscribe();
+        let known = {
+            let mut core = self.lock();
+            match core.jobs.get_mut(&job_id) {
+                None => false,
+                Some(job) if job.record.state.is_terminal() => return Ok(job.record.clone()),
+                Some(job) => {
+                    let reason = if reason.is_empty() { "cancelled by operator" } else { reason };
+                    job.cancel.get_or_insert_with(|| reason.to_string());
+                    core.dirty.insert(job_id);
+                    true
+                }
+            }
         };
-        if job.record.state.is_terminal() {
-            return Ok(job.record.clone());
+        if !known {
+            return self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id));
         }
-        let reason = if reason.is_empty() { "cancelled by operator".to_string() } else { reason.to_string() };
-        let record = self.move_job(&mut core, job_id, JobState::Cancelled, None, &reason).await?;
-        self.stop_ranks(&mut core, job_id, &reason);
-        self.settle(&mut core, job_id).await?;
-        Ok(record)
-    }
-
-    /// Writes a transition to the store, then to memory.
-    pub(super) async fn move_job(
-        &self,
-        core: &mut Core,
-        job_id: JobId,
-        to: JobState,
-        attempt: Option<u32>,
-        reason: &str,
-    ) -> Result<JobRecord> {
-        let job = core.jobs.get_mut(&job_id).ok_or(ControllerError::JobNotFound(job_id))?;
-        let from = job.record.state;
-        let attempt = attempt.unwrap_or(job.record.attempt);
-        let record = self.store.transition(job_id, from, to, attempt, reason, now_ms()).await?;
-        tracing::info!(job_id, from = %from, to = %to, attempt, reason, "job state changed");
-        job.record = record.clone();
-        self.bump();
-        Ok(record)
+        self.wake();
+        let deadline = tokio::time::Instant::now() + CANCEL_STORE_WAIT;
+        loop {
+            changes.borrow_and_update();
+            let done = match self.lock().jobs.get(&job_id) {
+                Some(job) if job.record.state.is_terminal() => return Ok(job.record.clone()),
+                Some(_) => false,
+                // Finished and forgotten already: the store has the final state.
+                None => true,
+            };
+            if done {
+                break;
+            }
+            tokio::select! {
+                _ = changes.changed() => {}
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(StoreError::Unavailable(format!(
+                        "the cancel of job {job_id} is not stored yet; the controller keeps trying"
+                    ))
+                    .into());
+                }
+            }
+        }
+        self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))
     }
 
     /// Sends `CancelRanks` for the current attempt to every agent holding a rank that is
@@ -105,152 +125,13 @@ impl Controller {
         }
     }
 
-    /// Drives one job after its ranks changed: running, finished, failed, restarting, or gone.
-    pub(super) async fn settle(&self, core: &mut Core, job_id: JobId) -> Result<()> {
-        let Some(job) = core.jobs.get(&job_id) else { return Ok(()) };
-        let state = job.record.state;
-        let allocs = &job.allocations;
-        let all_done = !allocs.is_empty() && allocs.iter().all(rank_done);
-        let failure = allocs.iter().find_map(rank_failure);
-        match state {
-            JobState::Scheduled | JobState::Launching | JobState::Running if failure.is_some() => {
-                let reason = failure.unwrap_or_default();
-                self.fail_or_restart(core, job_id, &reason).await?;
-                return Box::pin(self.settle(core, job_id)).await;
-            }
-            JobState::Scheduled | JobState::Launching | JobState::Running if all_done => {
-                let reason = format!("all {} ranks exited with code 0", allocs.len());
-                self.move_job(core, job_id, JobState::Succeeded, None, &reason).await?;
-                return Box::pin(self.settle(core, job_id)).await;
-            }
-            JobState::Scheduled | JobState::Launching
-                if allocs.iter().all(|a| a.observed.state == RankState::Running || rank_done(a)) =>
-            {
-                let reason = format!("all {} ranks running", allocs.len());
-                self.move_job(core, job_id, JobState::Running, None, &reason).await?;
-            }
-            JobState::Restarting if all_done || allocs.is_empty() => {
-                let next = job.record.attempt + 1;
-                let reason =
-                    format!("attempt {next} queued after every rank of attempt {} stopped", next - 1);
-                self.forget(core, job_id);
-                self.move_job(core, job_id, JobState::Pending, Some(next), &reason).await?;
-                if let Some(job) = core.jobs.get_mut(&job_id) {
-                    job.allocations.clear();
-                }
-                self.schedule_pass(core).await?;
-            }
-            s if s.is_terminal() && (all_done || allocs.is_empty()) => {
-                self.forget(core, job_id);
-                core.jobs.remove(&job_id);
-                self.bump();
-                self.schedule_pass(core).await?;
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    async fn fail_or_restart(&self, core: &mut Core, job_id: JobId, reason: &str) -> Result<()> {
-        let Some(job) = core.jobs.get(&job_id) else { return Ok(()) };
-        let max = job.record.spec.restart.as_ref().map_or(0, |r| r.max_restarts);
-        let attempt = job.record.attempt;
-        if attempt < max {
-            let why = format!("{reason}; restarting (attempt {} of at most {})", attempt + 1, max);
-            self.move_job(core, job_id, JobState::Restarting, None, &why).await?;
-        } else {
-            let why =
-                if max > 0 { format!("{reason}; no restarts left ({max} used)") } else { reason.to_string() };
-            self.move_job(core, job_id, JobState::Failed, None, &why).await?;
-        }
-        self.stop_ranks(core, job_id, reason);
-        Ok(())
-    }
-
     /// Tells the agents of a job's current attempt that the controller is done with its ranks.
-    fn forget(&self, core: &mut Core, job_id: JobId) {
+    pub(super) fn forget(&self, core: &mut Core, job_id: JobId) {
         let Some(job) = core.jobs.get(&job_id) else { return };
         let attempt = job.record.attempt;
         for agent in agents_of(job.allocations.iter()) {
             core.send(&agent, Msg::Forget(ForgetRanks { job_id, attempt }));
         }
-    }
-
-    /// Places pending jobs on free GPUs of connected agents and launches them.
-    pub(super) async fn schedule_pass(&self, core: &mut Core) -> Result<()> {
-        let queue: Vec<Request> = core
-            .jobs
-            .values()
-            .filter(|j| j.record.state == JobState::Pending)
-            .map(|j| request_of(j.record.id, &j.record.spec))
-            .collect();
-        if queue.is_empty() {
-            core.waiting.clear();
-            return Ok(());
-        }
-        let views = core.node_views(false);
-        let outcome = scheduler::schedule(&queue, &views);
-        core.waiting = outcome.waiting.into_iter().collect();
-        for placement in outcome.placements {
-            self.launch(core, placement, &views).await?;
-        }
-        Ok(())
-    }
-
-    /// Records a placement (with each rank's planned CPU/memory binding unless the job turned
-    /// pinning off) and sends the launches.
-    async fn launch(&self, core: &mut Core, placement: Placement, views: &[NodeView]) -> Result<()> {
-        let job_id = placement.job_id;
-        let Some(job) = core.jobs.get(&job_id) else { return Ok(()) };
-        let attempt = job.record.attempt;
-        let pin = !job.record.spec.disable_pinning;
-        let bytes = job.record.spec.resources.as_ref().map_or(0, |r| r.comm_bytes_per_step);
-        let now = now_ms();
-        let allocations: Vec<Allocation> = placement
-            .ranks()
-            .map(|(rank, node_rank, local_rank, agent, gpu)| {
-                let plan = views.iter().find(|v| v.agent_id == agent).filter(|_| pin).and_then(|v| {
-                    let cores = core.agents.get(agent).map_or(&[][..], |e| &e.record.inventory.cores[..]);
-                    scheduler::plan_cpus(v, gpu, cores)
-                });
-                Allocation {
-                    id: RankId { job_id, attempt, rank },
-                    agent_id: agent.to_string(),
-                    gpu_index: gpu,
-                    node_rank,
-                    local_rank,
-                    planned_cpus: plan.as_ref().map(|p| p.cpus.clone()).unwrap_or_default(),
-                    planned_mems: plan.map(|p| p.numa_node.to_string()).unwrap_or_default(),
-                    observed: RankObserved {
-                        state: RankState::Planned,
-                        updated_at_ms: now,
-                        ..Default::default()
-                    },
-                }
-            })
-            .collect();
-        let nodes = placement.nodes.len();
-        let predicted = cost::step_comm_ms(bytes, placement.world_size(), placement.bottleneck);
-        let mut reason = format!(
-            "placed {} ranks on {nodes} node(s); slowest link {}",
-            allocations.len(),
-            placement.bottleneck.label()
-        );
-        if predicted > 0.0 {
-            reason.push_str(&format!("; predicted communication {predicted:.1} ms per step"));
-        }
-        let record = self.store.schedule(job_id, attempt, &allocations, &reason, now).await?;
-        tracing::info!(job_id, attempt, ranks = allocations.len(), nodes, "job scheduled");
-        if let Some(job) = core.jobs.get_mut(&job_id) {
-            job.record = record;
-            job.allocations = allocations;
-            job.master_port = None;
-        }
-        self.bump();
-        let sent = self.send_launches(core, job_id, None);
-        let reason = format!("launch sent to {sent} of {nodes} node(s)");
-        self.move_job(core, job_id, JobState::Launching, None, &reason).await?;
-        Ok(())
     }
 
     /// Sends `Launch` to every agent of the job (or only `only`); returns how many were sent.
@@ -278,7 +159,7 @@ impl Core {
             Err(e) => {
                 tracing::warn!(agent_id, error = %e, "agent stream not taking messages; dropping the link");
                 entry.link = None;
-                entry.disconnected_since = Some(std::time::Instant::now());
+                entry.disconnected_since = Some(tokio::time::Instant::now());
                 false
             }
         }
@@ -328,7 +209,7 @@ impl Core {
     }
 }
 
-fn request_of(job_id: JobId, spec: &JobSpec) -> Request {
+pub(super) fn request_of(job_id: JobId, spec: &JobSpec) -> Request {
     let res = spec.resources.clone().unwrap_or_default();
     Request {
         job_id,

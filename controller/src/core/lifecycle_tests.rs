@@ -45,15 +45,18 @@ async fn a_placement_recorded_before_a_crash_is_launched_when_the_agent_returns(
 
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 2, None).await;
+    c.reconcile().await;
     assert_eq!(agent.launched_jobs(), vec![job], "the launch is sent again");
     assert_eq!(state_of(&c, job).await.0, "launching");
     for rank in 0..2 {
         c.rank_update("a", &report(job, 0, rank, "running", -1)).await.expect("update");
     }
+    c.reconcile().await;
     assert_eq!(state_of(&c, job).await.0, "running");
     for rank in 0..2 {
         c.rank_update("a", &report(job, 0, rank, "exited", 0)).await.expect("update");
     }
+    c.reconcile().await;
     assert_eq!(state_of(&c, job).await, ("succeeded".into(), "all 2 ranks exited with code 0".into()));
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::Forget(f) if f.job_id == job)), "ranks forgotten");
 }
@@ -63,13 +66,17 @@ async fn an_agent_that_returns_without_its_running_ranks_fails_the_job() {
     let store = store().await;
     let c = controller(&store).await;
     let agent = connect(&c, "a", 2, None).await;
+    c.reconcile().await;
     let job = c.submit(spec(2), None).await.expect("submit");
+    c.reconcile().await;
     for rank in 0..2 {
         c.rank_update("a", &report(job, 0, rank, "running", -1)).await.expect("update");
     }
+    c.reconcile().await;
     c.agent_disconnected("a", agent.conn_id).await.expect("disconnect");
     // Its state directory was wiped: the hello reports no ranks.
     let _back = connect(&c, "a", 2, None).await;
+    c.reconcile().await;
     let (state, reason) = state_of(&c, job).await;
     assert_eq!(state, "failed");
     assert!(reason.contains("agent a came back without it"), "{reason}");
@@ -81,13 +88,18 @@ async fn ranks_on_an_agent_gone_past_the_timeout_are_lost() {
     let config = ControllerConfig::default().with_agent_timeout(Duration::from_millis(50));
     let c = Controller::start(store.clone(), config).await.expect("start");
     let agent = connect(&c, "a", 1, None).await;
+    c.reconcile().await;
     let job = c.submit(spec(1), None).await.expect("submit");
+    c.reconcile().await;
     c.rank_update("a", &report(job, 0, 0, "running", -1)).await.expect("update");
+    c.reconcile().await;
     c.agent_disconnected("a", agent.conn_id).await.expect("disconnect");
-    c.reap_vanished_agents().await.expect("reap");
+    c.reap_vanished_agents().await;
+    c.reconcile().await;
     assert_eq!(state_of(&c, job).await.0, "running", "within the timeout nothing happens");
     tokio::time::sleep(Duration::from_millis(80)).await;
-    c.reap_vanished_agents().await.expect("reap");
+    c.reap_vanished_agents().await;
+    c.reconcile().await;
     let (state, reason) = state_of(&c, job).await;
     assert_eq!(state, "failed");
     assert!(reason.contains("unreachable for more than"), "{reason}");
@@ -98,13 +110,18 @@ async fn ranks_of_a_finished_attempt_are_stopped_or_forgotten() {
     let store = store().await;
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 1, None).await;
+    c.reconcile().await;
     let job = c.submit(spec(1), None).await.expect("submit");
+    c.reconcile().await;
     c.rank_update("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
+    c.reconcile().await;
     agent.sent();
     // A late report of a running rank of that finished attempt: stop it. An exited one: forget.
     c.rank_update("a", &report(job, 0, 0, "running", -1)).await.expect("update");
+    c.reconcile().await;
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::Cancel(x) if x.job_id == job)));
     c.rank_update("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
+    c.reconcile().await;
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::Forget(x) if x.job_id == job)));
     assert_eq!(state_of(&c, job).await.0, "succeeded", "a late report changes nothing");
 }
@@ -114,10 +131,15 @@ async fn cancelling_a_pending_job_ends_it_at_once() {
     let store = store().await;
     let c = controller(&store).await;
     let _agent = connect(&c, "a", 1, None).await;
+    c.reconcile().await;
     let running = c.submit(spec(1), None).await.expect("submit");
+    c.reconcile().await;
     let waiting = c.submit(spec(1), None).await.expect("submit");
+    c.reconcile().await;
     assert_eq!(state_of(&c, waiting).await.0, "pending");
-    let record = c.cancel(waiting, "").await.expect("cancel");
+    // The cancel is carried out by the reconciler; the request returns once it is stored.
+    let (record, ()) = tokio::join!(c.cancel(waiting, ""), c.reconcile());
+    let record = record.expect("cancel");
     assert_eq!((record.state, record.reason.as_str()), (JobState::Cancelled, "cancelled by operator"));
     assert_eq!(state_of(&c, running).await.0, "launching", "the other job is untouched");
     assert!(matches!(c.cancel(999, "").await, Err(ControllerError::JobNotFound(999))));

@@ -63,7 +63,7 @@ impl Controller {
         };
         let agent_id = alloc.agent_id.clone();
         let link = {
-            let core = self.core.lock().await;
+            let core = self.lock();
             core.agents.get(&agent_id).and_then(|e| e.link.as_ref()).map(|l| l.tx.clone())
         };
         let Some(link) = link else {
@@ -103,7 +103,7 @@ impl Controller {
         }
         if !delivered && !data.done {
             tracing::info!(agent_id, request_id, "logs client gone or stalled; stopping the agent's reader");
-            let core = self.core.lock().await;
+            let core = self.lock();
             if let Some(link) = core.agents.get(agent_id).and_then(|e| e.link.as_ref()) {
                 let _ =
                     link.tx.try_send(ControllerMessage { msg: Some(Msg::StopLogs(StopLogs { request_id })) });

@@ -1,15 +1,26 @@
 //! The controller's state and the single place that changes it.
 //!
 //! Intent and observation meet here: the scheduler writes placements (intent), agents report
-//! what their ranks do (observed), and [`Controller`] drives each job from one to the other.
+//! what their ranks do (observed), and one reconciler drives each job from one to the other.
 //! Every change goes to the store first and to memory second, so a controller killed at any
 //! moment restarts from the store ([`Controller::start`]) and the agents' hellos fill in the rest.
 //!
-//! The in-memory state sits behind one `tokio::sync::Mutex`: a job transition awaits the store
-//! while it holds the lock, which keeps transitions of one job strictly ordered. Receipt
-//! ingestion, the hot path, never takes this lock.
+//! Requests only record: a submit stores its job, a rank report stores its observation, a
+//! cancel marks the job; then they wake the reconciler ([`Controller::run_background`]), the
+//! one task that moves jobs between states, schedules and launches. Because it is the only
+//! writer of job states, it can decide under the lock, write to the store without it, and
+//! apply the result under it again: nothing else could have moved the job in between. A store
+//! error while placing one job is logged and retried on the next pass; it fails nobody's request.
 //!
-//! - `jobs`: submit, cancel, the per-job state machine and the scheduling pass.
+//! The in-memory state sits behind a `std::sync::Mutex`, not a Tokio one: no `.await` happens
+//! while it is held (the compiler refuses a guard held across one, since the futures are
+//! `Send`), so no request ever waits behind an fsync or a network round trip. Receipt
+//! ingestion, the hot path, never takes it.
+//!
+//! Time comes from [`Clock`], which follows Tokio's clock: tests pause and advance it.
+//!
+//! - `reconcile`: the reconciler: settling jobs, restarts, the scheduling pass and launches.
+//! - `jobs`: submit, cancel, and the messages that start and stop ranks.
 //! - `agents`: hellos, disconnects, rank reports and the reaper of vanished agents.
 //! - `view`: the read side (`Get`, `List`), served from the store.
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
@@ -18,6 +29,7 @@ mod agents;
 pub use agents::MAX_BATCH;
 mod jobs;
 mod logs;
+mod reconcile;
 pub use logs::LogEvent;
 mod nodes;
 pub use nodes::{PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
@@ -28,10 +40,11 @@ mod test_support;
 mod view;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
-use tokio::sync::{Mutex, mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::time::Instant;
 use trainyard_proto::v1::ControllerMessage;
 
 use crate::config::ControllerConfig;
@@ -74,7 +87,11 @@ pub type Result<T, E = ControllerError> = std::result::Result<T, E>;
 pub struct Controller {
     store: Arc<dyn Store>,
     config: ControllerConfig,
+    /// Never held across an `.await` (see the module documentation).
     core: Mutex<Core>,
+    /// Wakes the reconciler: a job or an agent changed and it may have work.
+    wake: Notify,
+    clock: Clock,
     /// Bumped whenever receipts are stored or a job changes; `Watch` streams wait on it.
     changes: watch::Sender<u64>,
     /// When each agent last sent anything (a heartbeat or any other message), in ms. A
@@ -100,6 +117,8 @@ struct Core {
     next_conn_id: u64,
     /// Why each pending job waits, from the latest scheduling pass (`Job.waiting_reason`).
     waiting: HashMap<JobId, String>,
+    /// Jobs the reconciler should look at on its next pass.
+    dirty: std::collections::BTreeSet<JobId>,
 }
 
 struct AgentEntry {
@@ -123,6 +142,11 @@ struct AgentLink {
 
 struct ActiveJob {
     record: JobRecord,
+    /// An operator asked to cancel it, with this reason; the reconciler carries it out.
+    cancel: Option<String>,
+    /// How many agents the launches of the current attempt went out to (the reconciler moves a
+    /// `scheduled` job to `launching` once it is not 0).
+    launches_sent: usize,
     /// Allocations of the current attempt; empty while pending.
     allocations: Vec<Allocation>,
     /// `MASTER_PORT` of the current attempt, as its rank-0 agent chose it and reported it in a
@@ -136,6 +160,7 @@ impl Controller {
     /// say hello again; those that do not come back within `agent_timeout` lose their ranks.
     pub async fn start(store: Arc<dyn Store>, config: ControllerConfig) -> Result<Arc<Controller>> {
         let snapshot = store.snapshot().await?;
+        let clock = Clock::new();
         let now = Instant::now();
         let mut core = Core::default();
         for record in snapshot.agents {
@@ -156,7 +181,7 @@ impl Controller {
             }
         }
         for record in snapshot.active_jobs {
-            core.jobs.insert(record.id, ActiveJob { record, allocations: Vec::new(), master_port: None });
+            core.jobs.insert(record.id, ActiveJob::new(record));
         }
         for alloc in snapshot.allocations {
             if let Some(job) = core.jobs.get_mut(&alloc.id.job_id) {
@@ -172,6 +197,8 @@ impl Controller {
             store,
             config,
             core: Mutex::new(core),
+            wake: Notify::new(),
+            clock,
             changes,
             seen: std::sync::Mutex::new(HashMap::new()),
             seen_persisted: std::sync::Mutex::new(now),
@@ -197,30 +224,77 @@ impl Controller {
         self.changes.send_modify(|n| *n += 1);
     }
 
-    /// Runs periodic work (the reaper of vanished agents) until `shutdown` resolves.
+    /// Something changed that the reconciler may act on.
+    fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// The in-memory state. Callers drop the guard before any `.await`.
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Milliseconds since the Unix epoch, from the controller's [`Clock`].
+    fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
+    /// The reconciler: runs a pass whenever a request wakes it, and every 500 ms (the reaper
+    /// of vanished agents, liveness, and any pass a store error cut short) until `shutdown`
+    /// resolves. The only caller of [`Controller::reconcile`] in a running controller.
     pub async fn run_background(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         loop {
-            tokio::select! {
+            let periodic = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {
-                    if let Err(e) = self.reap_vanished_agents().await {
-                        tracing::error!(error = %e, "failed to reap vanished agents");
-                    }
-                    if let Err(e) = self.check_liveness().await {
-                        tracing::error!(error = %e, "failed to check agent liveness");
-                    }
+                _ = self.wake.notified() => false,
+                _ = tick.tick() => true,
+            };
+            if periodic {
+                self.mark_all();
+                self.reap_vanished_agents().await;
+                if let Err(e) = self.check_liveness().await {
+                    tracing::error!(error = %e, "failed to check agent liveness");
                 }
             }
+            self.reconcile().await;
         }
     }
 }
 
-pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
+impl ActiveJob {
+    fn new(record: JobRecord) -> ActiveJob {
+        ActiveJob { record, cancel: None, launches_sent: 0, allocations: Vec::new(), master_port: None }
+    }
+}
+
+/// Wall-clock milliseconds that advance with Tokio's clock: the wall time at start plus Tokio's
+/// elapsed time since. In a running controller the two agree; a test that pauses Tokio's clock
+/// (`tokio::time::pause`) pauses this one too, and moves it with `tokio::time::advance`.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    wall_base_ms: i64,
+    base: Instant,
+}
+
+impl Clock {
+    pub fn new() -> Clock {
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or_default();
+        Clock { wall_base_ms: wall, base: Instant::now() }
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        self.wall_base_ms + self.base.elapsed().as_millis() as i64
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock::new()
+    }
 }
 
 /// A rank is done when it exited or was lost.

@@ -40,7 +40,7 @@ impl Controller {
     /// One row per known agent, by agent id.
     pub async fn nodes(&self) -> Vec<NodeInfo> {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let core = self.core.lock().await;
+        let core = self.lock();
         let busy = core.busy_gpus();
         core.agents
             .values()
@@ -57,7 +57,7 @@ impl Controller {
     /// The newest preflight report of a node (agent id, or hostname when unambiguous).
     pub async fn latest_preflight(&self, host: &str) -> Result<PreflightReport> {
         let agent_id = {
-            let core = self.core.lock().await;
+            let core = self.lock();
             let agent_id = core.resolve(host)?;
             if let Some(report) = core.agents.get(&agent_id).and_then(|e| e.preflight.clone()) {
                 return Ok(report);
@@ -79,7 +79,7 @@ impl Controller {
         // Subscribed before the request goes out, so a fast answer is not missed.
         let mut changes = self.subscribe();
         let (agent_id, before) = {
-            let mut core = self.core.lock().await;
+            let mut core = self.lock();
             let agent_id = core.resolve(host)?;
             let before =
                 core.agents.get(&agent_id).and_then(|e| e.preflight.as_ref()).map_or(0, |r| r.report_id);
@@ -94,7 +94,7 @@ impl Controller {
         loop {
             changes.borrow_and_update();
             {
-                let core = self.core.lock().await;
+                let core = self.lock();
                 let entry = core
                     .agents
                     .get(&agent_id)

@@ -66,15 +66,18 @@ async fn failing_node_is_not_scheduled_and_the_table_says_why() {
     let mut ids = Vec::new();
     for _ in 0..4 {
         ids.push(c.submit(spec(1), None).await.expect("submit"));
+        c.reconcile().await;
     }
     assert_eq!(good.launched_jobs(), ids[..2]);
     assert!(bad_agent.launched_jobs().is_empty());
     assert_eq!(row(&c.nodes().await, "good").free_gpus, 0);
     // A job only the failing node could hold is still accepted: the node can be fixed.
     let big = c.submit(spec(8), None).await.expect("an 8-GPU job is feasible on the fleet");
+    c.reconcile().await;
 
     // The node is fixed and says so: the waiting jobs go there at once.
     c.agent_preflight("bad", report("bad", 2, &[])).await.expect("report");
+    c.reconcile().await;
     assert_eq!(bad_agent.launched_jobs(), ids[2..]);
     let b = row(&c.nodes().await, "bad").clone();
     assert_eq!((b.verdict.as_str(), b.verdict_reason.as_str(), b.free_gpus), ("pass", "", 6));
@@ -100,6 +103,7 @@ async fn verdicts_come_back_after_a_restart() {
     // The agent comes back with a hello without a report: it stays failing, and a job waits.
     let mut bad = connect(&c, "bad", 4, None).await;
     c.submit(spec(1), None).await.expect("submit");
+    c.reconcile().await;
     assert!(bad.launched_jobs().is_empty());
     assert_eq!(row(&c.nodes().await, "bad").verdict, "fail");
     // Its hello with the same report again (after a reconnect) does not store it twice.
@@ -201,21 +205,28 @@ async fn a_silent_agent_is_unresponsive_and_gets_no_work_until_it_speaks() {
     c.check_liveness().await.expect("liveness");
     assert_eq!(row(&c.nodes().await, "quiet").state, "connected");
 
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    // The controller's clock follows Tokio's: 450 ms pass without anyone waiting for them.
+    tokio::time::pause();
+    tokio::time::advance(Duration::from_millis(450)).await;
     c.check_liveness().await.expect("liveness");
     let nodes = c.nodes().await;
     let q = row(&nodes, "quiet");
     assert_eq!(q.state, "unresponsive");
     assert!(q.verdict_reason.contains("heartbeats stopped"), "{}", q.verdict_reason);
-    let age = crate::core::now_ms() - q.last_seen_ms;
-    assert!(age >= 400, "ctl nodes shows the real age of the last message: {age} ms");
+    let age = c.now_ms() - q.last_seen_ms;
+    assert!(age >= 450, "ctl nodes shows the real age of the last message: {age} ms");
+    tokio::time::resume();
     let job = c.submit(spec(1), None).await.expect("submit");
+    c.reconcile().await;
     assert!(quiet.launched_jobs().is_empty(), "no work for an unresponsive agent");
 
     c.agent_seen("quiet");
     c.check_liveness().await.expect("liveness");
+    c.reconcile().await;
     assert_eq!(row(&c.nodes().await, "quiet").state, "connected");
     assert_eq!(quiet.launched_jobs(), [job], "the waiting job goes there once it speaks");
     let stored = store.snapshot().await.expect("snapshot");
-    assert!(stored.agents.iter().any(|a| a.agent_id == "quiet" && a.state == crate::store::AgentState::Connected));
+    assert!(
+        stored.agents.iter().any(|a| a.agent_id == "quiet" && a.state == crate::store::AgentState::Connected)
+    );
 }

@@ -47,7 +47,7 @@ impl Controller {
         let warnings = binding_warnings(&allocations);
         let bytes = record.spec.resources.as_ref().map_or(0, |r| r.comm_bytes_per_step);
         let (predicted_comm_ms, waiting_reason) = {
-            let core = self.core.lock().await;
+            let core = self.lock();
             let waiting = match record.state {
                 JobState::Pending => core.waiting.get(&id).cloned().unwrap_or_default(),
                 _ => String::new(),

@@ -187,7 +187,13 @@ pub trait Store: Send + Sync + 'static {
     /// Stores a new job in `pending` with a creation event, and returns it. `key` is the
     /// submit's idempotency key: a second job with the same key fails with
     /// [`StoreError::Duplicate`] and stores nothing.
-    async fn create_job(&self, spec: &JobSpec, key: Option<&str>, reason: &str, now_ms: i64) -> Result<JobRecord>;
+    async fn create_job(
+        &self,
+        spec: &JobSpec,
+        key: Option<&str>,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<JobRecord>;
 
     /// The job created with idempotency key `key`, if any.
     async fn job_by_key(&self, key: &str) -> Result<Option<JobRecord>>;

@@ -56,11 +56,23 @@ impl TempPostgres {
         ));
         std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
         if as_postgres {
-            run(Command::new("chown").args(["postgres:", &dir.to_string_lossy()]), "chown the data directory")?;
+            run(
+                Command::new("chown").args(["postgres:", &dir.to_string_lossy()]),
+                "chown the data directory",
+            )?;
         }
         let data = dir.join("data");
         let mut initdb = command(&bin, "initdb", as_postgres);
-        initdb.arg("-D").arg(&data).args(["-A", "trust", "-U", USER, "-E", "UTF8", "--locale=C", "--no-sync"]);
+        initdb.arg("-D").arg(&data).args([
+            "-A",
+            "trust",
+            "-U",
+            USER,
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        ]);
         run(&mut initdb, "initdb")?;
         let port = free_port()?;
         let settings = match durability {
@@ -121,7 +133,10 @@ impl TempPostgres {
     /// same port and data; returns once it accepts connections.
     pub fn restart(&mut self) -> Result<(), String> {
         let control = self.control.as_mut().ok_or("the server is stopped")?;
-        control.write_all(b"restart\n").and_then(|_| control.flush()).map_err(|e| format!("restart postgres: {e}"))?;
+        control
+            .write_all(b"restart\n")
+            .and_then(|_| control.flush())
+            .map_err(|e| format!("restart postgres: {e}"))?;
         // Wait for the old server to go away before polling, or the poll sees it.
         let deadline = Instant::now() + READY_TIMEOUT;
         while self.ready() {
@@ -149,7 +164,10 @@ impl TempPostgres {
         let deadline = Instant::now() + READY_TIMEOUT;
         while !self.ready() {
             if Instant::now() > deadline {
-                return Err(format!("postgres did not accept connections within {READY_TIMEOUT:?}: {}", self.log()));
+                return Err(format!(
+                    "postgres did not accept connections within {READY_TIMEOUT:?}: {}",
+                    self.log()
+                ));
             }
             std::thread::sleep(Duration::from_millis(25));
         }
@@ -190,13 +208,15 @@ fn is_root() -> bool {
 }
 
 fn free_port() -> Result<u16, String> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("find a free port: {e}"))?;
+    let listener =
+        std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("find a free port: {e}"))?;
     listener.local_addr().map(|a| a.port()).map_err(|e| format!("find a free port: {e}"))
 }
 
 /// The directory holding `initdb`, `postgres`, `pg_isready` and `createdb`.
 fn find_bin_dir() -> Result<PathBuf, String> {
-    let has_all = |d: &Path| ["initdb", "postgres", "pg_isready", "createdb"].iter().all(|b| d.join(b).exists());
+    let has_all =
+        |d: &Path| ["initdb", "postgres", "pg_isready", "createdb"].iter().all(|b| d.join(b).exists());
     if let Some(dir) = std::env::var_os("TRAINYARD_PG_BIN") {
         let dir = PathBuf::from(dir);
         return if has_all(&dir) {
@@ -224,5 +244,9 @@ fn find_bin_dir() -> Result<PathBuf, String> {
 }
 
 fn version_of(bin: &Path) -> u32 {
-    bin.parent().and_then(|v| v.file_name()).and_then(|v| v.to_str()).and_then(|v| v.parse().ok()).unwrap_or(0)
+    bin.parent()
+        .and_then(|v| v.file_name())
+        .and_then(|v| v.to_str())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }

@@ -142,7 +142,10 @@ fn retryable(e: &sqlx::Error) -> bool {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Tls(_) => true,
         sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => true,
         _ => sqlstate(e).is_some_and(|c| {
-            c == "40001" || c == "40P01" || c.starts_with("08") || matches!(c.as_str(), "57P01" | "57P02" | "57P03")
+            c == "40001"
+                || c == "40P01"
+                || c.starts_with("08")
+                || matches!(c.as_str(), "57P01" | "57P02" | "57P03")
         }),
     }
 }
@@ -335,7 +338,10 @@ impl Store for PostgresStore {
             .bind(agent.last_seen_ms)
             .execute(&mut *c)
             .await?;
-            sqlx::query("DELETE FROM gpus WHERE agent_id = $1").bind(&agent.agent_id).execute(&mut *c).await?;
+            sqlx::query("DELETE FROM gpus WHERE agent_id = $1")
+                .bind(&agent.agent_id)
+                .execute(&mut *c)
+                .await?;
             let gpus = &inv.gpus;
             sqlx::query(
                 "INSERT INTO gpus (agent_id, gpu_index, uuid, model, memory_mib, pci_bus_id, numa_node) \

@@ -59,14 +59,14 @@ pub(super) fn fit<T: TryFrom<i64>>(v: i64, table: &'static str, name: &str) -> R
 /// `*_from_row` per record type.
 macro_rules! row_readers {
     ($row:ty, $db:ty) => {
+        use prost::Message as _;
+        use sqlx::Row as _;
+        use trainyard_proto::v1::{HostInventory, JobSpec, PreflightCheck, PreflightReport};
         use $crate::store::rows::{corrupt, fit, report_id_from};
         use $crate::store::{
             AgentRecord, Allocation, JobEventRecord, JobRecord, JobState, RankId, RankObserved,
             StoredReceiptRecord,
         };
-        use prost::Message as _;
-        use sqlx::Row as _;
-        use trainyard_proto::v1::{HostInventory, JobSpec, PreflightCheck, PreflightReport};
 
         /// Reads one column, naming the table when the value does not decode.
         fn col<'r, T>(row: &'r $row, table: &'static str, name: &str) -> Result<T>
@@ -124,7 +124,11 @@ macro_rules! row_readers {
             let t = "allocations";
             let state: String = col(row, t, "state")?;
             Ok(Allocation {
-                id: RankId { job_id: num(row, t, "job_id")?, attempt: num(row, t, "attempt")?, rank: num(row, t, "rank")? },
+                id: RankId {
+                    job_id: num(row, t, "job_id")?,
+                    attempt: num(row, t, "attempt")?,
+                    rank: num(row, t, "rank")?,
+                },
                 agent_id: col(row, t, "agent_id")?,
                 gpu_index: num(row, t, "gpu_index")?,
                 node_rank: num(row, t, "node_rank")?,
@@ -164,7 +168,11 @@ macro_rules! row_readers {
             let t = "receipts";
             Ok(StoredReceiptRecord {
                 position: num(row, t, "position")?,
-                id: RankId { job_id: num(row, t, "job_id")?, attempt: num(row, t, "attempt")?, rank: num(row, t, "rank")? },
+                id: RankId {
+                    job_id: num(row, t, "job_id")?,
+                    attempt: num(row, t, "attempt")?,
+                    rank: num(row, t, "rank")?,
+                },
                 seq: num(row, t, "seq")?,
                 kind: col(row, t, "kind")?,
                 step: col(row, t, "step")?,

@@ -154,7 +154,13 @@ impl SqliteStore {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn create_job(&self, spec: &JobSpec, key: Option<&str>, reason: &str, now_ms: i64) -> Result<JobRecord> {
+    async fn create_job(
+        &self,
+        spec: &JobSpec,
+        key: Option<&str>,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<JobRecord> {
         self.run("create_job", Mode::Write, async |c| {
             let (engine_kind, argv_json, workdir) = engine_columns(spec);
             let resources = spec.resources.clone().unwrap_or_default();
@@ -625,8 +631,6 @@ async fn fetch_preflights(
     Ok(reports)
 }
 
-
-
 /// `INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING` for `2^log2` receipts, built once per
 /// size and shared, so the statement text (the key of sqlx's statement cache) is identical
 /// every time.
@@ -745,17 +749,6 @@ async fn fetch_job(c: &mut SqliteConnection, job: JobId) -> Result<Option<JobRec
         .await?;
     row.as_ref().map(job_from_row).transpose()
 }
-
-
-
-
-
-
-
-
-
-
-
 
 #[cfg(test)]
 #[path = "tests.rs"]

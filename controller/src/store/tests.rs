@@ -8,10 +8,11 @@ use trainyard_proto::v1::{
 };
 
 use crate::store::pg_server::{Durability, TempPostgres};
-use crate::store::{PostgresStore, SqliteStore};
 use crate::store::{
-    AgentRecord, AgentState, Allocation, JobState, NewReceipt, RankId, RankObserved, RankState, Store, StoreError,
+    AgentRecord, AgentState, Allocation, JobState, NewReceipt, RankId, RankObserved, RankState, Store,
+    StoreError,
 };
+use crate::store::{PostgresStore, SqliteStore};
 
 /// Opens a backend's store; `open` called twice opens the same database (restart tests).
 pub trait Harness: Sized {
@@ -692,7 +693,11 @@ async fn postgres_views_return_sensible_rows() {
     .fetch_one(s.pool())
     .await
     .unwrap();
-    assert_eq!((n, min, max), (21, 100.0, 109.0), "the non-number and the NUL body count as steps without a time");
+    assert_eq!(
+        (n, min, max),
+        (21, 100.0, 109.0),
+        "the non-number and the NUL body count as steps without a time"
+    );
     assert!((mean - 104.5).abs() < 1e-9, "mean step time {mean}");
     assert!((tps - 50_009.5).abs() < 1e-9, "mean tokens/s {tps}");
 }
@@ -735,7 +740,8 @@ async fn postgres_receipt_positions_commit_in_order() {
 #[tokio::test]
 async fn postgres_store_survives_a_server_restart() {
     use fixtures::*;
-    let mut server = tokio::task::spawn_blocking(|| TempPostgres::start(Durability::Relaxed).unwrap()).await.unwrap();
+    let mut server =
+        tokio::task::spawn_blocking(|| TempPostgres::start(Durability::Relaxed).unwrap()).await.unwrap();
     let url = server.url("postgres");
     let s = PostgresStore::open(&url).await.unwrap();
     let j = s.create_job(&spec("restart", 1), None, "submitted", 1).await.unwrap();

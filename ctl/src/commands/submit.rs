@@ -22,7 +22,12 @@ const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(250);
 /// alone on stdout, and with `follow` streams progress to stderr until the job ends; fails
 /// unless it succeeded. A submit that fails with `Unavailable` is sent again with the same key,
 /// so it never creates a second job.
-pub async fn run(ctl: &mut Controller, spec: JobSpec, key: Option<String>, follow: bool) -> anyhow::Result<()> {
+pub async fn run(
+    ctl: &mut Controller,
+    spec: JobSpec,
+    key: Option<String>,
+    follow: bool,
+) -> anyhow::Result<()> {
     let key = key.unwrap_or_else(new_key);
     let mut pause = FIRST_RETRY_PAUSE;
     let mut tries = 0;
@@ -32,7 +37,10 @@ pub async fn run(ctl: &mut Controller, spec: JobSpec, key: Option<String>, follo
         match ctl.jobs.submit(request).await {
             Ok(r) => break r.into_inner().job_id,
             Err(status) if status.code() == tonic::Code::Unavailable && tries < SUBMIT_TRIES => {
-                eprintln!("ctl: the controller did not answer ({}); submitting again with the same key", status.message());
+                eprintln!(
+                    "ctl: the controller did not answer ({}); submitting again with the same key",
+                    status.message()
+                );
                 tokio::time::sleep(pause).await;
                 pause *= 2;
             }

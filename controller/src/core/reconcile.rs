@@ -1,0 +1,365 @@
+//! The reconciler: the one task that moves jobs between states, places pending jobs and sends
+//! their launches (see the module documentation of `core`).
+//!
+//! Each step is decided under the lock from memory alone ([`decide`], pure), written to the
+//! store without the lock, and applied to memory under it again. A store error ends the step
+//! for that job only: it stays dirty and the next pass (at most 500 ms later) tries again.
+
+use trainyard_proto::v1::JobSpec;
+
+use super::{ActiveJob, Controller, Core, Result, rank_done, rank_failure};
+use crate::cost;
+use crate::scheduler::{self, NodeView, Placement};
+use crate::store::{Allocation, JobId, JobState, RankId, RankObserved, RankState};
+
+/// What a job needs next.
+#[derive(Debug, Clone, PartialEq)]
+enum Step {
+    /// A transition to write, and what to do once it is stored.
+    Move { from: JobState, to: JobState, attempt: u32, reason: String, then: Then },
+    /// Finished and every rank stopped: tell the agents to forget it and drop it from memory.
+    Forget,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Then {
+    Nothing,
+    /// Stop the ranks of the current attempt that are not done, with this reason.
+    StopRanks(String),
+    /// A new attempt begins: the old one's allocations are history.
+    NextAttempt,
+}
+
+/// The next step of one job, from what memory holds about it; `None` when it is where it
+/// should be.
+fn decide(job: &ActiveJob) -> Option<Step> {
+    let state = job.record.state;
+    let attempt = job.record.attempt;
+    let allocs = &job.allocations;
+    let all_done = !allocs.is_empty() && allocs.iter().all(rank_done);
+    let to = |to: JobState, reason: String, then: Then| {
+        Some(Step::Move { from: state, to, attempt, reason, then })
+    };
+    if let Some(reason) = &job.cancel
+        && !state.is_terminal()
+    {
+        return to(JobState::Cancelled, reason.clone(), Then::StopRanks(reason.clone()));
+    }
+    let placed = matches!(state, JobState::Scheduled | JobState::Launching | JobState::Running);
+    match state {
+        _ if placed && let Some(failure) = allocs.iter().find_map(rank_failure) => {
+            let max = job.record.spec.restart.as_ref().map_or(0, |r| r.max_restarts);
+            if attempt < max {
+                let why = format!("{failure}; restarting (attempt {} of at most {})", attempt + 1, max);
+                to(JobState::Restarting, why, Then::StopRanks(failure))
+            } else {
+                let why = if max > 0 {
+                    format!("{failure}; no restarts left ({max} used)")
+                } else {
+                    failure.clone()
+                };
+                to(JobState::Failed, why, Then::StopRanks(failure))
+            }
+        }
+        _ if placed && all_done => {
+            to(JobState::Succeeded, format!("all {} ranks exited with code 0", allocs.len()), Then::Nothing)
+        }
+        JobState::Scheduled if job.launches_sent > 0 => {
+            let nodes = nodes_of(allocs);
+            to(
+                JobState::Launching,
+                format!("launch sent to {} of {nodes} node(s)", job.launches_sent),
+                Then::Nothing,
+            )
+        }
+        JobState::Launching
+            if allocs.iter().all(|a| a.observed.state == RankState::Running || rank_done(a)) =>
+        {
+            to(JobState::Running, format!("all {} ranks running", allocs.len()), Then::Nothing)
+        }
+        JobState::Restarting if all_done || allocs.is_empty() => {
+            let next = attempt + 1;
+            let reason = format!("attempt {next} queued after every rank of attempt {attempt} stopped");
+            Some(Step::Move {
+                from: state,
+                to: JobState::Pending,
+                attempt: next,
+                reason,
+                then: Then::NextAttempt,
+            })
+        }
+        s if s.is_terminal() && (all_done || allocs.is_empty()) => Some(Step::Forget),
+        _ => None,
+    }
+}
+
+fn nodes_of(allocs: &[Allocation]) -> usize {
+    allocs.iter().map(|a| a.agent_id.as_str()).collect::<std::collections::BTreeSet<_>>().len()
+}
+
+/// A placement turned into the rows to store, decided under the lock.
+struct Plan {
+    job_id: JobId,
+    attempt: u32,
+    allocations: Vec<Allocation>,
+    reason: String,
+}
+
+impl Controller {
+    /// One pass: settles every job a request marked (or every job, after
+    /// [`Controller::mark_all`]), then places what is pending. Only the reconciler task calls
+    /// it in a running controller; the core's tests call it directly, with no task running.
+    pub async fn reconcile(&self) {
+        let dirty: Vec<JobId> = std::mem::take(&mut self.lock().dirty).into_iter().collect();
+        for job_id in dirty {
+            self.settle_logged(job_id).await;
+        }
+        if let Err(e) = self.schedule_pass().await {
+            tracing::error!(error = %e, "scheduling pass failed; trying again on the next pass");
+        }
+    }
+
+    /// Marks every job for the next pass (the periodic pass: a step a store error cut short is
+    /// taken again).
+    pub(super) fn mark_all(&self) {
+        let mut core = self.lock();
+        let ids: Vec<JobId> = core.jobs.keys().copied().collect();
+        core.dirty.extend(ids);
+    }
+
+    async fn settle_logged(&self, job_id: JobId) {
+        if let Err(e) = self.settle(job_id).await {
+            tracing::error!(job_id, error = %e, "failed to move the job on; trying again on the next pass");
+            self.lock().dirty.insert(job_id);
+        }
+    }
+
+    /// Takes the steps of one job until it needs none.
+    async fn settle(&self, job_id: JobId) -> Result<()> {
+        loop {
+            let step = {
+                let core = self.lock();
+                let Some(job) = core.jobs.get(&job_id) else { return Ok(()) };
+                decide(job)
+            };
+            match step {
+                None => return Ok(()),
+                Some(Step::Forget) => {
+                    {
+                        let mut core = self.lock();
+                        self.forget(&mut core, job_id);
+                        core.jobs.remove(&job_id);
+                    }
+                    self.bump();
+                }
+                Some(Step::Move { from, to, attempt, reason, then }) => {
+                    if then == Then::NextAttempt {
+                        let mut core = self.lock();
+                        self.forget(&mut core, job_id);
+                    }
+                    let record =
+                        self.store.transition(job_id, from, to, attempt, &reason, self.now_ms()).await?;
+                    tracing::info!(job_id, from = %from, to = %to, attempt, reason, "job state changed");
+                    {
+                        let mut core = self.lock();
+                        if let Some(job) = core.jobs.get_mut(&job_id) {
+                            job.record = record;
+                            if then == Then::NextAttempt {
+                                job.allocations.clear();
+                                job.launches_sent = 0;
+                                job.master_port = None;
+                            }
+                        }
+                        if let Then::StopRanks(why) = &then {
+                            self.stop_ranks(&mut core, job_id, why);
+                        }
+                    }
+                    self.bump();
+                }
+            }
+        }
+    }
+
+    /// Places pending jobs on free GPUs of connected agents, records each placement and sends
+    /// its launches. A placement that cannot be recorded leaves its job pending (and says why
+    /// in `ctl status`); the others go ahead.
+    async fn schedule_pass(&self) -> Result<()> {
+        let plans = {
+            let mut core = self.lock();
+            let queue: Vec<scheduler::Request> = core
+                .jobs
+                .values()
+                .filter(|j| j.record.state == JobState::Pending && j.cancel.is_none())
+                .map(|j| super::jobs::request_of(j.record.id, &j.record.spec))
+                .collect();
+            if queue.is_empty() {
+                core.waiting.clear();
+                return Ok(());
+            }
+            let views = core.node_views(false);
+            let outcome = scheduler::schedule(&queue, &views);
+            core.waiting = outcome.waiting.into_iter().collect();
+            let now = self.now_ms();
+            outcome.placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
+        };
+        for plan in plans {
+            let Plan { job_id, attempt, allocations, reason } = plan;
+            match self.store.schedule(job_id, attempt, &allocations, &reason, self.now_ms()).await {
+                Ok(record) => {
+                    tracing::info!(job_id, attempt, ranks = allocations.len(), "job scheduled");
+                    {
+                        let mut core = self.lock();
+                        if let Some(job) = core.jobs.get_mut(&job_id) {
+                            job.record = record;
+                            job.allocations = allocations;
+                            job.master_port = None;
+                            job.launches_sent = 0;
+                        }
+                        let sent = self.send_launches(&mut core, job_id, None);
+                        if let Some(job) = core.jobs.get_mut(&job_id) {
+                            job.launches_sent = sent;
+                        }
+                    }
+                    self.bump();
+                    self.settle_logged(job_id).await;
+                }
+                Err(e) => {
+                    tracing::error!(job_id, error = %e, "failed to record a placement; the job stays pending");
+                    let why = format!("its placement could not be recorded ({e}); trying again");
+                    self.lock().waiting.insert(job_id, why);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The allocations of a placement (with each rank's planned CPU/memory binding unless the job
+/// turned pinning off) and the reason of its `scheduled` event.
+fn plan(core: &Core, placement: Placement, views: &[NodeView], now_ms: i64) -> Option<Plan> {
+    let job_id = placement.job_id;
+    let job = core.jobs.get(&job_id)?;
+    let attempt = job.record.attempt;
+    let spec: &JobSpec = &job.record.spec;
+    let pin = !spec.disable_pinning;
+    let bytes = spec.resources.as_ref().map_or(0, |r| r.comm_bytes_per_step);
+    let allocations: Vec<Allocation> = placement
+        .ranks()
+        .map(|(rank, node_rank, local_rank, agent, gpu)| {
+            let plan = views.iter().find(|v| v.agent_id == agent).filter(|_| pin).and_then(|v| {
+                let cores = core.agents.get(agent).map_or(&[][..], |e| &e.record.inventory.cores[..]);
+                scheduler::plan_cpus(v, gpu, cores)
+            });
+            Allocation {
+                id: RankId { job_id, attempt, rank },
+                agent_id: agent.to_string(),
+                gpu_index: gpu,
+                node_rank,
+                local_rank,
+                planned_cpus: plan.as_ref().map(|p| p.cpus.clone()).unwrap_or_default(),
+                planned_mems: plan.map(|p| p.numa_node.to_string()).unwrap_or_default(),
+                observed: RankObserved {
+                    state: RankState::Planned,
+                    updated_at_ms: now_ms,
+                    ..Default::default()
+                },
+            }
+        })
+        .collect();
+    let predicted = cost::step_comm_ms(bytes, placement.world_size(), placement.bottleneck);
+    let mut reason = format!(
+        "placed {} ranks on {} node(s); slowest link {}",
+        allocations.len(),
+        placement.nodes.len(),
+        placement.bottleneck.label()
+    );
+    if predicted > 0.0 {
+        reason.push_str(&format!("; predicted communication {predicted:.1} ms per step"));
+    }
+    Some(Plan { job_id, attempt, allocations, reason })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::JobRecord;
+    use trainyard_proto::v1::RestartPolicy;
+
+    fn job(state: JobState, ranks: &[(RankState, Option<i32>)], max_restarts: u32) -> ActiveJob {
+        let spec = JobSpec {
+            restart: Some(RestartPolicy { max_restarts, ..Default::default() }),
+            ..Default::default()
+        };
+        let record = JobRecord {
+            id: 7,
+            spec,
+            state,
+            reason: String::new(),
+            attempt: 0,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        };
+        let mut job = ActiveJob::new(record);
+        job.allocations = ranks
+            .iter()
+            .enumerate()
+            .map(|(i, (state, code))| Allocation {
+                id: RankId { job_id: 7, attempt: 0, rank: i as u32 },
+                agent_id: format!("node-{}", i / 2),
+                gpu_index: i as u32,
+                node_rank: (i / 2) as u32,
+                local_rank: (i % 2) as u32,
+                planned_cpus: String::new(),
+                planned_mems: String::new(),
+                observed: RankObserved { state: *state, exit_code: *code, ..Default::default() },
+            })
+            .collect();
+        job
+    }
+
+    fn target(step: Option<Step>) -> Option<(JobState, String)> {
+        match step? {
+            Step::Move { to, reason, .. } => Some((to, reason)),
+            Step::Forget => None,
+        }
+    }
+
+    #[test]
+    fn the_next_step_follows_the_ranks() {
+        use RankState::*;
+        let running = job(JobState::Launching, &[(Running, None), (Running, None)], 0);
+        assert_eq!(target(decide(&running)).map(|t| t.0), Some(JobState::Running));
+        let half = job(JobState::Launching, &[(Running, None), (Launching, None)], 0);
+        assert_eq!(decide(&half), None);
+        let done = job(JobState::Running, &[(Exited, Some(0)), (Exited, Some(0))], 0);
+        assert_eq!(target(decide(&done)).map(|t| t.0), Some(JobState::Succeeded));
+        let failed = job(JobState::Running, &[(Exited, Some(3)), (Running, None)], 1);
+        let (to, reason) = target(decide(&failed)).unwrap();
+        assert_eq!(to, JobState::Restarting);
+        assert!(
+            reason.contains("exited with code 3") && reason.contains("attempt 1 of at most 1"),
+            "{reason}"
+        );
+        let no_restarts = job(JobState::Running, &[(Lost, None), (Running, None)], 0);
+        assert_eq!(target(decide(&no_restarts)).map(|t| t.0), Some(JobState::Failed));
+        let restarting = job(JobState::Restarting, &[(Exited, Some(3)), (Exited, None)], 1);
+        assert!(matches!(decide(&restarting), Some(Step::Move { to: JobState::Pending, attempt: 1, .. })));
+        let finished = job(JobState::Failed, &[(Exited, Some(3)), (Lost, None)], 0);
+        assert_eq!(decide(&finished), Some(Step::Forget));
+        let stopping = job(JobState::Failed, &[(Exited, Some(3)), (Running, None)], 0);
+        assert_eq!(decide(&stopping), None, "a finished job waits for its ranks to stop");
+    }
+
+    #[test]
+    fn a_cancel_comes_first_and_stops_the_ranks() {
+        let mut j = job(JobState::Running, &[(RankState::Running, None)], 0);
+        j.cancel = Some("operator".into());
+        assert!(matches!(
+            decide(&j),
+            Some(Step::Move { to: JobState::Cancelled, then: Then::StopRanks(_), .. })
+        ));
+        let mut pending = job(JobState::Pending, &[], 0);
+        pending.cancel = Some("operator".into());
+        assert_eq!(target(decide(&pending)).map(|t| t.0), Some(JobState::Cancelled));
+    }
+}
