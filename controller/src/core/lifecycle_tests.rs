@@ -144,3 +144,37 @@ async fn cancelling_a_pending_job_ends_it_at_once() {
     assert_eq!(state_of(&c, running).await.0, "launching", "the other job is untouched");
     assert!(matches!(c.cancel(999, "").await, Err(ControllerError::JobNotFound(999))));
 }
+
+/// A store that refuses job B's placement (a real SQLite trigger, as a full disk or a broken
+/// constraint would): B stays pending and says why, A's submit and placement go through, and B
+/// is placed once the store takes writes again. Nobody's request fails.
+#[tokio::test]
+async fn a_placement_the_store_refuses_fails_no_other_request() {
+    let sqlite = crate::store::SqliteStore::open_in_memory().await.expect("open store");
+    sqlx::query(
+        "CREATE TRIGGER refuse_job_1 BEFORE INSERT ON allocations WHEN NEW.job_id = 1 \
+         BEGIN SELECT RAISE(ABORT, 'disk full'); END",
+    )
+    .execute(sqlite.pool())
+    .await
+    .expect("trigger");
+    let store: Arc<dyn Store> = Arc::new(sqlite.clone());
+    let c = controller(&store).await;
+    let mut agent = connect(&c, "a", 2, None).await;
+    let b = c.submit(spec(1), None).await.expect("B's submit is stored");
+    c.reconcile().await;
+    let view = c.job_view(b).await.expect("job");
+    assert_eq!(view.state, "pending");
+    assert!(
+        view.waiting_reason.contains("could not be recorded") && view.waiting_reason.contains("disk full"),
+        "{view:?}"
+    );
+    let a = c.submit(spec(1), None).await.expect("A's submit is not failed by B's placement");
+    c.reconcile().await;
+    assert_eq!(agent.launched_jobs(), vec![a]);
+    assert_eq!(state_of(&c, a).await.0, "launching");
+
+    sqlx::query("DROP TRIGGER refuse_job_1").execute(sqlite.pool()).await.expect("drop trigger");
+    c.reconcile().await;
+    assert_eq!(agent.launched_jobs(), vec![b], "B is placed on the next pass");
+}
