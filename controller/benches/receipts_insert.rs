@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use trainyard_controller::store::{NewReceipt, RankId, SqliteStore, Store};
+use trainyard_controller::store::{JobStore, NewReceipt, RankId, ReceiptStore, SqliteStore};
 use trainyard_proto::v1::{JobSpec, Resources};
 
 const TOTAL: usize = 200_000;

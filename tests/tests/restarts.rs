@@ -163,3 +163,42 @@ fn agent_killed_between_spawn_and_record_adopts_the_rank_it_started() -> anyhow:
     assert_eq!(launches[0], vec![1, 40], "the rank ran exactly once");
     Ok(())
 }
+
+/// The controller SIGKILLed while 8 ranks stream receipts into PostgreSQL at 40,000 per second:
+/// after its restart every receipt is stored exactly once.
+#[test]
+fn controller_killed_during_heavy_ingest_on_postgres_loses_and_doubles_nothing() -> anyhow::Result<()> {
+    const PER_RANK: i64 = 30_000;
+    let mut c = Cluster::start_on(Backend::Postgres)?;
+    c.start_agent("node-a", 4)?;
+    c.start_agent("node-b", 4)?;
+    let file = c.job_file("heavy", 8, 4, &[], "");
+    let text = std::fs::read_to_string(&file)?.replace(
+        r#"argv = ["python3", "examples/rank.py"]"#,
+        &format!(r#"argv = ["python3", "examples/flood.py", "--receipts", "{PER_RANK}", "--rate", "5000", "--chunk", "100"]"#),
+    );
+    std::fs::write(&file, text)?;
+    let job = c.submit(&file)?;
+    let stored = |c: &Cluster| c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job}"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while stored(&c)?[0][0] < 8 * PER_RANK / 3 {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "ingest did not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c.kill_controller();
+    let at_kill = stored(&c)?[0][0];
+    assert!(at_kill < 8 * PER_RANK, "killed after the ingest was over: {at_kill}");
+    std::thread::sleep(Duration::from_millis(500));
+    c.start_controller()?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
+    assert_eq!(status["state"], "succeeded", "{status}\n{}", c.logs("controller"));
+    let rows = c.query(&format!(
+        "SELECT rank, COUNT(*), COUNT(DISTINCT seq), MIN(seq), MAX(seq) FROM receipts WHERE job_id = {job} \
+         GROUP BY rank ORDER BY rank"
+    ))?;
+    assert_eq!(rows.len(), 8);
+    for (rank, row) in rows.iter().enumerate() {
+        assert_eq!(row, &vec![rank as i64, PER_RANK, PER_RANK, 0, PER_RANK - 1], "rank {rank}");
+    }
+    Ok(())
+}

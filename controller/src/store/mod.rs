@@ -181,9 +181,9 @@ pub struct Snapshot {
     pub agents: Vec<AgentRecord>,
 }
 
-/// The controller's store. Every method is one transaction.
+/// Jobs, their events and their allocations. Every method is one transaction.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait JobStore: Send + Sync {
     /// Stores a new job in `pending` with a creation event, and returns it. `key` is the
     /// submit's idempotency key: a second job with the same key fails with
     /// [`StoreError::Duplicate`] and stores nothing.
@@ -233,7 +233,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Records what an agent reported about one rank. Unknown ranks are ignored (returns false).
     async fn observe_rank(&self, id: RankId, observed: &RankObserved) -> Result<bool>;
+}
 
+/// The agents and their GPUs, and the start-up snapshot. Every method is one transaction.
+#[async_trait]
+pub trait FleetStore: Send + Sync {
     /// Inserts or replaces an agent and its `gpus` rows.
     async fn upsert_agent(&self, agent: &AgentRecord) -> Result<()>;
 
@@ -245,7 +249,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Jobs, allocations and agents to rebuild the in-memory view after a restart.
     async fn snapshot(&self) -> Result<Snapshot>;
+}
 
+/// Receipts: the hot path. Every method is one transaction.
+#[async_trait]
+pub trait ReceiptStore: Send + Sync {
     /// Stores a batch in one transaction; receipts already stored are skipped. Returns how many
     /// rows were new.
     async fn insert_receipts(&self, receipts: &[NewReceipt], now_ms: i64) -> Result<u64>;
@@ -262,7 +270,11 @@ pub trait Store: Send + Sync + 'static {
     /// Mean optimizer time (ms) over the job's latest 1,000 step receipts that carry one
     /// (`optimizer_ms`, or `optimizer_time_ms`); `None` when none does.
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>>;
+}
 
+/// Preflight reports and their checks. Every method is one transaction.
+#[async_trait]
+pub trait PreflightStore: Send + Sync {
     /// Stores a preflight report with its checks (one transaction, checks in multi-row inserts)
     /// and returns its id. The same report sent again (same agent and non-empty `local_id`)
     /// is not stored twice: the id of the stored one comes back.
@@ -274,3 +286,9 @@ pub trait Store: Send + Sync + 'static {
     /// The newest report of every agent that sent one, by agent id (start-up rebuild).
     async fn latest_preflights(&self) -> Result<Vec<PreflightReport>>;
 }
+
+/// The controller's store: every concern's trait, implemented by each backend (SQLite,
+/// PostgreSQL) and exercised by one test suite.
+pub trait Store: JobStore + FleetStore + ReceiptStore + PreflightStore + 'static {}
+
+impl<T: JobStore + FleetStore + ReceiptStore + PreflightStore + 'static> Store for T {}

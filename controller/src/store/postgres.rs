@@ -19,7 +19,10 @@ use sqlx::{AssertSqlSafe, PgPool};
 use tracing::Instrument;
 
 use super::rows::{duplicate_or, engine_columns, int, job_id_from};
-use super::{AgentState, JobId, NewReceipt, Result, Snapshot, Store, StoreError};
+use super::{
+    AgentState, FleetStore, JobId, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result, Snapshot,
+    StoreError,
+};
 
 super::rows::row_readers!(PgRow, sqlx::Postgres);
 
@@ -159,7 +162,7 @@ fn classify(e: sqlx::Error) -> StoreError {
 }
 
 #[async_trait]
-impl Store for PostgresStore {
+impl JobStore for PostgresStore {
     async fn create_job(
         &self,
         spec: &trainyard_proto::v1::JobSpec,
@@ -314,7 +317,10 @@ impl Store for PostgresStore {
         })
         .await
     }
+}
 
+#[async_trait]
+impl FleetStore for PostgresStore {
     async fn upsert_agent(&self, agent: &AgentRecord) -> Result<()> {
         use prost::Message as _;
         self.run("upsert_agent", async |c| {
@@ -429,7 +435,10 @@ impl Store for PostgresStore {
         })
         .await
     }
+}
 
+#[async_trait]
+impl ReceiptStore for PostgresStore {
     async fn insert_receipts(&self, receipts: &[NewReceipt], now_ms: i64) -> Result<u64> {
         if receipts.is_empty() {
             return Ok(0);
@@ -516,7 +525,10 @@ impl Store for PostgresStore {
         })
         .await
     }
+}
 
+#[async_trait]
+impl PreflightStore for PostgresStore {
     async fn insert_preflight(&self, report: &PreflightReport, now_ms: i64) -> Result<u64> {
         self.run("insert_preflight", async |c| {
             let stored: Option<i64> = sqlx::query_scalar(

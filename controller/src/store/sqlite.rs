@@ -17,7 +17,10 @@ use sqlx::{AssertSqlSafe, SqlitePool};
 use tracing::Instrument;
 
 use super::rows::{duplicate_or, engine_columns, int, job_id_from};
-use super::{AgentState, JobId, NewReceipt, Result, Snapshot, Store, StoreError};
+use super::{
+    AgentState, FleetStore, JobId, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result, Snapshot,
+    StoreError,
+};
 
 super::rows::row_readers!(SqliteRow, sqlx::Sqlite);
 
@@ -153,7 +156,7 @@ impl SqliteStore {
 }
 
 #[async_trait]
-impl Store for SqliteStore {
+impl JobStore for SqliteStore {
     async fn create_job(
         &self,
         spec: &JobSpec,
@@ -313,7 +316,10 @@ impl Store for SqliteStore {
         })
         .await
     }
+}
 
+#[async_trait]
+impl FleetStore for SqliteStore {
     async fn upsert_agent(&self, agent: &AgentRecord) -> Result<()> {
         self.run("upsert_agent", Mode::Write, async |c| {
             let inv = &agent.inventory;
@@ -424,7 +430,10 @@ impl Store for SqliteStore {
         })
         .await
     }
+}
 
+#[async_trait]
+impl ReceiptStore for SqliteStore {
     async fn insert_receipts(&self, receipts: &[NewReceipt], now_ms: i64) -> Result<u64> {
         if receipts.is_empty() {
             return Ok(0);
@@ -511,7 +520,10 @@ impl Store for SqliteStore {
         })
         .await
     }
+}
 
+#[async_trait]
+impl PreflightStore for SqliteStore {
     async fn insert_preflight(&self, report: &PreflightReport, now_ms: i64) -> Result<u64> {
         self.run("insert_preflight", Mode::Write, async |c| {
             let stored: Option<i64> = sqlx::query_scalar(

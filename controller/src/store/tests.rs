@@ -9,8 +9,8 @@ use trainyard_proto::v1::{
 
 use crate::store::pg_server::{Durability, TempPostgres};
 use crate::store::{
-    AgentRecord, AgentState, Allocation, JobState, NewReceipt, RankId, RankObserved, RankState, Store,
-    StoreError,
+    AgentRecord, AgentState, Allocation, FleetStore, JobState, JobStore, NewReceipt, PreflightStore, RankId,
+    RankObserved, RankState, ReceiptStore, Store, StoreError,
 };
 use crate::store::{PostgresStore, SqliteStore};
 
