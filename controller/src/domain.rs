@@ -110,6 +110,56 @@ string_enum! {
     }
 }
 
+string_enum! {
+    /// A preflight report's verdict: the worst status of its checks, `skipped` counting as pass.
+    pub enum Verdict ("preflight verdict") {
+        Pass = "pass",
+        Warn = "warn",
+        /// The scheduler places nothing on the node while this is its newest verdict.
+        Fail = "fail",
+    }
+}
+
+string_enum! {
+    /// The outcome of one preflight check.
+    pub enum CheckStatus ("check status") {
+        Pass = "pass",
+        Warn = "warn",
+        Fail = "fail",
+        /// Not run, with the reason in `measured` (never counted as a pass in the report).
+        Skipped = "skipped",
+    }
+}
+
+string_enum! {
+    /// How much a preflight checks: `none` (only in a job spec: no launch preflight), then each
+    /// level adds to the one before it.
+    pub enum PreflightLevel ("preflight level") {
+        None = "none",
+        Quick = "quick",
+        Standard = "standard",
+        Full = "full",
+    }
+}
+
+string_enum! {
+    /// A node's GPU-GPU fabric as its preflight classified it.
+    pub enum InterconnectClass ("interconnect class") {
+        /// Every GPU pair over NVSwitch (SXM).
+        Nvswitch = "nvswitch",
+        /// NVLink inside pairs, PCIe across them (NVL).
+        NvlinkPairs = "nvlink-pairs",
+        Pcie = "pcie",
+        /// None of the above throughout.
+        Mixed = "mixed",
+    }
+}
+
+/// The words of `all`, for messages ("one of quick, standard, full").
+pub fn words<T: Copy + std::fmt::Display>(all: &[T]) -> String {
+    all.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,5 +179,9 @@ mod tests {
         assert_eq!(err.to_string(), "unknown rank state \"exitted\"");
         assert!(RankState::Lost.is_done() && !RankState::Running.is_done());
         assert!(JobState::Cancelled.is_terminal() && !JobState::Restarting.is_terminal());
+        assert_eq!("nvlink-pairs".parse(), Ok(InterconnectClass::NvlinkPairs));
+        assert_eq!(words(PreflightLevel::ALL), "none, quick, standard, full");
+        assert_eq!("skipped".parse(), Ok(CheckStatus::Skipped));
+        assert!("skip".parse::<CheckStatus>().is_err() && "ok".parse::<Verdict>().is_err());
     }
 }

@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use crate::domain::{InterconnectClass, PreflightLevel};
 use trainyard_proto::v1::{JobSpec, job_spec::Engine};
 
 /// A spec field and what is wrong with it.
@@ -20,9 +21,7 @@ fn bad(field: impl Into<String>, reason: impl Into<String>) -> SpecError {
     SpecError { field: field.into(), reason: reason.into() }
 }
 
-/// Preflight levels the agent knows.
-pub const PREFLIGHT_LEVELS: [&str; 4] = ["none", "quick", "standard", "full"];
-/// Interconnect classes a job may require.
+/// Interconnect classes a job may require (`any`, or empty, for no requirement).
 pub const INTERCONNECTS: [&str; 4] = ["nvswitch", "nvlink-pairs", "pcie", "any"];
 
 /// Variables the agent sets for every rank; an overlay may not redefine them.
@@ -39,10 +38,10 @@ pub fn validate(spec: &JobSpec) -> Result<(), SpecError> {
     validate_resources(spec)?;
     validate_engine(spec.engine.as_ref())?;
     validate_env(spec)?;
-    if !spec.preflight.is_empty() && !PREFLIGHT_LEVELS.contains(&spec.preflight.as_str()) {
+    if !spec.preflight.is_empty() && PreflightLevel::parse(&spec.preflight).is_none() {
         return Err(bad(
             "preflight",
-            format!("{:?} is not one of {}", spec.preflight, PREFLIGHT_LEVELS.join(", ")),
+            format!("{:?} is not one of {}", spec.preflight, crate::domain::words(PreflightLevel::ALL)),
         ));
     }
     if let Some(restart) = &spec.restart
@@ -85,7 +84,10 @@ fn validate_resources(spec: &JobSpec) -> Result<(), SpecError> {
             format!("{} GPUs cannot be split evenly into nodes of {}", res.gpus, res.gpus_per_node),
         ));
     }
-    if !res.interconnect.is_empty() && !INTERCONNECTS.contains(&res.interconnect.as_str()) {
+    let known =
+        |s: &str| s == "any" || InterconnectClass::parse(s).is_some_and(|c| c != InterconnectClass::Mixed);
+    debug_assert!(INTERCONNECTS.iter().all(|s| known(s)));
+    if !res.interconnect.is_empty() && !known(&res.interconnect) {
         return Err(bad(
             "resources.interconnect",
             format!("{:?} is not one of {}", res.interconnect, INTERCONNECTS.join(", ")),

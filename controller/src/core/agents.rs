@@ -10,6 +10,7 @@ use trainyard_proto::v1::{
 };
 
 use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, rank_done};
+use crate::domain::{CheckStatus, Verdict, words};
 use crate::store::{AgentRecord, AgentState, JobState, NewReceipt, RankId, RankObserved, RankState};
 
 /// Largest batch an agent may send; larger ones are refused as a protocol error.
@@ -168,8 +169,12 @@ impl Controller {
         }
         report.agent_id = agent_id.to_string();
         report.report_id = self.store.insert_preflight(&report, self.now_ms()).await?;
-        let failing: Vec<&str> =
-            report.checks.iter().filter(|c| c.status == "fail").map(|c| c.id.as_str()).collect();
+        let failing: Vec<&str> = report
+            .checks
+            .iter()
+            .filter(|c| c.status == CheckStatus::Fail.as_str())
+            .map(|c| c.id.as_str())
+            .collect();
         tracing::info!(
             agent_id,
             report_id = report.report_id,
@@ -435,11 +440,13 @@ fn is_json_object(body: &str) -> bool {
 
 /// The verdict and check statuses are words the store and the scheduler know.
 fn check_report(report: &PreflightReport) -> std::result::Result<(), String> {
-    if !matches!(report.verdict.as_str(), "pass" | "warn" | "fail") {
-        return Err(format!("verdict {:?} is not pass, warn or fail", report.verdict));
+    if Verdict::parse(&report.verdict).is_none() {
+        return Err(format!("verdict {:?} is not one of {}", report.verdict, words(Verdict::ALL)));
     }
-    match report.checks.iter().find(|c| !matches!(c.status.as_str(), "pass" | "warn" | "fail" | "skipped")) {
-        Some(c) => Err(format!("check {} has status {:?}, not pass, warn, fail or skipped", c.id, c.status)),
+    match report.checks.iter().find(|c| CheckStatus::parse(&c.status).is_none()) {
+        Some(c) => {
+            Err(format!("check {} has status {:?}, not one of {}", c.id, c.status, words(CheckStatus::ALL)))
+        }
         None => Ok(()),
     }
 }

@@ -10,10 +10,12 @@ use std::time::Duration;
 use trainyard_proto::v1::{HostInventory, NodeInfo, PreflightReport, RunPreflight, controller_message::Msg};
 
 use super::{AgentEntry, Controller, ControllerError, Core, Result, rank_done};
+use crate::domain::{CheckStatus, PreflightLevel, Verdict};
 use crate::store::AgentState;
 
 /// Levels an operator may ask an agent to run.
-pub const PREFLIGHT_RUN_LEVELS: [&str; 3] = ["quick", "standard", "full"];
+pub const PREFLIGHT_RUN_LEVELS: [PreflightLevel; 3] =
+    [PreflightLevel::Quick, PreflightLevel::Standard, PreflightLevel::Full];
 
 /// How long `Preflight` with a run level waits for the agent's new report. A `full` run sweeps
 /// NCCL up to 1 GiB on every GPU, which takes tens of seconds on a healthy node.
@@ -22,7 +24,7 @@ pub const PREFLIGHT_RUN_TIMEOUT: Duration = Duration::from_secs(120);
 impl AgentEntry {
     /// The node's newest preflight verdict is `fail`: no new work goes there.
     pub(super) fn failing(&self) -> bool {
-        self.preflight.as_ref().is_some_and(|r| r.verdict == "fail")
+        self.preflight.as_ref().is_some_and(|r| r.verdict == Verdict::Fail.as_str())
     }
 
     /// `connected`, `unresponsive`, `leaving` or `disconnected`, as the fleet table shows it.
@@ -70,10 +72,10 @@ impl Controller {
 
     /// Asks a node to run a preflight at `level` and waits up to `timeout` for its next report.
     pub async fn run_preflight(&self, host: &str, level: &str, timeout: Duration) -> Result<PreflightReport> {
-        if !PREFLIGHT_RUN_LEVELS.contains(&level) {
+        if !PreflightLevel::parse(level).is_some_and(|l| PREFLIGHT_RUN_LEVELS.contains(&l)) {
             return Err(ControllerError::BadRequest(format!(
                 "run level {level:?} is not one of {}",
-                PREFLIGHT_RUN_LEVELS.join(", ")
+                crate::domain::words(&PREFLIGHT_RUN_LEVELS)
             )));
         }
         // Subscribed before the request goes out, so a fast answer is not missed.
@@ -202,18 +204,18 @@ pub fn numa_layout(inv: &HostInventory) -> String {
 pub fn unschedulable_reason(report: Option<&PreflightReport>, state: &str) -> String {
     let failing: Vec<String> =
         report
-            .filter(|r| r.verdict == "fail")
+            .filter(|r| r.verdict == Verdict::Fail.as_str())
             .map(|r| {
                 r.checks
                     .iter()
-                    .filter(|c| c.status == "fail")
+                    .filter(|c| c.status == CheckStatus::Fail.as_str())
                     .map(|c| {
                         if c.measured.is_empty() { c.id.clone() } else { format!("{}: {}", c.id, c.measured) }
                     })
                     .collect()
             })
             .unwrap_or_default();
-    match (report.is_some_and(|r| r.verdict == "fail"), state) {
+    match (report.is_some_and(|r| r.verdict == Verdict::Fail.as_str()), state) {
         (true, _) if failing.is_empty() => "preflight verdict fail".to_string(),
         (true, _) => failing.join("; "),
         (false, "connected") => String::new(),
