@@ -10,8 +10,9 @@ use trainyard_proto::v1::{
 };
 
 use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, rank_done};
-use crate::domain::{CheckStatus, Verdict, words};
-use crate::store::{AgentRecord, AgentState, JobState, NewReceipt, RankId, RankObserved, RankState};
+use crate::store::{
+    AgentRecord, AgentState, JobState, NewReceipt, PreflightRecord, RankId, RankObserved, RankState,
+};
 
 /// Largest batch an agent may send; larger ones are refused as a protocol error.
 pub const MAX_BATCH: usize = 20_000;
@@ -161,26 +162,24 @@ impl Controller {
     async fn store_preflight(
         &self,
         agent_id: &str,
-        mut report: PreflightReport,
-    ) -> Result<Option<PreflightReport>> {
-        if let Err(why) = check_report(&report) {
-            tracing::error!(agent_id, why, "preflight report dropped: malformed");
-            return Ok(None);
-        }
+        report: PreflightReport,
+    ) -> Result<Option<PreflightRecord>> {
+        let mut report = match PreflightRecord::try_from(report) {
+            Ok(report) => report,
+            Err(why) => {
+                tracing::error!(agent_id, %why, "preflight report dropped: malformed");
+                return Ok(None);
+            }
+        };
         report.agent_id = agent_id.to_string();
         report.report_id = self.store.insert_preflight(&report, self.now_ms()).await?;
-        let failing: Vec<&str> = report
-            .checks
-            .iter()
-            .filter(|c| c.status == CheckStatus::Fail.as_str())
-            .map(|c| c.id.as_str())
-            .collect();
+        let failing: Vec<&str> = report.failing().map(|c| c.id.as_str()).collect();
         tracing::info!(
             agent_id,
             report_id = report.report_id,
             level = %report.level,
             verdict = %report.verdict,
-            class = %report.interconnect_class,
+            class = %report.interconnect_class.map_or("", |c| c.as_str()),
             failing = %failing.join(","),
             "preflight report stored"
         );
@@ -436,19 +435,6 @@ impl Controller {
 /// Whether `body` is one JSON object (parsed, not just its first byte looked at).
 fn is_json_object(body: &str) -> bool {
     body.trim_start().starts_with('{') && serde_json::from_str::<serde::de::IgnoredAny>(body).is_ok()
-}
-
-/// The verdict and check statuses are words the store and the scheduler know.
-fn check_report(report: &PreflightReport) -> std::result::Result<(), String> {
-    if Verdict::parse(&report.verdict).is_none() {
-        return Err(format!("verdict {:?} is not one of {}", report.verdict, words(Verdict::ALL)));
-    }
-    match report.checks.iter().find(|c| CheckStatus::parse(&c.status).is_none()) {
-        Some(c) => {
-            Err(format!("check {} has status {:?}, not one of {}", c.id, c.status, words(CheckStatus::ALL)))
-        }
-        None => Ok(()),
-    }
 }
 
 /// Same report apart from its time: nothing to write.

@@ -200,7 +200,8 @@ impl Core {
                     interconnect_class: e
                         .preflight
                         .as_ref()
-                        .map(|r| r.interconnect_class.clone())
+                        .and_then(|r| r.interconnect_class)
+                        .map(|c| c.to_string())
                         .unwrap_or_default(),
                     numa_cpus: inv.numa_nodes.iter().map(|n| (n.id, n.cpus.clone())).collect(),
                 }

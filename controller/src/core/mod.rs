@@ -129,7 +129,7 @@ struct AgentEntry {
     /// When the link went away (or the controller started without one).
     disconnected_since: Option<Instant>,
     /// The agent's latest preflight report (from its hello or a re-run), if any.
-    preflight: Option<trainyard_proto::v1::PreflightReport>,
+    preflight: Option<crate::store::PreflightRecord>,
     /// Its stream is open but it has sent nothing for `unresponsive_after`: no new work.
     unresponsive: bool,
 }

@@ -7,11 +7,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use trainyard_proto::v1::{HostInventory, NodeInfo, PreflightReport, RunPreflight, controller_message::Msg};
+use trainyard_proto::v1::{HostInventory, NodeInfo, RunPreflight, controller_message::Msg};
 
 use super::{AgentEntry, Controller, ControllerError, Core, Result, rank_done};
-use crate::domain::{CheckStatus, PreflightLevel, Verdict};
-use crate::store::AgentState;
+use crate::domain::{PreflightLevel, Verdict};
+use crate::store::{AgentState, PreflightRecord};
 
 /// Levels an operator may ask an agent to run.
 pub const PREFLIGHT_RUN_LEVELS: [PreflightLevel; 3] =
@@ -24,7 +24,7 @@ pub const PREFLIGHT_RUN_TIMEOUT: Duration = Duration::from_secs(120);
 impl AgentEntry {
     /// The node's newest preflight verdict is `fail`: no new work goes there.
     pub(super) fn failing(&self) -> bool {
-        self.preflight.as_ref().is_some_and(|r| r.verdict == Verdict::Fail.as_str())
+        self.preflight.as_ref().is_some_and(|r| r.verdict == Verdict::Fail)
     }
 
     /// `connected`, `unresponsive`, `leaving` or `disconnected`, as the fleet table shows it.
@@ -57,7 +57,7 @@ impl Controller {
     }
 
     /// The newest preflight report of a node (agent id, or hostname when unambiguous).
-    pub async fn latest_preflight(&self, host: &str) -> Result<PreflightReport> {
+    pub async fn latest_preflight(&self, host: &str) -> Result<PreflightRecord> {
         let agent_id = {
             let core = self.lock();
             let agent_id = core.resolve(host)?;
@@ -71,7 +71,7 @@ impl Controller {
     }
 
     /// Asks a node to run a preflight at `level` and waits up to `timeout` for its next report.
-    pub async fn run_preflight(&self, host: &str, level: &str, timeout: Duration) -> Result<PreflightReport> {
+    pub async fn run_preflight(&self, host: &str, level: &str, timeout: Duration) -> Result<PreflightRecord> {
         if !PreflightLevel::parse(level).is_some_and(|l| PREFLIGHT_RUN_LEVELS.contains(&l)) {
             return Err(ControllerError::BadRequest(format!(
                 "run level {level:?} is not one of {}",
@@ -164,9 +164,12 @@ fn node_info(e: &AgentEntry, busy: &BTreeSet<(String, u32)>, last_seen_ms: i64) 
         gpus: inv.gpus.len() as u32,
         free_gpus: free as u32,
         gpu_model: gpu_models(inv),
-        interconnect_class: report.map(|r| r.interconnect_class.clone()).unwrap_or_default(),
+        interconnect_class: report
+            .and_then(|r| r.interconnect_class)
+            .map(|c| c.to_string())
+            .unwrap_or_default(),
         numa_layout: numa_layout(inv),
-        verdict: report.map(|r| r.verdict.clone()).unwrap_or_default(),
+        verdict: report.map(|r| r.verdict.to_string()).unwrap_or_default(),
         verdict_reason: unschedulable_reason(report, state),
         // The last message of a connected agent (heartbeats every 2 s), or when it went away.
         last_seen_ms,
@@ -201,21 +204,19 @@ pub fn numa_layout(inv: &HostInventory) -> String {
 
 /// Why the scheduler leaves a node alone, or "" when it does not: the failing checks with what
 /// they measured, else the agent's state.
-pub fn unschedulable_reason(report: Option<&PreflightReport>, state: &str) -> String {
+pub fn unschedulable_reason(report: Option<&PreflightRecord>, state: &str) -> String {
     let failing: Vec<String> =
         report
-            .filter(|r| r.verdict == Verdict::Fail.as_str())
+            .filter(|r| r.verdict == Verdict::Fail)
             .map(|r| {
-                r.checks
-                    .iter()
-                    .filter(|c| c.status == CheckStatus::Fail.as_str())
+                r.failing()
                     .map(|c| {
                         if c.measured.is_empty() { c.id.clone() } else { format!("{}: {}", c.id, c.measured) }
                     })
                     .collect()
             })
             .unwrap_or_default();
-    match (report.is_some_and(|r| r.verdict == Verdict::Fail.as_str()), state) {
+    match (report.is_some_and(|r| r.verdict == Verdict::Fail), state) {
         (true, _) if failing.is_empty() => "preflight verdict fail".to_string(),
         (true, _) => failing.join("; "),
         (false, "connected") => String::new(),

@@ -184,13 +184,14 @@ fn numa_layout_counts_gpus_per_node() {
 
 #[test]
 fn reasons_name_failing_checks_or_the_state() {
-    let bad = report("h", 1, &[("host.shm", "")]);
+    let record = |r: PreflightReport| crate::store::PreflightRecord::try_from(r).expect("known words");
+    let bad = record(report("h", 1, &[("host.shm", "")]));
     assert_eq!(unschedulable_reason(Some(&bad), "connected"), "host.shm");
-    let no_checks = PreflightReport { checks: vec![], ..bad };
+    let no_checks = crate::store::PreflightRecord { checks: vec![], ..bad };
     assert_eq!(unschedulable_reason(Some(&no_checks), "connected"), "preflight verdict fail");
     assert_eq!(unschedulable_reason(None, "leaving"), "agent is leaving");
     assert_eq!(unschedulable_reason(None, "disconnected"), "agent is not connected");
-    assert_eq!(unschedulable_reason(Some(&report("h", 1, &[])), "connected"), "");
+    assert_eq!(unschedulable_reason(Some(&record(report("h", 1, &[]))), "connected"), "");
 }
 
 /// An agent whose stream stays open but sends nothing is `unresponsive` after

@@ -90,7 +90,7 @@ impl Jobs for JobsService {
                 }
             }
         };
-        Ok(Response::new(report.map_err(to_status)?))
+        Ok(Response::new(report.map_err(to_status)?.into()))
     }
 
     type WatchStream = WatchStream;

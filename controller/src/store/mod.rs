@@ -29,9 +29,11 @@ pub mod sqlite;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use trainyard_proto::v1::{HostInventory, JobSpec, PreflightReport};
+use trainyard_proto::v1::{HostInventory, JobSpec, PreflightCheck, PreflightReport};
 
-pub use crate::domain::{AgentState, JobState, RankState};
+pub use crate::domain::{
+    AgentState, CheckStatus, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
+};
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 
@@ -171,6 +173,119 @@ pub struct StoredReceiptRecord {
     pub body: String,
 }
 
+/// A preflight report as the controller keeps it: what an agent sent, with every word checked
+/// ([`PreflightRecord::try_from`] names the first one that is not known).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreflightRecord {
+    /// Assigned by the store (`preflight_reports.id`); 0 before it is stored.
+    pub report_id: u64,
+    pub agent_id: String,
+    /// The agent's own name for it (`<agent_id>-<started_at_ms>`), '' if it gave none.
+    pub local_id: String,
+    pub level: PreflightLevel,
+    pub started_at_ms: i64,
+    pub finished_at_ms: i64,
+    pub verdict: Verdict,
+    /// `None` when the agent could not classify the fabric.
+    pub interconnect_class: Option<InterconnectClass>,
+    pub driver_version: String,
+    pub cuda_version: String,
+    pub nccl_version: String,
+    /// Where the inventory came from: `nvml` or `host-file`.
+    pub source: String,
+    /// The GPU matrix as `nvidia-smi topo -m` prints it.
+    pub topology: String,
+    pub checks: Vec<CheckRecord>,
+}
+
+/// One check of a [`PreflightRecord`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckRecord {
+    pub id: String,
+    pub status: CheckStatus,
+    pub measured: String,
+    pub expected: String,
+    pub remedy: String,
+}
+
+impl PreflightRecord {
+    /// The ids of the failing checks, with what they measured.
+    pub fn failing(&self) -> impl Iterator<Item = &CheckRecord> {
+        self.checks.iter().filter(|c| c.status == CheckStatus::Fail)
+    }
+}
+
+impl TryFrom<PreflightReport> for PreflightRecord {
+    type Error = crate::domain::UnknownWord;
+
+    fn try_from(r: PreflightReport) -> Result<Self, Self::Error> {
+        let checks = r
+            .checks
+            .into_iter()
+            .map(|c| {
+                Ok(CheckRecord {
+                    status: c.status.parse()?,
+                    id: c.id,
+                    measured: c.measured,
+                    expected: c.expected,
+                    remedy: c.remedy,
+                })
+            })
+            .collect::<Result<_, Self::Error>>()?;
+        let class = match r.interconnect_class.as_str() {
+            "" => None,
+            word => Some(word.parse()?),
+        };
+        Ok(PreflightRecord {
+            report_id: r.report_id,
+            agent_id: r.agent_id,
+            local_id: r.local_id,
+            level: r.level.parse()?,
+            started_at_ms: r.started_at_ms,
+            finished_at_ms: r.finished_at_ms,
+            verdict: r.verdict.parse()?,
+            interconnect_class: class,
+            driver_version: r.driver_version,
+            cuda_version: r.cuda_version,
+            nccl_version: r.nccl_version,
+            source: r.source,
+            topology: r.topology,
+            checks,
+        })
+    }
+}
+
+impl From<PreflightRecord> for PreflightReport {
+    fn from(r: PreflightRecord) -> Self {
+        PreflightReport {
+            report_id: r.report_id,
+            agent_id: r.agent_id,
+            local_id: r.local_id,
+            level: r.level.to_string(),
+            started_at_ms: r.started_at_ms,
+            finished_at_ms: r.finished_at_ms,
+            verdict: r.verdict.to_string(),
+            interconnect_class: r.interconnect_class.map(|c| c.to_string()).unwrap_or_default(),
+            driver_version: r.driver_version,
+            cuda_version: r.cuda_version,
+            nccl_version: r.nccl_version,
+            source: r.source,
+            topology: r.topology,
+            checks: r
+                .checks
+                .into_iter()
+                .map(|c| PreflightCheck {
+                    id: c.id,
+                    status: c.status.to_string(),
+                    measured: c.measured,
+                    expected: c.expected,
+                    remedy: c.remedy,
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Everything the controller reloads at start-up.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
@@ -278,13 +393,13 @@ pub trait PreflightStore: Send + Sync {
     /// Stores a preflight report with its checks (one transaction, checks in multi-row inserts)
     /// and returns its id. The same report sent again (same agent and non-empty `local_id`)
     /// is not stored twice: the id of the stored one comes back.
-    async fn insert_preflight(&self, report: &PreflightReport, now_ms: i64) -> Result<u64>;
+    async fn insert_preflight(&self, report: &PreflightRecord, now_ms: i64) -> Result<u64>;
 
     /// The newest report of one agent, with its checks and `report_id`.
-    async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightReport>>;
+    async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightRecord>>;
 
     /// The newest report of every agent that sent one, by agent id (start-up rebuild).
-    async fn latest_preflights(&self) -> Result<Vec<PreflightReport>>;
+    async fn latest_preflights(&self) -> Result<Vec<PreflightRecord>>;
 }
 
 /// The controller's store: every concern's trait, implemented by each backend (SQLite,

@@ -529,7 +529,7 @@ impl ReceiptStore for PostgresStore {
 
 #[async_trait]
 impl PreflightStore for PostgresStore {
-    async fn insert_preflight(&self, report: &PreflightReport, now_ms: i64) -> Result<u64> {
+    async fn insert_preflight(&self, report: &PreflightRecord, now_ms: i64) -> Result<u64> {
         self.run("insert_preflight", async |c| {
             let stored: Option<i64> = sqlx::query_scalar(
                 "SELECT id FROM preflight_reports WHERE agent_id = $1 AND local_id = $2 AND local_id <> ''",
@@ -549,11 +549,11 @@ impl PreflightStore for PostgresStore {
             )
             .bind(&report.agent_id)
             .bind(&report.local_id)
-            .bind(&report.level)
+            .bind(report.level.as_str())
             .bind(report.started_at_ms)
             .bind(report.finished_at_ms)
-            .bind(&report.verdict)
-            .bind(&report.interconnect_class)
+            .bind(report.verdict.as_str())
+            .bind(report.interconnect_class.map_or("", |c| c.as_str()))
             .bind(&report.driver_version)
             .bind(&report.cuda_version)
             .bind(&report.nccl_version)
@@ -568,7 +568,7 @@ impl PreflightStore for PostgresStore {
         .await
     }
 
-    async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightReport>> {
+    async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightRecord>> {
         self.run("latest_preflight", async |c| {
             let newest = "(SELECT max(id) FROM preflight_reports WHERE agent_id = $1)";
             let mut reports = fetch_preflights(c, newest, Some(agent_id)).await?;
@@ -577,7 +577,7 @@ impl PreflightStore for PostgresStore {
         .await
     }
 
-    async fn latest_preflights(&self) -> Result<Vec<PreflightReport>> {
+    async fn latest_preflights(&self) -> Result<Vec<PreflightRecord>> {
         self.run("latest_preflights", async |c| {
             let newest = "(SELECT max(id) FROM preflight_reports GROUP BY agent_id)";
             fetch_preflights(c, newest, None).await
@@ -624,12 +624,8 @@ impl ReceiptColumns {
 }
 
 /// Writes the checks of report `report_id` in order, in one statement.
-async fn insert_checks(
-    c: &mut PgConnection,
-    report_id: i64,
-    checks: &[trainyard_proto::v1::PreflightCheck],
-) -> Result<()> {
-    let text = |f: fn(&PreflightCheck) -> &String| checks.iter().map(|x| f(x).clone()).collect::<Vec<_>>();
+async fn insert_checks(c: &mut PgConnection, report_id: i64, checks: &[CheckRecord]) -> Result<()> {
+    let text = |f: fn(&CheckRecord) -> &String| checks.iter().map(|x| f(x).clone()).collect::<Vec<_>>();
     sqlx::query(
         "INSERT INTO preflight_checks (report_id, position, check_id, status, measured, expected, remedy) \
          SELECT $1, position - 1, check_id, status, measured, expected, remedy \
@@ -638,7 +634,7 @@ async fn insert_checks(
     )
     .bind(report_id)
     .bind(text(|x| &x.id))
-    .bind(text(|x| &x.status))
+    .bind(checks.iter().map(|x| x.status.to_string()).collect::<Vec<_>>())
     .bind(text(|x| &x.measured))
     .bind(text(|x| &x.expected))
     .bind(text(|x| &x.remedy))
@@ -653,7 +649,7 @@ async fn fetch_preflights(
     c: &mut PgConnection,
     ids: &'static str,
     agent_id: Option<&str>,
-) -> Result<Vec<PreflightReport>> {
+) -> Result<Vec<PreflightRecord>> {
     let reports_sql = format!(
         "SELECT id, agent_id, local_id, level, started_at_ms, finished_at_ms, verdict, \
          interconnect_class, driver_version, cuda_version, nccl_version, source, topology \
@@ -669,7 +665,7 @@ async fn fetch_preflights(
         reports_query = reports_query.bind(agent_id.to_owned());
         checks_query = checks_query.bind(agent_id.to_owned());
     }
-    let mut reports: Vec<PreflightReport> =
+    let mut reports: Vec<PreflightRecord> =
         reports_query.fetch_all(&mut *c).await?.iter().map(preflight_from_row).collect::<Result<_>>()?;
     let checks = checks_query.fetch_all(&mut *c).await?.iter().map(check_from_row).collect::<Result<_>>()?;
     attach_checks(&mut reports, checks);

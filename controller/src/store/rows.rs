@@ -61,11 +61,11 @@ macro_rules! row_readers {
     ($row:ty, $db:ty) => {
         use prost::Message as _;
         use sqlx::Row as _;
-        use trainyard_proto::v1::{HostInventory, JobSpec, PreflightCheck, PreflightReport};
+        use trainyard_proto::v1::{HostInventory, JobSpec};
         use $crate::store::rows::{corrupt, fit, report_id_from};
         use $crate::store::{
-            AgentRecord, Allocation, JobEventRecord, JobRecord, JobState, RankId, RankObserved,
-            StoredReceiptRecord,
+            AgentRecord, Allocation, CheckRecord, JobEventRecord, JobRecord, JobState, PreflightRecord,
+            RankId, RankObserved, StoredReceiptRecord,
         };
 
         /// Reads one column, naming the table when the value does not decode.
@@ -180,18 +180,32 @@ macro_rules! row_readers {
             })
         }
 
-        fn preflight_from_row(row: &$row) -> Result<PreflightReport> {
+        /// A column holding one of a domain enum's words.
+        fn word<T: std::str::FromStr<Err = $crate::domain::UnknownWord>>(
+            row: &$row,
+            table: &'static str,
+            name: &str,
+        ) -> Result<T> {
+            let s: String = col(row, table, name)?;
+            s.parse().map_err(|e| corrupt(table, format!("column {name}: {e}")))
+        }
+
+        fn preflight_from_row(row: &$row) -> Result<PreflightRecord> {
             let t = "preflight_reports";
             let id: i64 = col(row, t, "id")?;
-            Ok(PreflightReport {
+            let class: String = col(row, t, "interconnect_class")?;
+            Ok(PreflightRecord {
                 report_id: report_id_from(id)?,
                 agent_id: col(row, t, "agent_id")?,
                 local_id: col(row, t, "local_id")?,
-                level: col(row, t, "level")?,
+                level: word(row, t, "level")?,
                 started_at_ms: col(row, t, "started_at_ms")?,
                 finished_at_ms: col(row, t, "finished_at_ms")?,
-                verdict: col(row, t, "verdict")?,
-                interconnect_class: col(row, t, "interconnect_class")?,
+                verdict: word(row, t, "verdict")?,
+                interconnect_class: match class.as_str() {
+                    "" => None,
+                    _ => Some(word(row, t, "interconnect_class")?),
+                },
                 topology: col(row, t, "topology")?,
                 driver_version: col(row, t, "driver_version")?,
                 cuda_version: col(row, t, "cuda_version")?,
@@ -202,14 +216,14 @@ macro_rules! row_readers {
         }
 
         /// A row of `preflight_checks` with the id of its report.
-        fn check_from_row(row: &$row) -> Result<(u64, PreflightCheck)> {
+        fn check_from_row(row: &$row) -> Result<(u64, CheckRecord)> {
             let t = "preflight_checks";
             let report_id: i64 = col(row, t, "report_id")?;
             Ok((
                 report_id_from(report_id)?,
-                PreflightCheck {
+                CheckRecord {
                     id: col(row, t, "check_id")?,
-                    status: col(row, t, "status")?,
+                    status: word(row, t, "status")?,
                     measured: col(row, t, "measured")?,
                     expected: col(row, t, "expected")?,
                     remedy: col(row, t, "remedy")?,
@@ -218,8 +232,8 @@ macro_rules! row_readers {
         }
 
         /// Attaches checks (in order) to their reports.
-        fn attach_checks(reports: &mut [PreflightReport], checks: Vec<(u64, PreflightCheck)>) {
-            let mut by_report: std::collections::HashMap<u64, Vec<PreflightCheck>> = Default::default();
+        fn attach_checks(reports: &mut [PreflightRecord], checks: Vec<(u64, CheckRecord)>) {
+            let mut by_report: std::collections::HashMap<u64, Vec<CheckRecord>> = Default::default();
             for (id, check) in checks {
                 by_report.entry(id).or_default().push(check);
             }

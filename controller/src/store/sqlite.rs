@@ -524,7 +524,7 @@ impl ReceiptStore for SqliteStore {
 
 #[async_trait]
 impl PreflightStore for SqliteStore {
-    async fn insert_preflight(&self, report: &PreflightReport, now_ms: i64) -> Result<u64> {
+    async fn insert_preflight(&self, report: &PreflightRecord, now_ms: i64) -> Result<u64> {
         self.run("insert_preflight", Mode::Write, async |c| {
             let stored: Option<i64> = sqlx::query_scalar(
                 "SELECT id FROM preflight_reports WHERE agent_id = ? AND local_id = ? AND local_id <> ''",
@@ -544,11 +544,11 @@ impl PreflightStore for SqliteStore {
             )
             .bind(report.agent_id.clone())
             .bind(report.local_id.clone())
-            .bind(report.level.clone())
+            .bind(report.level.as_str())
             .bind(report.started_at_ms)
             .bind(report.finished_at_ms)
-            .bind(report.verdict.clone())
-            .bind(report.interconnect_class.clone())
+            .bind(report.verdict.as_str())
+            .bind(report.interconnect_class.map_or("", |c| c.as_str()))
             .bind(report.driver_version.clone())
             .bind(report.cuda_version.clone())
             .bind(report.nccl_version.clone())
@@ -563,7 +563,7 @@ impl PreflightStore for SqliteStore {
         .await
     }
 
-    async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightReport>> {
+    async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightRecord>> {
         self.run("latest_preflight", Mode::Read, async |c| {
             let newest = "(SELECT max(id) FROM preflight_reports WHERE agent_id = ?)";
             let mut reports = fetch_preflights(c, newest, Some(agent_id)).await?;
@@ -572,7 +572,7 @@ impl PreflightStore for SqliteStore {
         .await
     }
 
-    async fn latest_preflights(&self) -> Result<Vec<PreflightReport>> {
+    async fn latest_preflights(&self) -> Result<Vec<PreflightRecord>> {
         self.run("latest_preflights", Mode::Read, async |c| {
             let newest = "(SELECT max(id) FROM preflight_reports GROUP BY agent_id)";
             fetch_preflights(c, newest, None).await
@@ -590,7 +590,7 @@ const MAX_CHECK_ROWS: usize = 1_024;
 
 /// Writes the checks of report `report_id` in order, in as few statements as the parameter
 /// limit allows.
-async fn insert_checks(c: &mut SqliteConnection, report_id: i64, checks: &[PreflightCheck]) -> Result<()> {
+async fn insert_checks(c: &mut SqliteConnection, report_id: i64, checks: &[CheckRecord]) -> Result<()> {
     for (chunk_no, chunk) in checks.chunks(MAX_CHECK_ROWS).enumerate() {
         let row = format!("({})", ["?"; CHECK_PARAMS].join(", "));
         let sql = format!(
@@ -604,7 +604,7 @@ async fn insert_checks(c: &mut SqliteConnection, report_id: i64, checks: &[Prefl
                 .bind(report_id)
                 .bind((chunk_no * MAX_CHECK_ROWS + i) as i64)
                 .bind(check.id.clone())
-                .bind(check.status.clone())
+                .bind(check.status.as_str())
                 .bind(check.measured.clone())
                 .bind(check.expected.clone())
                 .bind(check.remedy.clone());
@@ -620,7 +620,7 @@ async fn fetch_preflights(
     c: &mut SqliteConnection,
     ids: &'static str,
     agent_id: Option<&str>,
-) -> Result<Vec<PreflightReport>> {
+) -> Result<Vec<PreflightRecord>> {
     let reports_sql = format!(
         "SELECT id, agent_id, local_id, level, started_at_ms, finished_at_ms, verdict, \
          interconnect_class, driver_version, cuda_version, nccl_version, source, topology \
@@ -636,7 +636,7 @@ async fn fetch_preflights(
         reports_query = reports_query.bind(agent_id.to_owned());
         checks_query = checks_query.bind(agent_id.to_owned());
     }
-    let mut reports: Vec<PreflightReport> =
+    let mut reports: Vec<PreflightRecord> =
         reports_query.fetch_all(&mut *c).await?.iter().map(preflight_from_row).collect::<Result<_>>()?;
     let checks = checks_query.fetch_all(&mut *c).await?.iter().map(check_from_row).collect::<Result<_>>()?;
     attach_checks(&mut reports, checks);

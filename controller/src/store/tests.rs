@@ -9,8 +9,8 @@ use trainyard_proto::v1::{
 
 use crate::store::pg_server::{Durability, TempPostgres};
 use crate::store::{
-    AgentRecord, AgentState, Allocation, FleetStore, JobState, JobStore, NewReceipt, PreflightStore, RankId,
-    RankObserved, RankState, ReceiptStore, Store, StoreError,
+    AgentRecord, AgentState, Allocation, FleetStore, JobState, JobStore, NewReceipt, PreflightRecord,
+    PreflightStore, RankId, RankObserved, RankState, ReceiptStore, Store, StoreError,
 };
 use crate::store::{PostgresStore, SqliteStore};
 
@@ -165,7 +165,18 @@ pub mod fixtures {
 
     /// A preflight report of `agent` with `checks` checks; the last one has `last_status`, the
     /// others pass, and the verdict follows the last one.
-    pub fn preflight(agent: &str, started_at_ms: i64, checks: usize, last_status: &str) -> PreflightReport {
+    pub fn preflight(agent: &str, started_at_ms: i64, checks: usize, last_status: &str) -> PreflightRecord {
+        PreflightRecord::try_from(preflight_pb(agent, started_at_ms, checks, last_status))
+            .expect("known words")
+    }
+
+    /// [`preflight`] as the agent sends it (any words).
+    pub fn preflight_pb(
+        agent: &str,
+        started_at_ms: i64,
+        checks: usize,
+        last_status: &str,
+    ) -> PreflightReport {
         let checks = (0..checks)
             .map(|i| PreflightCheck {
                 id: if i + 1 == checks { "cuda.init.gpu3".into() } else { format!("check.{i}") },
@@ -528,7 +539,7 @@ pub mod suite {
         let id = s.insert_preflight(&report, 5_000).await.unwrap();
         assert!(id > 0);
         let stored = s.latest_preflight("sxm-a").await.unwrap().expect("stored");
-        assert_eq!(stored, PreflightReport { report_id: id, ..report.clone() });
+        assert_eq!(stored, PreflightRecord { report_id: id, ..report.clone() });
         // A newer report replaces it as the latest; the older one stays as history.
         let newer = preflight("sxm-a", 2_000, 3, "pass");
         let newer_id = s.insert_preflight(&newer, 6_000).await.unwrap();
@@ -538,10 +549,10 @@ pub mod suite {
         assert_eq!(s.latest_preflight("sxm-b").await.unwrap(), None);
         // A report without checks is a report.
         let bare =
-            PreflightReport { checks: vec![], local_id: String::new(), ..preflight("sxm-b", 1, 0, "warn") };
+            PreflightRecord { checks: vec![], local_id: String::new(), ..preflight("sxm-b", 1, 0, "warn") };
         let bare_id = s.insert_preflight(&bare, 7_000).await.unwrap();
         let stored = s.latest_preflight("sxm-b").await.unwrap().expect("stored");
-        assert_eq!(stored, PreflightReport { report_id: bare_id, ..bare });
+        assert_eq!(stored, PreflightRecord { report_id: bare_id, ..bare });
     }
 
     pub async fn preflight_same_report_twice_is_stored_once(h: &impl Harness) {
@@ -553,17 +564,17 @@ pub mod suite {
         assert_eq!(s.latest_preflight("sxm-a").await.unwrap().expect("stored").checks.len(), 5);
         // The same local id on another agent is another report; reports without one are
         // never merged.
-        let other = PreflightReport { agent_id: "sxm-b".into(), ..report.clone() };
+        let other = PreflightRecord { agent_id: "sxm-b".into(), ..report.clone() };
         assert_ne!(s.insert_preflight(&other, 9_000).await.unwrap(), first);
-        let anonymous = PreflightReport { local_id: String::new(), ..report };
+        let anonymous = PreflightRecord { local_id: String::new(), ..report };
         let a1 = s.insert_preflight(&anonymous, 9_000).await.unwrap();
         let a2 = s.insert_preflight(&anonymous, 9_000).await.unwrap();
         assert_ne!(a1, a2);
-        // A verdict the schema does not know is refused, and nothing of it is stored.
-        let bogus = PreflightReport { verdict: "great".into(), ..preflight("sxm-c", 1, 2, "pass") };
-        assert!(s.insert_preflight(&bogus, 9_000).await.is_err());
-        let bad_check = preflight("sxm-c", 2, 2, "maybe");
-        assert!(s.insert_preflight(&bad_check, 9_000).await.is_err());
+        // Words the schema does not know never reach the store: the record refuses them.
+        let bogus = PreflightReport { verdict: "great".into(), ..preflight_pb("sxm-c", 1, 2, "pass") };
+        let refused = PreflightRecord::try_from(bogus).unwrap_err();
+        assert_eq!(refused.to_string(), "unknown preflight verdict \"great\"");
+        assert!(PreflightRecord::try_from(preflight_pb("sxm-c", 2, 2, "maybe")).is_err());
         assert_eq!(s.latest_preflight("sxm-c").await.unwrap(), None);
     }
 
