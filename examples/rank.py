@@ -100,7 +100,8 @@ class Receipts:
         self.file = open(path, "ab")
 
     def emit(self, kind, **fields):
-        record = {"kind": kind, **fields}
+        # Receipt schema v1 (docs/receipts.md): milliseconds, bytes, MFU as a fraction.
+        record = {"kind": kind, "schema": 1, **fields}
         self.write_raw(json.dumps(record, separators=(",", ":")).encode() + b"\n")
 
     def write_raw(self, line):

@@ -65,18 +65,13 @@ fn receipts(job_id: u64, n: usize) -> Vec<NewReceipt> {
         .map(|i| {
             let rank = (i % u64::from(RANKS)) as u32;
             let seq = i / u64::from(RANKS);
-            NewReceipt {
-                id: RankId { job_id, attempt: 0, rank },
-                seq,
-                kind: "step".into(),
-                step: Some(seq as i64),
-                body: format!(
+            let body = format!(
                     concat!(
                         r#"{{"kind":"step","job":{},"attempt":0,"rank":{},"seq":{},"step":{},"#,
                         r#""loss":{:.4},"lr":0.000600,"tokens":524288,"step_time_ms":{:.2},"#,
-                        r#""phases_ms":{{"fwd":41.2,"bwd":83.9,"opt":7.1}},"tokens_per_s":{:.1},"#,
-                        r#""mfu":0.412,"mem_alloc_mib":51234,"mem_reserved_mib":61440,"#,
-                        r#""mem_peak_mib":58812,"grad_norm":{:.4}}}"#
+                        r#""fwd_bwd_ms":125.1,"optimizer_ms":7.1,"optimizer_reduce_ms":3.2,"tokens_per_s":{:.1},"#,
+                        r#""mfu":0.412,"mem_allocated_bytes":53722316800,"mem_reserved_bytes":64424509440,"#,
+                        r#""mem_peak_allocated_bytes":61668556800,"grad_norm":{:.4},"schema":1}}"#
                     ),
                     job_id,
                     rank,
@@ -86,7 +81,17 @@ fn receipts(job_id: u64, n: usize) -> Vec<NewReceipt> {
                     132.0 + (seq % 7) as f64,
                     3_950_000.0 + (seq % 13) as f64,
                     0.8 + (seq % 5) as f64 * 0.01
-                ),
+                );
+            // As ingest stores it: checked against receipt schema v1, typed fields extracted.
+            let checked = trainyard_controller::receipts::check("step", &body).expect("a JSON object");
+            NewReceipt {
+                id: RankId { job_id, attempt: 0, rank },
+                seq,
+                kind: "step".into(),
+                step: Some(seq as i64),
+                body,
+                problem: checked.problem,
+                metrics: checked.metrics,
             }
         })
         .collect()

@@ -4,6 +4,7 @@
 //! - [`config`]: the controller's settings, a plain struct.
 //! - [`domain`]: job, rank and agent states as enums with one word each.
 //! - [`spec`]: validation of job specs at submit (pure).
+//! - [`receipts`]: receipt schema v1, checked at ingest (pure).
 //! - [`scheduler`]: gang placement over the fleet view and the rank pinning plan (pure).
 //! - [`cost`]: the placement cost model, collective time per optimizer step (pure).
 //! - [`store`]: the durable store (SQLite by default, PostgreSQL for fleets) behind one trait.
@@ -14,6 +15,7 @@ pub mod config;
 pub mod core;
 pub mod cost;
 pub mod domain;
+pub mod receipts;
 pub mod scheduler;
 pub mod server;
 pub mod service;

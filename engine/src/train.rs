@@ -95,6 +95,8 @@ impl Receipts {
     pub fn emit(&mut self, kind: &str, fields: Value) -> Result<()> {
         let mut rec = serde_json::Map::new();
         rec.insert("kind".into(), json!(kind));
+        // Receipt schema v1 (docs/receipts.md): milliseconds, bytes, MFU as a fraction.
+        rec.insert("schema".into(), json!(1));
         rec.extend(self.base.clone());
         rec.insert("seq".into(), json!(self.seq));
         rec.insert(
@@ -366,7 +368,8 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         train_s += dt;
         step += 1;
         let tokens_per_s = cfg.total_batch_size as f64 / dt;
-        let mfu = peak.map(|p| 100.0 * fpt * tokens_per_s / (p * world as f64));
+        // A fraction of the dense bf16 peak of all the job's GPUs (receipt schema v1).
+        let mfu = peak.map(|p| fpt * tokens_per_s / (p * world as f64));
         let (mem, memory) = match device {
             Device::Cuda(gpu) => {
                 let used =
@@ -405,12 +408,15 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
                 "muon_weight_decay": wd,
                 "tokens": cfg.total_batch_size,
                 "tokens_total": step * cfg.total_batch_size,
-                "step_time_s": dt,
-                "fwd_bwd_s": fwd_bwd_s,
-                "optimizer": phases,
+                "step_time_ms": dt * 1e3,
+                "fwd_bwd_ms": fwd_bwd_s * 1e3,
+                "optimizer_ms": (phases.reduce_s + phases.compute_gather_s + phases.wait_s) * 1e3,
+                "optimizer_reduce_ms": phases.reduce_s * 1e3,
+                "optimizer_compute_gather_ms": phases.compute_gather_s * 1e3,
+                "optimizer_wait_ms": phases.wait_s * 1e3,
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu,
-                "mfu_peak": if peak.is_some() { json!(peak) } else { json!("unknown") },
+                "mfu_peak_flops": if peak.is_some() { json!(peak) } else { json!("unknown") },
                 "mem_allocated_bytes": mem.map(|m| m.allocated_bytes),
                 "mem_reserved_bytes": mem.map(|m| m.reserved_bytes),
                 "mem_peak_allocated_bytes": mem.map(|m| m.peak_allocated_bytes),

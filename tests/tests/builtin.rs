@@ -78,6 +78,25 @@ fn builtin_job_trains_and_resumes_after_a_killed_rank() -> anyhow::Result<()> {
         assert_eq!(row[2], STEPS, "a step receipt per step per rank: {per_rank:?}");
         assert!(row[3] >= 1, "checkpoints recorded: {per_rank:?}");
     }
+    // The engine writes receipt schema v1: nothing flagged, every step's typed fields stored, and
+    // the operator view answers for a built-in job.
+    let flagged = c.query(&format!(
+        "SELECT COUNT(*) FROM receipts WHERE job_id = {reference} AND problem IS NOT NULL"
+    ))?;
+    assert_eq!(
+        flagged[0][0],
+        0,
+        "{:?}",
+        c.query_text(&format!(
+            "SELECT problem FROM receipts WHERE job_id = {reference} AND problem IS NOT NULL LIMIT 3"
+        ))
+    );
+    let typed = c.query(&format!(
+        "SELECT COUNT(*), COUNT(step_time_ms), COUNT(optimizer_ms), COUNT(tokens_per_s) FROM step_metrics WHERE job_id = {reference}"
+    ))?;
+    assert_eq!(typed[0], vec![2 * STEPS; 4], "typed step fields");
+    let summary = c.query(&format!("SELECT step_receipts, CAST(mean_step_time_ms > 0 AS INTEGER) FROM step_time_summary WHERE job_id = {reference}"))?;
+    assert_eq!(summary, vec![vec![2 * STEPS, 1]]);
     let launch = c.query_text(&format!(
         "SELECT json_extract(body, '$.env.TRAINYARD_PREFLIGHT_REPORT'), json_extract(body, '$.binding.cpus_allowed'), \
                 json_extract(body, '$.env.WORLD_SIZE') FROM receipts \

@@ -10,6 +10,7 @@ use trainyard_proto::v1::{
 };
 
 use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, rank_done};
+use crate::receipts;
 use crate::store::{
     AgentRecord, AgentState, JobState, NewReceipt, PreflightRecord, RankId, RankObserved, RankState,
 };
@@ -397,22 +398,30 @@ impl Controller {
     pub async fn ingest(&self, batch: ReceiptBatch) -> Result<ReceiptAck> {
         let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();
         let mut rows = Vec::with_capacity(batch.receipts.len());
-        let mut not_objects = 0;
+        let (mut not_objects, mut flagged) = (0, 0);
         for r in batch.receipts {
             let Some(id) = r.key.map(rank_id) else { continue };
             let seq = highest.entry(id).or_insert(r.seq);
             *seq = (*seq).max(r.seq);
             // Agents send only lines that parse as JSON objects; the views of both stores
             // read bodies as JSON, so anything else is acked and left out here.
-            if !is_json_object(&r.body) {
+            let Ok(checked) = receipts::check(&r.kind, &r.body) else {
                 not_objects += 1;
                 continue;
-            }
+            };
+            flagged += usize::from(checked.problem.is_some());
             let step = (r.step >= 0).then_some(r.step);
-            rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body: r.body });
+            let (problem, metrics) = (checked.problem, checked.metrics);
+            rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body: r.body, problem, metrics });
         }
         if not_objects > 0 {
             tracing::warn!(not_objects, "dropping receipts whose body is not a JSON object");
+        }
+        if flagged > 0 {
+            tracing::debug!(
+                flagged,
+                "storing receipts that break receipt schema v1, flagged (receipts.problem)"
+            );
         }
         // A batch nearly always holds one job; one lookup per job keeps rows of jobs this store
         // never had (a wiped database, a foreign controller) out. They are acked and dropped.
@@ -430,11 +439,6 @@ impl Controller {
         let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();
         Ok(ReceiptAck { acks })
     }
-}
-
-/// Whether `body` is one JSON object (parsed, not just its first byte looked at).
-fn is_json_object(body: &str) -> bool {
-    body.trim_start().starts_with('{') && serde_json::from_str::<serde::de::IgnoredAny>(body).is_ok()
 }
 
 /// Same report apart from its time: nothing to write.

@@ -44,7 +44,13 @@ impl Controller {
         let (id, attempt) = (record.id, record.attempt);
         let seqs: HashMap<u32, u64> = self.store.last_seqs(id, attempt).await?.into_iter().collect();
         let allocations = self.store.allocations(id, attempt).await?;
-        let warnings = binding_warnings(&allocations);
+        let mut warnings = binding_warnings(&allocations);
+        if let (n @ 1.., newest) = self.store.receipt_problems(id).await? {
+            warnings.push(format!(
+                "{n} receipt(s) break receipt schema v1 and are stored flagged (receipts.problem); newest: {}",
+                newest.unwrap_or_default()
+            ));
+        }
         let bytes = record.spec.resources.as_ref().map_or(0, |r| r.comm_bytes_per_step);
         let (predicted_comm_ms, waiting_reason) = {
             let core = self.lock();

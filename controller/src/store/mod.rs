@@ -160,6 +160,10 @@ pub struct NewReceipt {
     pub step: Option<i64>,
     /// The line as the rank wrote it.
     pub body: String,
+    /// Why it breaks receipt schema v1 (`crate::receipts::check`), if it does.
+    pub problem: Option<String>,
+    /// The typed fields of a step receipt, stored in `step_metrics`.
+    pub metrics: Option<crate::receipts::StepMetrics>,
 }
 
 /// A stored receipt with its position (monotonic across the store) for `Watch` cursors.
@@ -382,8 +386,12 @@ pub trait ReceiptStore: Send + Sync {
     /// Number of receipts stored for a job, all attempts.
     async fn receipt_count(&self, job: JobId) -> Result<u64>;
 
-    /// Mean optimizer time (ms) over the job's latest 1,000 step receipts that carry one
-    /// (`optimizer_ms`, or `optimizer_time_ms`); `None` when none does.
+    /// How many of a job's receipts break receipt schema v1 (stored, flagged), with the
+    /// problem of the newest one.
+    async fn receipt_problems(&self, job: JobId) -> Result<(u64, Option<String>)>;
+
+    /// Mean optimizer time (ms) over the job's latest 1,000 step receipts that carry a valid
+    /// `optimizer_ms` (from `step_metrics`); `None` when none does.
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>>;
 }
 

@@ -31,12 +31,13 @@ const POOL_SIZE: u32 = 4;
 /// How long a writer waits for another writer's lock before failing with `SQLITE_BUSY`.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Columns bound per receipt row in [`INSERT_RECEIPTS`](insert_receipts_sql).
-const RECEIPT_PARAMS: usize = 8;
+/// Columns bound per row of `receipts` and of `step_metrics` in the multi-row inserts.
+const RECEIPT_PARAMS: usize = 9;
+const METRICS_PARAMS: usize = 18;
 
-/// Largest multi-row insert, in rows: a power of two with `RECEIPT_PARAMS * rows` well under
+/// Largest multi-row insert, in rows: a power of two with `METRICS_PARAMS * rows` well under
 /// SQLite's limit of 32,766 bound parameters. Smaller remainders are inserted with the power
-/// of two sizes below it, so at most 11 distinct statements exist and all stay in the
+/// of two sizes below it, so at most 11 distinct statements exist per table and all stay in the
 /// connection's prepared-statement cache.
 const MAX_CHUNK_LOG2: u32 = 10;
 
@@ -440,10 +441,7 @@ impl ReceiptStore for SqliteStore {
         }
         self.run("insert_receipts", Mode::Write, async |c| {
             let mut inserted = 0;
-            let mut rest = receipts;
-            while !rest.is_empty() {
-                let log2 = rest.len().ilog2().min(MAX_CHUNK_LOG2);
-                let (chunk, tail) = rest.split_at(1 << log2);
+            for (log2, chunk) in chunks(receipts) {
                 let mut query = sqlx::query(AssertSqlSafe(insert_receipts_sql(log2)));
                 for r in chunk {
                     query = query
@@ -454,10 +452,37 @@ impl ReceiptStore for SqliteStore {
                         .bind(r.kind.clone())
                         .bind(r.step)
                         .bind(r.body.clone())
-                        .bind(now_ms);
+                        .bind(now_ms)
+                        .bind(r.problem.clone());
                 }
                 inserted += query.execute(&mut *c).await?.rows_affected();
-                rest = tail;
+            }
+            let steps: Vec<&NewReceipt> = receipts.iter().filter(|r| r.metrics.is_some()).collect();
+            for (log2, chunk) in chunks(&steps) {
+                let mut query = sqlx::query(AssertSqlSafe(insert_metrics_sql(log2)));
+                for r in chunk {
+                    let m = r.metrics.clone().unwrap_or_default();
+                    query = query
+                        .bind(int(r.id.job_id)?)
+                        .bind(r.id.attempt)
+                        .bind(r.id.rank)
+                        .bind(int(r.seq)?)
+                        .bind(r.step)
+                        .bind(m.step_time_ms)
+                        .bind(m.fwd_bwd_ms)
+                        .bind(m.optimizer_ms)
+                        .bind(m.optimizer_reduce_ms)
+                        .bind(m.optimizer_compute_gather_ms)
+                        .bind(m.optimizer_wait_ms)
+                        .bind(m.tokens_per_s)
+                        .bind(m.mfu)
+                        .bind(m.loss)
+                        .bind(m.mem_allocated_bytes)
+                        .bind(m.mem_reserved_bytes)
+                        .bind(m.mem_peak_allocated_bytes)
+                        .bind(now_ms);
+                }
+                query.execute(&mut *c).await?;
             }
             Ok(inserted)
         })
@@ -506,12 +531,28 @@ impl ReceiptStore for SqliteStore {
         .await
     }
 
+    async fn receipt_problems(&self, job: JobId) -> Result<(u64, Option<String>)> {
+        self.run("receipt_problems", Mode::Read, async |c| {
+            let row = sqlx::query(
+                "SELECT count(*) AS n, (SELECT problem FROM receipts WHERE job_id = ? \
+                 AND problem IS NOT NULL ORDER BY position DESC LIMIT 1) AS newest \
+                 FROM receipts WHERE job_id = ? AND problem IS NOT NULL",
+            )
+            .bind(int(job)?)
+            .bind(int(job)?)
+            .fetch_one(&mut *c)
+            .await?;
+            Ok((num(&row, "receipts", "n")?, col(&row, "receipts", "newest")?))
+        })
+        .await
+    }
+
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
         self.run("mean_optimizer_ms", Mode::Read, async |c| {
             let row = sqlx::query(
-                "SELECT avg(v) AS ms FROM (SELECT coalesce(json_extract(body, '$.optimizer_ms'), \
-                 json_extract(body, '$.optimizer_time_ms')) AS v FROM receipts \
-                 WHERE job_id = ? AND kind = 'step' ORDER BY position DESC LIMIT 1000) WHERE v IS NOT NULL",
+                "SELECT avg(optimizer_ms) AS ms FROM (SELECT optimizer_ms FROM step_metrics \
+                 WHERE job_id = ? AND optimizer_ms IS NOT NULL \
+                 ORDER BY stored_at_ms DESC, seq DESC LIMIT 1000)",
             )
             .bind(int(job)?)
             .fetch_one(&mut *c)
@@ -643,26 +684,49 @@ async fn fetch_preflights(
     Ok(reports)
 }
 
-/// `INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING` for `2^log2` receipts, built once per
-/// size and shared, so the statement text (the key of sqlx's statement cache) is identical
-/// every time.
-fn insert_receipts_sql(log2: u32) -> Arc<str> {
-    static SQL: OnceLock<Vec<Arc<str>>> = OnceLock::new();
-    let all = SQL.get_or_init(|| {
+/// `items` in chunks of power-of-two sizes (largest first, at most `2^MAX_CHUNK_LOG2`), with
+/// the log2 of each chunk's size.
+fn chunks<T>(mut items: &[T]) -> impl Iterator<Item = (u32, &[T])> {
+    std::iter::from_fn(move || {
+        if items.is_empty() {
+            return None;
+        }
+        let log2 = items.len().ilog2().min(MAX_CHUNK_LOG2);
+        let (chunk, rest) = items.split_at(1 << log2);
+        items = rest;
+        Some((log2, chunk))
+    })
+}
+
+/// `INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING` for `2^log2` rows of `params`
+/// columns, built once per size and kept in `cache`, so the statement text (the key of sqlx's
+/// statement cache) is identical every time.
+fn multi_row_sql(cache: &'static OnceLock<Vec<Arc<str>>>, head: &str, params: usize, log2: u32) -> Arc<str> {
+    let all = cache.get_or_init(|| {
         (0..=MAX_CHUNK_LOG2)
             .map(|l| {
-                let row = format!("({})", ["?"; RECEIPT_PARAMS].join(", "));
+                let row = format!("({})", ["?"; 64][..params].join(", "));
                 let rows = vec![row.as_str(); 1 << l].join(", ");
-                format!(
-                    "INSERT INTO receipts (job_id, attempt, rank, seq, kind, step, body, \
-                     stored_at_ms) VALUES {rows} ON CONFLICT (job_id, attempt, rank, seq) \
-                     DO NOTHING"
-                )
-                .into()
+                format!("{head} VALUES {rows} ON CONFLICT (job_id, attempt, rank, seq) DO NOTHING").into()
             })
             .collect()
     });
     Arc::clone(&all[log2 as usize])
+}
+
+fn insert_receipts_sql(log2: u32) -> Arc<str> {
+    static SQL: OnceLock<Vec<Arc<str>>> = OnceLock::new();
+    let head = "INSERT INTO receipts (job_id, attempt, rank, seq, kind, step, body, stored_at_ms, problem)";
+    multi_row_sql(&SQL, head, RECEIPT_PARAMS, log2)
+}
+
+fn insert_metrics_sql(log2: u32) -> Arc<str> {
+    static SQL: OnceLock<Vec<Arc<str>>> = OnceLock::new();
+    let head = "INSERT INTO step_metrics (job_id, attempt, rank, seq, step, step_time_ms, fwd_bwd_ms, \
+                optimizer_ms, optimizer_reduce_ms, optimizer_compute_gather_ms, optimizer_wait_ms, \
+                tokens_per_s, mfu, loss, mem_allocated_bytes, mem_reserved_bytes, \
+                mem_peak_allocated_bytes, stored_at_ms)";
+    multi_row_sql(&SQL, head, METRICS_PARAMS, log2)
 }
 
 /// Moves `job` from `from` to `to` inside the caller's transaction.

@@ -207,19 +207,30 @@ pub mod fixtures {
     /// `n` step receipts of one rank, seq `first..first+n`.
     pub fn receipts(id: RankId, first: u64, n: u64) -> Vec<NewReceipt> {
         (first..first + n)
-            .map(|seq| NewReceipt {
-                id,
-                seq,
-                kind: "step".into(),
-                step: Some(seq as i64),
-                body: format!(
-                    r#"{{"kind":"step","step":{seq},"loss":{:.3},"step_time_ms":{},"tokens_per_s":{}}}"#,
+            .map(|seq| {
+                let body = format!(
+                    r#"{{"kind":"step","step":{seq},"loss":{:.3},"step_time_ms":{},"tokens_per_s":{},"optimizer_ms":7}}"#,
                     4.0 - seq as f64 * 0.01,
                     100 + seq % 10,
                     50_000 + seq
-                ),
+                );
+                receipt(id, seq, "step", Some(seq as i64), &body)
             })
             .collect()
+    }
+
+    /// A receipt as ingest would store it (checked against schema v1).
+    pub fn receipt(id: RankId, seq: u64, kind: &str, step: Option<i64>, body: &str) -> NewReceipt {
+        let checked = crate::receipts::check(kind, body).expect("a JSON object");
+        NewReceipt {
+            id,
+            seq,
+            kind: kind.into(),
+            step,
+            body: body.into(),
+            problem: checked.problem,
+            metrics: checked.metrics,
+        }
     }
 }
 
@@ -448,24 +459,26 @@ pub mod suite {
         assert_eq!(s.mean_optimizer_ms(j.id).await.unwrap(), None);
         let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
         let bodies = [
-            ("launch", r#"{"kind":"launch"}"#),
-            ("step", r#"{"kind":"step","step":0,"optimizer_ms":10.0}"#),
-            ("step", r#"{"kind":"step","step":1,"optimizer_time_ms":20}"#),
-            ("step", r#"{"kind":"step","step":2}"#),
+            ("launch", r#"{"kind":"launch","optimizer_ms":1000}"#),
+            ("step", r#"{"kind":"step","step":0,"step_time_ms":100,"optimizer_ms":10.0}"#),
+            ("step", r#"{"kind":"step","step":1,"step_time_ms":100,"optimizer_ms":20}"#),
+            ("step", r#"{"kind":"step","step":2,"step_time_ms":100}"#),
+            ("step", r#"{"kind":"step","step":3,"step_time_ms":100,"optimizer_ms":"fast"}"#),
+            ("step", r#"{"kind":"step","step":4,"step_time_ms":100,"optimizer_ms":-3}"#),
         ];
         let batch: Vec<NewReceipt> = bodies
             .iter()
             .enumerate()
-            .map(|(seq, (kind, body))| NewReceipt {
-                id,
-                seq: seq as u64,
-                kind: kind.to_string(),
-                step: None,
-                body: body.to_string(),
-            })
+            .map(|(seq, (kind, body))| receipt(id, seq as u64, kind, Some(seq as i64), body))
             .collect();
         s.insert_receipts(&batch, 5).await.unwrap();
+        // Only valid step values count: not the launch's, not a string, not a negative time.
         assert_eq!(s.mean_optimizer_ms(j.id).await.unwrap(), Some(15.0));
+        // The two bad ones are stored, flagged.
+        let stored = s.receipts_after(j.id, 0, 10).await.unwrap();
+        assert_eq!(stored.len(), 6);
+        let (flagged, newest) = s.receipt_problems(j.id).await.unwrap();
+        assert_eq!((flagged, newest.as_deref()), (2, Some("optimizer_ms -3 is out of range")));
     }
 
     pub async fn receipts_dedup(h: &impl Harness) {
@@ -611,13 +624,8 @@ async fn sqlite_views_return_sensible_rows() {
     let two = [allocation(j.id, 0, 0, "a"), allocation(j.id, 0, 1, "a")];
     s.schedule(j.id, 0, &two, "placed", 2).await.unwrap();
     let mut batch = receipts(RankId { job_id: j.id, attempt: 0, rank: 0 }, 0, 20);
-    batch.push(NewReceipt {
-        id: RankId { job_id: j.id, attempt: 0, rank: 0 },
-        seq: 20,
-        kind: "checkpoint".into(),
-        step: Some(19),
-        body: r#"{"kind":"checkpoint","step":19,"bytes":1024}"#.into(),
-    });
+    let rank0 = RankId { job_id: j.id, attempt: 0, rank: 0 };
+    batch.push(receipt(rank0, 20, "checkpoint", Some(19), r#"{"kind":"checkpoint","step":19,"bytes":1024}"#));
     s.insert_receipts(&batch, 777).await.unwrap();
 
     type ProgressRow = (i64, i64, Option<i64>, i64, Option<i64>);
@@ -631,8 +639,7 @@ async fn sqlite_views_return_sensible_rows() {
     let id = j.id as i64;
     assert_eq!(rows, vec![(id, 0, Some(19), 21, Some(777)), (id, 1, None, 0, None)]);
 
-    // min and max keep the JSON's type: integers here.
-    let (n, mean, min, max, tps): (i64, f64, i64, i64, f64) = sqlx::query_as(
+    let (n, mean, min, max, tps): (i64, f64, f64, f64, f64) = sqlx::query_as(
         "SELECT step_receipts, mean_step_time_ms, min_step_time_ms, max_step_time_ms, \
          mean_tokens_per_s FROM step_time_summary WHERE job_id = ?",
     )
@@ -640,7 +647,7 @@ async fn sqlite_views_return_sensible_rows() {
     .fetch_one(s.pool())
     .await
     .unwrap();
-    assert_eq!((n, min, max), (20, 100, 109));
+    assert_eq!((n, min, max), (20, 100.0, 109.0));
     assert!((mean - 104.5).abs() < 1e-9, "mean step time {mean}");
     assert!((tps - 50_009.5).abs() < 1e-9, "mean tokens/s {tps}");
 }
@@ -677,13 +684,8 @@ async fn postgres_views_return_sensible_rows() {
     let rank0 = RankId { job_id: j.id, attempt: 0, rank: 0 };
     let mut batch = receipts(rank0, 0, 20);
     // Not a number, and a string holding an escaped NUL: neither may break the view.
-    batch.push(NewReceipt {
-        id: rank0,
-        seq: 20,
-        kind: "step".into(),
-        step: Some(20),
-        body: r#"{"kind":"step","step":20,"step_time_ms":"slow","note":"a\u0000b"}"#.into(),
-    });
+    let slow = r#"{"kind":"step","step":20,"step_time_ms":"slow","note":"a\u0000b"}"#;
+    batch.push(receipt(rank0, 20, "step", Some(20), slow));
     s.insert_receipts(&batch, 777).await.unwrap();
 
     type ProgressRow = (i64, i64, Option<i64>, i64, Option<i64>);
@@ -704,11 +706,13 @@ async fn postgres_views_return_sensible_rows() {
     .fetch_one(s.pool())
     .await
     .unwrap();
-    assert_eq!(
-        (n, min, max),
-        (21, 100.0, 109.0),
-        "the non-number and the NUL body count as steps without a time"
-    );
+    assert_eq!((n, min, max), (21, 100.0, 109.0), "the non-number counts as a step without a time");
+    let (flagged,): (i64,) = sqlx::query_as("SELECT flagged FROM receipt_problems WHERE job_id = $1")
+        .bind(id)
+        .fetch_one(s.pool())
+        .await
+        .unwrap();
+    assert_eq!(flagged, 1);
     assert!((mean - 104.5).abs() < 1e-9, "mean step time {mean}");
     assert!((tps - 50_009.5).abs() < 1e-9, "mean tokens/s {tps}");
 }
