@@ -208,7 +208,7 @@ pub fn receipt_line(r: &StoredReceipt) -> String {
     let keys: &[&str] = match r.kind.as_str() {
         "step" => &["step", "loss", "lr", "tokens_per_s", "step_time_ms"],
         "exit" => &["code", "signal", "reason"],
-        "checkpoint" => &["step", "bytes", "seconds", "path"],
+        "checkpoint" => &["step", "bytes", "duration_ms", "path"],
         "eval" => &["step", "loss"],
         "launch" => &["hostname", "pid"],
         _ => &["step"],

@@ -88,7 +88,7 @@ sql "SELECT attempt, kind, count(*), min(step), max(step) FROM receipts WHERE jo
 echo "launch receipts (attempt, resumed_from, preflight report, device, binding):"
 sql "SELECT attempt, json_extract(body,'\$.resumed_from'), json_extract(body,'\$.env.TRAINYARD_PREFLIGHT_REPORT'), json_extract(body,'\$.device'), json_extract(body,'\$.binding') FROM receipts WHERE job_id = $JOB AND kind = 'launch'"
 echo "checkpoints:"
-sql "SELECT attempt, step, json_extract(body,'\$.bytes'), json_extract(body,'\$.seconds') FROM receipts WHERE job_id = $JOB AND kind = 'checkpoint'"
+sql "SELECT attempt, step, json_extract(body,'\$.bytes'), json_extract(body,'\$.duration_ms') FROM receipts WHERE job_id = $JOB AND kind = 'checkpoint'"
 echo "preflight reports stored (id, agent, level, verdict, nccl):"
 sql "SELECT id, agent_id, level, verdict, interconnect_class, driver_version, cuda_version, nccl_version FROM preflight_reports"
 cp "$D/controller/trainyard.db" "$RES/cluster-trainyard.db" 2>/dev/null

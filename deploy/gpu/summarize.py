@@ -9,6 +9,25 @@ from pathlib import Path
 WARMUP = 3  # steps left out of the medians: CUDA/cuBLAS autotuning, allocator growth, compile
 
 
+# Receipt schema v1 (docs/receipts.md) writes milliseconds and MFU as a fraction; the results
+# committed before it (docs/gpu-results/2026-11-22-h100) have seconds and MFU in percent.
+def ms(step, name):
+    return step[name + "_ms"] if name + "_ms" in step else step[name + "_s"] * 1e3
+
+
+def optimizer_ms(step):
+    if "optimizer_ms" in step:
+        return step["optimizer_ms"]
+    phases = step.get("optimizer")
+    if not isinstance(phases, dict):
+        return float("nan")
+    return sum(v for v in phases.values() if isinstance(v, (int, float))) * 1e3
+
+
+def mfu_pct(step):
+    return step["mfu"] * 100 if step.get("schema") == 1 else step["mfu"]
+
+
 def engine(path):
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     launch = next(r for r in rows if r["kind"] == "launch")
@@ -22,13 +41,12 @@ def engine(path):
         "params": launch["params"],
         "flops_per_token": launch["flops_per_token"],
         "tokens_per_step": launch["config"]["total_batch_size"],
-        "step_ms": statistics.median(s["step_time_s"] * 1e3 for s in steady),
-        "fwd_bwd_ms": statistics.median(s["fwd_bwd_s"] * 1e3 for s in steady),
-        "optimizer_ms": statistics.median(sum(v for v in s["optimizer"].values() if isinstance(v, (int, float))) * 1e3
-                                          if isinstance(s.get("optimizer"), dict) else float("nan") for s in steady),
+        "step_ms": statistics.median(ms(s, "step_time") for s in steady),
+        "fwd_bwd_ms": statistics.median(ms(s, "fwd_bwd") for s in steady),
+        "optimizer_ms": statistics.median(optimizer_ms(s) for s in steady),
         "tokens_per_s": statistics.median(s["tokens_per_s"] for s in steady),
-        "mfu_pct": statistics.median(s["mfu"] for s in steady) if steady[0].get("mfu") is not None else None,
-        "mfu_peak": last.get("mfu_peak"),
+        "mfu_pct": statistics.median(mfu_pct(s) for s in steady) if steady[0].get("mfu") is not None else None,
+        "mfu_peak": last.get("mfu_peak_flops", last.get("mfu_peak")),
         "peak_allocated_bytes": max((s.get("mem_peak_allocated_bytes") or 0) for s in steps),
         "peak_reserved_bytes": max((s.get("mem_peak_reserved_bytes") or 0) for s in steps),
         "allocated_bytes": last.get("mem_allocated_bytes"),

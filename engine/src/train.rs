@@ -468,7 +468,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
             ckpt_s += secs;
             receipts.emit(
                 "checkpoint",
-                json!({"step": step, "bytes": bytes, "seconds": secs, "path": d.display().to_string()}),
+                json!({"step": step, "bytes": bytes, "duration_ms": secs * 1e3, "path": d.display().to_string()}),
             )?;
         }
         if spec.stop_after == Some(step) {
@@ -480,11 +480,11 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         "goodput",
         json!({
             "step": step,
-            "wall_s": wall,
-            "startup_s": startup_s,
-            "train_s": train_s,
-            "eval_s": eval_s,
-            "checkpoint_s": ckpt_s,
+            "wall_ms": wall * 1e3,
+            "startup_ms": startup_s * 1e3,
+            "train_ms": train_s * 1e3,
+            "eval_ms": eval_s * 1e3,
+            "checkpoint_ms": ckpt_s * 1e3,
             "goodput": if wall > 0.0 { train_s / wall } else { 0.0 },
         }),
     )?;
