@@ -10,8 +10,8 @@
 //! - a receipt of a known kind whose fields have the wrong type or an impossible value (a
 //!   negative time, an MFU above 1, an unknown schema version) is stored whole but flagged: its
 //!   `problem` says which fields, and its typed step columns hold only the fields that passed;
-//! - a step receipt's typed fields go to the `step_metrics` table, which the views and the
-//!   diagnosis read, on either backend.
+//! - a step receipt's typed fields go to typed columns of its row (view `step_metrics`), which
+//!   the views and the diagnosis read, on either backend.
 
 use serde::Deserialize;
 use serde_json::Value;

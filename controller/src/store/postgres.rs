@@ -446,11 +446,21 @@ impl ReceiptStore for PostgresStore {
         let columns = ReceiptColumns::of(receipts)?;
         self.run("insert_receipts", async |c| {
             sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RECEIPTS_LOCK).execute(&mut *c).await?;
+            let [t0, t1, t2, t3, t4, t5, t6, t7, t8] = &columns.times;
+            let [b0, b1, b2] = &columns.bytes;
             let done = sqlx::query(
-                "INSERT INTO receipts (job_id, attempt, rank, seq, kind, step, body, stored_at_ms, problem) \
-                 SELECT job_id, attempt, rank, seq, kind, step, body, $8, problem \
+                "INSERT INTO receipts (job_id, attempt, rank, seq, kind, step, body, stored_at_ms, problem, \
+                 step_time_ms, fwd_bwd_ms, optimizer_ms, optimizer_reduce_ms, optimizer_compute_gather_ms, \
+                 optimizer_wait_ms, tokens_per_s, mfu, loss, mem_allocated_bytes, mem_reserved_bytes, \
+                 mem_peak_allocated_bytes) \
+                 SELECT job_id, attempt, rank, seq, kind, step, body, $8, problem, t0, t1, t2, t3, t4, t5, t6, \
+                 t7, t8, b0, b1, b2 \
                  FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[], $4::bigint[], $5::text[], \
-                 $6::bigint[], $7::text[], $9::text[]) AS t(job_id, attempt, rank, seq, kind, step, body, problem) \
+                 $6::bigint[], $7::text[], $9::text[], $10::float8[], $11::float8[], $12::float8[], \
+                 $13::float8[], $14::float8[], $15::float8[], $16::float8[], $17::float8[], $18::float8[], \
+                 $19::bigint[], $20::bigint[], $21::bigint[]) \
+                 AS t(job_id, attempt, rank, seq, kind, step, body, problem, t0, t1, t2, t3, t4, t5, t6, t7, \
+                 t8, b0, b1, b2) \
                  ON CONFLICT (job_id, attempt, rank, seq) DO NOTHING",
             )
             .bind(&columns.job_id)
@@ -462,11 +472,20 @@ impl ReceiptStore for PostgresStore {
             .bind(&columns.body)
             .bind(now_ms)
             .bind(&columns.problem)
+            .bind(t0)
+            .bind(t1)
+            .bind(t2)
+            .bind(t3)
+            .bind(t4)
+            .bind(t5)
+            .bind(t6)
+            .bind(t7)
+            .bind(t8)
+            .bind(b0)
+            .bind(b1)
+            .bind(b2)
             .execute(&mut *c)
             .await?;
-            if !columns.metrics.seq.is_empty() {
-                insert_metrics(c, &columns.metrics, now_ms).await?;
-            }
             Ok(done.rows_affected())
         })
         .await
@@ -532,9 +551,9 @@ impl ReceiptStore for PostgresStore {
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
         self.run("mean_optimizer_ms", async |c| {
             let row = sqlx::query(
-                "SELECT avg(optimizer_ms) AS ms FROM (SELECT optimizer_ms FROM step_metrics \
-                 WHERE job_id = $1 AND optimizer_ms IS NOT NULL \
-                 ORDER BY stored_at_ms DESC, seq DESC LIMIT 1000) AS latest",
+                "SELECT avg(optimizer_ms) AS ms FROM (SELECT optimizer_ms FROM receipts \
+                 WHERE job_id = $1 AND kind = 'step' AND optimizer_ms IS NOT NULL \
+                 ORDER BY position DESC LIMIT 1000) AS latest",
             )
             .bind(int(job)?)
             .fetch_one(&mut *c)
@@ -615,85 +634,9 @@ struct ReceiptColumns {
     step: Vec<Option<i64>>,
     body: Vec<String>,
     problem: Vec<Option<String>>,
-    metrics: MetricColumns,
-}
-
-/// The `step_metrics` rows of a batch, one array per column.
-#[derive(Default)]
-struct MetricColumns {
-    job_id: Vec<i64>,
-    attempt: Vec<i64>,
-    rank: Vec<i64>,
-    seq: Vec<i64>,
-    step: Vec<Option<i64>>,
+    /// The typed step columns (receipt schema v1), NULL for other kinds.
     times: [Vec<Option<f64>>; 9],
     bytes: [Vec<Option<i64>>; 3],
-}
-
-impl MetricColumns {
-    fn push(&mut self, r: &NewReceipt, m: &crate::receipts::StepMetrics) -> Result<()> {
-        self.job_id.push(int(r.id.job_id)?);
-        self.attempt.push(i64::from(r.id.attempt));
-        self.rank.push(i64::from(r.id.rank));
-        self.seq.push(int(r.seq)?);
-        self.step.push(r.step);
-        let times = [
-            m.step_time_ms,
-            m.fwd_bwd_ms,
-            m.optimizer_ms,
-            m.optimizer_reduce_ms,
-            m.optimizer_compute_gather_ms,
-            m.optimizer_wait_ms,
-            m.tokens_per_s,
-            m.mfu,
-            m.loss,
-        ];
-        for (column, v) in self.times.iter_mut().zip(times) {
-            column.push(v);
-        }
-        let bytes = [m.mem_allocated_bytes, m.mem_reserved_bytes, m.mem_peak_allocated_bytes];
-        for (column, v) in self.bytes.iter_mut().zip(bytes) {
-            column.push(v);
-        }
-        Ok(())
-    }
-}
-
-/// Writes the `step_metrics` rows of a batch in one statement.
-async fn insert_metrics(c: &mut PgConnection, m: &MetricColumns, now_ms: i64) -> Result<()> {
-    let [t0, t1, t2, t3, t4, t5, t6, t7, t8] = &m.times;
-    let [b0, b1, b2] = &m.bytes;
-    sqlx::query(
-        "INSERT INTO step_metrics (job_id, attempt, rank, seq, step, step_time_ms, fwd_bwd_ms, \
-         optimizer_ms, optimizer_reduce_ms, optimizer_compute_gather_ms, optimizer_wait_ms, \
-         tokens_per_s, mfu, loss, mem_allocated_bytes, mem_reserved_bytes, mem_peak_allocated_bytes, \
-         stored_at_ms) \
-         SELECT *, $18 FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
-         $6::float8[], $7::float8[], $8::float8[], $9::float8[], $10::float8[], $11::float8[], \
-         $12::float8[], $13::float8[], $14::float8[], $15::bigint[], $16::bigint[], $17::bigint[]) \
-         ON CONFLICT (job_id, attempt, rank, seq) DO NOTHING",
-    )
-    .bind(&m.job_id)
-    .bind(&m.attempt)
-    .bind(&m.rank)
-    .bind(&m.seq)
-    .bind(&m.step)
-    .bind(t0)
-    .bind(t1)
-    .bind(t2)
-    .bind(t3)
-    .bind(t4)
-    .bind(t5)
-    .bind(t6)
-    .bind(t7)
-    .bind(t8)
-    .bind(b0)
-    .bind(b1)
-    .bind(b2)
-    .bind(now_ms)
-    .execute(&mut *c)
-    .await?;
-    Ok(())
 }
 
 impl ReceiptColumns {
@@ -708,7 +651,8 @@ impl ReceiptColumns {
             step: Vec::with_capacity(n),
             body: Vec::with_capacity(n),
             problem: Vec::with_capacity(n),
-            metrics: MetricColumns::default(),
+            times: Default::default(),
+            bytes: Default::default(),
         };
         for r in receipts {
             c.job_id.push(int(r.id.job_id)?);
@@ -719,8 +663,24 @@ impl ReceiptColumns {
             c.step.push(r.step);
             c.body.push(r.body.clone());
             c.problem.push(r.problem.clone());
-            if let Some(m) = &r.metrics {
-                c.metrics.push(r, m)?;
+            let m = r.metrics.clone().unwrap_or_default();
+            let times = [
+                m.step_time_ms,
+                m.fwd_bwd_ms,
+                m.optimizer_ms,
+                m.optimizer_reduce_ms,
+                m.optimizer_compute_gather_ms,
+                m.optimizer_wait_ms,
+                m.tokens_per_s,
+                m.mfu,
+                m.loss,
+            ];
+            for (column, v) in c.times.iter_mut().zip(times) {
+                column.push(v);
+            }
+            let bytes = [m.mem_allocated_bytes, m.mem_reserved_bytes, m.mem_peak_allocated_bytes];
+            for (column, v) in c.bytes.iter_mut().zip(bytes) {
+                column.push(v);
             }
         }
         Ok(c)

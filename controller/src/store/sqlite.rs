@@ -31,11 +31,10 @@ const POOL_SIZE: u32 = 4;
 /// How long a writer waits for another writer's lock before failing with `SQLITE_BUSY`.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Columns bound per row of `receipts` and of `step_metrics` in the multi-row inserts.
-const RECEIPT_PARAMS: usize = 9;
-const METRICS_PARAMS: usize = 18;
+/// Columns bound per row of `receipts` in the multi-row insert (the typed step columns included).
+const RECEIPT_PARAMS: usize = 21;
 
-/// Largest multi-row insert, in rows: a power of two with `METRICS_PARAMS * rows` well under
+/// Largest multi-row insert, in rows: a power of two with `RECEIPT_PARAMS * rows` well under
 /// SQLite's limit of 32,766 bound parameters. Smaller remainders are inserted with the power
 /// of two sizes below it, so at most 11 distinct statements exist per table and all stay in the
 /// connection's prepared-statement cache.
@@ -444,6 +443,7 @@ impl ReceiptStore for SqliteStore {
             for (log2, chunk) in chunks(receipts) {
                 let mut query = sqlx::query(AssertSqlSafe(insert_receipts_sql(log2)));
                 for r in chunk {
+                    let m = r.metrics.clone().unwrap_or_default();
                     query = query
                         .bind(int(r.id.job_id)?)
                         .bind(r.id.attempt)
@@ -453,21 +453,7 @@ impl ReceiptStore for SqliteStore {
                         .bind(r.step)
                         .bind(r.body.clone())
                         .bind(now_ms)
-                        .bind(r.problem.clone());
-                }
-                inserted += query.execute(&mut *c).await?.rows_affected();
-            }
-            let steps: Vec<&NewReceipt> = receipts.iter().filter(|r| r.metrics.is_some()).collect();
-            for (log2, chunk) in chunks(&steps) {
-                let mut query = sqlx::query(AssertSqlSafe(insert_metrics_sql(log2)));
-                for r in chunk {
-                    let m = r.metrics.clone().unwrap_or_default();
-                    query = query
-                        .bind(int(r.id.job_id)?)
-                        .bind(r.id.attempt)
-                        .bind(r.id.rank)
-                        .bind(int(r.seq)?)
-                        .bind(r.step)
+                        .bind(r.problem.clone())
                         .bind(m.step_time_ms)
                         .bind(m.fwd_bwd_ms)
                         .bind(m.optimizer_ms)
@@ -479,10 +465,9 @@ impl ReceiptStore for SqliteStore {
                         .bind(m.loss)
                         .bind(m.mem_allocated_bytes)
                         .bind(m.mem_reserved_bytes)
-                        .bind(m.mem_peak_allocated_bytes)
-                        .bind(now_ms);
+                        .bind(m.mem_peak_allocated_bytes);
                 }
-                query.execute(&mut *c).await?;
+                inserted += query.execute(&mut *c).await?.rows_affected();
             }
             Ok(inserted)
         })
@@ -550,9 +535,9 @@ impl ReceiptStore for SqliteStore {
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
         self.run("mean_optimizer_ms", Mode::Read, async |c| {
             let row = sqlx::query(
-                "SELECT avg(optimizer_ms) AS ms FROM (SELECT optimizer_ms FROM step_metrics \
-                 WHERE job_id = ? AND optimizer_ms IS NOT NULL \
-                 ORDER BY stored_at_ms DESC, seq DESC LIMIT 1000)",
+                "SELECT avg(optimizer_ms) AS ms FROM (SELECT optimizer_ms FROM receipts \
+                 WHERE job_id = ? AND kind = 'step' AND optimizer_ms IS NOT NULL \
+                 ORDER BY position DESC LIMIT 1000)",
             )
             .bind(int(job)?)
             .fetch_one(&mut *c)
@@ -716,17 +701,11 @@ fn multi_row_sql(cache: &'static OnceLock<Vec<Arc<str>>>, head: &str, params: us
 
 fn insert_receipts_sql(log2: u32) -> Arc<str> {
     static SQL: OnceLock<Vec<Arc<str>>> = OnceLock::new();
-    let head = "INSERT INTO receipts (job_id, attempt, rank, seq, kind, step, body, stored_at_ms, problem)";
+    let head = "INSERT INTO receipts (job_id, attempt, rank, seq, kind, step, body, stored_at_ms, problem, \
+                step_time_ms, fwd_bwd_ms, optimizer_ms, optimizer_reduce_ms, optimizer_compute_gather_ms, \
+                optimizer_wait_ms, tokens_per_s, mfu, loss, mem_allocated_bytes, mem_reserved_bytes, \
+                mem_peak_allocated_bytes)";
     multi_row_sql(&SQL, head, RECEIPT_PARAMS, log2)
-}
-
-fn insert_metrics_sql(log2: u32) -> Arc<str> {
-    static SQL: OnceLock<Vec<Arc<str>>> = OnceLock::new();
-    let head = "INSERT INTO step_metrics (job_id, attempt, rank, seq, step, step_time_ms, fwd_bwd_ms, \
-                optimizer_ms, optimizer_reduce_ms, optimizer_compute_gather_ms, optimizer_wait_ms, \
-                tokens_per_s, mfu, loss, mem_allocated_bytes, mem_reserved_bytes, \
-                mem_peak_allocated_bytes, stored_at_ms)";
-    multi_row_sql(&SQL, head, METRICS_PARAMS, log2)
 }
 
 /// Moves `job` from `from` to `to` inside the caller's transaction.
