@@ -10,6 +10,53 @@ use trainyard_proto::v1::{JobSpec, job_spec::Engine};
 
 use super::{JobId, Result, StoreError};
 
+/// Selected columns of `jobs`, read by `job_from_row`.
+macro_rules! job_columns {
+    () => {
+        "id, state, reason, attempt, spec_pb, created_at_ms, updated_at_ms"
+    };
+}
+pub(super) use job_columns;
+
+/// Selected columns of `allocations` (aliased `a`), read by `allocation_from_row`.
+macro_rules! allocation_columns {
+    () => {
+        "a.job_id, a.attempt, a.rank, a.agent_id, a.gpu_index, a.node_rank, a.local_rank, \
+         a.state, a.pid, a.exit_code, a.signal, a.message, a.skipped_lines, a.updated_at_ms, \
+         a.planned_cpus, a.planned_mems, a.effective_cpus, a.effective_mems"
+    };
+}
+pub(super) use allocation_columns;
+
+/// The start-up snapshot's queries (no parameters, the same text on both backends): active
+/// jobs, the allocations of their current attempts, and every agent.
+pub(super) const SNAPSHOT_JOBS: &str = concat!(
+    "SELECT ",
+    job_columns!(),
+    " FROM jobs WHERE state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id"
+);
+pub(super) const SNAPSHOT_ALLOCATIONS: &str = concat!(
+    "SELECT ",
+    allocation_columns!(),
+    " FROM allocations a JOIN jobs j ON j.id = a.job_id AND j.attempt = a.attempt \
+     WHERE j.state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY a.job_id, a.rank"
+);
+pub(super) const SNAPSHOT_AGENTS: &str = "SELECT agent_id, address, agent_version, inventory_pb, state, last_seen_ms FROM agents ORDER BY agent_id";
+
+/// The queries of the reports whose id is in `ids` (a subquery) and of their checks.
+pub(super) fn preflight_queries(ids: &str) -> (String, String) {
+    let reports = format!(
+        "SELECT id, agent_id, local_id, level, started_at_ms, finished_at_ms, verdict, \
+         interconnect_class, driver_version, cuda_version, nccl_version, source, topology \
+         FROM preflight_reports WHERE id IN {ids} ORDER BY agent_id, id"
+    );
+    let checks = format!(
+        "SELECT report_id, check_id, status, measured, expected, remedy FROM preflight_checks \
+         WHERE report_id IN {ids} ORDER BY report_id, position"
+    );
+    (reports, checks)
+}
+
 /// The plain engine columns of `jobs`: kind, argv as JSON, working directory.
 pub(super) fn engine_columns(spec: &JobSpec) -> (Option<&'static str>, Option<String>, Option<String>) {
     match &spec.engine {

@@ -16,7 +16,10 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, SqlitePool};
 use tracing::Instrument;
 
-use super::rows::{duplicate_or, engine_columns, int, job_id_from};
+use super::rows::{
+    SNAPSHOT_AGENTS, SNAPSHOT_ALLOCATIONS, SNAPSHOT_JOBS, allocation_columns, duplicate_or, engine_columns,
+    int, job_columns, job_id_from, preflight_queries,
+};
 use super::{
     AgentState, FleetStore, JobId, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result, Snapshot,
     StoreError,
@@ -39,22 +42,6 @@ const RECEIPT_PARAMS: usize = 21;
 /// of two sizes below it, so at most 11 distinct statements exist per table and all stay in the
 /// connection's prepared-statement cache.
 const MAX_CHUNK_LOG2: u32 = 10;
-
-/// Selected columns of `jobs`, in the order [`job_from_row`] reads them by name.
-macro_rules! job_columns {
-    () => {
-        "id, state, reason, attempt, spec_pb, created_at_ms, updated_at_ms"
-    };
-}
-
-/// Selected columns of `allocations`, read by [`allocation_from_row`].
-macro_rules! allocation_columns {
-    () => {
-        "a.job_id, a.attempt, a.rank, a.agent_id, a.gpu_index, a.node_rank, a.local_rank, \
-         a.state, a.pid, a.exit_code, a.signal, a.message, a.skipped_lines, a.updated_at_ms, \
-         a.planned_cpus, a.planned_mems, a.effective_cpus, a.effective_mems"
-    };
-}
 
 /// The SQLite store.
 ///
@@ -400,28 +387,9 @@ impl FleetStore for SqliteStore {
 
     async fn snapshot(&self) -> Result<Snapshot> {
         self.run("snapshot", Mode::Read, async |c| {
-            let jobs = sqlx::query(concat!(
-                "SELECT ",
-                job_columns!(),
-                " FROM jobs WHERE state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY id"
-            ))
-            .fetch_all(&mut *c)
-            .await?;
-            let allocations = sqlx::query(concat!(
-                "SELECT ",
-                allocation_columns!(),
-                " FROM allocations a JOIN jobs j ON j.id = a.job_id AND j.attempt = a.attempt \
-                 WHERE j.state NOT IN ('succeeded', 'failed', 'cancelled') \
-                 ORDER BY a.job_id, a.rank"
-            ))
-            .fetch_all(&mut *c)
-            .await?;
-            let agents = sqlx::query(
-                "SELECT agent_id, address, agent_version, inventory_pb, state, last_seen_ms \
-                 FROM agents ORDER BY agent_id",
-            )
-            .fetch_all(&mut *c)
-            .await?;
+            let jobs = sqlx::query(SNAPSHOT_JOBS).fetch_all(&mut *c).await?;
+            let allocations = sqlx::query(SNAPSHOT_ALLOCATIONS).fetch_all(&mut *c).await?;
+            let agents = sqlx::query(SNAPSHOT_AGENTS).fetch_all(&mut *c).await?;
             Ok(Snapshot {
                 active_jobs: jobs.iter().map(job_from_row).collect::<Result<_>>()?,
                 allocations: allocations.iter().map(allocation_from_row).collect::<Result<_>>()?,
@@ -647,15 +615,7 @@ async fn fetch_preflights(
     ids: &'static str,
     agent_id: Option<&str>,
 ) -> Result<Vec<PreflightRecord>> {
-    let reports_sql = format!(
-        "SELECT id, agent_id, local_id, level, started_at_ms, finished_at_ms, verdict, \
-         interconnect_class, driver_version, cuda_version, nccl_version, source, topology \
-         FROM preflight_reports WHERE id IN {ids} ORDER BY agent_id, id"
-    );
-    let checks_sql = format!(
-        "SELECT report_id, check_id, status, measured, expected, remedy FROM preflight_checks \
-         WHERE report_id IN {ids} ORDER BY report_id, position"
-    );
+    let (reports_sql, checks_sql) = preflight_queries(ids);
     let mut reports_query = sqlx::query(AssertSqlSafe(reports_sql));
     let mut checks_query = sqlx::query(AssertSqlSafe(checks_sql));
     if let Some(agent_id) = agent_id {
