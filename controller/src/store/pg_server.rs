@@ -110,10 +110,6 @@ impl TempPostgres {
         Ok(server)
     }
 
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-
     /// URL of database `db` on this server.
     pub fn url(&self, db: &str) -> String {
         format!("postgres://{USER}@127.0.0.1:{}/{db}", self.port)
