@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use trainyard_proto::v1::{Gpu, Launch, RankAssignment};
+use trainyard_proto::v1::{Gpu, Launch, RankAssignment, job_spec};
 
 /// Variables the agent owns; overlay entries with these names are ignored.
 pub use trainyard_proto::contract::RANK_ENV as RESERVED;
@@ -75,6 +75,7 @@ pub fn rank_env(
         }
     }
     ignored_overlay.sort();
+    let applied_overlay = overlay_names(&vars);
     // torchrun gives every worker OMP_NUM_THREADS=1 when it starts several per host and the
     // variable is not set, so that N ranks do not each start one thread per core.
     if launch.local_world_size > 1 && !vars.contains_key("OMP_NUM_THREADS") && !host.inherited_omp_threads {
@@ -112,6 +113,10 @@ pub fn rank_env(
         ("TRAINYARD_GPU_UUID", gpu.map(|g| g.uuid.clone()).unwrap_or_default()),
         ("TRAINYARD_GPU_PCI_BUS_ID", gpu.map(|g| g.pci_bus_id.clone()).unwrap_or_default()),
         ("TRAINYARD_RESUME", if resumes(launch) { "1" } else { "0" }.to_string()),
+        // The overlay names that reached the process, comma-separated, so a receipt helper
+        // records the overlay (and only it) in its launch receipt.
+        ("TRAINYARD_ENV_OVERLAY", applied_overlay),
+        ("TRAINYARD_SOURCE_DIR", source_dir(launch)),
     ];
     for (name, value) in ours {
         vars.insert(name.to_string(), value);
@@ -120,6 +125,21 @@ pub fn rank_env(
         vars.insert(VISIBLE_DEVICES.to_string(), list);
     }
     RankEnv { vars, ignored_overlay }
+}
+
+/// The overlay entries kept in `vars` (called before the agent adds its own), by name.
+fn overlay_names(vars: &BTreeMap<String, String>) -> String {
+    vars.keys().map(String::as_str).collect::<Vec<_>>().join(",")
+}
+
+/// The directory whose git revision the rank's launch receipt records: the exec engine's
+/// `source_dir`, else its `workdir`; empty for the built-in engine.
+fn source_dir(launch: &Launch) -> String {
+    match launch.spec.as_ref().and_then(|s| s.engine.as_ref()) {
+        Some(job_spec::Engine::Exec(e)) if !e.source_dir.is_empty() => e.source_dir.clone(),
+        Some(job_spec::Engine::Exec(e)) => e.workdir.clone(),
+        _ => String::new(),
+    }
 }
 
 /// A restarted attempt of a job whose restart policy says resume continues from the last
@@ -270,6 +290,25 @@ mod tests {
         assert_eq!(resume(&l), "0");
         l.spec.as_mut().unwrap().restart = None;
         assert_eq!(resume(&l), "0", "no restart policy: nothing to resume");
+    }
+
+    #[test]
+    fn names_the_applied_overlay_and_the_source_directory() {
+        let a = RankAssignment { local_rank: 0, ..Default::default() };
+        let mut l = launch();
+        let env = env_of(&l, &a, &gpus(8));
+        // RANK, CUDA_VISIBLE_DEVICES and TRAINYARD_GPU were refused, and OMP_NUM_THREADS is ours.
+        assert_eq!(env.vars["TRAINYARD_ENV_OVERLAY"], "FOO");
+        assert_eq!(env.vars["TRAINYARD_SOURCE_DIR"], "", "no exec engine, no source");
+        l.spec.as_mut().unwrap().engine = Some(job_spec::Engine::Exec(trainyard_proto::v1::ExecEngine {
+            workdir: "/w".into(),
+            ..Default::default()
+        }));
+        assert_eq!(env_of(&l, &a, &gpus(8)).vars["TRAINYARD_SOURCE_DIR"], "/w");
+        if let Some(job_spec::Engine::Exec(e)) = l.spec.as_mut().unwrap().engine.as_mut() {
+            e.source_dir = "/src".into();
+        }
+        assert_eq!(env_of(&l, &a, &gpus(8)).vars["TRAINYARD_SOURCE_DIR"], "/src");
     }
 
     #[test]

@@ -6,7 +6,7 @@
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
 /// when the rank is pinned, `CUDA_VISIBLE_DEVICES` only when the job holds part of a host.
 /// docs/internals.md has the table of their meanings next to torchrun's.
-pub const RANK_ENV: [&str; 28] = [
+pub const RANK_ENV: [&str; 30] = [
     // torchrun (torch.distributed.elastic's local agent) gives its workers these.
     "RANK",
     "LOCAL_RANK",
@@ -37,6 +37,10 @@ pub const RANK_ENV: [&str; 28] = [
     "TRAINYARD_RESUME",
     "TRAINYARD_CPUS",
     "TRAINYARD_MEMS",
+    // Provenance for receipt helpers: the overlay names that reached the rank, and the directory
+    // whose git revision the launch receipt records.
+    "TRAINYARD_ENV_OVERLAY",
+    "TRAINYARD_SOURCE_DIR",
     "TRAINYARD_PREFLIGHT_REPORT",
 ];
 
