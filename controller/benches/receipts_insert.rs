@@ -6,8 +6,9 @@
 
 use std::time::Instant;
 
+use trainyard_controller::domain::PreflightLevel;
+use trainyard_controller::spec::{Engine, JobSpec, Resources};
 use trainyard_controller::store::{JobStore, NewReceipt, RankId, ReceiptStore, SqliteStore};
-use trainyard_proto::v1::{JobSpec, Resources};
 
 const TOTAL: usize = 200_000;
 const BATCH: usize = 2_000;
@@ -34,8 +35,18 @@ async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
     for repeat in 0..repeats {
         let spec = JobSpec {
             name: format!("bench-{repeat}"),
-            resources: Some(Resources { gpus: RANKS, ..Default::default() }),
-            ..Default::default()
+            resources: Resources { gpus: RANKS, ..Default::default() },
+            engine: Engine::Exec {
+                argv: vec!["true".into()],
+                workdir: "/".into(),
+                source_dir: String::new(),
+            },
+            env: Default::default(),
+            preflight: PreflightLevel::None,
+            max_restarts: 0,
+            resume: false,
+            priority: 0,
+            disable_pinning: false,
         };
         let job = store.create_job(&spec, None, "bench", 0).await?;
         let receipts = receipts(job.id, total);

@@ -9,6 +9,7 @@
 
 use std::time::{Duration, Instant};
 
+use trainyard_controller::domain::InterconnectClass;
 use trainyard_controller::scheduler::{GpuView, NodeView, Request, schedule};
 
 /// A small deterministic generator (no dependency, same fleet every run).
@@ -75,7 +76,7 @@ fn fleet(rng: &mut Lcg) -> Vec<NodeView> {
                 agent_id: format!("host-{i:04}"),
                 gpus,
                 links,
-                interconnect_class: class.into(),
+                interconnect_class: InterconnectClass::parse(class),
                 numa_cpus: vec![(0, "0-63".into()), (1, "64-127".into())],
             }
         })
@@ -98,7 +99,7 @@ fn queue(rng: &mut Lcg) -> Vec<Request> {
                 gpus_per_node: if gpus == 16 && rng.next().is_multiple_of(2) { 8 } else { 0 },
                 gpu_model: if rng.next().is_multiple_of(8) { "H100".into() } else { String::new() },
                 min_gpu_memory_mib: 0,
-                interconnect: interconnect.into(),
+                interconnect: InterconnectClass::parse(interconnect),
             }
         })
         .collect()

@@ -1,13 +1,174 @@
-//! Validation of job specs at submit: a pure function, so every rule is unit-tested.
+//! Job specs: the controller's own [`JobSpec`], and [`parse`], which checks a submitted spec and
+//! turns the wire message into it. Pure functions, so every rule is unit-tested.
 //!
 //! Each error names the field as it is spelled in the TOML file (`resources.gpus`,
 //! `engine.workdir`, `env.FOO BAR`) and says what is wrong, so an operator can fix the file
 //! without reading code. Nothing is stored for a spec that fails here.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::domain::{InterconnectClass, PreflightLevel};
-use trainyard_proto::v1::{JobSpec, job_spec::Engine};
+use trainyard_proto::v1 as pb;
+use trainyard_proto::v1::{JobSpec as WireSpec, job_spec::Engine as WireEngine};
+
+/// A job as the controller keeps it: every word parsed, every part present.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobSpec {
+    pub name: String,
+    pub resources: Resources,
+    pub engine: Engine,
+    /// Environment overlay given to every rank.
+    pub env: BTreeMap<String, String>,
+    /// The preflight the agents run before launch (`None`: none).
+    pub preflight: PreflightLevel,
+    /// Attempts after the first (0: never restarts), and whether they resume from a checkpoint.
+    pub max_restarts: u32,
+    pub resume: bool,
+    /// Higher runs first; ties go first-in first-out.
+    pub priority: i32,
+    /// Leave ranks unpinned.
+    pub disable_pinning: bool,
+}
+
+/// What a job asks of the fleet.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Resources {
+    /// Total GPUs, one rank each.
+    pub gpus: u32,
+    /// GPUs on each node; 0 lets the scheduler choose.
+    pub gpus_per_node: u32,
+    /// Substring the GPU model must contain; empty for any.
+    pub gpu_model: String,
+    /// Minimum memory per GPU in MiB; 0 for any.
+    pub min_gpu_memory_mib: u64,
+    /// The interconnect class every node must have; `None` for any.
+    pub interconnect: Option<InterconnectClass>,
+    /// Bytes of collectives per optimizer step (exec jobs); 0 when unknown.
+    pub comm_bytes_per_step: u64,
+}
+
+/// What the ranks run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Engine {
+    /// A program of the user's, `argv` started in `workdir`; `source_dir` (or `workdir`) is the
+    /// directory whose git revision the launch receipt records.
+    Exec { argv: Vec<String>, workdir: String, source_dir: String },
+    /// trainyard's own engine: a model preset (`d<depth>`), a directory of token shards and
+    /// further settings.
+    Builtin { preset: String, data: String, settings: BTreeMap<String, String> },
+}
+
+impl JobSpec {
+    /// The model depth of a built-in job (`d26` → 26).
+    pub fn builtin_depth(&self) -> Option<u32> {
+        match &self.engine {
+            Engine::Builtin { preset, .. } => preset.strip_prefix('d')?.parse().ok(),
+            Engine::Exec { .. } => None,
+        }
+    }
+}
+
+/// Checks a submitted spec against every rule that does not need the fleet, and turns it into
+/// the controller's [`JobSpec`].
+pub fn parse(spec: WireSpec) -> Result<JobSpec, SpecError> {
+    validate(&spec)?;
+    JobSpec::try_from(spec)
+}
+
+/// The structure alone (parts present, words known), without the limits [`validate`] adds at
+/// submit: a spec stored under older rules still loads.
+impl TryFrom<WireSpec> for JobSpec {
+    type Error = SpecError;
+
+    fn try_from(spec: WireSpec) -> Result<JobSpec, SpecError> {
+        let res = spec.resources.ok_or_else(|| bad("resources", "is missing"))?;
+        let interconnect = match res.interconnect.as_str() {
+            "" | "any" => None,
+            word => {
+                Some(InterconnectClass::parse(word).filter(|c| *c != InterconnectClass::Mixed).ok_or_else(
+                    || {
+                        bad(
+                            "resources.interconnect",
+                            format!("{word:?} is not one of {}", INTERCONNECTS.join(", ")),
+                        )
+                    },
+                )?)
+            }
+        };
+        let preflight = match spec.preflight.as_str() {
+            "" => PreflightLevel::None,
+            word => PreflightLevel::parse(word).ok_or_else(|| {
+                bad(
+                    "preflight",
+                    format!("{word:?} is not one of {}", crate::domain::words(PreflightLevel::ALL)),
+                )
+            })?,
+        };
+        let engine = match spec.engine.ok_or_else(|| bad("engine", "is missing"))? {
+            WireEngine::Exec(e) => {
+                Engine::Exec { argv: e.argv, workdir: e.workdir, source_dir: e.source_dir }
+            }
+            WireEngine::Builtin(b) => {
+                Engine::Builtin { preset: b.preset, data: b.data, settings: b.settings.into_iter().collect() }
+            }
+        };
+        let restart = spec.restart.unwrap_or_default();
+        Ok(JobSpec {
+            name: spec.name,
+            resources: Resources {
+                gpus: res.gpus,
+                gpus_per_node: res.gpus_per_node,
+                gpu_model: res.gpu_model,
+                min_gpu_memory_mib: res.min_gpu_memory_mib,
+                interconnect,
+                comm_bytes_per_step: res.comm_bytes_per_step,
+            },
+            engine,
+            env: spec.env.into_iter().collect(),
+            preflight,
+            max_restarts: restart.max_restarts,
+            resume: restart.resume,
+            priority: spec.priority,
+            disable_pinning: spec.disable_pinning,
+        })
+    }
+}
+
+/// The wire form, for launches, answers and the store's encoding.
+impl From<&JobSpec> for WireSpec {
+    fn from(spec: &JobSpec) -> WireSpec {
+        let r = &spec.resources;
+        WireSpec {
+            name: spec.name.clone(),
+            resources: Some(pb::Resources {
+                gpus: r.gpus,
+                gpus_per_node: r.gpus_per_node,
+                gpu_model: r.gpu_model.clone(),
+                min_gpu_memory_mib: r.min_gpu_memory_mib,
+                interconnect: r.interconnect.map_or("any", InterconnectClass::as_str).to_string(),
+                comm_bytes_per_step: r.comm_bytes_per_step,
+            }),
+            engine: Some(match &spec.engine {
+                Engine::Exec { argv, workdir, source_dir } => WireEngine::Exec(pb::ExecEngine {
+                    argv: argv.clone(),
+                    workdir: workdir.clone(),
+                    source_dir: source_dir.clone(),
+                }),
+                Engine::Builtin { preset, data, settings } => WireEngine::Builtin(pb::BuiltinEngine {
+                    preset: preset.clone(),
+                    data: data.clone(),
+                    settings: settings.clone().into_iter().collect(),
+                }),
+            }),
+            env: spec.env.clone().into_iter().collect(),
+            preflight: spec.preflight.as_str().to_string(),
+            restart: Some(pb::RestartPolicy { max_restarts: spec.max_restarts, resume: spec.resume }),
+            priority: spec.priority,
+            disable_pinning: spec.disable_pinning,
+        }
+    }
+}
 
 /// A spec field and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,7 +194,7 @@ const MAX_GPUS: u32 = 65_536;
 const MAX_RESTARTS: u32 = 100;
 
 /// Checks everything that can be checked without knowing the fleet.
-pub fn validate(spec: &JobSpec) -> Result<(), SpecError> {
+pub fn validate(spec: &WireSpec) -> Result<(), SpecError> {
     validate_name(&spec.name)?;
     validate_resources(spec)?;
     validate_engine(spec.engine.as_ref())?;
@@ -68,7 +229,7 @@ fn validate_name(name: &str) -> Result<(), SpecError> {
     Ok(())
 }
 
-fn validate_resources(spec: &JobSpec) -> Result<(), SpecError> {
+fn validate_resources(spec: &WireSpec) -> Result<(), SpecError> {
     let Some(res) = &spec.resources else {
         return Err(bad("resources", "is missing (at least resources.gpus is required)"));
     };
@@ -96,10 +257,10 @@ fn validate_resources(spec: &JobSpec) -> Result<(), SpecError> {
     Ok(())
 }
 
-fn validate_engine(engine: Option<&Engine>) -> Result<(), SpecError> {
+fn validate_engine(engine: Option<&WireEngine>) -> Result<(), SpecError> {
     match engine {
         None => Err(bad("engine", "is missing (engine.kind = \"exec\" with an argv, or \"builtin\")")),
-        Some(Engine::Builtin(b)) => {
+        Some(WireEngine::Builtin(b)) => {
             let depth = b.preset.strip_prefix('d').and_then(|d| d.parse::<u32>().ok());
             if !matches!(depth, Some(1..=64)) {
                 return Err(bad(
@@ -119,7 +280,7 @@ fn validate_engine(engine: Option<&Engine>) -> Result<(), SpecError> {
             }
             Ok(())
         }
-        Some(Engine::Exec(exec)) => {
+        Some(WireEngine::Exec(exec)) => {
             if exec.argv.is_empty() || exec.argv[0].is_empty() {
                 return Err(bad("engine.argv", "must name a program to run"));
             }
@@ -148,7 +309,7 @@ fn absolute(field: &str, path: &str, required: bool) -> Result<(), SpecError> {
     Ok(())
 }
 
-fn validate_env(spec: &JobSpec) -> Result<(), SpecError> {
+fn validate_env(spec: &WireSpec) -> Result<(), SpecError> {
     for (name, value) in &spec.env {
         let field = format!("env.{name}");
         if !is_env_name(name) {
@@ -177,7 +338,29 @@ pub fn is_env_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use trainyard_proto::v1::{BuiltinEngine, ExecEngine, Resources};
+    use trainyard_proto::v1::{BuiltinEngine, ExecEngine, JobSpec, Resources, job_spec::Engine};
+
+    #[test]
+    fn parse_keeps_every_field_and_the_wire_form_round_trips() {
+        let mut wire = good();
+        wire.env.insert("NCCL_DEBUG".into(), "WARN".into());
+        wire.priority = -3;
+        wire.restart = Some(trainyard_proto::v1::RestartPolicy { max_restarts: 2, resume: true });
+        wire.resources.as_mut().unwrap().interconnect = "nvlink-pairs".into();
+        let spec = parse(wire.clone()).unwrap();
+        assert_eq!(spec.preflight, PreflightLevel::Quick);
+        assert_eq!(spec.resources.interconnect, Some(InterconnectClass::NvlinkPairs));
+        assert_eq!((spec.max_restarts, spec.resume, spec.priority), (2, true, -3));
+        assert_eq!(WireSpec::from(&spec), wire);
+        assert_eq!(super::JobSpec::try_from(WireSpec::from(&spec)), Ok(spec));
+        // Empty words are the defaults, spelled out on the way back.
+        wire.preflight.clear();
+        wire.resources.as_mut().unwrap().interconnect.clear();
+        let spec = parse(wire).unwrap();
+        assert_eq!((spec.preflight, spec.resources.interconnect), (PreflightLevel::None, None));
+        let back = WireSpec::from(&spec);
+        assert_eq!((back.preflight.as_str(), back.resources.unwrap().interconnect.as_str()), ("none", "any"));
+    }
 
     fn good() -> JobSpec {
         JobSpec {

@@ -28,7 +28,7 @@ impl Controller {
             agent_id: agent_id.clone(),
             address: hello.address.clone(),
             agent_version: hello.agent_version.clone(),
-            inventory: hello.inventory.clone().unwrap_or_default(),
+            inventory: hello.inventory.clone().unwrap_or_default().into(),
             state: AgentState::Connected,
             last_seen_ms: self.now_ms(),
         };

@@ -5,12 +5,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use trainyard_proto::v1::{
-    CancelRanks, ControllerMessage, ForgetRanks, JobSpec, Launch, RankAssignment, controller_message::Msg,
+    CancelRanks, ControllerMessage, ForgetRanks, JobSpec as WireSpec, Launch, RankAssignment,
+    controller_message::Msg,
 };
 
 use super::{ActiveJob, Controller, ControllerError, Core, Result, rank_done};
 use crate::scheduler::{self, GpuView, NodeView, Request};
-use crate::spec;
+use crate::spec::{self, JobSpec};
 use crate::store::{Allocation, JobId, JobRecord, StoreError};
 
 /// How long a cancel waits for the reconciler to store it before telling the caller so.
@@ -21,8 +22,8 @@ impl Controller {
     /// one that no node set of the fleet could ever hold. With an idempotency `key`, a submit
     /// that was already stored (a client retrying after a lost reply) returns that job. The
     /// reconciler places it; nothing that happens there can fail this request.
-    pub async fn submit(&self, spec: JobSpec, key: Option<&str>) -> Result<JobId> {
-        spec::validate(&spec)?;
+    pub async fn submit(&self, spec: WireSpec, key: Option<&str>) -> Result<JobId> {
+        let spec = spec::parse(spec)?;
         if let Some(key) = key
             && let Some(id) = self.submitted_before(&spec, key).await?
         {
@@ -190,19 +191,14 @@ impl Core {
                         model: g.model.clone(),
                         memory_mib: g.memory_mib,
                         free: all || !busy.contains_key(&(id, g.index)),
-                        numa_node: g.numa_node,
+                        numa_node: g.numa_node.map_or(-1, |n| n as i32),
                     })
                     .collect();
                 NodeView {
                     agent_id: e.record.agent_id.clone(),
                     gpus,
                     links: inv.links.clone(),
-                    interconnect_class: e
-                        .preflight
-                        .as_ref()
-                        .and_then(|r| r.interconnect_class)
-                        .map(|c| c.to_string())
-                        .unwrap_or_default(),
+                    interconnect_class: e.preflight.as_ref().and_then(|r| r.interconnect_class),
                     numa_cpus: inv.numa_nodes.iter().map(|n| (n.id, n.cpus.clone())).collect(),
                 }
             })
@@ -211,7 +207,7 @@ impl Core {
 }
 
 pub(super) fn request_of(job_id: JobId, spec: &JobSpec) -> Request {
-    let res = spec.resources.clone().unwrap_or_default();
+    let res = spec.resources.clone();
     Request {
         job_id,
         priority: spec.priority,
@@ -273,7 +269,7 @@ fn launch_messages(core: &Core, job: &ActiveJob) -> Vec<(String, Launch)> {
                         numa_node: a.planned_mems.parse().unwrap_or(-1),
                     })
                     .collect(),
-                spec: Some(job.record.spec.clone()),
+                spec: Some((&job.record.spec).into()),
             };
             (agent.to_string(), launch)
         })

@@ -28,7 +28,7 @@ async fn state_of(c: &Controller, job: u64) -> (String, String) {
 async fn a_placement_recorded_before_a_crash_is_launched_when_the_agent_returns() {
     let store = store().await;
     // The controller recorded the placement, then died before sending the launch.
-    let job = store.create_job(&spec(2), None, "submitted", 1).await.expect("create").id;
+    let job = store.create_job(&spec(2).try_into().unwrap(), None, "submitted", 1).await.expect("create").id;
     let allocs: Vec<Allocation> = (0..2)
         .map(|rank| Allocation {
             id: RankId { job_id: job, attempt: 0, rank },

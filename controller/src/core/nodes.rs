@@ -7,7 +7,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use trainyard_proto::v1::{HostInventory, NodeInfo, RunPreflight, controller_message::Msg};
+use trainyard_proto::v1::{NodeInfo, RunPreflight, controller_message::Msg};
+
+use crate::domain::Inventory;
 
 use super::{AgentEntry, Controller, ControllerError, Core, Result, rank_done};
 use crate::domain::{PreflightLevel, Verdict};
@@ -179,7 +181,7 @@ fn node_info(e: &AgentEntry, busy: &BTreeSet<(String, u32)>, last_seen_ms: i64) 
 }
 
 /// Distinct GPU models of a node, in index order ("NVIDIA H100 80GB HBM3").
-fn gpu_models(inv: &HostInventory) -> String {
+fn gpu_models(inv: &Inventory) -> String {
     let mut models: Vec<&str> = Vec::new();
     for g in &inv.gpus {
         if !models.contains(&g.model.as_str()) {
@@ -190,14 +192,14 @@ fn gpu_models(inv: &HostInventory) -> String {
 }
 
 /// GPUs per NUMA node, "0:4 1:4"; a GPU whose NUMA node is unknown counts under "?".
-pub fn numa_layout(inv: &HostInventory) -> String {
-    let mut per_node: BTreeMap<i32, u32> = BTreeMap::new();
+pub fn numa_layout(inv: &Inventory) -> String {
+    let mut per_node: BTreeMap<Option<u32>, u32> = BTreeMap::new();
     for g in &inv.gpus {
         *per_node.entry(g.numa_node).or_default() += 1;
     }
     let parts: Vec<String> = per_node
         .into_iter()
-        .map(|(node, n)| if node < 0 { format!("?:{n}") } else { format!("{node}:{n}") })
+        .map(|(node, n)| node.map_or_else(|| format!("?:{n}"), |node| format!("{node}:{n}")))
         .collect();
     parts.join(" ")
 }

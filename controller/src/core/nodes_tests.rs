@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use trainyard_proto::v1::{HostInventory, PreflightCheck, PreflightReport, controller_message::Msg};
+use trainyard_proto::v1::{PreflightCheck, PreflightReport, controller_message::Msg};
+
+use crate::domain::Inventory;
 
 use super::*;
 use crate::core::test_support::{connect, controller, inventory, spec, store};
@@ -175,11 +177,11 @@ async fn malformed_reports_are_dropped_and_nodes_without_one_are_named() {
 
 #[test]
 fn numa_layout_counts_gpus_per_node() {
-    assert_eq!(numa_layout(&inventory("h", 8)), "0:4 1:4");
+    assert_eq!(numa_layout(&inventory("h", 8).into()), "0:4 1:4");
     let mut inv = inventory("h", 2);
     inv.gpus[1].numa_node = -1;
-    assert_eq!(numa_layout(&inv), "?:1 0:1");
-    assert_eq!(numa_layout(&HostInventory::default()), "");
+    assert_eq!(numa_layout(&inv.into()), "?:1 0:1");
+    assert_eq!(numa_layout(&Inventory::default()), "");
 }
 
 #[test]

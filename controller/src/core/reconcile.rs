@@ -5,11 +5,10 @@
 //! store without the lock, and applied to memory under it again. A store error ends the step
 //! for that job only: it stays dirty and the next pass (at most 500 ms later) tries again.
 
-use trainyard_proto::v1::JobSpec;
-
 use super::{ActiveJob, Controller, Core, Result, rank_done, rank_failure};
 use crate::cost;
 use crate::scheduler::{self, NodeView, Placement};
+use crate::spec::JobSpec;
 use crate::store::{Allocation, JobId, JobState, RankId, RankObserved, RankState};
 
 /// What a job needs next.
@@ -48,7 +47,7 @@ fn decide(job: &ActiveJob) -> Option<Step> {
     let placed = matches!(state, JobState::Scheduled | JobState::Launching | JobState::Running);
     match state {
         _ if placed && let Some(failure) = allocs.iter().find_map(rank_failure) => {
-            let max = job.record.spec.restart.as_ref().map_or(0, |r| r.max_restarts);
+            let max = job.record.spec.max_restarts;
             if attempt < max {
                 let why = format!("{failure}; restarting (attempt {} of at most {})", attempt + 1, max);
                 to(JobState::Restarting, why, Then::StopRanks(failure))
@@ -242,7 +241,7 @@ fn plan(core: &Core, placement: Placement, views: &[NodeView], now_ms: i64) -> O
     let attempt = job.record.attempt;
     let spec: &JobSpec = &job.record.spec;
     let pin = !spec.disable_pinning;
-    let bytes = spec.resources.as_ref().map_or(0, |r| r.comm_bytes_per_step);
+    let bytes = spec.resources.comm_bytes_per_step;
     let allocations: Vec<Allocation> = placement
         .ranks()
         .map(|(rank, node_rank, local_rank, agent, gpu)| {
@@ -283,13 +282,10 @@ fn plan(core: &Core, placement: Placement, views: &[NodeView], now_ms: i64) -> O
 mod tests {
     use super::*;
     use crate::store::JobRecord;
-    use trainyard_proto::v1::RestartPolicy;
 
     fn job(state: JobState, ranks: &[(RankState, Option<i32>)], max_restarts: u32) -> ActiveJob {
-        let spec = JobSpec {
-            restart: Some(RestartPolicy { max_restarts, ..Default::default() }),
-            ..Default::default()
-        };
+        let spec =
+            JobSpec { max_restarts, ..JobSpec::try_from(super::super::test_support::spec(1)).unwrap() };
         let record = JobRecord {
             id: 7,
             spec,

@@ -51,7 +51,7 @@ impl Controller {
                 newest.unwrap_or_default()
             ));
         }
-        let bytes = record.spec.resources.as_ref().map_or(0, |r| r.comm_bytes_per_step);
+        let bytes = record.spec.resources.comm_bytes_per_step;
         let (predicted_comm_ms, waiting_reason) = {
             let core = self.lock();
             let waiting = match record.state {
@@ -83,7 +83,7 @@ impl Controller {
             .collect();
         Ok(Job {
             id,
-            spec: Some(record.spec),
+            spec: Some((&record.spec).into()),
             state: record.state.to_string(),
             reason: record.reason,
             attempt,

@@ -44,6 +44,8 @@ pub use topology::{LinkClass, LinkMatrix, SetScore};
 
 use search::Fleet;
 
+use crate::domain::InterconnectClass;
+
 /// One GPU of a node as the scheduler sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuView {
@@ -64,8 +66,8 @@ pub struct NodeView {
     /// Row-major n x n link codes between GPUs (`NV18`, `PIX`, ..., `X` on the diagonal), as
     /// `nvidia-smi topo -m` prints them; empty when unknown.
     pub links: Vec<String>,
-    /// `nvswitch`, `nvlink-pairs`, `pcie`, `mixed`, or empty before the first preflight.
-    pub interconnect_class: String,
+    /// The class its newest preflight found; `None` before the first preflight.
+    pub interconnect_class: Option<InterconnectClass>,
     /// CPU list of each NUMA node (kernel list format), by NUMA node id.
     pub numa_cpus: Vec<(u32, String)>,
 }
@@ -80,18 +82,8 @@ pub struct Request {
     pub gpus_per_node: u32,
     pub gpu_model: String,
     pub min_gpu_memory_mib: u64,
-    /// `nvswitch`, `nvlink-pairs`, `pcie`; empty or `any`: any class.
-    pub interconnect: String,
-}
-
-impl Request {
-    /// The interconnect class required, `None` for any.
-    pub fn class(&self) -> Option<&str> {
-        match self.interconnect.as_str() {
-            "" | "any" => None,
-            c => Some(c),
-        }
-    }
+    /// The interconnect class every node must have; `None` for any.
+    pub interconnect: Option<InterconnectClass>,
 }
 
 /// The ranks of one job on one node.

@@ -15,6 +15,7 @@ use std::rc::Rc;
 
 use super::topology::{LinkClass, LinkMatrix, SetScore, best_set, bits};
 use super::{NodePlacement, NodeView, Placement, Request};
+use crate::domain::InterconnectClass;
 
 /// FNV-1a: the pass hashes a few short keys per queued job, where SipHash's DoS resistance
 /// buys nothing (the keys are the operator's own job specs) and costs a third of the pass.
@@ -38,10 +39,10 @@ impl Hasher for Fnv {
 type HashMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<Fnv>>;
 
 /// What makes two requests interchangeable for placement (borrowed: no allocation per job).
-type ShapeKey<'a> = (u32, u32, &'a str, u64, &'a str);
+type ShapeKey<'a> = (u32, u32, &'a str, u64, Option<InterconnectClass>);
 
 fn shape(req: &Request) -> ShapeKey<'_> {
-    (req.gpus, req.gpus_per_node, &req.gpu_model, req.min_gpu_memory_mib, &req.interconnect)
+    (req.gpus, req.gpus_per_node, &req.gpu_model, req.min_gpu_memory_mib, req.interconnect)
 }
 
 struct NodeState<'a> {
@@ -170,7 +171,7 @@ impl<'a> Fleet<'a> {
     }
 
     fn class_ok(req: &Request, node: &NodeState) -> bool {
-        req.class().is_none_or(|c| node.view.interconnect_class == c)
+        req.interconnect.is_none_or(|c| node.view.interconnect_class == Some(c))
     }
 
     fn shape_info(&mut self, req: &'a Request) -> ShapeInfo {
@@ -274,7 +275,7 @@ impl<'a> Fleet<'a> {
         let per_node = req.gpus_per_node;
         // Candidates by class: (busy GPUs it needs, size it offers, score, node, usable mask).
         type Cand = (Reverse<u32>, u32, SetScore, usize, u64);
-        let mut groups: HashMap<&str, Vec<Cand>> = HashMap::default();
+        let mut groups: HashMap<Option<InterconnectClass>, Vec<Cand>> = HashMap::default();
         let from = if per_node > 0 { per_node } else { 1 };
         let candidates: Box<dyn Iterator<Item = usize>> = match mode {
             Mode::Now => Box::new(self.by_avail.range((from, 0)..).map(|&(_, i)| i)),
@@ -301,7 +302,7 @@ impl<'a> Fleet<'a> {
                 None
             };
             if let Some(c) = cand {
-                groups.entry(node.view.interconnect_class.as_str()).or_default().push(c);
+                groups.entry(node.view.interconnect_class).or_default().push(c);
             }
         }
         let _ = info;
@@ -509,5 +510,5 @@ fn what(req: &Request) -> String {
 }
 
 fn class_words(req: &Request) -> String {
-    req.class().map(|c| format!("{c} ")).unwrap_or_default()
+    req.interconnect.map(|c| format!("{c} ")).unwrap_or_default()
 }

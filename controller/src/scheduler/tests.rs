@@ -23,12 +23,17 @@ fn matrix(n: usize, cell: impl Fn(usize, usize) -> &'static str) -> Vec<String> 
         .collect()
 }
 
-fn node(id: &str, class: &str, numa: &[i32], cell: impl Fn(usize, usize) -> &'static str) -> NodeView {
+fn node(
+    id: &str,
+    class: InterconnectClass,
+    numa: &[i32],
+    cell: impl Fn(usize, usize) -> &'static str,
+) -> NodeView {
     NodeView {
         agent_id: id.into(),
         gpus: gpus(numa),
         links: matrix(numa.len(), cell),
-        interconnect_class: class.into(),
+        interconnect_class: Some(class),
         numa_cpus: vec![(0, "0-63".into()), (1, "64-127".into())],
     }
 }
@@ -36,17 +41,17 @@ fn node(id: &str, class: &str, numa: &[i32], cell: impl Fn(usize, usize) -> &'st
 /// 8x H100 SXM, every GPU on NUMA node 0 (the healthy node of the field report in
 /// docs/field-notes.md §1).
 fn sxm(id: &str) -> NodeView {
-    node(id, "nvswitch", &[0; 8], |_, _| "NV18")
+    node(id, InterconnectClass::Nvswitch, &[0; 8], |_, _| "NV18")
 }
 
 /// 8x H100 SXM with GPUs split 4+4 across two NUMA nodes (the 1295 ms-per-step node).
 fn split(id: &str) -> NodeView {
-    node(id, "nvswitch", &[0, 0, 0, 0, 1, 1, 1, 1], |_, _| "NV18")
+    node(id, InterconnectClass::Nvswitch, &[0, 0, 0, 0, 1, 1, 1, 1], |_, _| "NV18")
 }
 
 /// 8x H100 NVL: NVLink only inside pairs (0-1, 2-3, ...), PCIe elsewhere, SYS across sockets.
 fn nvl(id: &str) -> NodeView {
-    node(id, "nvlink-pairs", &[0, 0, 0, 0, 1, 1, 1, 1], |i, j| {
+    node(id, InterconnectClass::NvlinkPairs, &[0, 0, 0, 0, 1, 1, 1, 1], |i, j| {
         if i / 2 == j / 2 {
             "NV12"
         } else if i / 4 == j / 4 {
@@ -59,7 +64,7 @@ fn nvl(id: &str) -> NodeView {
 
 /// 8x H100 PCIe: PIX inside pairs, PHB in a socket, SYS across.
 fn pcie(id: &str) -> NodeView {
-    node(id, "pcie", &[0, 0, 0, 0, 1, 1, 1, 1], |i, j| {
+    node(id, InterconnectClass::Pcie, &[0, 0, 0, 0, 1, 1, 1, 1], |i, j| {
         if i / 2 == j / 2 {
             "PIX"
         } else if i / 4 == j / 4 {
@@ -89,7 +94,7 @@ fn req(job_id: u64, gpus: u32, per_node: u32) -> Request {
         gpus_per_node: per_node,
         gpu_model: String::new(),
         min_gpu_memory_mib: 0,
-        interconnect: String::new(),
+        interconnect: None,
     }
 }
 
@@ -241,16 +246,16 @@ fn gang_is_all_or_nothing() {
 #[test]
 fn interconnect_class_constraint() {
     let mut unknown = sxm("a-new");
-    unknown.interconnect_class.clear();
+    unknown.interconnect_class = None;
     let fleet = vec![unknown, pcie("b-pcie")];
     let mut r = req(1, 8, 0);
-    r.interconnect = "nvswitch".into();
+    r.interconnect = Some(InterconnectClass::Nvswitch);
     assert_eq!(place(&r, &fleet), None, "a node with no preflight yet satisfies only 'any'");
     let reason = feasible(&r, &fleet).unwrap_err();
     assert_eq!(reason, "needs 8 GPUs; the fleet has no nvswitch node with such GPUs");
-    r.interconnect = "pcie".into();
+    r.interconnect = Some(InterconnectClass::Pcie);
     assert_eq!(one_node(&place(&r, &fleet).unwrap()).0, "b-pcie");
-    r.interconnect = "any".into();
+    r.interconnect = None;
     assert_eq!(one_node(&place(&r, &fleet).unwrap()).0, "a-new");
 }
 
@@ -259,7 +264,7 @@ fn waiting_reason_names_the_class_and_the_largest_free_set() {
     let mut fleet = vec![sxm("a"), pcie("b")];
     busy(&mut fleet[0], &[0, 1]);
     let mut r = req(1, 8, 0);
-    r.interconnect = "nvswitch".into();
+    r.interconnect = Some(InterconnectClass::Nvswitch);
     let out = schedule(&[r], &fleet);
     assert!(out.placements.is_empty());
     assert!(

@@ -29,7 +29,10 @@ pub mod sqlite;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use trainyard_proto::v1::{HostInventory, JobSpec, PreflightCheck, PreflightReport};
+use trainyard_proto::v1::{PreflightCheck, PreflightReport};
+
+pub use crate::domain::Inventory;
+pub use crate::spec::JobSpec;
 
 pub use crate::domain::{
     AgentState, CheckStatus, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
@@ -145,7 +148,7 @@ pub struct AgentRecord {
     pub agent_id: String,
     pub address: String,
     pub agent_version: String,
-    pub inventory: HostInventory,
+    pub inventory: Inventory,
     pub state: AgentState,
     pub last_seen_ms: i64,
 }

@@ -19,12 +19,12 @@ use sqlx::{AssertSqlSafe, PgPool};
 use tracing::Instrument;
 
 use super::rows::{
-    SNAPSHOT_AGENTS, SNAPSHOT_ALLOCATIONS, SNAPSHOT_JOBS, allocation_columns, duplicate_or, engine_columns,
-    int, job_columns, job_id_from, preflight_queries,
+    SNAPSHOT_AGENTS, SNAPSHOT_ALLOCATIONS, SNAPSHOT_JOBS, allocation_columns, duplicate_or, encode_inventory,
+    encode_spec, engine_columns, int, job_columns, job_id_from, preflight_queries,
 };
 use super::{
-    AgentState, FleetStore, JobId, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result, Snapshot,
-    StoreError,
+    AgentState, FleetStore, JobId, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result,
+    Snapshot, StoreError,
 };
 
 super::rows::row_readers!(PgRow, sqlx::Postgres);
@@ -152,15 +152,14 @@ fn classify(e: sqlx::Error) -> StoreError {
 impl JobStore for PostgresStore {
     async fn create_job(
         &self,
-        spec: &trainyard_proto::v1::JobSpec,
+        spec: &JobSpec,
         key: Option<&str>,
         reason: &str,
         now_ms: i64,
     ) -> Result<JobRecord> {
-        use prost::Message as _;
         self.run("create_job", async |c| {
             let (engine_kind, argv_json, workdir) = engine_columns(spec);
-            let resources = spec.resources.clone().unwrap_or_default();
+            let resources = &spec.resources;
             let id: i64 = sqlx::query_scalar(
                 "INSERT INTO jobs (name, state, reason, attempt, priority, gpus, gpus_per_node, \
                  engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms, submit_key) \
@@ -174,7 +173,7 @@ impl JobStore for PostgresStore {
             .bind(engine_kind)
             .bind(&argv_json)
             .bind(&workdir)
-            .bind(spec.encode_to_vec())
+            .bind(encode_spec(spec))
             .bind(now_ms)
             .bind(key)
             .fetch_one(&mut *c)
@@ -309,7 +308,6 @@ impl JobStore for PostgresStore {
 #[async_trait]
 impl FleetStore for PostgresStore {
     async fn upsert_agent(&self, agent: &AgentRecord) -> Result<()> {
-        use prost::Message as _;
         self.run("upsert_agent", async |c| {
             let inv = &agent.inventory;
             sqlx::query(
@@ -327,7 +325,7 @@ impl FleetStore for PostgresStore {
             .bind(&agent.agent_version)
             .bind(agent.state.as_str())
             .bind(inv.gpus.len() as i64)
-            .bind(inv.encode_to_vec())
+            .bind(encode_inventory(inv))
             .bind(agent.last_seen_ms)
             .execute(&mut *c)
             .await?;
@@ -347,7 +345,7 @@ impl FleetStore for PostgresStore {
             .bind(gpus.iter().map(|g| g.model.clone()).collect::<Vec<_>>())
             .bind(gpus.iter().map(|g| int(g.memory_mib)).collect::<Result<Vec<_>>>()?)
             .bind(gpus.iter().map(|g| g.pci_bus_id.clone()).collect::<Vec<_>>())
-            .bind(gpus.iter().map(|g| i64::from(g.numa_node)).collect::<Vec<_>>())
+            .bind(gpus.iter().map(|g| g.numa_node.map_or(-1, i64::from)).collect::<Vec<_>>())
             .execute(&mut *c)
             .await?;
             Ok(())

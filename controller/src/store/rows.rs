@@ -6,7 +6,10 @@
 //! the table and column, never a panic or a silent wrap. The readers are generated per backend
 //! by [`row_readers!`] because sqlx's row types differ while the code is the same.
 
-use trainyard_proto::v1::{JobSpec, job_spec::Engine};
+use prost::Message as _;
+
+use crate::domain::Inventory;
+use crate::spec::{Engine, JobSpec};
 
 use super::{JobId, Result, StoreError};
 
@@ -60,12 +63,34 @@ pub(super) fn preflight_queries(ids: &str) -> (String, String) {
 /// The plain engine columns of `jobs`: kind, argv as JSON, working directory.
 pub(super) fn engine_columns(spec: &JobSpec) -> (Option<&'static str>, Option<String>, Option<String>) {
     match &spec.engine {
-        Some(Engine::Exec(exec)) => {
-            (Some("exec"), serde_json::to_string(&exec.argv).ok(), Some(exec.workdir.clone()))
+        Engine::Exec { argv, workdir, .. } => {
+            (Some("exec"), serde_json::to_string(argv).ok(), Some(workdir.clone()))
         }
-        Some(Engine::Builtin(_)) => (Some("builtin"), None, None),
-        None => (None, None, None),
+        Engine::Builtin { .. } => (Some("builtin"), None, None),
     }
+}
+
+/// `jobs.spec_pb`: the spec in its wire encoding, which keeps old rows readable as fields are
+/// added.
+pub(super) fn encode_spec(spec: &JobSpec) -> Vec<u8> {
+    trainyard_proto::v1::JobSpec::from(spec).encode_to_vec()
+}
+
+pub(super) fn decode_spec(bytes: &[u8]) -> Result<JobSpec> {
+    let wire = trainyard_proto::v1::JobSpec::decode(bytes)
+        .map_err(|e| corrupt("jobs", format!("column spec_pb: {e}")))?;
+    JobSpec::try_from(wire).map_err(|e| corrupt("jobs", format!("column spec_pb: {e}")))
+}
+
+/// `agents.inventory_pb`, likewise.
+pub(super) fn encode_inventory(inv: &Inventory) -> Vec<u8> {
+    trainyard_proto::v1::HostInventory::from(inv).encode_to_vec()
+}
+
+pub(super) fn decode_inventory(bytes: &[u8]) -> Result<Inventory> {
+    trainyard_proto::v1::HostInventory::decode(bytes)
+        .map(Inventory::from)
+        .map_err(|e| corrupt("agents", format!("column inventory_pb: {e}")))
 }
 
 /// Ids and counters are `u64` in Rust and 64-bit signed in SQL; values past `i64::MAX` cannot
@@ -106,10 +131,8 @@ pub(super) fn fit<T: TryFrom<i64>>(v: i64, table: &'static str, name: &str) -> R
 /// `*_from_row` per record type.
 macro_rules! row_readers {
     ($row:ty, $db:ty) => {
-        use prost::Message as _;
         use sqlx::Row as _;
-        use trainyard_proto::v1::{HostInventory, JobSpec};
-        use $crate::store::rows::{corrupt, fit, report_id_from};
+        use $crate::store::rows::{corrupt, decode_inventory, decode_spec, fit, report_id_from};
         use $crate::store::{
             AgentRecord, Allocation, CheckRecord, JobEventRecord, JobRecord, JobState, PreflightRecord,
             RankId, RankObserved, StoredReceiptRecord,
@@ -142,8 +165,7 @@ macro_rules! row_readers {
             let spec_pb: Vec<u8> = col(row, t, "spec_pb")?;
             Ok(JobRecord {
                 id: num(row, t, "id")?,
-                spec: JobSpec::decode(spec_pb.as_slice())
-                    .map_err(|e| corrupt(t, format!("column spec_pb: {e}")))?,
+                spec: decode_spec(&spec_pb)?,
                 state: state_col(row, t, "state")?,
                 reason: col(row, t, "reason")?,
                 attempt: num(row, t, "attempt")?,
@@ -204,8 +226,7 @@ macro_rules! row_readers {
                 agent_id: col(row, t, "agent_id")?,
                 address: col(row, t, "address")?,
                 agent_version: col(row, t, "agent_version")?,
-                inventory: HostInventory::decode(inventory_pb.as_slice())
-                    .map_err(|e| corrupt(t, format!("column inventory_pb: {e}")))?,
+                inventory: decode_inventory(&inventory_pb)?,
                 state: state.parse().map_err(|e| corrupt(t, format!("column state: {e}")))?,
                 last_seen_ms: col(row, t, "last_seen_ms")?,
             })

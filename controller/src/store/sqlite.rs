@@ -17,12 +17,12 @@ use sqlx::{AssertSqlSafe, SqlitePool};
 use tracing::Instrument;
 
 use super::rows::{
-    SNAPSHOT_AGENTS, SNAPSHOT_ALLOCATIONS, SNAPSHOT_JOBS, allocation_columns, duplicate_or, engine_columns,
-    int, job_columns, job_id_from, preflight_queries,
+    SNAPSHOT_AGENTS, SNAPSHOT_ALLOCATIONS, SNAPSHOT_JOBS, allocation_columns, duplicate_or, encode_inventory,
+    encode_spec, engine_columns, int, job_columns, job_id_from, preflight_queries,
 };
 use super::{
-    AgentState, FleetStore, JobId, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result, Snapshot,
-    StoreError,
+    AgentState, FleetStore, JobId, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result,
+    Snapshot, StoreError,
 };
 
 super::rows::row_readers!(SqliteRow, sqlx::Sqlite);
@@ -153,7 +153,7 @@ impl JobStore for SqliteStore {
     ) -> Result<JobRecord> {
         self.run("create_job", Mode::Write, async |c| {
             let (engine_kind, argv_json, workdir) = engine_columns(spec);
-            let resources = spec.resources.clone().unwrap_or_default();
+            let resources = &spec.resources;
             let id: i64 = sqlx::query_scalar(
                 "INSERT INTO jobs (name, state, reason, attempt, priority, gpus, gpus_per_node, \
                  engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms, submit_key) \
@@ -167,7 +167,7 @@ impl JobStore for SqliteStore {
             .bind(engine_kind)
             .bind(argv_json)
             .bind(workdir)
-            .bind(spec.encode_to_vec())
+            .bind(encode_spec(spec))
             .bind(now_ms)
             .bind(now_ms)
             .bind(key)
@@ -325,7 +325,7 @@ impl FleetStore for SqliteStore {
             .bind(agent.agent_version.clone())
             .bind(agent.state.as_str())
             .bind(inv.gpus.len() as i64)
-            .bind(inv.encode_to_vec())
+            .bind(encode_inventory(inv))
             .bind(agent.last_seen_ms)
             .bind(agent.last_seen_ms)
             .execute(&mut *c)
@@ -345,7 +345,7 @@ impl FleetStore for SqliteStore {
                 .bind(gpu.model.clone())
                 .bind(int(gpu.memory_mib)?)
                 .bind(gpu.pci_bus_id.clone())
-                .bind(gpu.numa_node)
+                .bind(gpu.numa_node.map_or(-1, i64::from))
                 .execute(&mut *c)
                 .await?;
             }

@@ -1,12 +1,10 @@
 //! The store contract as a test suite generic over [`Store`]: every backend instantiates it
 //! with [`store_suite!`] and a [`Harness`], so the backends cannot drift apart.
 
-use std::collections::HashMap;
+use trainyard_proto::v1::{PreflightCheck, PreflightReport};
 
-use trainyard_proto::v1::{
-    ExecEngine, Gpu, HostInventory, JobSpec, PreflightCheck, PreflightReport, Resources, job_spec::Engine,
-};
-
+use crate::domain::{GpuInfo, Inventory, PreflightLevel};
+use crate::spec::{Engine, JobSpec, Resources};
 use crate::store::pg_server::{Durability, TempPostgres};
 use crate::store::{
     AgentRecord, AgentState, Allocation, FleetStore, JobState, JobStore, NewReceipt, PreflightRecord,
@@ -110,15 +108,16 @@ pub mod fixtures {
     pub fn spec(name: &str, gpus: u32) -> JobSpec {
         JobSpec {
             name: name.to_owned(),
-            resources: Some(Resources { gpus, gpus_per_node: gpus, ..Default::default() }),
-            engine: Some(Engine::Exec(ExecEngine {
+            resources: Resources { gpus, gpus_per_node: gpus, ..Default::default() },
+            engine: Engine::Exec {
                 argv: vec!["python".into(), "train.py".into()],
                 workdir: "/srv/run".into(),
                 source_dir: String::new(),
-            })),
-            env: HashMap::from([("WANDB_MODE".to_owned(), "offline".to_owned())]),
-            preflight: "quick".into(),
-            restart: None,
+            },
+            env: [("WANDB_MODE".to_owned(), "offline".to_owned())].into(),
+            preflight: PreflightLevel::Quick,
+            max_restarts: 0,
+            resume: false,
             priority: 3,
             disable_pinning: false,
         }
@@ -142,16 +141,16 @@ pub mod fixtures {
             agent_id: id.to_owned(),
             address: "10.0.0.7".into(),
             agent_version: "0.1.0".into(),
-            inventory: HostInventory {
+            inventory: Inventory {
                 hostname: id.to_owned(),
                 gpus: (0..gpus)
-                    .map(|i| Gpu {
+                    .map(|i| GpuInfo {
                         index: i,
                         uuid: format!("GPU-{id}-{i}"),
                         model: "NVIDIA H100 80GB HBM3".into(),
                         memory_mib: 81559,
                         pci_bus_id: format!("00000000:{:02x}:00.0", 0x18 + i),
-                        numa_node: (i / 4) as i32,
+                        numa_node: Some(i / 4),
                     })
                     .collect(),
                 numa_nodes: vec![],
