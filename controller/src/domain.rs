@@ -155,6 +155,29 @@ string_enum! {
     }
 }
 
+string_enum! {
+    /// What a finding of `ctl diagnose` names as the likely cause of a slow or uneven run. The
+    /// words are stable: scripts and dashboards match on them (docs/diagnosis.md).
+    pub enum Cause ("cause") {
+        /// A node's ranks are slow and the job's GPUs there sit on more than one NUMA node.
+        NumaSplit = "numa.split",
+        /// The agent could not apply the CPU or memory binding the controller planned.
+        NumaBindingRefused = "numa.binding_refused",
+        /// NCCL's shared-memory transport is off (`NCCL_SHM_DISABLE`, or no usable `/dev/shm`).
+        ShmDisabled = "shm.disabled",
+        /// NCCL's peer-to-peer transport is off (`NCCL_P2P_DISABLE`).
+        P2pDisabled = "p2p.disabled",
+        /// Collectives far slower than the cost model predicts for the placement's links.
+        FabricFallback = "fabric.fallback",
+        /// Too few CPUs per GPU on a slow node.
+        CpuStarved = "cpu.starved",
+        /// `CUDA_DEVICE_MAX_CONNECTIONS` set low, serialising communication with compute.
+        CudaDeviceMaxConnections = "cuda_device_max_connections",
+        /// A rank persistently slower than the job's median with nothing else to explain it.
+        StragglerUnexplained = "straggler.unexplained",
+    }
+}
+
 /// A host as its agent described it in its hello: GPUs, NUMA nodes, GPU links and cores.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Inventory {

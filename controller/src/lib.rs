@@ -14,6 +14,7 @@
 pub mod config;
 pub mod core;
 pub mod cost;
+pub mod diagnose;
 pub mod domain;
 pub mod receipts;
 pub mod scheduler;
