@@ -9,11 +9,18 @@ writes:
              affinity and memory nodes (sched_getaffinity, Mems_allowed_list, memory policy) next
              to the binding the agent planned (TRAINYARD_CPUS, TRAINYARD_MEMS)
     step     per step: step, loss (a plausible decaying curve), lr, tokens, step_time_ms,
-             optimizer_ms (the share of the step an optimizer would take), tokens_per_s
+             fwd_bwd_ms and optimizer_ms (each step sleeps a compute phase, then an optimizer
+             phase of the share nanochat's optimizer takes; both are timed), tokens_per_s
     exit     at the end: code, or signal 15 when stopped with SIGTERM (then it exits 143)
 
 Each receipt is one `write` of a whole line followed by a flush, on a file opened in append
 mode, so the agent tailing the file never sees half a receipt from us.
+
+Stand-in timings that reproduce the field's faults (docs/diagnosis.md): the environment
+variable TRAINYARD_STANDIN_SLOWDOWN=F (set on a stand-in host's agent, so its ranks inherit it)
+makes every phase F times longer, as on a node whose GPUs are split over two NUMA nodes;
+NCCL_SHM_DISABLE=1 makes the optimizer phase 3x longer, as NCCL falling back to sockets does;
+--slow-rank R --slow-factor F makes rank R's compute phase F times longer (a straggler).
 
 Flags for tests: --fail-at-step K exits 1 at step K (only on rank R with --fail-rank R, only in
 attempt A with --fail-attempt A);
@@ -38,6 +45,10 @@ TOKENS_PER_STEP = 8 * 2048
 # Share of a step the optimizer (collectives included) takes: nanochat d26 on 8xH100 SXM
 # spends 57.8 ms of a 701.9 ms step there (docs/field-notes.md §1).
 OPTIMIZER_SHARE = 57.8 / 701.9
+
+# The optimizer phase of a rank whose NCCL_SHM_DISABLE=1: the field saw the optimizer step 13.7x
+# slower on an NVL node; the stand-in uses a milder 3x so tests stay short.
+SHM_DISABLED_OPTIMIZER_FACTOR = 3.0
 
 # Variables worth recording in the launch receipt when present.
 TORCHRUN_VARS = (
@@ -89,6 +100,10 @@ def parse_args(argv):
         help="fail only in attempt A (TRAINYARD_ATTEMPT; default: every attempt)",
     )
     p.add_argument("--garbage", action="store_true", help="also write invalid receipt lines")
+    p.add_argument("--slow-rank", type=int, default=None, metavar="R", help="rank R computes slower")
+    p.add_argument(
+        "--slow-factor", type=float, default=1.3, metavar="F", help="how much slower (default 1.3)"
+    )
     return p.parse_args(argv)
 
 
@@ -201,6 +216,15 @@ def write_garbage(receipts):
     receipts.write_raw(json.dumps({"kind": "blob", "pad": pad}).encode() + b"\n")
 
 
+def sleep_until(deadline, stop):
+    """Sleeps until `deadline` (time.monotonic) in slices, so SIGTERM is honoured promptly."""
+    while stop["signal"] is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(0.01, left))
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank = env_int("RANK", 0)
@@ -221,7 +245,13 @@ def main(argv=None):
     receipts = Receipts(path)
     receipts.emit("launch", **launch_fields(rank, local_rank, world))
     rng = random.Random(rank)
-    step_s = args.step_ms / 1000.0
+    slowdown = float(os.environ.get("TRAINYARD_STANDIN_SLOWDOWN", "1") or "1")
+    compute_s = args.step_ms / 1000.0 * (1.0 - OPTIMIZER_SHARE) * slowdown
+    optimizer_s = args.step_ms / 1000.0 * OPTIMIZER_SHARE * slowdown
+    if args.slow_rank == rank:
+        compute_s *= args.slow_factor
+    if os.environ.get("NCCL_SHM_DISABLE", "0").strip() not in ("", "0"):
+        optimizer_s *= SHM_DISABLED_OPTIMIZER_FACTOR
     for step in range(args.steps):
         attempt = env_int("TRAINYARD_ATTEMPT", 0)
         failing = (args.fail_rank is None or args.fail_rank == rank) and (
@@ -232,12 +262,13 @@ def main(argv=None):
             print(f"rank {rank}: failing at step {step} as asked", file=sys.stderr)
             return 1
         started = time.monotonic()
-        # Sleep in slices so SIGTERM is honoured promptly even with long steps.
-        while time.monotonic() - started < step_s and stop["signal"] is None:
-            time.sleep(min(0.01, step_s))
+        sleep_until(started + compute_s, stop)
+        computed = time.monotonic()
+        sleep_until(computed + optimizer_s, stop)
         if stop["signal"] is not None:
             break  # a step cut short is not a step
-        elapsed = max(time.monotonic() - started, 1e-6)
+        finished = time.monotonic()
+        elapsed = max(finished - started, 1e-6)
         receipts.emit(
             "step",
             step=step,
@@ -245,7 +276,8 @@ def main(argv=None):
             lr=round(lr_at(step, args.steps), 7),
             tokens=TOKENS_PER_STEP,
             step_time_ms=round(elapsed * 1000.0, 3),
-            optimizer_ms=round(elapsed * 1000.0 * OPTIMIZER_SHARE, 3),
+            fwd_bwd_ms=round((computed - started) * 1000.0, 3),
+            optimizer_ms=round((finished - computed) * 1000.0, 3),
             tokens_per_s=round(TOKENS_PER_STEP / elapsed, 1),
         )
         if args.garbage and step == 1:

@@ -104,21 +104,59 @@ pub fn step_comm_ms(bytes_per_step: u64, world: u32, link: LinkClass) -> f64 {
     calls as f64 * collective_ms(Collective::AllGather, per_call, world, link)
 }
 
-/// The collective calls of one ZeRO-2 optimizer step of the built-in engine
-/// (docs/field-notes.md §6): per parameter tensor, a ReduceScatter of its gradient and an
-/// AllGather of the updated parameter, or one AllReduce of the gradient for tensors under 1024
-/// elements. `shapes` are the parameter shapes; sizes in bytes per element. The engine feeds
-/// this.
-pub fn builtin_calls(shapes: &[Vec<usize>], grad_bytes: u64, param_bytes: u64) -> Vec<(Collective, u64)> {
-    let mut calls = Vec::new();
-    for shape in shapes {
-        let numel: u64 = shape.iter().map(|&d| d as u64).product();
-        if numel < 1024 {
-            calls.push((Collective::AllReduce, numel * grad_bytes));
-        } else {
-            calls.push((Collective::ReduceScatter, numel * grad_bytes));
-            calls.push((Collective::AllGather, numel * param_bytes));
+/// Tensors under this many elements are all-reduced whole instead of reduce-scattered.
+pub const SMALL_TENSOR: u64 = 1024;
+
+/// The vocabulary the built-in engine pads GPT-2's to, unless the job sets `vocab_size`.
+pub const GPT2_VOCAB: u64 = 50_304;
+
+/// The parameters of the built-in engine's GPT at `depth`, as it builds them
+/// (docs/engine.md): per block the attention projections `c_q`, `c_k`, `c_v`, `c_proj`, the MLP
+/// `c_fc` and `mlp_proj` and, on alternate layers, a value-embedding gate; then the token
+/// embedding, the LM head, two per-layer scalar vectors and the value embeddings. `true` marks
+/// the 2-D block matrices Muon updates; AdamW updates the rest.
+pub fn gpt_params(depth: u64, vocab: u64) -> Vec<(Vec<u64>, bool)> {
+    const HEAD_DIM: u64 = 128;
+    const VE_GATE_CHANNELS: u64 = 12;
+    let d = (depth * 64).div_ceil(HEAD_DIM) * HEAD_DIM;
+    let heads = d / HEAD_DIM;
+    let has_ve = |layer: u64| layer % 2 == (depth - 1) % 2;
+    let mut params =
+        vec![(vec![vocab, d], false), (vec![vocab, d], false), (vec![depth], false), (vec![depth], false)];
+    for layer in 0..depth {
+        params.extend([(vec![d, d], true), (vec![d, d], true), (vec![d, d], true), (vec![d, d], true)]);
+        if has_ve(layer) {
+            params.push((vec![heads, VE_GATE_CHANNELS], true));
         }
+        params.extend([(vec![4 * d, d], true), (vec![d, 4 * d], true)]);
+    }
+    params.extend((0..depth).filter(|&l| has_ve(l)).map(|_| (vec![vocab, d], false)));
+    params
+}
+
+/// The collective calls of one optimizer step of the built-in engine (docs/field-notes.md §6),
+/// all in f32: AdamW's tensors one by one (a ReduceScatter of the gradient and an AllGather of
+/// the updated shard, or one AllReduce under [`SMALL_TENSOR`] elements), and Muon's matrices
+/// stacked by shape (one ReduceScatter and one AllGather per shape). Empty for exec jobs and
+/// presets that do not parse.
+pub fn builtin_step_calls(spec: &crate::spec::JobSpec) -> Vec<(Collective, u64)> {
+    let crate::spec::Engine::Builtin { settings, .. } = &spec.engine else { return Vec::new() };
+    let Some(depth) = spec.builtin_depth().filter(|d| *d > 0) else { return Vec::new() };
+    let vocab = settings.get("vocab_size").and_then(|v| v.parse().ok()).unwrap_or(GPT2_VOCAB);
+    let mut calls = Vec::new();
+    let mut muon: std::collections::BTreeMap<Vec<u64>, u64> = std::collections::BTreeMap::new();
+    for (shape, is_matrix) in gpt_params(u64::from(depth), vocab) {
+        let numel: u64 = shape.iter().product();
+        if is_matrix {
+            *muon.entry(shape).or_default() += numel;
+        } else if numel < SMALL_TENSOR {
+            calls.push((Collective::AllReduce, numel * 4));
+        } else {
+            calls.extend([(Collective::ReduceScatter, numel * 4), (Collective::AllGather, numel * 4)]);
+        }
+    }
+    for numel in muon.into_values() {
+        calls.extend([(Collective::ReduceScatter, numel * 4), (Collective::AllGather, numel * 4)]);
     }
     calls
 }
@@ -195,15 +233,43 @@ mod tests {
     }
 
     #[test]
-    fn builtin_calls_follow_zero2() {
-        let shapes = vec![vec![1664, 6656], vec![512]];
-        let calls = builtin_calls(&shapes, 4, 2);
-        assert_eq!(calls.len(), 3);
-        assert_eq!(calls[0], (Collective::ReduceScatter, 1664 * 6656 * 4));
-        assert_eq!(calls[1], (Collective::AllGather, 1664 * 6656 * 2));
-        assert_eq!(calls[2], (Collective::AllReduce, 512 * 4));
-        let small = builtin_calls(&[vec![8, 8]], 4, 2);
-        assert_eq!(small, vec![(Collective::AllReduce, 256)]);
-        assert!(calls_ms(&calls, 8, LinkClass::NvLink(18)) > 0.0);
+    fn builtin_jobs_are_costed_from_their_preset() {
+        let wire = trainyard_proto::v1::JobSpec {
+            name: "b".into(),
+            resources: Some(trainyard_proto::v1::Resources { gpus: 8, ..Default::default() }),
+            engine: Some(trainyard_proto::v1::job_spec::Engine::Builtin(
+                trainyard_proto::v1::BuiltinEngine {
+                    preset: "d26".into(),
+                    data: "/data".into(),
+                    settings: Default::default(),
+                },
+            )),
+            ..Default::default()
+        };
+        let spec = crate::spec::parse(wire).unwrap();
+        let calls = builtin_step_calls(&spec);
+        // d26: width 1664; 26 blocks of 12 d^2, 13 VE gates, embedding, head, 13 value embeddings.
+        let d = 1664u64;
+        let params = 26 * 12 * d * d + 13 * 13 * 12 + 2 * 50_304 * d + 2 * 26 + 13 * 50_304 * d;
+        let moved: u64 = calls.iter().filter(|c| c.0 != Collective::AllReduce).map(|c| c.1).sum();
+        let reduced: u64 = calls.iter().filter(|c| c.0 == Collective::AllReduce).map(|c| c.1).sum();
+        assert_eq!(moved + 2 * reduced, 2 * 4 * params, "every parameter reduced and gathered once, in f32");
+        assert_eq!(
+            calls.iter().filter(|c| c.0 == Collective::AllReduce).count(),
+            2,
+            "the two scalar vectors"
+        );
+        // Muon's 13 gates stack into one shape: one ReduceScatter and one AllGather for them all.
+        assert!(calls.contains(&(Collective::ReduceScatter, 13 * 13 * 12 * 4)));
+        let ms = calls_ms(&calls, 8, LinkClass::NvLink(18));
+        assert!((20.0..200.0).contains(&ms), "d26 on SXM: {ms} ms");
+        assert!(calls_ms(&calls, 8, LinkClass::Pix) > 6.0 * ms, "PCIe ~7x slower");
+        let mut exec = spec.clone();
+        exec.engine = crate::spec::Engine::Exec {
+            argv: vec!["x".into()],
+            workdir: "/".into(),
+            source_dir: String::new(),
+        };
+        assert!(builtin_step_calls(&exec).is_empty());
     }
 }

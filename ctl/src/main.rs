@@ -3,7 +3,8 @@
 //! # Layout
 //! - `spec`: the TOML job spec file and its conversion to the proto `JobSpec`.
 //! - `client`: the connection to the controller; gRPC failures become actionable sentences.
-//! - `commands`: one module per subcommand (submit, status, cancel, watch, nodes, preflight).
+//! - `commands`: one module per subcommand (submit, status, cancel, watch, logs, diagnose, nodes,
+//!   preflight).
 //! - `progress`: the rate-limited progress line of `submit --follow`.
 //! - `output`: the stable JSON rendering behind `-o json`.
 //! - `render`: tables, ages, timestamps and receipt lines for people.
@@ -83,6 +84,16 @@ enum Command {
         #[arg(short = 'f', long)]
         follow: bool,
     },
+    /// Name the likely cause of a slow or uneven run: the node, the ranks, the evidence, what it
+    /// costs and the fix (or say the run is healthy).
+    Diagnose {
+        job: u64,
+        /// The attempt to diagnose (default: the job's current attempt).
+        #[arg(long)]
+        attempt: Option<u32>,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
+        output: Format,
+    },
     /// Show the fleet: every node with its GPUs, class, NUMA layout, verdict and free GPUs.
     Nodes {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
@@ -143,6 +154,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Logs { job, rank, tail, follow } => {
             commands::logs::run(&mut ctl, job, rank, tail, follow).await
+        }
+        Command::Diagnose { job, attempt, output } => {
+            commands::diagnose::run(&mut ctl, job, attempt, output == Format::Json).await
         }
         Command::Nodes { output } => commands::nodes::run(&mut ctl, output == Format::Json).await,
         Command::Preflight { host, run, output } => {

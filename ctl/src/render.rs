@@ -39,6 +39,24 @@ impl Table {
     }
 }
 
+/// Ranks as ranges: "0-7,9,12-15" (input in any order).
+pub fn rank_ranges(ranks: &[u32]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j { sorted[i].to_string() } else { format!("{}-{}", sorted[i], sorted[j]) });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
 /// "42s", "5m", "3h", "2d": how long ago `then_ms` was.
 pub fn age(now_ms: i64, then_ms: i64) -> String {
     if then_ms <= 0 {

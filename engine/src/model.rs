@@ -288,6 +288,25 @@ mod tests {
         loss_backward_reaches_every_param(&m, &idx);
     }
 
+    /// The controller costs a built-in job's collectives from the preset alone
+    /// (`trainyard_controller::cost::gpt_params`); it must list the parameters this model has.
+    #[test]
+    fn the_controller_knows_the_parameters_of_every_preset() {
+        for (preset, vocab) in [("d2", 256), ("d5", 1000)] {
+            let cfg = GptConfig::preset(preset, 16, vocab).unwrap();
+            let m = Gpt::new(&cfg, Device::Cpu, 1);
+            let ours: Vec<(Vec<u64>, bool)> = m
+                .params
+                .iter()
+                .map(|p| {
+                    (p.tensor.size().iter().map(|&d| d as u64).collect(), matches!(p.group, Group::Matrix))
+                })
+                .collect();
+            let depth = cfg.depth as u64;
+            assert_eq!(ours, trainyard_controller::cost::gpt_params(depth, vocab as u64), "{preset}");
+        }
+    }
+
     fn loss_backward_reaches_every_param(m: &Gpt, idx: &Tensor) {
         let grads = m.grads(&m.loss(idx, idx));
         assert_eq!(grads.len(), m.params.len());

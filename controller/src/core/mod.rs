@@ -26,6 +26,7 @@
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
+mod diagnosis;
 pub use agents::MAX_BATCH;
 mod jobs;
 mod logs;

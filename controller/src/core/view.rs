@@ -8,6 +8,7 @@ use trainyard_proto::v1::{Job, JobEvent, RankStatus};
 use super::{Controller, ControllerError, Core, Result};
 use crate::cost;
 use crate::scheduler::LinkMatrix;
+use crate::spec::JobSpec;
 use crate::store::{Allocation, JobId, JobRecord, JobState};
 
 impl Controller {
@@ -51,14 +52,13 @@ impl Controller {
                 newest.unwrap_or_default()
             ));
         }
-        let bytes = record.spec.resources.comm_bytes_per_step;
         let (predicted_comm_ms, waiting_reason) = {
             let core = self.lock();
             let waiting = match record.state {
                 JobState::Pending => core.waiting.get(&id).cloned().unwrap_or_default(),
                 _ => String::new(),
             };
-            (predicted_comm_ms(&core, &allocations, bytes), waiting)
+            (predicted_comm_ms(&core, &allocations, &record.spec), waiting)
         };
         let measured_optimizer_ms = self.store.mean_optimizer_ms(id).await?.unwrap_or(0.0);
         let ranks = allocations
@@ -103,8 +103,9 @@ impl Controller {
 /// The cost model's collective time per step for the job's placement: the worst link inside
 /// each of its nodes (from the agents' inventories), the network when it spans nodes. 0 when
 /// the job declares no bytes or a node is no longer known.
-fn predicted_comm_ms(core: &Core, allocations: &[Allocation], bytes: u64) -> f64 {
-    if bytes == 0 || allocations.is_empty() {
+pub(super) fn predicted_comm_ms(core: &Core, allocations: &[Allocation], spec: &JobSpec) -> f64 {
+    let builtin = cost::builtin_step_calls(spec);
+    if (builtin.is_empty() && spec.resources.comm_bytes_per_step == 0) || allocations.is_empty() {
         return 0.0;
     }
     let mut by_agent: HashMap<&str, Vec<u32>> = HashMap::new();
@@ -124,7 +125,12 @@ fn predicted_comm_ms(core: &Core, allocations: &[Allocation], bytes: u64) -> f64
         worst = worst.min(LinkMatrix::parse(&inv.links, inv.gpus.len()).worst(mask));
     }
     let link = cost::bottleneck(worst, by_agent.len() > 1);
-    cost::step_comm_ms(bytes, allocations.len() as u32, link)
+    let world = allocations.len() as u32;
+    if builtin.is_empty() {
+        cost::step_comm_ms(spec.resources.comm_bytes_per_step, world, link)
+    } else {
+        cost::calls_ms(&builtin, world, link)
+    }
 }
 
 /// A warning per rank whose binding read back from `/proc` differs from the plan.

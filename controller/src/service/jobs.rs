@@ -12,9 +12,10 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::Jobs;
 use trainyard_proto::v1::{
-    CancelRequest, CancelResponse, GetJobRequest, Job, JobStateChange, ListJobsRequest, ListJobsResponse,
-    LogChunk, LogsRequest, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt,
-    SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    CancelRequest, CancelResponse, DiagnoseRequest, Diagnosis, GetJobRequest, Job, JobStateChange,
+    ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, NodesRequest, NodesResponse, PreflightReport,
+    PreflightRequest, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
+    watch_event::Event,
 };
 
 use super::to_status;
@@ -91,6 +92,12 @@ impl Jobs for JobsService {
             }
         };
         Ok(Response::new(report.map_err(to_status)?.into()))
+    }
+
+    async fn diagnose(&self, request: Request<DiagnoseRequest>) -> Result<Response<Diagnosis>, Status> {
+        let req = request.into_inner();
+        let d = self.controller.diagnose(req.job_id, req.attempt).await.map_err(to_status)?;
+        Ok(Response::new(diagnosis_message(req.job_id, &d)))
     }
 
     type WatchStream = WatchStream;
@@ -202,5 +209,70 @@ impl Watcher {
                 return Ok(true);
             }
         }
+    }
+}
+
+/// The wire form of a diagnosis.
+fn diagnosis_message(job_id: u64, d: &crate::diagnose::Diagnosis) -> Diagnosis {
+    use trainyard_proto::v1 as pb;
+    let agent_of = |rank: u32| {
+        d.nodes.iter().find(|n| n.ranks.contains(&rank)).map(|n| n.agent_id.clone()).unwrap_or_default()
+    };
+    Diagnosis {
+        job_id,
+        attempt: d.attempt,
+        verdict: d.verdict(),
+        healthy: d.findings.is_empty(),
+        findings: d
+            .findings
+            .iter()
+            .map(|f| pb::Finding {
+                cause: f.cause.to_string(),
+                summary: f.summary.clone(),
+                nodes: f.nodes.clone(),
+                ranks: f.ranks.clone(),
+                evidence: f
+                    .evidence
+                    .iter()
+                    .map(|m| pb::Measure { name: m.name.clone(), value: m.value, unit: m.unit.to_string() })
+                    .collect(),
+                expected_cost: f.expected_cost.to_string(),
+                remedy: f.remedy.clone(),
+            })
+            .collect(),
+        ranks: d
+            .ranks
+            .iter()
+            .map(|r| pb::RankScore {
+                rank: r.rank,
+                agent_id: agent_of(r.rank),
+                steps: r.steps as u64,
+                median_ms: r.median_ms,
+                relative: r.relative,
+                individual: r.individual,
+                windows: r.windows as u32,
+                slow_windows: r.slow_windows as u32,
+                straggler: r.straggler,
+            })
+            .collect(),
+        nodes: d
+            .nodes
+            .iter()
+            .map(|n| pb::NodePace {
+                agent_id: n.agent_id.clone(),
+                ranks: n.ranks.clone(),
+                median_ms: n.median_ms,
+                vs_fastest: n.vs_fastest,
+                numa_layout: n.numa_layout.clone(),
+            })
+            .collect(),
+        unusable: d.unusable.clone(),
+        metric: d.metric.to_string(),
+        warmup_steps: d.warmup_steps,
+        samples_used: d.samples_used as u64,
+        predicted_comm_ms: d.predicted_comm_ms,
+        measured_optimizer_ms: d.measured_optimizer_ms,
+        median_step_ms: d.median_step_ms,
+        median_tokens_per_s: d.median_tokens_per_s,
     }
 }

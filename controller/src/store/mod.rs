@@ -393,6 +393,10 @@ pub trait ReceiptStore: Send + Sync {
     /// problem of the newest one.
     async fn receipt_problems(&self, job: JobId) -> Result<(u64, Option<String>)>;
 
+    /// The typed fields of every step receipt of one attempt, by rank and line (what
+    /// `ctl diagnose` reads). A receipt without a `step` has step -1.
+    async fn step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<crate::diagnose::StepSample>>;
+
     /// Mean optimizer time (ms) over the job's latest 1,000 step receipts that carry a valid
     /// `optimizer_ms` (from `step_metrics`); `None` when none does.
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>>;

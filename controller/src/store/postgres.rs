@@ -514,6 +514,21 @@ impl ReceiptStore for PostgresStore {
         .await
     }
 
+    async fn step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<crate::diagnose::StepSample>> {
+        self.run("step_samples", async |c| {
+            let rows = sqlx::query(
+                "SELECT rank, step, step_time_ms, fwd_bwd_ms, optimizer_ms, tokens_per_s, problem \
+                 FROM receipts WHERE job_id = $1 AND attempt = $2 AND kind = 'step' ORDER BY rank, seq",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .fetch_all(&mut *c)
+            .await?;
+            rows.iter().map(sample_from_row).collect()
+        })
+        .await
+    }
+
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
         self.run("mean_optimizer_ms", async |c| {
             let row = sqlx::query(

@@ -232,6 +232,19 @@ macro_rules! row_readers {
             })
         }
 
+        fn sample_from_row(row: &$row) -> Result<$crate::diagnose::StepSample> {
+            let t = "receipts";
+            Ok($crate::diagnose::StepSample {
+                rank: num(row, t, "rank")?,
+                step: col::<Option<i64>>(row, t, "step")?.unwrap_or(-1),
+                step_time_ms: col(row, t, "step_time_ms")?,
+                fwd_bwd_ms: col(row, t, "fwd_bwd_ms")?,
+                optimizer_ms: col(row, t, "optimizer_ms")?,
+                tokens_per_s: col(row, t, "tokens_per_s")?,
+                flagged: col::<Option<String>>(row, t, "problem")?.is_some(),
+            })
+        }
+
         fn receipt_from_row(row: &$row) -> Result<StoredReceiptRecord> {
             let t = "receipts";
             Ok(StoredReceiptRecord {

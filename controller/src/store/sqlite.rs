@@ -500,6 +500,21 @@ impl ReceiptStore for SqliteStore {
         .await
     }
 
+    async fn step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<crate::diagnose::StepSample>> {
+        self.run("step_samples", Mode::Read, async |c| {
+            let rows = sqlx::query(
+                "SELECT rank, step, step_time_ms, fwd_bwd_ms, optimizer_ms, tokens_per_s, problem \
+                 FROM receipts WHERE job_id = ? AND attempt = ? AND kind = 'step' ORDER BY rank, seq",
+            )
+            .bind(int(job)?)
+            .bind(attempt)
+            .fetch_all(&mut *c)
+            .await?;
+            rows.iter().map(sample_from_row).collect()
+        })
+        .await
+    }
+
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
         self.run("mean_optimizer_ms", Mode::Read, async |c| {
             let row = sqlx::query(

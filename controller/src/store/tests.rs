@@ -478,6 +478,22 @@ pub mod suite {
         assert_eq!(stored.len(), 6);
         let (flagged, newest) = s.receipt_problems(j.id).await.unwrap();
         assert_eq!((flagged, newest.as_deref()), (2, Some("optimizer_ms -3 is out of range")));
+        // What the diagnosis reads: the step receipts only, typed, the bad fields as None.
+        let samples = s.step_samples(j.id, 0).await.unwrap();
+        let seen: Vec<(i64, Option<f64>, bool)> =
+            samples.iter().map(|x| (x.step, x.optimizer_ms, x.flagged)).collect();
+        assert_eq!(
+            seen,
+            vec![
+                (1, Some(10.0), false),
+                (2, Some(20.0), false),
+                (3, None, false),
+                (4, None, true),
+                (5, None, true)
+            ]
+        );
+        assert!(samples.iter().all(|x| x.step_time_ms == Some(100.0) && x.rank == 0));
+        assert!(s.step_samples(j.id, 1).await.unwrap().is_empty(), "another attempt has none");
     }
 
     pub async fn receipts_dedup(h: &impl Harness) {

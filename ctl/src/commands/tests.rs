@@ -6,10 +6,10 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
-    CancelRequest, CancelResponse, GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest,
-    ListJobsResponse, LogChunk, LogsRequest, NodeInfo, NodesRequest, NodesResponse, PreflightReport,
-    PreflightRequest, RankStatus, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
-    watch_event::Event,
+    CancelRequest, CancelResponse, DiagnoseRequest, Diagnosis, Finding, GetJobRequest, Job, JobSpec,
+    JobStateChange, ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, Measure, NodeInfo,
+    NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus, StoredReceipt, SubmitRequest,
+    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -73,6 +73,14 @@ impl Jobs for Fake {
         let mut job = self.job.lock().expect("lock");
         job.state = "cancelled".into();
         Ok(Response::new(CancelResponse { job: Some(job.clone()) }))
+    }
+
+    /// Job 7 has one finding; any other job is unknown.
+    async fn diagnose(&self, r: Request<DiagnoseRequest>) -> Result<Response<Diagnosis>, Status> {
+        if r.get_ref().job_id != 7 {
+            return Err(Status::not_found("no such job"));
+        }
+        Ok(Response::new(diagnosis()))
     }
 
     type LogsStream = tokio_stream::Iter<std::vec::IntoIter<Result<LogChunk, Status>>>;
@@ -179,4 +187,53 @@ async fn logs_end_with_the_reason_when_the_stream_breaks() {
     let mut ctl = serve(fake).await;
     let err = super::logs::run(&mut ctl, 7, 0, 0, true).await.expect_err("broken stream");
     assert!(err.to_string().contains("disconnected while its logs were being read"), "{err}");
+}
+
+fn diagnosis() -> Diagnosis {
+    let finding = Finding {
+        cause: "numa.split".into(),
+        summary: "sxm-b runs 1.84x slower than the fastest node".into(),
+        nodes: vec!["sxm-b".into()],
+        ranks: (8..16).chain([18]).collect(),
+        evidence: vec![Measure { name: "slowdown".into(), value: 1.8449, unit: "x".into() }],
+        expected_cost: "1295 ms per step instead of 702 ms".into(),
+        remedy: "pin each rank to its GPU's NUMA node".into(),
+    };
+    Diagnosis {
+        job_id: 7,
+        verdict: "numa.split: sxm-b runs 1.84x slower than the fastest node".into(),
+        findings: vec![finding],
+        unusable: vec!["rank 3: 2 step receipt(s) without a usable step_time_ms".into()],
+        metric: "step_time_ms".into(),
+        median_step_ms: Some(702.04),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn diagnose_prints_the_finding_with_its_evidence_or_names_the_unknown_job() {
+    let text = super::diagnose::text(&diagnosis());
+    for needle in [
+        "job 7 attempt 0: numa.split: sxm-b runs 1.84x slower",
+        "numa.split  nodes sxm-b  ranks 8-15,18",
+        "evidence: slowdown 1.84x",
+        "expected cost: 1295 ms per step instead of 702 ms",
+        "remedy: pin each rank",
+        "median step 702.0 ms",
+        "cost model unknown",
+        "could not use:\n  - rank 3: 2 step receipt(s)",
+    ] {
+        assert!(text.contains(needle), "{needle:?} not in:\n{text}");
+    }
+    let json = crate::output::to_json(&super::diagnose::DiagnosisJson::from(&diagnosis())).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        (v["findings"][0]["cause"].as_str(), v["findings"][0]["ranks"][8].as_u64()),
+        (Some("numa.split"), Some(18))
+    );
+    let fake = Fake { job: Mutex::new(job("running", 1)), gets_until_stopped: Mutex::new(0), events: vec![] };
+    let mut ctl = serve(fake).await;
+    super::diagnose::run(&mut ctl, 7, None, true).await.expect("json");
+    let err = super::diagnose::run(&mut ctl, 8, None, false).await.expect_err("no job 8");
+    assert_eq!(err.to_string(), "job 8 not found");
 }

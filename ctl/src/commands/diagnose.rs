@@ -1,0 +1,212 @@
+//! `ctl diagnose JOB [--attempt N] [-o json]`: the likely cause of a slow or uneven run.
+
+use serde::Serialize;
+use trainyard_proto::v1::{DiagnoseRequest, Diagnosis, Finding};
+
+use crate::client::Controller;
+use crate::output::{print_out, to_json};
+use crate::render::{Table, rank_ranges};
+
+pub async fn run(ctl: &mut Controller, job_id: u64, attempt: Option<u32>, json: bool) -> anyhow::Result<()> {
+    let d = match ctl.jobs.diagnose(DiagnoseRequest { job_id, attempt }).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => return Err(ctl.error(status, Some(job_id))),
+    };
+    if json { print_out(&to_json(&DiagnosisJson::from(&d))?) } else { print_out(&text(&d)) }
+}
+
+/// The stable JSON of a diagnosis (field names are part of the interface).
+#[derive(Debug, Serialize)]
+pub struct DiagnosisJson {
+    pub job_id: u64,
+    pub attempt: u32,
+    pub healthy: bool,
+    pub verdict: String,
+    pub findings: Vec<FindingJson>,
+    pub nodes: Vec<NodeJson>,
+    pub ranks: Vec<RankJson>,
+    pub unusable: Vec<String>,
+    pub metric: String,
+    pub warmup_steps: i64,
+    pub samples_used: u64,
+    pub predicted_comm_ms: f64,
+    pub measured_optimizer_ms: Option<f64>,
+    pub median_step_ms: Option<f64>,
+    pub median_tokens_per_s: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FindingJson {
+    pub cause: String,
+    pub summary: String,
+    pub nodes: Vec<String>,
+    pub ranks: Vec<u32>,
+    pub evidence: Vec<MeasureJson>,
+    pub expected_cost: String,
+    pub remedy: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct MeasureJson {
+    pub name: String,
+    pub value: f64,
+    pub unit: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct NodeJson {
+    pub agent_id: String,
+    pub ranks: Vec<u32>,
+    pub median_ms: Option<f64>,
+    pub vs_fastest: Option<f64>,
+    pub numa_layout: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RankJson {
+    pub rank: u32,
+    pub agent_id: String,
+    pub steps: u64,
+    pub median_ms: f64,
+    pub relative: f64,
+    pub individual: f64,
+    pub windows: u32,
+    pub slow_windows: u32,
+    pub straggler: bool,
+}
+
+impl From<&Finding> for FindingJson {
+    fn from(f: &Finding) -> Self {
+        FindingJson {
+            cause: f.cause.clone(),
+            summary: f.summary.clone(),
+            nodes: f.nodes.clone(),
+            ranks: f.ranks.clone(),
+            evidence: f
+                .evidence
+                .iter()
+                .map(|m| MeasureJson { name: m.name.clone(), value: m.value, unit: m.unit.clone() })
+                .collect(),
+            expected_cost: f.expected_cost.clone(),
+            remedy: f.remedy.clone(),
+        }
+    }
+}
+
+impl From<&Diagnosis> for DiagnosisJson {
+    fn from(d: &Diagnosis) -> Self {
+        DiagnosisJson {
+            job_id: d.job_id,
+            attempt: d.attempt,
+            healthy: d.healthy,
+            verdict: d.verdict.clone(),
+            findings: d.findings.iter().map(FindingJson::from).collect(),
+            nodes: d
+                .nodes
+                .iter()
+                .map(|n| NodeJson {
+                    agent_id: n.agent_id.clone(),
+                    ranks: n.ranks.clone(),
+                    median_ms: n.median_ms,
+                    vs_fastest: n.vs_fastest,
+                    numa_layout: n.numa_layout.clone(),
+                })
+                .collect(),
+            ranks: d
+                .ranks
+                .iter()
+                .map(|r| RankJson {
+                    rank: r.rank,
+                    agent_id: r.agent_id.clone(),
+                    steps: r.steps,
+                    median_ms: r.median_ms,
+                    relative: r.relative,
+                    individual: r.individual,
+                    windows: r.windows,
+                    slow_windows: r.slow_windows,
+                    straggler: r.straggler,
+                })
+                .collect(),
+            unusable: d.unusable.clone(),
+            metric: d.metric.clone(),
+            warmup_steps: d.warmup_steps,
+            samples_used: d.samples_used,
+            predicted_comm_ms: d.predicted_comm_ms,
+            measured_optimizer_ms: d.measured_optimizer_ms,
+            median_step_ms: d.median_step_ms,
+            median_tokens_per_s: d.median_tokens_per_s,
+        }
+    }
+}
+
+/// A number with its unit as people read it: "1295.0 ms", "1.84x", "0.082".
+pub fn with_unit(value: f64, unit: &str) -> String {
+    match unit {
+        "ms" => format!("{value:.1} ms"),
+        "x" => format!("{value:.2}x"),
+        "" => format!("{}", (value * 1000.0).round() / 1000.0),
+        other => format!("{value:.3} {other}"),
+    }
+}
+
+/// The diagnosis for people: verdict, findings with evidence, cost and remedy, then the pace
+/// of each node, stragglers and what could not be used.
+pub fn text(d: &Diagnosis) -> String {
+    let mut out = format!("job {} attempt {}: {}\n", d.job_id, d.attempt, d.verdict);
+    let opt = |v: Option<f64>, unit: &str| v.map_or("-".to_string(), |v| with_unit(v, unit));
+    out += &format!(
+        "  read {} step receipt(s), {} compared after {} warm-up step(s); median step {}, {} tokens/s, optimizer {} (cost model {})\n",
+        d.samples_used,
+        d.metric,
+        d.warmup_steps,
+        opt(d.median_step_ms, "ms"),
+        d.median_tokens_per_s.map_or("-".to_string(), |t| format!("{t:.0}")),
+        opt(d.measured_optimizer_ms, "ms"),
+        if d.predicted_comm_ms > 0.0 { with_unit(d.predicted_comm_ms, "ms") } else { "unknown".into() },
+    );
+    for f in &d.findings {
+        out += &format!("\n{}  nodes {}  ranks {}\n", f.cause, f.nodes.join(","), rank_ranges(&f.ranks));
+        out += &format!("  {}\n", f.summary);
+        let evidence: Vec<String> =
+            f.evidence.iter().map(|m| format!("{} {}", m.name, with_unit(m.value, &m.unit))).collect();
+        if !evidence.is_empty() {
+            out += &format!("  evidence: {}\n", evidence.join("; "));
+        }
+        out += &format!("  expected cost: {}\n  remedy: {}\n", f.expected_cost, f.remedy);
+    }
+    if !d.nodes.is_empty() {
+        let mut table = Table::new(&["NODE", "RANKS", "MEDIAN", "VS FASTEST", "NUMA"]);
+        for n in &d.nodes {
+            table.row(vec![
+                n.agent_id.clone(),
+                rank_ranges(&n.ranks),
+                opt(n.median_ms, "ms"),
+                opt(n.vs_fastest, "x"),
+                n.numa_layout.clone(),
+            ]);
+        }
+        out += "\n";
+        out += &table.render();
+    }
+    let stragglers: Vec<String> = d
+        .ranks
+        .iter()
+        .filter(|r| r.straggler)
+        .map(|r| {
+            format!(
+                "rank {} on {} ({:.2} of the median, slow in {} of {} windows)",
+                r.rank, r.agent_id, r.relative, r.slow_windows, r.windows
+            )
+        })
+        .collect();
+    if !stragglers.is_empty() {
+        out += &format!("\nstragglers: {}\n", stragglers.join("; "));
+    }
+    if !d.unusable.is_empty() {
+        out += "\ncould not use:\n";
+        for u in &d.unusable {
+            out += &format!("  - {u}\n");
+        }
+    }
+    out
+}

@@ -1,0 +1,143 @@
+//! `ctl diagnose` against real controller, agents and ranks: the field's faults reproduced on
+//! stand-in hosts by examples/rank.py (docs/diagnosis.md), each named with its cause, node and
+//! ranks, and a healthy run named healthy.
+
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use serde_json::Value;
+use trainyard_tests::{Cluster, allowed_cpus, host_file, host_file_numa};
+
+/// Steps per rank: enough windows after warm-up for the straggler scores.
+const STEPS: &str = "60";
+const STEP_MS: &str = "60";
+
+fn run_to_success(
+    c: &Cluster,
+    name: &str,
+    gpus: u32,
+    per_node: u32,
+    args: &[&str],
+    extra: &str,
+) -> anyhow::Result<u64> {
+    let mut all = vec!["--steps", STEPS, "--step-ms", STEP_MS];
+    all.extend_from_slice(args);
+    let id = c.submit(&c.job_file(name, gpus, per_node, &all, extra))?;
+    let status = c.wait_state(id, &["succeeded", "failed", "cancelled"], Duration::from_secs(180))?;
+    ensure!(status["state"] == "succeeded", "job {id}: {status}");
+    Ok(id)
+}
+
+/// `ctl diagnose JOB -o json`, and its text form (which must name the same verdict).
+fn diagnose(c: &Cluster, job: u64) -> anyhow::Result<Value> {
+    let json = c.ctl_ok(&["diagnose", &job.to_string(), "-o", "json"])?;
+    let d: Value = serde_json::from_str(&json).context("parse ctl diagnose -o json")?;
+    let text = c.ctl_ok(&["diagnose", &job.to_string()])?;
+    let verdict = d["verdict"].as_str().unwrap_or_default();
+    ensure!(text.contains(verdict), "text and JSON disagree:\n{text}\n{json}");
+    Ok(d)
+}
+
+fn causes(d: &Value) -> Vec<String> {
+    d["findings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|f| f["cause"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+fn ranks_of(finding: &Value) -> Vec<u64> {
+    finding["ranks"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect()
+}
+
+/// Two CPUs of this machine for the two NUMA nodes of a split stand-in host (one when it has
+/// only one).
+fn two_cpus() -> (String, String) {
+    let cpus = allowed_cpus();
+    let a = cpus[0];
+    let b = *cpus.get(1).unwrap_or(&a);
+    (a.to_string(), b.to_string())
+}
+
+#[test]
+fn a_slow_node_with_split_numa_is_named_and_compare_names_the_split() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    let healthy = host_file(c.dir.path(), "sxm-a", 8);
+    let (cpu0, cpu1) = two_cpus();
+    let split = host_file_numa(c.dir.path(), "sxm-b", &[0, 0, 0, 0, 1, 1, 1, 1], &[(0, &cpu0), (1, &cpu1)]);
+    c.start_agent_with_host_file("sxm-a", &healthy)?;
+    // The field's split node ran 1295 ms per step against 702: 1.84x.
+    c.start_agent_env("sxm-b", &split, &[("TRAINYARD_STANDIN_SLOWDOWN", "1.8")])?;
+    let job = run_to_success(&c, "split", 16, 8, &[], "")?;
+    let d = diagnose(&c, job)?;
+    // numa.split leads. This machine cannot be the stand-in host it plays: it has one NUMA node
+    // and two CPUs, so the ranks planned on memory node 1 are bound elsewhere and the host has
+    // under 4 CPUs per GPU. The diagnosis says so too, for sxm-b alone; nothing on sxm-a.
+    let all = causes(&d);
+    ensure!(all[0] == "numa.split", "{d:#}");
+    ensure!(all[1..].iter().all(|c| c == "numa.binding_refused" || c == "cpu.starved"), "{d:#}");
+    for f in d["findings"].as_array().unwrap() {
+        ensure!(f["nodes"] == serde_json::json!(["sxm-b"]), "only sxm-b is at fault: {f:#}");
+    }
+    let f = &d["findings"][0];
+    ensure!(f["nodes"] == serde_json::json!(["sxm-b"]), "{f:#}");
+    ensure!(ranks_of(f) == (8..16).collect::<Vec<u64>>(), "{f:#}");
+    let slowdown =
+        f["evidence"].as_array().unwrap().iter().find(|m| m["name"] == "slowdown").unwrap()["value"]
+            .as_f64()
+            .unwrap();
+    ensure!((1.5..2.2).contains(&slowdown), "slowdown {slowdown}");
+    ensure!(f["remedy"].as_str().unwrap().contains("NUMA node"));
+    ensure!(
+        d["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["agent_id"] == "sxm-b" && n["numa_layout"] == "0:4 1:4"),
+        "{d:#}"
+    );
+    Ok(())
+}
+
+#[test]
+fn shm_disabled_and_allowed_through_is_named() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("nvl", 8)?;
+    let job =
+        run_to_success(&c, "noshm", 8, 8, &[], "preflight = \"none\"\n[env]\nNCCL_SHM_DISABLE = \"1\"\n")?;
+    let d = diagnose(&c, job)?;
+    ensure!(causes(&d) == ["shm.disabled"], "{d:#}");
+    let f = &d["findings"][0];
+    ensure!(ranks_of(f).len() == 8 && f["expected_cost"].as_str().unwrap().contains("3.2x"), "{f:#}");
+    // The optimizer phase ran 3x: about a quarter of the step instead of 8 %.
+    let share = f["evidence"].as_array().unwrap().iter().find(|m| m["name"] == "optimizer share of the step");
+    let share = share.context("optimizer share in the evidence")?["value"].as_f64().unwrap();
+    ensure!((0.17..0.35).contains(&share), "optimizer share {share}");
+    Ok(())
+}
+
+#[test]
+fn one_slow_rank_is_an_unexplained_straggler_and_a_healthy_run_says_healthy() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("sxm", 8)?;
+    let slow = run_to_success(&c, "straggler", 8, 8, &["--slow-rank", "5", "--slow-factor", "1.3"], "")?;
+    let d = diagnose(&c, slow)?;
+    ensure!(causes(&d) == ["straggler.unexplained"], "{d:#}");
+    ensure!(ranks_of(&d["findings"][0]) == [5], "{d:#}");
+    ensure!(d["metric"] == "fwd_bwd_ms", "rank.py reports its compute phase: {d:#}");
+    let five = d["ranks"].as_array().unwrap().iter().find(|r| r["rank"] == 5).unwrap();
+    ensure!(five["straggler"] == true && five["relative"].as_f64().unwrap() < 0.85, "{five:#}");
+
+    let ok = run_to_success(&c, "healthy", 8, 8, &[], "")?;
+    let d = diagnose(&c, ok)?;
+    ensure!(causes(&d).is_empty() && d["healthy"] == true, "{d:#}");
+    ensure!(d["verdict"].as_str().unwrap().starts_with("healthy: no finding"), "{d:#}");
+    ensure!(d["samples_used"].as_u64() == Some(8 * 60), "{d:#}");
+    ensure!(d["unusable"].as_array().unwrap().is_empty(), "{d:#}");
+
+    // A job that does not exist is an error that names it.
+    let out = c.ctl(&["diagnose", "999"])?;
+    ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("999"));
+    Ok(())
+}
