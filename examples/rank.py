@@ -20,7 +20,8 @@ Stand-in timings that reproduce the field's faults (docs/diagnosis.md): the envi
 variable TRAINYARD_STANDIN_SLOWDOWN=F (set on a stand-in host's agent, so its ranks inherit it)
 makes every phase F times longer, as on a node whose GPUs are split over two NUMA nodes;
 NCCL_SHM_DISABLE=1 makes the optimizer phase 3x longer, as NCCL falling back to sockets does;
---slow-rank R --slow-factor F makes rank R's compute phase F times longer (a straggler).
+--slow-rank R --slow-factor F makes rank R's compute phase F times longer (a straggler);
+--hang-at-step K (--hang-rank R) stops writing steps at step K until SIGTERM (a stall).
 
 Flags for tests: --fail-at-step K exits 1 at step K (only on rank R with --fail-rank R, only in
 attempt A with --fail-attempt A);
@@ -100,6 +101,10 @@ def parse_args(argv):
         help="fail only in attempt A (TRAINYARD_ATTEMPT; default: every attempt)",
     )
     p.add_argument("--garbage", action="store_true", help="also write invalid receipt lines")
+    p.add_argument(
+        "--hang-at-step", type=int, default=None, metavar="K", help="stop writing steps at step K (a stall)"
+    )
+    p.add_argument("--hang-rank", type=int, default=None, metavar="R", help="only rank R hangs")
     p.add_argument("--slow-rank", type=int, default=None, metavar="R", help="rank R computes slower")
     p.add_argument(
         "--slow-factor", type=float, default=1.3, metavar="F", help="how much slower (default 1.3)"
@@ -261,6 +266,9 @@ def main(argv=None):
             receipts.emit("exit", code=1, step=step, reason="--fail-at-step")
             print(f"rank {rank}: failing at step {step} as asked", file=sys.stderr)
             return 1
+        if step == args.hang_at_step and args.hang_rank in (None, rank):
+            print(f"rank {rank}: hanging at step {step} as asked", file=sys.stderr)
+            sleep_until(math.inf, stop)
         started = time.monotonic()
         sleep_until(started + compute_s, stop)
         computed = time.monotonic()

@@ -141,3 +141,36 @@ fn one_slow_rank_is_an_unexplained_straggler_and_a_healthy_run_says_healthy() ->
     ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("999"));
     Ok(())
 }
+
+#[test]
+fn a_rank_that_stops_stepping_is_shown_stalled_in_status() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("sxm", 2)?;
+    let args = ["--steps", "100000", "--step-ms", "50", "--hang-at-step", "20", "--hang-rank", "1"];
+    let job = c.submit(&c.job_file("hang", 2, 2, &args, ""))?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    // 20 x 50 ms is under the 5 s floor: the stall shows after 5 s of silence.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let warning = loop {
+        let status = c.status(job)?;
+        let found = status["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .find(|w| w.starts_with("stalled"));
+        if let Some(w) = found {
+            break w.to_string();
+        }
+        ensure!(std::time::Instant::now() < deadline, "no stall warning: {status:#}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    ensure!(
+        warning.starts_with("stalled: rank(s) 1 wrote no step for") && warning.ends_with("last step 19)"),
+        "{warning}"
+    );
+    let text = c.ctl_ok(&["status", &job.to_string()])?;
+    ensure!(text.contains("stalled: rank(s) 1"), "{text}");
+    c.ctl_ok(&["cancel", &job.to_string()])?;
+    Ok(())
+}

@@ -52,6 +52,12 @@ impl Controller {
                 newest.unwrap_or_default()
             ));
         }
+        if record.state == JobState::Running {
+            let progress = self.store.step_progress(id, attempt).await?;
+            if let Some(stall) = crate::diagnose::stall::stall(&progress, self.now_ms()) {
+                warnings.push(stall.describe());
+            }
+        }
         let (predicted_comm_ms, waiting_reason) = {
             let core = self.lock();
             let waiting = match record.state {

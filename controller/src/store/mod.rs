@@ -397,6 +397,10 @@ pub trait ReceiptStore: Send + Sync {
     /// `ctl diagnose` reads). A receipt without a `step` has step -1.
     async fn step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<crate::diagnose::StepSample>>;
 
+    /// Each rank's last step receipt of one attempt (step, stored at) and the step times of
+    /// the attempt's latest 200 step receipts: what stall detection reads.
+    async fn step_progress(&self, job: JobId, attempt: u32) -> Result<crate::diagnose::stall::StepProgress>;
+
     /// Mean optimizer time (ms) over the job's latest 1,000 step receipts that carry a valid
     /// `optimizer_ms` (from `step_metrics`); `None` when none does.
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>>;

@@ -515,6 +515,42 @@ impl ReceiptStore for SqliteStore {
         .await
     }
 
+    async fn step_progress(&self, job: JobId, attempt: u32) -> Result<crate::diagnose::stall::StepProgress> {
+        self.run("step_progress", Mode::Read, async |c| {
+            let rows = sqlx::query(
+                "SELECT rank, max(step) AS step, max(stored_at_ms) AS at_ms FROM receipts \
+                 WHERE job_id = ? AND attempt = ? AND kind = 'step' AND step IS NOT NULL GROUP BY rank",
+            )
+            .bind(int(job)?)
+            .bind(attempt)
+            .fetch_all(&mut *c)
+            .await?;
+            let ranks = rows
+                .iter()
+                .map(|r| {
+                    Ok((
+                        num(r, "receipts", "rank")?,
+                        col(r, "receipts", "step")?,
+                        col(r, "receipts", "at_ms")?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let recent_step_ms: Vec<Option<f64>> = sqlx::query_scalar(
+                "SELECT step_time_ms FROM receipts WHERE job_id = ? AND attempt = ? AND kind = 'step' \
+                 ORDER BY position DESC LIMIT 200",
+            )
+            .bind(int(job)?)
+            .bind(attempt)
+            .fetch_all(&mut *c)
+            .await?;
+            Ok(crate::diagnose::stall::StepProgress {
+                ranks,
+                recent_step_ms: recent_step_ms.into_iter().flatten().collect(),
+            })
+        })
+        .await
+    }
+
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
         self.run("mean_optimizer_ms", Mode::Read, async |c| {
             let row = sqlx::query(

@@ -558,6 +558,13 @@ pub mod suite {
         assert!(s.last_seqs(j.id, 2).await.unwrap().is_empty());
         assert_eq!(s.receipt_count(j.id).await.unwrap(), 17);
         assert_eq!(s.receipt_count(j.id + 1).await.unwrap(), 0);
+        // Where each rank stands, for stall detection: last step and when it was stored.
+        s.insert_receipts(&receipts(at(0, 2), 8, 1), 5).await.unwrap();
+        let progress = s.step_progress(j.id, 0).await.unwrap();
+        assert_eq!(progress.ranks, vec![(0, 9, 1), (2, 8, 5)]);
+        assert_eq!(progress.recent_step_ms.len(), 14);
+        assert_eq!(progress.recent_step_ms[0], 108.0, "newest first");
+        assert_eq!(s.step_progress(j.id, 2).await.unwrap(), Default::default());
     }
 
     pub async fn preflight_round_trip_with_checks_in_order(h: &impl Harness) {
