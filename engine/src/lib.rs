@@ -22,6 +22,11 @@ pub struct RuntimeInfo {
     pub cuda_available: bool,
     pub cuda_device_count: i64,
     pub cudnn_available: bool,
+    /// The torch release of the loaded libtorch (`2.11.0+cu130`), read from the `version.py`
+    /// of the wheel it comes from; `None` when that cannot be found.
+    pub torch_version: Option<String>,
+    /// The NVIDIA driver, from `/proc/driver/nvidia/version`; `None` without one.
+    pub driver_version: Option<String>,
 }
 
 pub fn runtime_info() -> RuntimeInfo {
@@ -33,5 +38,68 @@ pub fn runtime_info() -> RuntimeInfo {
         cuda_available: tch::Cuda::is_available(),
         cuda_device_count: tch::Cuda::device_count(),
         cudnn_available: tch::Cuda::cudnn_is_available(),
+        torch_version: torch_version(&maps),
+        driver_version: driver_version(),
+    }
+}
+
+/// The torch version of the libtorch mapped into this process: `libtorch_cpu.so` lives in the
+/// wheel's `torch/lib/`, next to `torch/version.py` which holds `__version__ = '...'`.
+fn torch_version(maps: &str) -> Option<String> {
+    let lib =
+        maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.ends_with("/libtorch_cpu.so"))?;
+    let torch_dir = std::path::Path::new(lib).parent()?.parent()?;
+    version_py(&std::fs::read_to_string(torch_dir.join("version.py")).ok()?)
+}
+
+/// `__version__` of a torch `version.py`.
+fn version_py(text: &str) -> Option<String> {
+    let line = text.lines().find(|l| l.trim_start().starts_with("__version__"))?;
+    let value = line.split_once('=')?.1.trim().trim_matches(|c| c == '\'' || c == '"');
+    (!value.is_empty()).then(|| value.to_string())
+}
+
+/// The kernel module's version line: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15 ...".
+pub fn driver_version() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = text.lines().next()?;
+    let after = line.split("Kernel Module").nth(1)?;
+    after.split_whitespace().next().map(str::to_string)
+}
+
+/// An NCCL version code as `ncclGetVersion` returns it (`22805`, or `2403` before 2.9) as
+/// "2.28.5".
+pub fn nccl_version_string(code: i32) -> String {
+    let (major, minor, patch) = if code >= 10_000 {
+        (code / 10_000, code / 100 % 100, code % 100)
+    } else {
+        (code / 1000, code / 100 % 10, code % 100)
+    };
+    format!("{major}.{minor}.{patch}")
+}
+
+/// A CUDA version as `cuDriverGetVersion` returns it (`12080`) as "12.8".
+pub fn cuda_version_string(code: i32) -> String {
+    format!("{}.{}", code / 1000, code % 1000 / 10)
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::*;
+
+    #[test]
+    fn versions_read_at_run_time() {
+        assert_eq!(nccl_version_string(22805), "2.28.5");
+        assert_eq!(nccl_version_string(2708), "2.7.8");
+        assert_eq!(cuda_version_string(12080), "12.8");
+        assert_eq!(cuda_version_string(13000), "13.0");
+        assert_eq!(
+            version_py("from typing import Optional\n__version__ = '2.11.0+cu130'\n").as_deref(),
+            Some("2.11.0+cu130")
+        );
+        // This test binary links the wheel's libtorch: its version is the wheel's.
+        let info = runtime_info();
+        let torch = info.torch_version.expect("torch version from the loaded libtorch");
+        assert!(torch.starts_with("2.11.0"), "{torch}");
     }
 }

@@ -272,11 +272,13 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         json!({
             "engine": "builtin",
             "build_rev": info.build_rev,
-            "torch": "2.11.0",
+            "torch": info.torch_version,
+            "driver": info.driver_version,
+            "cuda": cuda_driver_api_version(device),
             "cuda_available": info.cuda_available,
             "cuda_devices": info.cuda_device_count,
             "libtorch_cuda_loaded": info.libtorch_cuda_loaded,
-            "nccl": if coll.name() == "nccl" { json!("2.28 (torch wheel, via cudarc)") } else { Value::Null },
+            "nccl": if coll.name() == "nccl" { nccl_version() } else { Value::Null },
             "collectives": coll.name(),
             "device": device_name,
             "gpu": env.gpu,
@@ -512,4 +514,25 @@ fn binding() -> Value {
         status.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':').map(|v| v.trim().to_string()))
     };
     json!({"cpus_allowed": field("Cpus_allowed_list"), "mems_allowed": field("Mems_allowed_list")})
+}
+
+/// The CUDA version the driver supports (`cuDriverGetVersion`), on a CUDA device only: CPU runs
+/// never load the driver library.
+fn cuda_driver_api_version(device: Device) -> Value {
+    if !matches!(device, Device::Cuda(_)) {
+        return Value::Null;
+    }
+    let mut code = 0;
+    // SAFETY: cuDriverGetVersion only writes the int it is given; the driver is loaded, since
+    // the device was opened through it.
+    match unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut code) } {
+        cudarc::driver::sys::CUresult::CUDA_SUCCESS => json!(crate::cuda_version_string(code)),
+        _ => Value::Null,
+    }
+}
+
+/// The NCCL the collectives run on (`ncclGetVersion`); called only once NCCL is loaded.
+fn nccl_version() -> Value {
+    cudarc::nccl::result::get_nccl_version()
+        .map_or(Value::Null, |code| json!(crate::nccl_version_string(code)))
 }

@@ -99,9 +99,14 @@ fn builtin_job_trains_and_resumes_after_a_killed_rank() -> anyhow::Result<()> {
     assert_eq!(summary, vec![vec![2 * STEPS, 1]]);
     let launch = c.query_text(&format!(
         "SELECT json_extract(body, '$.env.TRAINYARD_PREFLIGHT_REPORT'), json_extract(body, '$.binding.cpus_allowed'), \
-                json_extract(body, '$.env.WORLD_SIZE') FROM receipts \
+                json_extract(body, '$.env.WORLD_SIZE'), json_extract(body, '$.torch') FROM receipts \
          WHERE job_id = {reference} AND kind = 'launch' AND rank = 1"
     ))?;
+    // The torch version is read at run time from the libtorch the engine loaded: the wheel's.
+    let wheel = Command::new(repo_root().join(".venv/bin/python"))
+        .args(["-c", "import torch; print(torch.__version__)"])
+        .output()?;
+    assert_eq!(launch[0][3], String::from_utf8_lossy(&wheel.stdout).trim(), "launch receipt: {launch:?}");
     assert!(launch[0][0].starts_with("node-a-"), "launch receipt names its preflight report: {launch:?}");
     assert!(!launch[0][1].is_empty(), "launch receipt records the CPU binding it got: {launch:?}");
     assert_eq!(launch[0][2], "2");
