@@ -3,8 +3,8 @@
 //! # Layout
 //! - `spec`: the TOML job spec file and its conversion to the proto `JobSpec`.
 //! - `client`: the connection to the controller; gRPC failures become actionable sentences.
-//! - `commands`: one module per subcommand (submit, status, cancel, watch, logs, diagnose, nodes,
-//!   preflight).
+//! - `commands`: one module per subcommand (submit, status, cancel, watch, logs, diagnose,
+//!   compare, nodes, preflight).
 //! - `progress`: the rate-limited progress line of `submit --follow`.
 //! - `output`: the stable JSON rendering behind `-o json`.
 //! - `render`: tables, ages, timestamps and receipt lines for people.
@@ -94,6 +94,14 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
         output: Format,
     },
+    /// Two jobs side by side (provenance, env, placement, preflight, step time, collectives)
+    /// and what most likely explains their difference; A is the reference.
+    Compare {
+        a: u64,
+        b: u64,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
+        output: Format,
+    },
     /// Show the fleet: every node with its GPUs, class, NUMA layout, verdict and free GPUs.
     Nodes {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
@@ -157,6 +165,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Diagnose { job, attempt, output } => {
             commands::diagnose::run(&mut ctl, job, attempt, output == Format::Json).await
+        }
+        Command::Compare { a, b, output } => {
+            commands::compare::run(&mut ctl, a, b, output == Format::Json).await
         }
         Command::Nodes { output } => commands::nodes::run(&mut ctl, output == Format::Json).await,
         Command::Preflight { host, run, output } => {

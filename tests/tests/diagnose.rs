@@ -67,6 +67,7 @@ fn a_slow_node_with_split_numa_is_named_and_compare_names_the_split() -> anyhow:
     let (cpu0, cpu1) = two_cpus();
     let split = host_file_numa(c.dir.path(), "sxm-b", &[0, 0, 0, 0, 1, 1, 1, 1], &[(0, &cpu0), (1, &cpu1)]);
     c.start_agent_with_host_file("sxm-a", &healthy)?;
+    let reference = run_to_success(&c, "reference", 8, 8, &[], "")?;
     // The field's split node ran 1295 ms per step against 702: 1.84x.
     c.start_agent_env("sxm-b", &split, &[("TRAINYARD_STANDIN_SLOWDOWN", "1.8")])?;
     let job = run_to_success(&c, "split", 16, 8, &[], "")?;
@@ -96,6 +97,26 @@ fn a_slow_node_with_split_numa_is_named_and_compare_names_the_split() -> anyhow:
             .iter()
             .any(|n| n["agent_id"] == "sxm-b" && n["numa_layout"] == "0:4 1:4"),
         "{d:#}"
+    );
+    // The healthy run against the split one: the verdict names the split.
+    let (a, b) = (reference.to_string(), job.to_string());
+    let cmp: Value = serde_json::from_str(&c.ctl_ok(&["compare", &a, &b, "-o", "json"])?)?;
+    let verdict = cmp["verdict"].as_str().unwrap_or_default();
+    ensure!(
+        verdict.contains("slower per step than A; most likely: B (job")
+            && verdict.contains("numa.split: sxm-b"),
+        "{cmp:#}"
+    );
+    let ratio = cmp["step_time_ratio"].as_f64().context("ratio")?;
+    ensure!((1.2..2.0).contains(&ratio), "B/A step time {ratio}: {cmp:#}");
+    ensure!(
+        cmp["b"]["nodes"].as_array().unwrap().len() == 2 && cmp["a"]["provenance"]["python"].is_string(),
+        "{cmp:#}"
+    );
+    let text = c.ctl_ok(&["compare", &a, &b])?;
+    ensure!(
+        text.starts_with(verdict) && text.contains("[0:4 1:4]") && text.contains("step time p10/p50/p90"),
+        "{text}"
     );
     Ok(())
 }

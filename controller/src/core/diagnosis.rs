@@ -1,16 +1,52 @@
-//! `Diagnose`: gathers what [`crate::diagnose::diagnose`] reads (the attempt's step receipts
+//! `Diagnose` and `Compare`: gather what [`crate::diagnose`] reads (an attempt's step receipts
 //! and allocations from the store, the nodes' inventories and newest preflight reports from
-//! memory, the cost model's prediction for the placement) and runs it.
+//! memory, the cost model's prediction for the placement) and run it.
 
 use std::collections::BTreeMap;
 
 use super::{Controller, ControllerError, Result};
-use crate::diagnose::{self, Diagnosis, Input, NodeFacts};
-use crate::store::JobId;
+use crate::diagnose::compare::{self, Comparison, Distribution, PROVENANCE_KEYS, PlacedNode, Side};
+use crate::diagnose::{self, Diagnosis, Input, NodeFacts, StepSample, stragglers};
+use crate::domain::CheckStatus;
+use crate::store::{Allocation, JobId, JobRecord};
+
+/// What one attempt's diagnosis reads.
+struct Evidence {
+    record: JobRecord,
+    attempt: u32,
+    allocations: Vec<Allocation>,
+    samples: Vec<StepSample>,
+    nodes: BTreeMap<String, NodeFacts>,
+    predicted_comm_ms: f64,
+}
+
+impl Evidence {
+    fn diagnose(&self) -> Diagnosis {
+        diagnose::diagnose(&Input {
+            spec: &self.record.spec,
+            attempt: self.attempt,
+            allocations: &self.allocations,
+            samples: &self.samples,
+            nodes: &self.nodes,
+            predicted_comm_ms: self.predicted_comm_ms,
+        })
+    }
+}
 
 impl Controller {
     /// Diagnoses `attempt` of a job (default: its current attempt).
     pub async fn diagnose(&self, job_id: JobId, attempt: Option<u32>) -> Result<Diagnosis> {
+        Ok(self.evidence(job_id, attempt).await?.diagnose())
+    }
+
+    /// Compares the current attempts of two jobs; `a` is the reference.
+    pub async fn compare(&self, a: JobId, b: JobId) -> Result<Comparison> {
+        let a = self.side(a).await?;
+        let b = self.side(b).await?;
+        Ok(compare::compare(a, b))
+    }
+
+    async fn evidence(&self, job_id: JobId, attempt: Option<u32>) -> Result<Evidence> {
         let record = self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
         let attempt = attempt.unwrap_or(record.attempt);
         if attempt > record.attempt {
@@ -34,13 +70,69 @@ impl Controller {
                 .collect();
             (nodes, super::view::predicted_comm_ms(&core, &allocations, &record.spec))
         };
-        Ok(diagnose::diagnose(&Input {
-            spec: &record.spec,
-            attempt,
-            allocations: &allocations,
-            samples: &samples,
-            nodes: &nodes,
-            predicted_comm_ms,
-        }))
+        Ok(Evidence { record, attempt, allocations, samples, nodes, predicted_comm_ms })
     }
+
+    async fn side(&self, job_id: JobId) -> Result<Side> {
+        let evidence = self.evidence(job_id, None).await?;
+        let diagnosis = evidence.diagnose();
+        let launch = self.store.first_receipt(job_id, evidence.attempt, "launch").await?;
+        let provenance = launch.as_deref().map(provenance_of).unwrap_or_default();
+        let last_step = evidence.samples.iter().map(|s| s.step).max().unwrap_or(0);
+        let warmup = stragglers::warmup_steps(last_step);
+        let steady = || evidence.samples.iter().filter(move |s| s.step >= warmup);
+        let nodes = diagnosis
+            .nodes
+            .iter()
+            .map(|n| {
+                let report = evidence.nodes.get(&n.agent_id).and_then(|f| f.preflight.as_ref());
+                PlacedNode {
+                    agent_id: n.agent_id.clone(),
+                    ranks: n.ranks.len() as u32,
+                    numa_layout: n.numa_layout.clone(),
+                    class: report.and_then(|r| r.interconnect_class),
+                    verdict: report.map(|r| r.verdict),
+                    problems: report
+                        .map(|r| {
+                            r.checks
+                                .iter()
+                                .filter(|c| matches!(c.status, CheckStatus::Warn | CheckStatus::Fail))
+                                .map(|c| format!("{}: {}", c.id, c.measured))
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                }
+            })
+            .collect();
+        Ok(Side {
+            job_id,
+            name: evidence.record.spec.name.clone(),
+            state: evidence.record.state.to_string(),
+            attempt: evidence.attempt,
+            provenance,
+            env: evidence.record.spec.env.clone(),
+            nodes,
+            step_time_ms: Distribution::of(steady().filter_map(|s| s.step_time_ms)),
+            tokens_per_s: Distribution::of(steady().filter_map(|s| s.tokens_per_s)),
+            diagnosis,
+        })
+    }
+}
+
+/// The provenance fields of a launch receipt, as text.
+fn provenance_of(body: &str) -> BTreeMap<String, String> {
+    let Ok(serde_json::Value::Object(fields)) = serde_json::from_str::<serde_json::Value>(body) else {
+        return BTreeMap::new();
+    };
+    PROVENANCE_KEYS
+        .iter()
+        .filter_map(|k| {
+            let text = match fields.get(*k)? {
+                serde_json::Value::Null => return None,
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            Some((k.to_string(), text))
+        })
+        .collect()
 }

@@ -15,6 +15,7 @@
 //!   cost model predicts for the placement's links, with no transport turned off.
 //! - `straggler.unexplained`: stragglers (see [`stragglers`]) on nodes no finding covers.
 
+pub mod compare;
 pub mod stall;
 pub mod stragglers;
 

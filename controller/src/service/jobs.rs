@@ -12,10 +12,10 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::Jobs;
 use trainyard_proto::v1::{
-    CancelRequest, CancelResponse, DiagnoseRequest, Diagnosis, GetJobRequest, Job, JobStateChange,
-    ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, NodesRequest, NodesResponse, PreflightReport,
-    PreflightRequest, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
-    watch_event::Event,
+    CancelRequest, CancelResponse, CompareRequest, Comparison, DiagnoseRequest, Diagnosis, GetJobRequest,
+    Job, JobStateChange, ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, NodesRequest,
+    NodesResponse, PreflightReport, PreflightRequest, StoredReceipt, SubmitRequest, SubmitResponse,
+    WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use super::to_status;
@@ -98,6 +98,12 @@ impl Jobs for JobsService {
         let req = request.into_inner();
         let d = self.controller.diagnose(req.job_id, req.attempt).await.map_err(to_status)?;
         Ok(Response::new(diagnosis_message(req.job_id, &d)))
+    }
+
+    async fn compare(&self, request: Request<CompareRequest>) -> Result<Response<Comparison>, Status> {
+        let req = request.into_inner();
+        let c = self.controller.compare(req.a, req.b).await.map_err(to_status)?;
+        Ok(Response::new(comparison_message(&c)))
     }
 
     type WatchStream = WatchStream;
@@ -274,5 +280,48 @@ fn diagnosis_message(job_id: u64, d: &crate::diagnose::Diagnosis) -> Diagnosis {
         measured_optimizer_ms: d.measured_optimizer_ms,
         median_step_ms: d.median_step_ms,
         median_tokens_per_s: d.median_tokens_per_s,
+    }
+}
+
+/// The wire form of a comparison.
+fn comparison_message(c: &crate::diagnose::compare::Comparison) -> Comparison {
+    use crate::diagnose::compare::{Diff, Distribution, Side};
+    use trainyard_proto::v1 as pb;
+    let dist = |d: &Option<Distribution>| {
+        d.map(|d| pb::Distribution { n: d.n as u64, p10: d.p10, p50: d.p50, p90: d.p90 })
+    };
+    let side = |s: &Side| pb::JobSide {
+        job_id: s.job_id,
+        name: s.name.clone(),
+        state: s.state.clone(),
+        attempt: s.attempt,
+        provenance: s.provenance.clone().into_iter().collect(),
+        nodes: s
+            .nodes
+            .iter()
+            .map(|n| pb::PlacedNode {
+                agent_id: n.agent_id.clone(),
+                ranks: n.ranks,
+                numa_layout: n.numa_layout.clone(),
+                interconnect_class: n.class.map(|c| c.to_string()).unwrap_or_default(),
+                verdict: n.verdict.map(|v| v.to_string()).unwrap_or_default(),
+                problems: n.problems.clone(),
+            })
+            .collect(),
+        step_time_ms: dist(&s.step_time_ms),
+        tokens_per_s: dist(&s.tokens_per_s),
+        diagnosis: Some(diagnosis_message(s.job_id, &s.diagnosis)),
+    };
+    let diffs = |d: &[Diff]| -> Vec<pb::Difference> {
+        d.iter().map(|d| pb::Difference { name: d.name.clone(), a: d.a.clone(), b: d.b.clone() }).collect()
+    };
+    Comparison {
+        a: Some(side(&c.a)),
+        b: Some(side(&c.b)),
+        env: diffs(&c.env),
+        provenance: diffs(&c.provenance),
+        step_time_ratio: c.step_time_ratio,
+        differences: c.differences.clone(),
+        verdict: c.verdict.clone(),
     }
 }

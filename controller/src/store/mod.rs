@@ -401,6 +401,10 @@ pub trait ReceiptStore: Send + Sync {
     /// the attempt's latest 200 step receipts: what stall detection reads.
     async fn step_progress(&self, job: JobId, attempt: u32) -> Result<crate::diagnose::stall::StepProgress>;
 
+    /// The body of the first receipt of `kind` of one attempt, from its lowest rank (rank 0's
+    /// launch receipt: the run's provenance); `None` when there is none.
+    async fn first_receipt(&self, job: JobId, attempt: u32, kind: &str) -> Result<Option<String>>;
+
     /// Mean optimizer time (ms) over the job's latest 1,000 step receipts that carry a valid
     /// `optimizer_ms` (from `step_metrics`); `None` when none does.
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>>;

@@ -565,6 +565,21 @@ impl ReceiptStore for PostgresStore {
         .await
     }
 
+    async fn first_receipt(&self, job: JobId, attempt: u32, kind: &str) -> Result<Option<String>> {
+        self.run("first_receipt", async |c| {
+            Ok(sqlx::query_scalar(
+                "SELECT body FROM receipts WHERE job_id = $1 AND attempt = $2 AND kind = $3 \
+                 ORDER BY rank, seq LIMIT 1",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .bind(kind.to_owned())
+            .fetch_optional(&mut *c)
+            .await?)
+        })
+        .await
+    }
+
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
         self.run("mean_optimizer_ms", async |c| {
             let row = sqlx::query(

@@ -551,6 +551,21 @@ impl ReceiptStore for SqliteStore {
         .await
     }
 
+    async fn first_receipt(&self, job: JobId, attempt: u32, kind: &str) -> Result<Option<String>> {
+        self.run("first_receipt", Mode::Read, async |c| {
+            Ok(sqlx::query_scalar(
+                "SELECT body FROM receipts WHERE job_id = ? AND attempt = ? AND kind = ? \
+                 ORDER BY rank, seq LIMIT 1",
+            )
+            .bind(int(job)?)
+            .bind(attempt)
+            .bind(kind.to_owned())
+            .fetch_optional(&mut *c)
+            .await?)
+        })
+        .await
+    }
+
     async fn mean_optimizer_ms(&self, job: JobId) -> Result<Option<f64>> {
         self.run("mean_optimizer_ms", Mode::Read, async |c| {
             let row = sqlx::query(

@@ -1,6 +1,7 @@
 //! One module per subcommand; each takes a connected [`Controller`] and prints its result.
 
 pub mod cancel;
+pub mod compare;
 pub mod diagnose;
 pub mod logs;
 pub mod nodes;

@@ -6,10 +6,10 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
-    CancelRequest, CancelResponse, DiagnoseRequest, Diagnosis, Finding, GetJobRequest, Job, JobSpec,
-    JobStateChange, ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, Measure, NodeInfo,
-    NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus, StoredReceipt, SubmitRequest,
-    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    CancelRequest, CancelResponse, CompareRequest, Comparison, DiagnoseRequest, Diagnosis, Finding,
+    GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest,
+    Measure, NodeInfo, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus,
+    StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -73,6 +73,10 @@ impl Jobs for Fake {
         let mut job = self.job.lock().expect("lock");
         job.state = "cancelled".into();
         Ok(Response::new(CancelResponse { job: Some(job.clone()) }))
+    }
+
+    async fn compare(&self, _: Request<CompareRequest>) -> Result<Response<Comparison>, Status> {
+        Err(Status::unimplemented("compare is tested end to end"))
     }
 
     /// Job 7 has one finding; any other job is unknown.
