@@ -152,6 +152,9 @@ pub fn job_details(j: &Job, now_ms: i64) -> String {
             ms(j.measured_optimizer_ms)
         );
     }
+    if let Some(g) = j.goodput.as_ref().filter(|g| g.wall_ms > 0.0) {
+        let _ = writeln!(out, "  goodput:  {}", g.summary);
+    }
     for w in &j.warnings {
         let _ = writeln!(out, "  warning:  {w}");
     }

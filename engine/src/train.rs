@@ -430,8 +430,11 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         if cfg.eval_every > 0 && (step % cfg.eval_every == 0 || step == cfg.num_iterations) {
             let te = Instant::now();
             let v = eval(&model, coll.as_mut())?;
-            eval_s += te.elapsed().as_secs_f64();
-            receipts.emit("eval", json!({"step": step, "val_loss": v, "batches": cfg.eval_batches}))?;
+            let took = te.elapsed().as_secs_f64();
+            eval_s += took;
+            let eval_receipt =
+                json!({"step": step, "val_loss": v, "batches": cfg.eval_batches, "duration_ms": took * 1e3});
+            receipts.emit("eval", eval_receipt)?;
         }
         let want_ckpt =
             cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || step == cfg.num_iterations);

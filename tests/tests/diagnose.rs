@@ -150,6 +150,24 @@ fn one_slow_rank_is_an_unexplained_straggler_and_a_healthy_run_says_healthy() ->
     let five = d["ranks"].as_array().unwrap().iter().find(|r| r["rank"] == 5).unwrap();
     ensure!(five["straggler"] == true && five["relative"].as_f64().unwrap() < 0.85, "{five:#}");
 
+    // Stored with its evidence once the job ended.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let rows =
+            c.query_text(&format!("SELECT cause, ranks, evidence FROM job_findings WHERE job_id = {slow}"))?;
+        if let Some(row) = rows.first() {
+            ensure!(
+                row[0] == "straggler.unexplained"
+                    && row[1] == "[5]"
+                    && row[2].contains("rank 5 relative score"),
+                "{rows:?}"
+            );
+            break;
+        }
+        ensure!(std::time::Instant::now() < deadline, "no finding stored for job {slow}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
     let ok = run_to_success(&c, "healthy", 8, 8, &[], "")?;
     let d = diagnose(&c, ok)?;
     ensure!(causes(&d).is_empty() && d["healthy"] == true, "{d:#}");
@@ -193,5 +211,50 @@ fn a_rank_that_stops_stepping_is_shown_stalled_in_status() -> anyhow::Result<()>
     let text = c.ctl_ok(&["status", &job.to_string()])?;
     ensure!(text.contains("stalled: rank(s) 1"), "{text}");
     c.ctl_ok(&["cancel", &job.to_string()])?;
+    Ok(())
+}
+
+#[test]
+fn goodput_splits_the_wall_time_and_counts_the_steps_a_restart_redid() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("sxm", 2)?;
+    // Attempt 0 fails at step 20 (steps 0-19 done); attempt 1 starts over from step 0.
+    let args = [
+        "--steps",
+        "40",
+        "--step-ms",
+        "50",
+        "--fail-at-step",
+        "20",
+        "--fail-rank",
+        "1",
+        "--fail-attempt",
+        "0",
+    ];
+    let job = c.submit(&c.job_file("flaky", 2, 2, &args, "[restart]\nmax_restarts = 1\n"))?;
+    let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(90))?;
+    ensure!(status["state"] == "succeeded", "{status:#}");
+    let g = &status["goodput"];
+    ensure!(g["attempts"].as_array().map(Vec::len) == Some(2), "{g:#}");
+    ensure!(g["steps_redone"] == 20, "steps 0-19 were done twice: {g:#}");
+    let share = g["goodput"].as_f64().context("goodput")?;
+    ensure!(share > 0.0 && share < 1.0, "{g:#}");
+    ensure!(g["restart_ms"].as_f64().unwrap() > 0.0 && g["lost_ms"].as_f64().unwrap() > 500.0, "{g:#}");
+    let text = c.ctl_ok(&["status", &job.to_string()])?;
+    ensure!(text.contains("goodput:") && text.contains("(20 steps redone)"), "{text}");
+
+    // Once every rank stopped, the controller records it: the job_goodput view and
+    // job_findings (none for this run).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let rows =
+            c.query(&format!("SELECT attempts, steps_redone FROM job_goodput WHERE job_id = {job}"))?;
+        if rows == vec![vec![2, 20]] {
+            break;
+        }
+        ensure!(std::time::Instant::now() < deadline, "job_goodput: {rows:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    ensure!(c.query(&format!("SELECT COUNT(*) FROM job_findings WHERE job_id = {job}"))? == vec![vec![0]]);
     Ok(())
 }

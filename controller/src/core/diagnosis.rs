@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use super::{Controller, ControllerError, Result};
 use crate::diagnose::compare::{self, Comparison, Distribution, PROVENANCE_KEYS, PlacedNode, Side};
+use crate::diagnose::goodput::{self, Goodput};
 use crate::diagnose::{self, Diagnosis, Input, NodeFacts, StepSample, stragglers};
 use crate::domain::CheckStatus;
 use crate::store::{Allocation, JobId, JobRecord};
@@ -37,6 +38,38 @@ impl Controller {
     /// Diagnoses `attempt` of a job (default: its current attempt).
     pub async fn diagnose(&self, job_id: JobId, attempt: Option<u32>) -> Result<Diagnosis> {
         Ok(self.evidence(job_id, attempt).await?.diagnose())
+    }
+
+    /// Where the job's wall time went, attempt by attempt (until now for a running attempt).
+    pub async fn goodput(&self, job_id: JobId) -> Result<Goodput> {
+        let record = self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
+        let events = self.store.job_events(job_id).await?;
+        let mut facts = Vec::new();
+        for attempt in 0..=record.attempt {
+            let mut f = self.store.attempt_facts(job_id, attempt).await?;
+            f.place_in(&events);
+            facts.push(f);
+        }
+        Ok(goodput::goodput(&facts, self.now_ms()))
+    }
+
+    /// Records an ended job's goodput and its last attempt's findings (tables
+    /// `attempt_goodput`, `job_findings`). A failure is logged: the live answers of
+    /// `ctl status` and `ctl diagnose` do not depend on it.
+    pub(super) async fn record_outcome(&self, job_id: JobId) {
+        let outcome = async {
+            let goodput = self.goodput(job_id).await?;
+            let evidence = self.evidence(job_id, None).await?;
+            let diagnosis = evidence.diagnose();
+            self.store
+                .record_outcome(job_id, &goodput, evidence.attempt, &diagnosis.findings, self.now_ms())
+                .await?;
+            Ok::<_, ControllerError>(diagnosis.verdict())
+        };
+        match outcome.await {
+            Ok(verdict) => tracing::info!(job_id, verdict, "job outcome recorded"),
+            Err(e) => tracing::warn!(job_id, error = %e, "could not record the job's goodput and findings"),
+        }
     }
 
     /// Compares the current attempts of two jobs; `a` is the reference.

@@ -150,6 +150,7 @@ impl Controller {
                         core.jobs.remove(&job_id);
                     }
                     self.bump();
+                    self.record_outcome(job_id).await;
                 }
                 Some(Step::Move { from, to, attempt, reason, then }) => {
                     if then == Then::NextAttempt {

@@ -16,6 +16,7 @@
 //! - `straggler.unexplained`: stragglers (see [`stragglers`]) on nodes no finding covers.
 
 pub mod compare;
+pub mod goodput;
 pub mod stall;
 pub mod stragglers;
 

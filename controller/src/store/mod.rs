@@ -99,6 +99,8 @@ pub struct JobEventRecord {
     /// `None` for the event that created the job.
     pub from_state: Option<JobState>,
     pub to_state: JobState,
+    /// The job's attempt after the transition.
+    pub attempt: u32,
     pub reason: String,
 }
 
@@ -404,6 +406,22 @@ pub trait ReceiptStore: Send + Sync {
     /// The body of the first receipt of `kind` of one attempt, from its lowest rank (rank 0's
     /// launch receipt: the run's provenance); `None` when there is none.
     async fn first_receipt(&self, job: JobId, attempt: u32, kind: &str) -> Result<Option<String>>;
+
+    /// What rank 0's step, eval and checkpoint receipts of one attempt say about where its
+    /// time went (the event times are left for the caller to fill in).
+    async fn attempt_facts(&self, job: JobId, attempt: u32)
+    -> Result<crate::diagnose::goodput::AttemptFacts>;
+
+    /// Stores what the controller concluded about an ended job (`attempt_goodput`, and the
+    /// findings of its last attempt's diagnosis in `job_findings`), replacing an earlier record.
+    async fn record_outcome(
+        &self,
+        job: JobId,
+        goodput: &crate::diagnose::goodput::Goodput,
+        attempt: u32,
+        findings: &[crate::diagnose::Finding],
+        now_ms: i64,
+    ) -> Result<()>;
 
     /// Mean optimizer time (ms) over the job's latest 1,000 step receipts that carry a valid
     /// `optimizer_ms` (from `step_metrics`); `None` when none does.

@@ -185,6 +185,7 @@ macro_rules! row_readers {
                     Some(_) => Some(state_col(row, t, "from_state")?),
                 },
                 to_state: state_col(row, t, "to_state")?,
+                attempt: num(row, t, "attempt")?,
                 reason: col(row, t, "reason")?,
             })
         }
@@ -325,3 +326,33 @@ macro_rules! row_readers {
     };
 }
 pub(super) use row_readers;
+
+/// A diagnosis finding as the columns of `job_findings` (lists and evidence as JSON).
+pub(super) struct FindingRow<'a> {
+    pub cause: &'static str,
+    pub summary: &'a str,
+    pub nodes: String,
+    pub ranks: String,
+    pub evidence: String,
+    pub remedy: &'a str,
+}
+
+pub(super) fn finding_rows(findings: &[crate::diagnose::Finding]) -> Vec<FindingRow<'_>> {
+    findings
+        .iter()
+        .map(|f| FindingRow {
+            cause: f.cause.as_str(),
+            summary: &f.summary,
+            nodes: serde_json::to_string(&f.nodes).unwrap_or_default(),
+            ranks: serde_json::to_string(&f.ranks).unwrap_or_default(),
+            evidence: serde_json::Value::Array(
+                f.evidence
+                    .iter()
+                    .map(|m| serde_json::json!({"name": m.name, "value": m.value, "unit": m.unit}))
+                    .collect(),
+            )
+            .to_string(),
+            remedy: &f.remedy,
+        })
+        .collect()
+}

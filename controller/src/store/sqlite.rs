@@ -250,7 +250,7 @@ impl JobStore for SqliteStore {
     async fn job_events(&self, job: JobId) -> Result<Vec<JobEventRecord>> {
         self.run("job_events", Mode::Read, async |c| {
             let rows = sqlx::query(
-                "SELECT job_id, at_ms, from_state, to_state, reason FROM job_events \
+                "SELECT job_id, at_ms, from_state, to_state, attempt, reason FROM job_events \
                  WHERE job_id = ? ORDER BY id",
             )
             .bind(int(job)?)
@@ -562,6 +562,87 @@ impl ReceiptStore for SqliteStore {
             .bind(kind.to_owned())
             .fetch_optional(&mut *c)
             .await?)
+        })
+        .await
+    }
+
+    async fn attempt_facts(
+        &self,
+        job: JobId,
+        attempt: u32,
+    ) -> Result<crate::diagnose::goodput::AttemptFacts> {
+        self.run("attempt_facts", Mode::Read, async |c| {
+            let rows = sqlx::query(
+                "SELECT kind, step, step_time_ms, stored_at_ms, CASE WHEN kind = 'step' THEN NULL ELSE body END AS body \
+                 FROM receipts WHERE job_id = ? AND attempt = ? AND rank = 0 \
+                 AND kind IN ('step', 'eval', 'checkpoint') ORDER BY seq",
+            )
+            .bind(int(job)?)
+            .bind(attempt)
+            .fetch_all(&mut *c)
+            .await?;
+            let mut facts = crate::diagnose::goodput::AttemptFacts { attempt, ..Default::default() };
+            for row in &rows {
+                let t = "receipts";
+                facts.add(
+                    &col::<String>(row, t, "kind")?,
+                    col(row, t, "step")?,
+                    col(row, t, "step_time_ms")?,
+                    col(row, t, "stored_at_ms")?,
+                    col::<Option<String>>(row, t, "body")?.as_deref(),
+                );
+            }
+            Ok(facts)
+        })
+        .await
+    }
+
+    async fn record_outcome(
+        &self,
+        job: JobId,
+        goodput: &crate::diagnose::goodput::Goodput,
+        attempt: u32,
+        findings: &[crate::diagnose::Finding],
+        now_ms: i64,
+    ) -> Result<()> {
+        let findings = super::rows::finding_rows(findings);
+        self.run("record_outcome", Mode::Write, async |c| {
+            let id = int(job)?;
+            sqlx::query("DELETE FROM attempt_goodput WHERE job_id = ?").bind(id).execute(&mut *c).await?;
+            sqlx::query("DELETE FROM job_findings WHERE job_id = ?").bind(id).execute(&mut *c).await?;
+            for a in &goodput.attempts {
+                sqlx::query("INSERT INTO attempt_goodput (job_id, attempt, wall_ms, startup_ms, train_ms, eval_ms, checkpoint_ms, restart_ms, lost_ms, steps_redone, other_ms, recorded_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                    .bind(id)
+                    .bind(i64::from(a.attempt))
+                    .bind(a.wall_ms)
+                    .bind(a.startup_ms)
+                    .bind(a.train_ms)
+                    .bind(a.eval_ms)
+                    .bind(a.checkpoint_ms)
+                    .bind(a.restart_ms)
+                    .bind(a.lost_ms)
+                    .bind(int(a.steps_redone)?)
+                    .bind(a.other_ms)
+                    .bind(now_ms)
+                    .execute(&mut *c)
+                    .await?;
+            }
+            for (position, f) in findings.iter().enumerate() {
+                sqlx::query("INSERT INTO job_findings (job_id, attempt, position, cause, summary, nodes, ranks, evidence, remedy, recorded_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                    .bind(id)
+                    .bind(i64::from(attempt))
+                    .bind(position as i64)
+                    .bind(f.cause)
+                    .bind(f.summary)
+                    .bind(&f.nodes)
+                    .bind(&f.ranks)
+                    .bind(&f.evidence)
+                    .bind(f.remedy)
+                    .bind(now_ms)
+                    .execute(&mut *c)
+                    .await?;
+            }
+            Ok(())
         })
         .await
     }

@@ -40,6 +40,7 @@ macro_rules! store_suite {
             binding_planned_then_effective,
             mean_optimizer_ms_of_step_receipts,
             submit_keys_are_unique,
+            attempt_facts_and_outcomes,
         );
     };
     (@each $harness:ty: $($name:ident),+ $(,)?) => {
@@ -494,6 +495,60 @@ pub mod suite {
         );
         assert!(samples.iter().all(|x| x.step_time_ms == Some(100.0) && x.rank == 0));
         assert!(s.step_samples(j.id, 1).await.unwrap().is_empty(), "another attempt has none");
+    }
+
+    pub async fn attempt_facts_and_outcomes(h: &impl Harness) {
+        use crate::diagnose::goodput::{AttemptGoodput, Goodput};
+        let s = h.open().await;
+        let j = s.create_job(&spec("g", 2), None, "submitted", 1).await.unwrap();
+        let id = |rank| RankId { job_id: j.id, attempt: 0, rank };
+        let mut batch = receipts(id(0), 0, 3);
+        batch.extend(receipts(id(1), 0, 5));
+        batch.push(receipt(
+            id(0),
+            3,
+            "checkpoint",
+            Some(2),
+            r#"{"kind":"checkpoint","step":2,"duration_ms":250.5}"#,
+        ));
+        batch.push(receipt(
+            id(0),
+            4,
+            "eval",
+            Some(2),
+            r#"{"kind":"eval","step":2,"val_loss":3.1,"duration_ms":40}"#,
+        ));
+        batch.push(receipt(id(0), 5, "eval", Some(3), r#"{"kind":"eval","step":3,"duration_ms":"slow"}"#));
+        s.insert_receipts(&batch, 77).await.unwrap();
+        // Rank 0 only: 3 steps of 100-102 ms, the checkpoint and the one eval with a number.
+        let f = s.attempt_facts(j.id, 0).await.unwrap();
+        assert_eq!((f.steps, f.first_step, f.last_step, f.first_step_at_ms), (3, Some(0), Some(2), Some(77)));
+        assert_eq!((f.train_ms, f.first_step_ms, f.checkpoint_ms, f.eval_ms), (303.0, 100.0, 250.5, 40.0));
+        // Events carry their attempt.
+        let events = s.job_events(j.id).await.unwrap();
+        assert_eq!(events.iter().map(|e| e.attempt).collect::<Vec<_>>(), vec![0]);
+        let attempt = AttemptGoodput { attempt: 0, wall_ms: 1_000.0, steps_redone: 3, ..Default::default() };
+        let goodput = Goodput {
+            attempts: vec![attempt.clone(), AttemptGoodput { attempt: 1, ..attempt }],
+            ..Default::default()
+        };
+        let finding = crate::diagnose::Finding {
+            cause: crate::domain::Cause::ShmDisabled,
+            summary: "off".into(),
+            nodes: vec!["a".into()],
+            ranks: vec![0, 1],
+            evidence: vec![crate::diagnose::Measure { name: "x".into(), value: 2.5, unit: "ms" }],
+            expected_cost: "",
+            remedy: "fix".into(),
+        };
+        s.record_outcome(j.id, &goodput, 1, std::slice::from_ref(&finding), 9).await.unwrap();
+        // Recording again replaces the first record (its primary keys would collide otherwise).
+        s.record_outcome(j.id, &goodput, 1, &[finding], 10).await.unwrap();
+        assert_eq!(
+            s.step_samples(j.id, 0).await.unwrap().len(),
+            8,
+            "eval and checkpoint receipts are not steps"
+        );
     }
 
     pub async fn receipts_dedup(h: &impl Harness) {
