@@ -102,6 +102,11 @@ def parse_args(argv):
     )
     p.add_argument("--garbage", action="store_true", help="also write invalid receipt lines")
     p.add_argument(
+        "--bad-steps",
+        action="store_true",
+        help="also write step receipts that break schema v1 (missing, mistyped, negative, NaN fields)",
+    )
+    p.add_argument(
         "--hang-at-step", type=int, default=None, metavar="K", help="stop writing steps at step K (a stall)"
     )
     p.add_argument("--hang-rank", type=int, default=None, metavar="R", help="only rank R hangs")
@@ -221,6 +226,15 @@ def write_garbage(receipts):
     receipts.write_raw(json.dumps({"kind": "blob", "pad": pad}).encode() + b"\n")
 
 
+def write_bad_steps(receipts, step):
+    """Step receipts a careless script writes: each is stored flagged or skipped, never used."""
+    receipts.emit("step", step=step, loss=1.0)  # no step_time_ms
+    receipts.emit("step", step=step, step_time_ms="fast")  # wrong type
+    receipts.emit("step", step=step, step_time_ms=-5.0)  # negative time
+    # json.dumps writes NaN, which is not JSON: the whole line is skipped by the agent.
+    receipts.write_raw(json.dumps({"kind": "step", "step": step, "step_time_ms": float("nan")}).encode() + b"\n")
+
+
 def sleep_until(deadline, stop):
     """Sleeps until `deadline` (time.monotonic) in slices, so SIGTERM is honoured promptly."""
     while stop["signal"] is None:
@@ -290,6 +304,8 @@ def main(argv=None):
         )
         if args.garbage and step == 1:
             write_garbage(receipts)
+        if args.bad_steps and step == 10:
+            write_bad_steps(receipts, step)
     if stop["signal"] is not None:
         signum = stop["signal"]
         receipts.emit("exit", signal=signum, code=128 + signum, reason="terminated")

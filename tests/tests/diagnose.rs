@@ -175,6 +175,23 @@ fn one_slow_rank_is_an_unexplained_straggler_and_a_healthy_run_says_healthy() ->
     ensure!(d["samples_used"].as_u64() == Some(8 * 60), "{d:#}");
     ensure!(d["unusable"].as_array().unwrap().is_empty(), "{d:#}");
 
+    // Receipts that break schema v1 (missing, mistyped, negative, NaN): the diagnosis says what
+    // it could not use, per rank, and still judges the run by the rest.
+    let messy = run_to_success(&c, "messy", 2, 2, &["--bad-steps"], "")?;
+    let d = diagnose(&c, messy)?;
+    ensure!(causes(&d).is_empty(), "{d:#}");
+    let unusable: Vec<&str> = d["unusable"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    for rank in 0..2 {
+        let want = [
+            format!("rank {rank}: 3 step receipt(s) without a usable fwd_bwd_ms"),
+            format!("rank {rank}: 3 step receipt(s) break receipt schema v1"),
+            format!("rank {rank}: 1 line(s) of its receipts file were not JSON objects"),
+        ];
+        for w in &want {
+            ensure!(unusable.iter().any(|u| u.starts_with(w.as_str())), "{w:?} not in {unusable:#?}");
+        }
+    }
+
     // A job that does not exist is an error that names it.
     let out = c.ctl(&["diagnose", "999"])?;
     ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("999"));
