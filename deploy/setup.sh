@@ -61,6 +61,10 @@ if ! "$VENV/bin/python" -c "import sys, lightning; sys.exit(lightning.__version_
     echo "setup: installing lightning==$LIGHTNING_VERSION into $VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "lightning==$LIGHTNING_VERSION" "torch==$TORCH_VERSION"
 fi
+# trainyard's receipt helper for PyTorch scripts (python/), installed from the checkout the way
+# users install it; reinstalled every time so the venv never holds a stale copy.
+echo "setup: installing trainyard-receipts from python/ into $VENV"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$ROOT/python"
 TORCH_DIR="$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 ln -sfnr "$TORCH_DIR" "$VENV/libtorch"
 # cudarc looks for libnccl.so, not the wheel's libnccl.so.2: a link to the same file, in a

@@ -300,7 +300,7 @@ def main(argv=None):
             step_time_ms=round(elapsed * 1000.0, 3),
             fwd_bwd_ms=round((computed - started) * 1000.0, 3),
             optimizer_ms=round((finished - computed) * 1000.0, 3),
-            tokens_per_s=round(TOKENS_PER_STEP / elapsed, 1),
+            tokens_per_s=round(TOKENS_PER_STEP * world / elapsed, 1),
         )
         if args.garbage and step == 1:
             write_garbage(receipts)

@@ -59,12 +59,21 @@ fn version_py(text: &str) -> Option<String> {
     (!value.is_empty()).then(|| value.to_string())
 }
 
-/// The kernel module's version line: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15 ...".
+/// The NVIDIA driver version, from `/proc/driver/nvidia/version`.
 pub fn driver_version() -> Option<String> {
-    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    driver_version_of(&std::fs::read_to_string("/proc/driver/nvidia/version").ok()?)
+}
+
+/// The first dotted number of the kernel module's version line, which reads "NVRM version:
+/// NVIDIA UNIX x86_64 Kernel Module  570.86.15  ..." or, for the open module, "NVRM version:
+/// NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  ...".
+fn driver_version_of(text: &str) -> Option<String> {
     let line = text.lines().next()?;
     let after = line.split("Kernel Module").nth(1)?;
-    after.split_whitespace().next().map(str::to_string)
+    after
+        .split_whitespace()
+        .find(|w| w.contains('.') && w.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map(str::to_string)
 }
 
 /// An NCCL version code as `ncclGetVersion` returns it (`22805`, or `2403` before 2.9) as
@@ -97,6 +106,11 @@ mod version_tests {
             version_py("from typing import Optional\n__version__ = '2.11.0+cu130'\n").as_deref(),
             Some("2.11.0+cu130")
         );
+        let proprietary = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan  9 2025\nGCC";
+        let open = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build";
+        assert_eq!(driver_version_of(proprietary).as_deref(), Some("570.86.15"));
+        assert_eq!(driver_version_of(open).as_deref(), Some("570.86.15"));
+        assert_eq!(driver_version_of("garbage"), None);
         // This test binary links the wheel's libtorch: its version is the wheel's.
         let info = runtime_info();
         let torch = info.torch_version.expect("torch version from the loaded libtorch");

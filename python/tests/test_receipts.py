@@ -88,7 +88,7 @@ class SchemaTest(ReceiptsTestCase):
     def test_every_line_is_a_v1_receipt(self) -> None:
         r = self.start(model_flops_per_token=6e9, tokens_per_step=4096, device_name=H100_SXM)
         r.step(0, step_time_ms=812.5, loss=3.25, fwd_bwd_ms=700.0, optimizer_ms=100.0, lr=0.02)
-        r.eval(0, val_loss=3.5)
+        r.eval(0, val_loss=3.5, duration_ms=12.5)
         r.checkpoint(0, self.dir / "ckpt", size_bytes=123, duration_ms=45.0)
         r.emit("goodput", wall_ms=1000.0, goodput=0.8)
         r.exit(0, "ok", "completed")
@@ -107,7 +107,7 @@ class SchemaTest(ReceiptsTestCase):
         self.assertEqual((step["step"], step["step_time_ms"], step["loss"]), (0, 812.5, 3.25))
         self.assertEqual((step["fwd_bwd_ms"], step["optimizer_ms"], step["lr"]), (700.0, 100.0, 0.02))
         self.assertLessEqual(step["mfu"], 1.0)
-        self.assertEqual(receipts[2], {**receipts[2], "step": 0, "val_loss": 3.5})
+        self.assertEqual(receipts[2], {**receipts[2], "step": 0, "val_loss": 3.5, "duration_ms": 12.5})
         checkpoint = receipts[3]
         self.assertEqual(
             (checkpoint["path"], checkpoint["bytes"], checkpoint["duration_ms"]),
@@ -135,7 +135,10 @@ class SchemaTest(ReceiptsTestCase):
     def test_a_field_cannot_replace_kind_or_schema(self) -> None:
         r = self.start()
         r.emit("note", schema=7, text="hello")
-        self.assertEqual(self.written(r)[1], {**self.written(r)[1], "kind": "note", "schema": 1})
+        r.step(0, step_time_ms=1.0, kind="other", schema=2)
+        _, note, step = self.written(r)
+        self.assertEqual((note["kind"], note["schema"], note["text"]), ("note", 1, "hello"))
+        self.assertEqual((step["kind"], step["schema"]), ("step", 1))
 
 
 class ThroughputTest(ReceiptsTestCase):

@@ -217,24 +217,35 @@ class Receipts:
         """
         return StepTimer(self, step, synchronize)
 
-    def eval(self, step: int, *, val_loss: Optional[float] = None, **fields: Any) -> bool:
-        """Queues an eval receipt: `step`, `val_loss`, any other metric."""
-        record: Dict[str, Any] = {"step": operator.index(step), **fields}
+    def eval(
+        self,
+        step: int,
+        *,
+        val_loss: Optional[float] = None,
+        duration_ms: Optional[float] = None,
+        **fields: Any,
+    ) -> bool:
+        """Queues an eval receipt: `step`, `val_loss`, `duration_ms` (how long the evaluation
+        took: trainyard counts it as eval time in the job's goodput), any other metric."""
+        record: Dict[str, Any] = {"step": operator.index(step)}
         if val_loss is not None:
             record["val_loss"] = float(val_loss)
+        if duration_ms is not None:
+            record["duration_ms"] = float(duration_ms)
+        record.update(fields)
         return self._emit("eval", record, force=False)
 
     def checkpoint(
         self,
         step: int,
-        path: str,
+        path: str | os.PathLike[str],
         *,
         size_bytes: Optional[int] = None,
         duration_ms: Optional[float] = None,
         **fields: Any,
     ) -> bool:
         """Queues a checkpoint receipt: `step`, `path`, `bytes` (size_bytes) and `duration_ms`
-        (how long saving took)."""
+        (how long saving took: trainyard counts it as checkpoint time in the job's goodput)."""
         record: Dict[str, Any] = {
             "step": operator.index(step),
             "path": os.fspath(path),
