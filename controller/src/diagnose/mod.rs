@@ -510,7 +510,7 @@ fn findings(input: &Input<'_>, d: &Diagnosis) -> Vec<Finding> {
             evidence.push(measure(format!("rank {} median {}", r.rank, d.metric), r.median_ms, "ms"));
             evidence.push(measure(format!("rank {} relative score", r.rank), r.relative, ""));
             evidence.push(measure(
-                format!("rank {} slow windows of {}", r.rank, r.windows),
+                format!("rank {} slow windows (of {})", r.rank, r.windows),
                 r.slow_windows as f64,
                 "",
             ));
