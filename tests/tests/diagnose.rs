@@ -235,7 +235,8 @@ fn a_rank_that_stops_stepping_is_shown_stalled_in_status() -> anyhow::Result<()>
 fn goodput_splits_the_wall_time_and_counts_the_steps_a_restart_redid() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
     c.start_agent("sxm", 2)?;
-    // Attempt 0 fails at step 20 (steps 0-19 done); attempt 1 starts over from step 0.
+    // Rank 0, whose receipts goodput reads, fails at step 20 of attempt 0 (steps 0-19 done);
+    // attempt 1 starts over from step 0.
     let args = [
         "--steps",
         "40",
@@ -244,7 +245,7 @@ fn goodput_splits_the_wall_time_and_counts_the_steps_a_restart_redid() -> anyhow
         "--fail-at-step",
         "20",
         "--fail-rank",
-        "1",
+        "0",
         "--fail-attempt",
         "0",
     ];
