@@ -112,7 +112,8 @@ impl Controller {
         let launch = self.store.first_receipt(job_id, evidence.attempt, "launch").await?;
         let provenance = launch.as_deref().map(provenance_of).unwrap_or_default();
         let last_step = evidence.samples.iter().map(|s| s.step).max().unwrap_or(0);
-        let warmup = stragglers::warmup_steps(last_step);
+        let first_step = evidence.samples.iter().map(|s| s.step).filter(|s| *s >= 0).min().unwrap_or(0);
+        let warmup = stragglers::steady_from(first_step, last_step);
         let steady = || evidence.samples.iter().filter(move |s| s.step >= warmup);
         let nodes = diagnosis
             .nodes

@@ -213,10 +213,11 @@ pub fn diagnose(input: &Input<'_>) -> Diagnosis {
     }
     let samples_used = series.values().map(Vec::len).sum();
     let last_step = series.values().flatten().map(|&(s, _)| s).max().unwrap_or(0);
+    let first_step = series.values().flatten().map(|&(s, _)| s).min().unwrap_or(0);
     let ranks = score_ranks(&series, StragglerPolicy::default());
     let nodes = node_summaries(input, &ranks);
     let steady = |f: fn(&StepSample) -> Option<f64>| -> Option<f64> {
-        let warmup = stragglers::warmup_steps(last_step);
+        let warmup = stragglers::steady_from(first_step, last_step);
         let mut xs: Vec<f64> =
             input.samples.iter().filter(|s| s.step >= warmup).filter_map(|s| usable(f(s))).collect();
         (!xs.is_empty()).then(|| median(&mut xs))
@@ -224,7 +225,7 @@ pub fn diagnose(input: &Input<'_>) -> Diagnosis {
     let mut d = Diagnosis {
         attempt: input.attempt,
         metric,
-        warmup_steps: stragglers::warmup_steps(last_step),
+        warmup_steps: stragglers::warmup_steps(last_step - first_step),
         samples_used,
         findings: Vec::new(),
         unusable,

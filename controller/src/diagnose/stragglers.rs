@@ -28,9 +28,15 @@ impl Default for StragglerPolicy {
 /// Fewest steps in a window.
 pub const MIN_WINDOW: i64 = 5;
 
-/// Steps treated as warm-up: the first tenth of the run, at least 3 and at most 100.
-pub fn warmup_steps(last_step: i64) -> i64 {
-    (last_step / 10).clamp(3, 100)
+/// Steps treated as warm-up: the first tenth of the steps seen, at least 3 and at most 100.
+pub fn warmup_steps(steps_seen: i64) -> i64 {
+    (steps_seen / 10).clamp(3, 100)
+}
+
+/// The first step past warm-up of an attempt whose steps run from `first` to `last` (an attempt
+/// that resumes at step 800 warms up from there, not from 0).
+pub fn steady_from(first: i64, last: i64) -> i64 {
+    first + warmup_steps(last - first)
 }
 
 /// One rank's scores over the steady part of the run.
@@ -55,7 +61,8 @@ pub struct RankScore {
 /// negative times must already be filtered out).
 pub fn score_ranks(series: &BTreeMap<u32, Vec<(i64, f64)>>, policy: StragglerPolicy) -> Vec<RankScore> {
     let last = series.values().flatten().map(|&(s, _)| s).max().unwrap_or(0);
-    let warmup = warmup_steps(last);
+    let first = series.values().flatten().map(|&(s, _)| s).min().unwrap_or(0);
+    let warmup = steady_from(first, last);
     let steady = |v: &Vec<(i64, f64)>| -> Vec<(i64, f64)> {
         v.iter().copied().filter(|&(s, _)| s >= warmup).collect()
     };
@@ -169,5 +176,11 @@ mod tests {
         assert_eq!(median(&mut [3.0, 1.0, 2.0, 10.0]), 2.5);
         assert_eq!(warmup_steps(5), 3);
         assert_eq!(warmup_steps(10_000), 100);
+        assert_eq!(steady_from(800, 1_000), 820, "a resumed attempt warms up again");
+        // Scores of a resumed attempt: its own first steps are warm-up.
+        let resumed: BTreeMap<u32, Vec<(i64, f64)>> = (0..4)
+            .map(|r| (r, (800..1_000).map(|s| (s, if s < 810 && r == 2 { 900.0 } else { 100.0 })).collect()))
+            .collect();
+        assert!(score_ranks(&resumed, StragglerPolicy::default()).iter().all(|r| r.slow_windows == 0));
     }
 }
