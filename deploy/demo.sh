@@ -69,7 +69,8 @@ say "This run's files (database, logs, receipts files) go to $DATA"
 
 say "Starting the controller on embedded SQLite, on a free port"
 "$ROOT/target/debug/trainyard-controller" --listen 127.0.0.1:0 --data-dir "$DATA/controller" \
-    --addr-file "$DATA/controller.addr" 2>"$DATA/controller.log" &
+    --addr-file "$DATA/controller.addr" --http-listen 127.0.0.1:0 --http-addr-file "$DATA/controller.http" \
+    2>"$DATA/controller.log" &
 PIDS+=($!)
 for _ in $(seq 300); do
     [[ -s "$DATA/controller.addr" ]] && break

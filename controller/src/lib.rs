@@ -16,6 +16,8 @@ pub mod core;
 pub mod cost;
 pub mod diagnose;
 pub mod domain;
+pub mod http;
+pub mod metrics;
 pub mod receipts;
 pub mod scheduler;
 pub mod server;

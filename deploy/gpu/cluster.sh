@@ -17,7 +17,7 @@ trap cleanup EXIT
 fail() { echo "cluster: FAILED: $*"; exit 1; }
 sql() { "$PY" -c 'import sqlite3,sys,json; c=sqlite3.connect(sys.argv[1]); print(json.dumps(c.execute(sys.argv[2]).fetchall()))' "$D/controller/trainyard.db" "$1"; }
 
-"$BIN/trainyard-controller" --listen 127.0.0.1:0 --data-dir "$D/controller" --addr-file "$D/addr" \
+"$BIN/trainyard-controller" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --data-dir "$D/controller" --addr-file "$D/addr" \
     2>"$RES/cluster-controller.log" &
 PIDS+=($!)
 for _ in $(seq 100); do [[ -s "$D/addr" ]] && break; sleep 0.1; done

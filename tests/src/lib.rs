@@ -141,6 +141,8 @@ pub struct Cluster {
     marker: String,
     controller: Option<Child>,
     pub addr: String,
+    /// The controller's HTTP listener (`/metrics`), on a free port chosen at each start.
+    pub http_addr: String,
     agents: HashMap<String, Child>,
     /// The cluster's PostgreSQL server and database URL ([`Backend::Postgres`] only); dropped
     /// after every process of the cluster is gone.
@@ -165,8 +167,15 @@ impl Cluster {
                 Some((server, url))
             }
         };
-        let mut cluster =
-            Cluster { dir, marker, controller: None, addr: String::new(), agents: HashMap::new(), postgres };
+        let mut cluster = Cluster {
+            dir,
+            marker,
+            controller: None,
+            addr: String::new(),
+            http_addr: String::new(),
+            agents: HashMap::new(),
+            postgres,
+        };
         cluster.start_controller()?;
         Ok(cluster)
     }
@@ -203,7 +212,9 @@ impl Cluster {
     /// the same port as before, so agents find it again.
     pub fn start_controller(&mut self) -> Result<()> {
         let addr_file = self.path("controller.addr");
+        let http_file = self.path("controller.http");
         let _ = std::fs::remove_file(&addr_file);
+        let _ = std::fs::remove_file(&http_file);
         let listen = if self.addr.is_empty() { "127.0.0.1:0".to_string() } else { self.addr.clone() };
         let mut command = Command::new(bin("trainyard-controller")?);
         match &self.postgres {
@@ -214,6 +225,8 @@ impl Cluster {
             .args(["--listen", &listen])
             .arg("--addr-file")
             .arg(&addr_file)
+            .args(["--http-listen", "127.0.0.1:0", "--http-addr-file"])
+            .arg(&http_file)
             .args(["--cancel-grace-secs", "3", "--agent-timeout-secs", "30"])
             .env(MARKER, &self.marker)
             .env("RUST_LOG", "info")
@@ -223,6 +236,8 @@ impl Cluster {
             .context("start trainyard-controller")?;
         self.controller = Some(child);
         self.addr = wait_for_file(&addr_file, Duration::from_secs(20)).context("controller address")?;
+        self.http_addr =
+            wait_for_file(&http_file, Duration::from_secs(20)).context("controller HTTP address")?;
         Ok(())
     }
 
@@ -353,6 +368,20 @@ impl Cluster {
         rows.into_iter()
             .find(|n| n["agent_id"] == agent_id)
             .with_context(|| format!("node {agent_id} is not in `ctl nodes`: {nodes}"))
+    }
+
+    /// `GET`s (or `method`s) `path` from the controller's HTTP listener: (status, body).
+    pub fn http(&self, method: &str, path: &str) -> Result<(u16, String)> {
+        use std::io::{Read, Write};
+        let mut stream =
+            std::net::TcpStream::connect(&self.http_addr).context("connect to the HTTP listener")?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(stream, "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", self.http_addr)?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+        let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("status line")?;
+        Ok((status, body.to_string()))
     }
 
     /// Writes a job spec running `examples/rank.py` with `args` and returns its path.

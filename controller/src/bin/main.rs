@@ -24,11 +24,18 @@ struct Cli {
     data_dir: PathBuf,
     /// Database URL, overriding --data-dir: postgres://user@host/db for a fleet (the database
     /// must exist; tables are created on start), or sqlite:///var/lib/trainyard/trainyard.db.
-    #[arg(long, env = "TRAINYARD_DB")]
+    #[arg(long, env = "TRAINYARD_DB", hide_env_values = true)]
     db: Option<String>,
     /// Write the bound address here once listening (for scripts and tests using port 0).
     #[arg(long)]
     addr_file: Option<PathBuf>,
+    /// Address to serve HTTP on (/metrics for Prometheus, /healthz); port 0 picks a free port
+    /// (see --http-addr-file); "off" serves no HTTP.
+    #[arg(long, default_value = "127.0.0.1:7071")]
+    http_listen: String,
+    /// Write the bound HTTP address here once listening.
+    #[arg(long)]
+    http_addr_file: Option<PathBuf>,
     /// Seconds between SIGTERM and SIGKILL when ranks are stopped.
     #[arg(long, default_value_t = 10)]
     cancel_grace_secs: u64,
@@ -86,8 +93,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(path) = &cli.addr_file {
         write_atomically(path, &addr.to_string()).with_context(|| format!("write {}", path.display()))?;
     }
+    let http = match cli.http_listen.as_str() {
+        "off" => None,
+        text => {
+            let at: SocketAddr = text
+                .parse()
+                .with_context(|| format!("--http-listen {text:?} is not an address like 127.0.0.1:7071"))?;
+            let listener =
+                TcpListener::bind(at).await.with_context(|| format!("listen on {at} (--http-listen)"))?;
+            let bound = listener.local_addr().context("read the bound HTTP address")?;
+            if let Some(path) = &cli.http_addr_file {
+                write_atomically(path, &bound.to_string())
+                    .with_context(|| format!("write {}", path.display()))?;
+            }
+            tracing::info!(addr = %bound, "serving /metrics and /healthz");
+            Some(listener)
+        }
+    };
     tracing::info!(%addr, "trainyard-controller listening");
-    server::run(listener, controller, shutdown_signal()).await.context("serve")
+    server::run(listener, http, controller, shutdown_signal()).await.context("serve")
 }
 
 /// The URL without its password, for messages and logs.

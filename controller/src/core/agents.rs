@@ -396,6 +396,8 @@ impl Controller {
     /// Stores a batch of receipts (one transaction) and returns the ack to send back: the
     /// highest seq per rank of the batch. Takes no lock on the controller's state.
     pub async fn ingest(&self, batch: ReceiptBatch) -> Result<ReceiptAck> {
+        let arrived = std::time::Instant::now();
+        let received = batch.receipts.len() as u64;
         let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();
         let mut rows = Vec::with_capacity(batch.receipts.len());
         let (mut not_objects, mut flagged) = (0, 0);
@@ -432,10 +434,16 @@ impl Controller {
                 rows.retain(|r| r.id.job_id != job_id);
             }
         }
+        let mut stored = 0;
         if !rows.is_empty() {
-            self.store.insert_receipts(&rows, self.now_ms()).await?;
+            stored = self.store.insert_receipts(&rows, self.now_ms()).await?;
             self.bump();
         }
+        let m = crate::metrics::metrics();
+        m.receipts_ingested.inc_by(stored);
+        m.receipts_skipped.inc_by(received.saturating_sub(stored));
+        m.receipts_flagged.inc_by(flagged as u64);
+        m.receipt_batch.observe(arrived.elapsed().as_secs_f64());
         let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();
         Ok(ReceiptAck { acks })
     }

@@ -160,6 +160,10 @@ impl Controller {
                     let record =
                         self.store.transition(job_id, from, to, attempt, &reason, self.now_ms()).await?;
                     tracing::info!(job_id, from = %from, to = %to, attempt, reason, "job state changed");
+                    if to.is_terminal() {
+                        let state = crate::metrics::StateLabel { state: to.to_string() };
+                        crate::metrics::metrics().jobs_finished.get_or_create(&state).inc();
+                    }
                     {
                         let mut core = self.lock();
                         if let Some(job) = core.jobs.get_mut(&job_id) {
@@ -197,7 +201,9 @@ impl Controller {
                 return Ok(());
             }
             let views = core.node_views(false);
+            let started = std::time::Instant::now();
             let outcome = scheduler::schedule(&queue, &views);
+            crate::metrics::metrics().schedule_pass.observe(started.elapsed().as_secs_f64());
             core.waiting = outcome.waiting.into_iter().collect();
             let now = self.now_ms();
             outcome.placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()

@@ -191,3 +191,17 @@ fn binding_warnings(allocations: &[Allocation]) -> Vec<String> {
         })
         .collect()
 }
+
+impl Controller {
+    /// Sets the gauges of [`crate::metrics`] from the controller's state (called on scrape).
+    pub fn refresh_gauges(&self) {
+        let m = crate::metrics::metrics();
+        let core = self.lock();
+        for state in JobState::ALL.iter().filter(|s| !s.is_terminal()) {
+            let n = core.jobs.values().filter(|j| j.record.state == *state).count();
+            m.jobs.get_or_create(&crate::metrics::StateLabel { state: state.to_string() }).set(n as i64);
+        }
+        m.agents_connected.set(core.agents.values().filter(|e| e.link.is_some()).count() as i64);
+        m.agents_known.set(core.agents.len() as i64);
+    }
+}

@@ -88,7 +88,8 @@ impl PostgresStore {
         body: impl AsyncFnOnce(&mut PgConnection) -> Result<T> + Clone,
     ) -> Result<T> {
         let span = tracing::debug_span!("store", op);
-        async move {
+        let started = std::time::Instant::now();
+        let result = async move {
             let mut pause = FIRST_BACKOFF;
             let mut tries = 0;
             loop {
@@ -105,7 +106,9 @@ impl PostgresStore {
             }
         }
         .instrument(span)
-        .await
+        .await;
+        crate::metrics::metrics().store_op(op, started.elapsed(), result.is_ok());
+        result
     }
 
     async fn try_once<T>(&self, body: impl AsyncFnOnce(&mut PgConnection) -> Result<T>) -> Result<T> {

@@ -128,7 +128,8 @@ impl SqliteStore {
         body: impl AsyncFnOnce(&mut SqliteConnection) -> Result<T>,
     ) -> Result<T> {
         let span = tracing::debug_span!("store", op);
-        async move {
+        let started = std::time::Instant::now();
+        let result = async move {
             let mut tx = match mode {
                 Mode::Read => self.pool.begin().await?,
                 Mode::Write => self.pool.begin_with("BEGIN IMMEDIATE").await?,
@@ -138,7 +139,9 @@ impl SqliteStore {
             Ok(value)
         }
         .instrument(span)
-        .await
+        .await;
+        crate::metrics::metrics().store_op(op, started.elapsed(), result.is_ok());
+        result
     }
 }
 

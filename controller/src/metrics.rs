@@ -1,0 +1,136 @@
+//! The controller's Prometheus metrics, served on `/metrics` of its HTTP listener in the
+//! OpenMetrics text format (which Prometheus scrapes natively) through `prometheus-client`.
+//!
+//! | metric | type | what |
+//! |---|---|---|
+//! | `trainyard_jobs{state}` | gauge | jobs the controller holds (not finished), by state |
+//! | `trainyard_jobs_finished_total{state}` | counter | jobs that reached a final state since start |
+//! | `trainyard_agents_connected` | gauge | agents with an open stream |
+//! | `trainyard_agents_known` | gauge | agents ever seen |
+//! | `trainyard_receipts_ingested_total` | counter | receipts stored (replays not counted) |
+//! | `trainyard_receipts_skipped_total` | counter | lines acknowledged but not stored (not JSON objects, replays) |
+//! | `trainyard_receipts_flagged_total` | counter | receipts stored flagged: they break schema v1 |
+//! | `trainyard_receipt_batch_seconds` | histogram | a receipt batch from arrival to committed |
+//! | `trainyard_store_operation_seconds{op}` | histogram | every store transaction, retries included |
+//! | `trainyard_store_errors_total{op}` | counter | store operations that failed |
+//! | `trainyard_schedule_pass_seconds` | histogram | one scheduling pass |
+//!
+//! Metrics are process-wide ([`metrics`]): the store, the core and the services record into
+//! them without passing a handle around; the gauges are set from the core when scraped.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabel {
+    pub op: &'static str,
+}
+
+/// 0.25 ms to ~8 s, doubling: store transactions and receipt batches.
+fn latency() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub jobs: Family<StateLabel, Gauge>,
+    pub jobs_finished: Family<StateLabel, Counter>,
+    pub agents_connected: Gauge,
+    pub agents_known: Gauge,
+    pub receipts_ingested: Counter,
+    pub receipts_skipped: Counter,
+    pub receipts_flagged: Counter,
+    pub receipt_batch: Histogram,
+    pub store_operation: Family<OpLabel, Histogram, fn() -> Histogram>,
+    pub store_errors: Family<OpLabel, Counter>,
+    pub schedule_pass: Histogram,
+}
+
+/// The process's metrics, registered on first use.
+pub fn metrics() -> &'static Metrics {
+    static METRICS: OnceLock<Metrics> = OnceLock::new();
+    METRICS.get_or_init(Metrics::new)
+}
+
+impl Metrics {
+    fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("trainyard");
+        let m = Metrics {
+            jobs: Family::default(),
+            jobs_finished: Family::default(),
+            agents_connected: Gauge::default(),
+            agents_known: Gauge::default(),
+            receipts_ingested: Counter::default(),
+            receipts_skipped: Counter::default(),
+            receipts_flagged: Counter::default(),
+            receipt_batch: latency(),
+            store_operation: Family::new_with_constructor(latency),
+            store_errors: Family::default(),
+            schedule_pass: Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
+            registry: Registry::default(),
+        };
+        registry.register("jobs", "Jobs the controller holds (not finished), by state", m.jobs.clone());
+        registry.register(
+            "jobs_finished",
+            "Jobs that reached a final state since start",
+            m.jobs_finished.clone(),
+        );
+        registry.register("agents_connected", "Agents with an open stream", m.agents_connected.clone());
+        registry.register("agents_known", "Agents ever seen", m.agents_known.clone());
+        registry.register("receipts_ingested", "Receipts stored", m.receipts_ingested.clone());
+        registry.register(
+            "receipts_skipped",
+            "Receipt lines acknowledged but not stored (not JSON objects, replays)",
+            m.receipts_skipped.clone(),
+        );
+        registry.register(
+            "receipts_flagged",
+            "Receipts stored flagged because they break receipt schema v1",
+            m.receipts_flagged.clone(),
+        );
+        registry.register(
+            "receipt_batch_seconds",
+            "A receipt batch from arrival to committed",
+            m.receipt_batch.clone(),
+        );
+        registry.register(
+            "store_operation_seconds",
+            "Store transactions, retries included",
+            m.store_operation.clone(),
+        );
+        registry.register("store_errors", "Store operations that failed", m.store_errors.clone());
+        registry.register("schedule_pass_seconds", "One scheduling pass", m.schedule_pass.clone());
+        Metrics { registry, ..m }
+    }
+
+    /// Records one store operation's duration and outcome.
+    pub fn store_op(&self, op: &'static str, took: Duration, ok: bool) {
+        self.store_operation.get_or_create(&OpLabel { op }).observe(took.as_secs_f64());
+        if !ok {
+            self.store_errors.get_or_create(&OpLabel { op }).inc();
+        }
+    }
+
+    /// The metrics in the OpenMetrics text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The content type of [`Metrics::encode`].
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
