@@ -35,6 +35,10 @@ pub struct AgentConfig {
     /// CPUs kept for the agent (the lowest-numbered ones): left out of the NUMA CPU lists the
     /// controller plans rank pinning from. Default 0.
     pub reserve_cpus: u32,
+    /// Where to serve `/metrics` and `/healthz`; `None` serves no HTTP.
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Write the bound metrics address here once listening (port 0 in tests).
+    pub metrics_addr_file: Option<PathBuf>,
 }
 
 impl AgentConfig {
@@ -54,6 +58,8 @@ impl AgentConfig {
             max_batch_bytes: 1 << 20,
             max_unacked_batches: 8,
             reserve_cpus: 0,
+            metrics_listen: None,
+            metrics_addr_file: None,
         }
     }
 }

@@ -77,6 +77,7 @@ pub async fn serve<F: Future>(
         reported: HashMap::new(),
         drained: HashSet::new(),
         unacked_batches: 0,
+        metrics_at: std::time::Instant::now(),
         preflight: identity.preflight.clone(),
         checked_tx,
         checked,
@@ -104,6 +105,7 @@ pub async fn serve<F: Future>(
                 ));
             }
             info!(agent_id = %identity.agent_id, ranks = session.reported.len(), "connected to controller");
+            crate::metrics::metrics().connected.set(1);
             session.apply_acks(&ack.acks);
         }
         Ok(Ok(Some(other))) => return disconnected(anyhow!("expected HelloAck, got {other:?}"), false),
@@ -111,8 +113,13 @@ pub async fn serve<F: Future>(
         Ok(Err(status)) => return from_status(status, false),
         Err(_) => return disconnected(anyhow!("no HelloAck within {HELLO_TIMEOUT:?}"), false),
     }
-    session.run(inbound, shutdown).await
+    let ended = session.run(inbound, shutdown).await;
+    crate::metrics::metrics().connected.set(0);
+    ended
 }
+
+/// How often the connection loop refreshes the metrics gauges.
+const METRICS_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 fn disconnected(error: anyhow::Error, established: bool) -> Ended {
     Ended::Disconnected { error, established }
@@ -135,6 +142,8 @@ struct Session<'a> {
     /// Ended ranks whose receipts file was read to its end, after the end, on this stream.
     drained: HashSet<RankId>,
     unacked_batches: usize,
+    /// When the metrics gauges were last refreshed.
+    metrics_at: std::time::Instant,
     preflight: Runner,
     /// Launches whose preflight finished, from the tasks that ran it.
     checked_tx: mpsc::Sender<(Launch, PreflightReport)>,
@@ -341,6 +350,10 @@ impl Session<'_> {
         self.send_receipts().await?;
         self.send_rank_updates().await?;
         self.launcher.persist_acks();
+        if self.metrics_at.elapsed() >= METRICS_EVERY {
+            self.metrics_at = std::time::Instant::now();
+            crate::metrics::metrics().observe(self.launcher, self.unacked_batches);
+        }
         for id in self.launcher.drop_forgotten() {
             self.reported.remove(&id);
             self.drained.remove(&id);
@@ -368,6 +381,10 @@ impl Session<'_> {
             if receipts.is_empty() {
                 return Ok(());
             }
+            let bytes: usize = receipts.iter().map(|r| r.body.len()).sum();
+            let m = crate::metrics::metrics();
+            m.receipts_relayed.inc_by(receipts.len() as u64);
+            m.receipt_bytes_relayed.inc_by(bytes as u64);
             self.send(Out::Receipts(ReceiptBatch { receipts })).await?;
             self.unacked_batches += 1;
             if !budget.exhausted() {

@@ -29,6 +29,7 @@ pub mod host;
 pub mod launcher;
 pub mod layout;
 pub mod logs;
+pub mod metrics;
 pub mod pinning;
 pub mod preflight;
 pub mod procfs;

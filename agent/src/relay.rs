@@ -87,6 +87,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
         inventory: inventory.clone(),
         preflight,
     };
+    if let Some(at) = config.metrics_listen {
+        serve_metrics(at, config.metrics_addr_file.as_deref()).await?;
+    }
     let layout = Layout::new(&config.data_dir);
     let mut launcher = Launcher::new(layout, config.shim_program.clone(), inventory)
         .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?;
@@ -141,6 +144,27 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
             _ = tokio::time::sleep(delay) => {}
         }
     }
+}
+
+/// Serves `/metrics` and `/healthz` on `at` for as long as the process runs.
+async fn serve_metrics(at: std::net::SocketAddr, addr_file: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(at)
+        .await
+        .with_context(|| format!("listen on {at} (--metrics-listen)"))?;
+    let bound = listener.local_addr().context("read the bound metrics address")?;
+    if let Some(path) = addr_file {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, bound.to_string())
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    info!(addr = %bound, "serving /metrics and /healthz");
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, crate::metrics::router()).await {
+            error!(error = %e, "the metrics listener failed");
+        }
+    });
+    Ok(())
 }
 
 /// Capped exponential backoff with jitter.

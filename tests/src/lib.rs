@@ -107,6 +107,19 @@ pub fn host_file_numa(dir: &Path, hostname: &str, gpu_numa: &[i32], numa_cpus: &
     path
 }
 
+/// `method path` over HTTP/1.1 to `addr`: (status, body).
+pub fn http(addr: &str, method: &str, path: &str) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).with_context(|| format!("connect to {addr}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(stream, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("status line")?;
+    Ok((status, body.to_string()))
+}
+
 /// The CPUs this process may run on, from `/proc/self/status` (the machine's real CPU ids).
 pub fn allowed_cpus() -> Vec<u32> {
     let list = proc_status_field(std::process::id(), "Cpus_allowed_list").unwrap_or_else(|| "0".into());
@@ -291,6 +304,9 @@ impl Cluster {
             .arg(self.path(&format!("agent-{name}")))
             // No --address: the agent advertises the address it reaches the controller from.
             .args(["--agent-id", name])
+            // Every agent serves its metrics on a free port, named in agent-NAME.metrics.
+            .args(["--metrics-listen", "127.0.0.1:0", "--metrics-addr-file"])
+            .arg(self.path(&format!("agent-{name}.metrics")))
             .env(MARKER, &self.marker)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -372,16 +388,12 @@ impl Cluster {
 
     /// `GET`s (or `method`s) `path` from the controller's HTTP listener: (status, body).
     pub fn http(&self, method: &str, path: &str) -> Result<(u16, String)> {
-        use std::io::{Read, Write};
-        let mut stream =
-            std::net::TcpStream::connect(&self.http_addr).context("connect to the HTTP listener")?;
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        write!(stream, "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", self.http_addr)?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-        let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("status line")?;
-        Ok((status, body.to_string()))
+        http(&self.http_addr, method, path)
+    }
+
+    /// The agent's metrics listener address (every agent of a cluster serves one).
+    pub fn agent_metrics_addr(&self, name: &str) -> Result<String> {
+        wait_for_file(&self.path(&format!("agent-{name}.metrics")), Duration::from_secs(10))
     }
 
     /// Writes a job spec running `examples/rank.py` with `args` and returns its path.

@@ -18,7 +18,19 @@ fn sample(text: &str, name: &str) -> Option<f64> {
 fn metrics_count_what_the_store_holds_and_bad_requests_are_4xx() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
     c.start_agent("node-a", 2)?;
-    let job = c.submit(&c.job_file("metered", 2, 2, &["--steps", "20", "--step-ms", "10"], ""))?;
+    let job = c.submit(&c.job_file("metered", 2, 2, &["--steps", "40", "--step-ms", "50"], ""))?;
+    // While it runs, the agent counts its two ranks running.
+    let agent = c.agent_metrics_addr("node-a")?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, text) = trainyard_tests::http(&agent, "GET", "/metrics")?;
+        ensure!(code == 200, "{code}: {text}");
+        if sample(&text, "trainyard_agent_ranks{phase=\"running\"}") == Some(2.0) {
+            break;
+        }
+        ensure!(std::time::Instant::now() < deadline, "agent metrics:\n{text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(60))?;
     ensure!(status["state"] == "succeeded", "{status}");
 
@@ -35,7 +47,7 @@ fn metrics_count_what_the_store_holds_and_bad_requests_are_4xx() -> anyhow::Resu
         ensure!(std::time::Instant::now() < deadline, "ingested != {stored} stored:\n{text}");
         std::thread::sleep(Duration::from_millis(200));
     };
-    ensure!(stored >= 44.0, "launch, 20 steps and exit per rank: {stored}");
+    ensure!(stored >= 84.0, "launch, 40 steps and exit per rank: {stored}");
     ensure!(sample(&text, "trainyard_jobs_finished_total{state=\"succeeded\"}") == Some(1.0), "{text}");
     ensure!(sample(&text, "trainyard_jobs{state=\"running\"}") == Some(0.0), "{text}");
     ensure!(sample(&text, "trainyard_agents_connected") == Some(1.0), "{text}");
@@ -44,6 +56,32 @@ fn metrics_count_what_the_store_holds_and_bad_requests_are_4xx() -> anyhow::Resu
     ensure!(sample(&text, "trainyard_schedule_pass_seconds_count").is_some_and(|n| n >= 1.0), "{text}");
     ensure!(sample(&text, "trainyard_receipt_batch_seconds_count").is_some_and(|n| n >= 1.0), "{text}");
     ensure!(text.trim_end().ends_with("# EOF"), "OpenMetrics text ends with # EOF");
+
+    // The agent's, once the job ended: its ranks forgotten, nothing left to relay, and at
+    // least every stored receipt relayed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let (code, text) = trainyard_tests::http(&agent, "GET", "/metrics")?;
+        ensure!(code == 200, "{code}: {text}");
+        let held: f64 = ["launching", "running", "exited", "lost"]
+            .iter()
+            .filter_map(|p| sample(&text, &format!("trainyard_agent_ranks{{phase=\"{p}\"}}")))
+            .sum();
+        if held == 0.0 && sample(&text, "trainyard_agent_receipt_lag_bytes") == Some(0.0) {
+            break text;
+        }
+        ensure!(std::time::Instant::now() < deadline, "agent metrics:\n{text}");
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    ensure!(sample(&text, "trainyard_agent_connected") == Some(1.0), "{text}");
+    let relayed = sample(&text, "trainyard_agent_receipts_relayed_total").unwrap_or(0.0);
+    ensure!(relayed >= stored, "relayed {relayed} < stored {stored}: {text}");
+    ensure!(
+        sample(&text, "trainyard_agent_receipt_bytes_relayed_total").is_some_and(|b| b > 1_000.0),
+        "{text}"
+    );
+    ensure!(trainyard_tests::http(&agent, "GET", "/healthz")?.0 == 200);
+    ensure!(trainyard_tests::http(&agent, "GET", "/x")?.0 == 404);
 
     ensure!(c.http("GET", "/healthz")? == (200, "ok\n".to_string()));
     let (code, body) = c.http("GET", "/jobs/%ff?x=%%")?;

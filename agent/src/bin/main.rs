@@ -34,6 +34,13 @@ struct Cli {
     /// CPUs kept for the agent: the lowest-numbered N CPUs never get a rank pinned to them.
     #[arg(long, default_value_t = 0, global = true)]
     reserve_cpus: u32,
+    /// Serve /metrics (Prometheus) and /healthz on this address, e.g. 127.0.0.1:7072; port 0
+    /// picks a free port (see --metrics-addr-file). Default: no HTTP.
+    #[arg(long, global = true)]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// Write the bound metrics address here once listening.
+    #[arg(long, global = true)]
+    metrics_addr_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -107,6 +114,8 @@ impl TryFrom<&Cli> for AgentConfig {
         config.agent_id = cli.agent_id.clone();
         config.address = cli.address.clone();
         config.reserve_cpus = cli.reserve_cpus;
+        config.metrics_listen = cli.metrics_listen;
+        config.metrics_addr_file = cli.metrics_addr_file.clone();
         Ok(config)
     }
 }
