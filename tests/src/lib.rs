@@ -107,6 +107,30 @@ pub fn host_file_numa(dir: &Path, hostname: &str, gpu_numa: &[i32], numa_cpus: &
     path
 }
 
+/// `.venv/bin/python` of this checkout: deploy/setup.sh installs torch and lightning there.
+pub fn venv_python() -> PathBuf {
+    repo_root().join(".venv/bin/python")
+}
+
+/// Real training scripts the tests run as jobs (tests/fixtures/scripts).
+pub fn fixture_scripts() -> PathBuf {
+    repo_root().join("tests/fixtures/scripts")
+}
+
+/// An `exec` job that runs .venv's python with `args`.
+#[derive(Debug, Clone, Copy)]
+pub struct PythonJob<'a> {
+    pub name: &'a str,
+    pub gpus: u32,
+    pub per_node: u32,
+    pub workdir: &'a Path,
+    /// The directory whose git revision the launch receipt records (default: `workdir`).
+    pub source_dir: Option<&'a Path>,
+    pub args: &'a [&'a str],
+    /// The job's `[env]` overlay.
+    pub env: &'a [(&'a str, &'a str)],
+}
+
 /// `method path` over HTTP/1.1 to `addr`: (status, body).
 pub fn http(addr: &str, method: &str, path: &str) -> Result<(u16, String)> {
     use std::io::{Read, Write};
@@ -394,6 +418,27 @@ impl Cluster {
     /// The agent's metrics listener address (every agent of a cluster serves one).
     pub fn agent_metrics_addr(&self, name: &str) -> Result<String> {
         wait_for_file(&self.path(&format!("agent-{name}.metrics")), Duration::from_secs(10))
+    }
+
+    /// Writes the spec of `job` and returns its path.
+    pub fn python_job(&self, job: &PythonJob<'_>) -> PathBuf {
+        let mut argv = vec![format!("{:?}", venv_python().display().to_string())];
+        argv.extend(job.args.iter().map(|a| format!("{a:?}")));
+        let env: String = job.env.iter().map(|(k, v)| format!("{k} = {v:?}\n")).collect();
+        let source = job.source_dir.map(|d| format!("source_dir = {:?}\n", d.display().to_string()));
+        let text = format!(
+            "name = {:?}\n\n[resources]\ngpus = {}\ngpus_per_node = {}\n\n[engine]\nkind = \"exec\"\n\
+             argv = [{}]\nworkdir = {:?}\n{}\n[env]\n{env}",
+            job.name,
+            job.gpus,
+            job.per_node,
+            argv.join(", "),
+            job.workdir.display().to_string(),
+            source.unwrap_or_default()
+        );
+        let path = self.path(&format!("{}.toml", job.name));
+        std::fs::write(&path, text).expect("write job file");
+        path
     }
 
     /// Writes a job spec running `examples/rank.py` with `args` and returns its path.

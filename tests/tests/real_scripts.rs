@@ -10,40 +10,19 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use trainyard_tests::{Cluster, repo_root};
+use trainyard_tests::{Cluster, PythonJob, fixture_scripts, repo_root};
 
-fn python() -> PathBuf {
-    repo_root().join(".venv/bin/python")
-}
-
-fn scripts() -> PathBuf {
-    repo_root().join("tests/fixtures/scripts")
-}
-
-/// An exec job of `gpus` ranks (`per_node` per host) running `argv` with .venv's python in
+/// An exec job of `gpus` ranks (`per_node` per host) running `args` with .venv's python in
 /// `workdir`, with the given `[env]` overlay.
 fn job(
     c: &Cluster,
     name: &str,
-    gpus: u32,
-    per_node: u32,
+    (gpus, per_node): (u32, u32),
     workdir: &Path,
-    argv: &[&str],
+    args: &[&str],
     env: &[(&str, &str)],
 ) -> PathBuf {
-    let mut all = vec![python().display().to_string()];
-    all.extend(argv.iter().map(|a| a.to_string()));
-    let argv: Vec<String> = all.iter().map(|a| format!("{a:?}")).collect();
-    let env: String = env.iter().map(|(k, v)| format!("{k} = {v:?}\n")).collect();
-    let text = format!(
-        "name = {name:?}\n\n[resources]\ngpus = {gpus}\ngpus_per_node = {per_node}\n\n[engine]\nkind = \"exec\"\n\
-         argv = [{}]\nworkdir = {:?}\n\n[env]\n{env}",
-        argv.join(", "),
-        workdir.display().to_string()
-    );
-    let path = c.path(&format!("{name}.toml"));
-    std::fs::write(&path, text).expect("write job file");
-    path
+    c.python_job(&PythonJob { name, gpus, per_node, workdir, source_dir: None, args, env })
 }
 
 /// Runs `script ARGS` under `torchrun --standalone --nproc-per-node N` in `dir`: the reference
@@ -71,7 +50,7 @@ fn run_to_success(c: &Cluster, file: &Path) -> anyhow::Result<u64> {
 /// each change must apply, so a change upstream shows here.
 fn cpu_copy(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let src = scripts().join("pytorch-examples");
+    let src = fixture_scripts().join("pytorch-examples");
     std::fs::copy(src.join("datautils.py"), dir.join("datautils.py"))?;
     for (name, device) in [("multigpu_torchrun.py", "self.gpu_id"), ("multinode.py", "self.local_rank")] {
         let mut text = std::fs::read_to_string(src.join(name))?;
@@ -101,8 +80,8 @@ fn pytorch_examples_ddp_scripts_run_on_one_and_two_agents() -> anyhow::Result<()
     cpu_copy(&one)?;
     cpu_copy(&two)?;
     // total_epochs 3, save_every 1 (the scripts' positional arguments).
-    let single = job(&c, "ddp-single-node", 2, 2, &one, &["multigpu_torchrun.py", "3", "1"], &[]);
-    let multi = job(&c, "ddp-multinode", 4, 2, &two, &["multinode.py", "3", "1"], &[]);
+    let single = job(&c, "ddp-single-node", (2, 2), &one, &["multigpu_torchrun.py", "3", "1"], &[]);
+    let multi = job(&c, "ddp-multinode", (4, 2), &two, &["multinode.py", "3", "1"], &[]);
     let (a, b) = (c.submit(&single)?, c.submit(&multi)?);
     for id in [a, b] {
         let status = c.wait_state(id, &["succeeded", "failed", "cancelled"], Duration::from_secs(240))?;
@@ -135,14 +114,13 @@ fn lightning_ddp_runs_on_one_and_two_agents() -> anyhow::Result<()> {
     c.start_agent("b", 2)?;
     let work = c.path("lightning");
     std::fs::create_dir_all(&work)?;
-    let script = scripts().join("lightning_ddp.py").display().to_string();
+    let script = fixture_scripts().join("lightning_ddp.py").display().to_string();
     let cases = [(2u32, 1u32), (4, 2)];
     for (gpus, nodes) in cases {
         let file = job(
             &c,
             &format!("lightning-{gpus}"),
-            gpus,
-            2,
+            (gpus, 2),
             &work,
             &[&script, "--devices", "2", "--num-nodes", &nodes.to_string()],
             &[],
@@ -185,7 +163,7 @@ fn read_dump(path: &Path) -> anyhow::Result<BTreeMap<String, String>> {
 fn ranks_get_the_variables_torchrun_gives_its_workers() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
     c.start_agent("a", 2)?;
-    let script = scripts().join("env_dump.py");
+    let script = fixture_scripts().join("env_dump.py");
     let under_torchrun = c.path("torchrun");
     let under_trainyard = c.path("trainyard");
     std::fs::create_dir_all(&under_torchrun)?;
@@ -200,7 +178,7 @@ fn ranks_get_the_variables_torchrun_gives_its_workers() -> anyhow::Result<()> {
     ensure!(out.status.success(), "torchrun: {}", String::from_utf8_lossy(&out.stderr));
     let dir = under_trainyard.display().to_string();
     let file =
-        job(&c, "env", 2, 2, &under_trainyard, &[&script.display().to_string()], &[("ENV_DUMP_DIR", &dir)]);
+        job(&c, "env", (2, 2), &under_trainyard, &[&script.display().to_string()], &[("ENV_DUMP_DIR", &dir)]);
     run_to_success(&c, &file)?;
     for rank in 0..2 {
         let theirs = read_dump(&under_torchrun.join(format!("env-{rank}.json")))?;

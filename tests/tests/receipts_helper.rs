@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use trainyard_tests::{Cluster, repo_root};
+use trainyard_tests::{Cluster, PythonJob, fixture_scripts, repo_root, venv_python};
 
 /// Ranks of the job, all on one agent.
 const RANKS: u32 = 2;
@@ -23,44 +23,13 @@ const STEPS: i64 = 6;
 /// the ranks.
 const JOB_TOKENS_PER_STEP: f64 = (8 * 16 * RANKS) as f64;
 
-fn python() -> PathBuf {
-    repo_root().join(".venv/bin/python")
-}
-
 fn script() -> PathBuf {
-    repo_root().join("tests/fixtures/scripts/receipts_ddp.py")
-}
-
-/// An exec job of `gpus` ranks on one host running `argv` with .venv's python in `workdir`,
-/// recording the git revision of `source_dir`, with the given `[env]` overlay.
-fn job(
-    c: &Cluster,
-    name: &str,
-    gpus: u32,
-    workdir: &Path,
-    source_dir: &Path,
-    argv: &[&str],
-    env: &[(&str, &str)],
-) -> PathBuf {
-    let mut all = vec![python().display().to_string()];
-    all.extend(argv.iter().map(|a| a.to_string()));
-    let argv: Vec<String> = all.iter().map(|a| format!("{a:?}")).collect();
-    let env: String = env.iter().map(|(k, v)| format!("{k} = {v:?}\n")).collect();
-    let text = format!(
-        "name = {name:?}\n\n[resources]\ngpus = {gpus}\ngpus_per_node = {gpus}\n\n[engine]\nkind = \"exec\"\n\
-         argv = [{}]\nworkdir = {:?}\nsource_dir = {:?}\n\n[env]\n{env}",
-        argv.join(", "),
-        workdir.display().to_string(),
-        source_dir.display().to_string()
-    );
-    let path = c.path(&format!("{name}.toml"));
-    std::fs::write(&path, text).expect("write job file");
-    path
+    fixture_scripts().join("receipts_ddp.py")
 }
 
 /// The version `.venv/bin/python -c 'import torch; print(torch.__version__)'` prints.
 fn venv_torch_version() -> anyhow::Result<String> {
-    let out = Command::new(python())
+    let out = Command::new(venv_python())
         .args(["-c", "import torch; print(torch.__version__)"])
         .output()
         .context("run .venv/bin/python")?;
@@ -114,15 +83,15 @@ fn a_ddp_script_with_the_receipts_helper_writes_v1_receipts() -> anyhow::Result<
     let helper = repo_root().join("python").display().to_string();
     let script_path = script().display().to_string();
     let steps = STEPS.to_string();
-    let file = job(
-        &c,
-        "receipts-ddp",
-        RANKS,
-        &work,
-        &source,
-        &[&script_path, "--steps", &steps],
-        &[("PYTHONPATH", &helper), ("TRAINYARD_DEMO_FLAG", "1")],
-    );
+    let file = c.python_job(&PythonJob {
+        name: "receipts-ddp",
+        gpus: RANKS,
+        per_node: RANKS,
+        workdir: &work,
+        source_dir: Some(&source),
+        args: &[&script_path, "--steps", &steps],
+        env: &[("PYTHONPATH", &helper), ("TRAINYARD_DEMO_FLAG", "1")],
+    });
     let id = c.submit(&file)?;
     let status = c.wait_state(id, &["succeeded", "failed", "cancelled"], Duration::from_secs(240))?;
     ensure!(status["state"] == "succeeded", "job {id}: {status}\n{}", c.logs("agent-a"));
@@ -226,7 +195,7 @@ fn a_ddp_script_with_the_receipts_helper_writes_v1_receipts() -> anyhow::Result<
 /// system's python3 (no torch: every CUDA and torch read must be guarded).
 #[test]
 fn the_helpers_unit_tests_pass_with_and_without_torch() -> anyhow::Result<()> {
-    for interpreter in [python(), PathBuf::from("python3")] {
+    for interpreter in [venv_python(), PathBuf::from("python3")] {
         let out = Command::new(&interpreter)
             .args(["-m", "unittest", "discover", "-s"])
             .arg(repo_root().join("python/tests"))

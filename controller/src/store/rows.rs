@@ -356,3 +356,163 @@ pub(super) fn finding_rows(findings: &[crate::diagnose::Finding]) -> Vec<Finding
         })
         .collect()
 }
+
+/// The store methods of the diagnosis (step samples, stall progress, provenance, goodput facts,
+/// recorded outcomes), written once for both backends: their SQL is the same on both (sqlx
+/// binds `$N` placeholders on SQLite too), only the transaction mode differs. Expands inside
+/// `impl ReceiptStore`, after `row_readers!`; `read` and `write` are the extra arguments each
+/// backend's `run` takes (SQLite's `Mode`, nothing on PostgreSQL).
+macro_rules! diagnosis_queries {
+    ($store:ty, read: [$($read:tt)*], write: [$($write:tt)*]) => {
+        impl $store {
+    async fn q_step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<$crate::diagnose::StepSample>> {
+        self.run("step_samples", $($read)* async |c| {
+            let rows = sqlx::query(
+                "SELECT rank, step, step_time_ms, fwd_bwd_ms, optimizer_ms, tokens_per_s, problem \
+                 FROM receipts WHERE job_id = $1 AND attempt = $2 AND kind = 'step' ORDER BY rank, seq",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .fetch_all(&mut *c)
+            .await?;
+            rows.iter().map(sample_from_row).collect()
+        })
+        .await
+    }
+
+    async fn q_step_progress(&self, job: JobId, attempt: u32) -> Result<$crate::diagnose::stall::StepProgress> {
+        self.run("step_progress", $($read)* async |c| {
+            let rows = sqlx::query(
+                "SELECT rank, max(step) AS step, max(stored_at_ms) AS at_ms FROM receipts \
+                 WHERE job_id = $1 AND attempt = $2 AND kind = 'step' AND step IS NOT NULL GROUP BY rank",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .fetch_all(&mut *c)
+            .await?;
+            let ranks = rows
+                .iter()
+                .map(|r| {
+                    Ok((
+                        num(r, "receipts", "rank")?,
+                        col(r, "receipts", "step")?,
+                        col(r, "receipts", "at_ms")?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let recent_step_ms: Vec<Option<f64>> = sqlx::query_scalar(
+                "SELECT step_time_ms FROM receipts WHERE job_id = $1 AND attempt = $2 AND kind = 'step' \
+                 ORDER BY position DESC LIMIT 200",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .fetch_all(&mut *c)
+            .await?;
+            Ok($crate::diagnose::stall::StepProgress {
+                ranks,
+                recent_step_ms: recent_step_ms.into_iter().flatten().collect(),
+            })
+        })
+        .await
+    }
+
+    async fn q_first_receipt(&self, job: JobId, attempt: u32, kind: &str) -> Result<Option<String>> {
+        self.run("first_receipt", $($read)* async |c| {
+            Ok(sqlx::query_scalar(
+                "SELECT body FROM receipts WHERE job_id = $1 AND attempt = $2 AND kind = $3 \
+                 ORDER BY rank, seq LIMIT 1",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .bind(kind.to_owned())
+            .fetch_optional(&mut *c)
+            .await?)
+        })
+        .await
+    }
+
+    async fn q_attempt_facts(
+        &self,
+        job: JobId,
+        attempt: u32,
+    ) -> Result<$crate::diagnose::goodput::AttemptFacts> {
+        self.run("attempt_facts", $($read)* async |c| {
+            let rows = sqlx::query(
+                "SELECT kind, step, step_time_ms, stored_at_ms, CASE WHEN kind = 'step' THEN NULL ELSE body END AS body \
+                 FROM receipts WHERE job_id = $1 AND attempt = $2 AND rank = 0 \
+                 AND kind IN ('step', 'eval', 'checkpoint') ORDER BY seq",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .fetch_all(&mut *c)
+            .await?;
+            let mut facts = $crate::diagnose::goodput::AttemptFacts { attempt, ..Default::default() };
+            for row in &rows {
+                let t = "receipts";
+                facts.add(
+                    &col::<String>(row, t, "kind")?,
+                    col(row, t, "step")?,
+                    col(row, t, "step_time_ms")?,
+                    col(row, t, "stored_at_ms")?,
+                    col::<Option<String>>(row, t, "body")?.as_deref(),
+                );
+            }
+            Ok(facts)
+        })
+        .await
+    }
+
+    async fn q_record_outcome(
+        &self,
+        job: JobId,
+        goodput: &$crate::diagnose::goodput::Goodput,
+        attempt: u32,
+        findings: &[$crate::diagnose::Finding],
+        now_ms: i64,
+    ) -> Result<()> {
+        let findings = $crate::store::rows::finding_rows(findings);
+        self.run("record_outcome", $($write)* async |c| {
+            let id = int(job)?;
+            sqlx::query("DELETE FROM attempt_goodput WHERE job_id = $1").bind(id).execute(&mut *c).await?;
+            sqlx::query("DELETE FROM job_findings WHERE job_id = $1").bind(id).execute(&mut *c).await?;
+            for a in &goodput.attempts {
+                sqlx::query("INSERT INTO attempt_goodput (job_id, attempt, wall_ms, startup_ms, train_ms, eval_ms, checkpoint_ms, restart_ms, lost_ms, steps_redone, other_ms, recorded_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)")
+                    .bind(id)
+                    .bind(i64::from(a.attempt))
+                    .bind(a.wall_ms)
+                    .bind(a.startup_ms)
+                    .bind(a.train_ms)
+                    .bind(a.eval_ms)
+                    .bind(a.checkpoint_ms)
+                    .bind(a.restart_ms)
+                    .bind(a.lost_ms)
+                    .bind(int(a.steps_redone)?)
+                    .bind(a.other_ms)
+                    .bind(now_ms)
+                    .execute(&mut *c)
+                    .await?;
+            }
+            for (position, f) in findings.iter().enumerate() {
+                sqlx::query("INSERT INTO job_findings (job_id, attempt, position, cause, summary, nodes, ranks, evidence, remedy, recorded_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)")
+                    .bind(id)
+                    .bind(i64::from(attempt))
+                    .bind(position as i64)
+                    .bind(f.cause)
+                    .bind(f.summary)
+                    .bind(&f.nodes)
+                    .bind(&f.ranks)
+                    .bind(&f.evidence)
+                    .bind(f.remedy)
+                    .bind(now_ms)
+                    .execute(&mut *c)
+                    .await?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+        }
+    };
+}
+pub(super) use diagnosis_queries;
