@@ -45,6 +45,8 @@ fn unreachable_error(url: &str, detail: &str) -> anyhow::Error {
 pub fn describe(url: &str, status: &Status, job: Option<u64>) -> anyhow::Error {
     let message = status.message();
     match (status.code(), job) {
+        // The controller answered, but its database did not: say that, not "cannot reach".
+        (Code::Unavailable, _) if message.starts_with("the controller's database") => anyhow!("{message}"),
         (Code::Unavailable, _) => unreachable_error(url, message),
         (Code::NotFound, Some(id)) => anyhow!("job {id} not found"),
         (Code::NotFound, None) => anyhow!("not found: {message}"),

@@ -29,9 +29,55 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
         ControllerError::LogsUnavailable(_) => tonic::Status::failed_precondition(e.to_string()),
         ControllerError::Store(StoreError::JobNotFound(_)) => tonic::Status::not_found(e.to_string()),
         ControllerError::Store(StoreError::StateConflict { .. }) => tonic::Status::aborted(e.to_string()),
-        ControllerError::Store(_) => {
-            tracing::error!(error = %e, "store failure");
-            tonic::Status::unavailable(format!("the controller's store failed: {e}"))
+        // Database text (SQL, constraint names, server messages) stays in the controller's log:
+        // clients get what they can act on, and an incident id to quote.
+        ControllerError::Store(StoreError::Unavailable(_)) => {
+            tracing::warn!(error = %e, "the database is unavailable");
+            tonic::Status::unavailable(DATABASE_UNAVAILABLE)
         }
+        ControllerError::Store(_) => {
+            let incident = incident_id();
+            tracing::error!(incident, error = %e, "store failure");
+            tonic::Status::internal(format!(
+                "internal error {incident}: the controller could not use its database; its log has the details under this id"
+            ))
+        }
+    }
+}
+
+/// What a client hears while the controller's database cannot be reached.
+pub const DATABASE_UNAVAILABLE: &str =
+    "the controller's database is unavailable; the controller keeps retrying, try again shortly";
+
+/// A short id that ties a client's error to the controller's log line: the time in ms and a
+/// counter, e.g. `E1763870000123-4`.
+fn incident_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    format!("E{ms}-{}", NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_text_never_reaches_clients() {
+        let sql = sqlx::Error::Protocol("syntax error at or near \"SELECT id FROM jobs\"".into());
+        let status = to_status(ControllerError::Store(StoreError::Database(sql)));
+        assert_eq!(status.code(), tonic::Code::Internal);
+        assert!(status.message().starts_with("internal error E"), "{}", status.message());
+        assert!(
+            !status.message().contains("SELECT") && !status.message().contains("syntax"),
+            "{}",
+            status.message()
+        );
+        let corrupt = StoreError::Corrupt { table: "jobs", detail: "column spec_pb: bad wire type".into() };
+        assert!(!to_status(ControllerError::Store(corrupt)).message().contains("spec_pb"));
+        let down = to_status(ControllerError::Store(StoreError::Unavailable(
+            "connection refused (os error 111) to 10.0.0.3:5432".into(),
+        )));
+        assert_eq!((down.code(), down.message()), (tonic::Code::Unavailable, DATABASE_UNAVAILABLE));
+        assert_ne!(incident_id(), incident_id());
     }
 }
