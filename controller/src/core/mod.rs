@@ -120,6 +120,8 @@ struct Core {
     waiting: HashMap<JobId, String>,
     /// Jobs the reconciler should look at on its next pass.
     dirty: std::collections::BTreeSet<JobId>,
+    /// Ended jobs whose goodput and findings are still to be recorded (off the reconciler's path).
+    ended: Vec<JobId>,
 }
 
 struct AgentEntry {
@@ -259,6 +261,11 @@ impl Controller {
                 }
             }
             self.reconcile().await;
+            let ended = std::mem::take(&mut self.lock().ended);
+            for job_id in ended {
+                let controller = self.clone();
+                tokio::spawn(async move { controller.record_outcome(job_id).await });
+            }
         }
     }
 }

@@ -148,9 +148,9 @@ impl Controller {
                         let mut core = self.lock();
                         self.forget(&mut core, job_id);
                         core.jobs.remove(&job_id);
+                        core.ended.push(job_id);
                     }
                     self.bump();
-                    self.record_outcome(job_id).await;
                 }
                 Some(Step::Move { from, to, attempt, reason, then }) => {
                     if then == Then::NextAttempt {

@@ -34,42 +34,16 @@ pub struct AttemptFacts {
 }
 
 impl AttemptFacts {
-    /// Takes in one receipt of rank 0 (in file order): a step's time and position, or the
-    /// `duration_ms` of an eval or checkpoint (from its body).
-    pub fn add(
-        &mut self,
-        kind: &str,
-        step: Option<i64>,
-        step_time_ms: Option<f64>,
-        stored_at_ms: i64,
-        body: Option<&str>,
-    ) {
+    /// Adds the `duration_ms` of one of rank 0's eval or checkpoint receipts (its body).
+    pub fn add_duration(&mut self, kind: &str, body: &str) {
+        let ms = serde_json::from_str::<serde_json::Value>(body)
+            .ok()
+            .and_then(|v| v.get("duration_ms").and_then(serde_json::Value::as_f64))
+            .filter(|t| t.is_finite() && *t >= 0.0)
+            .unwrap_or(0.0);
         match kind {
-            "step" => {
-                let ms = step_time_ms.filter(|t| t.is_finite() && *t >= 0.0).unwrap_or(0.0);
-                if self.first_step_at_ms.is_none() {
-                    self.first_step_at_ms = Some(stored_at_ms);
-                    self.first_step_ms = ms;
-                    self.first_step = step;
-                }
-                if step.is_some() {
-                    self.last_step = self.last_step.max(step);
-                }
-                self.steps += 1;
-                self.train_ms += ms;
-            }
-            "eval" | "checkpoint" => {
-                let ms = body
-                    .and_then(|b| serde_json::from_str::<serde_json::Value>(b).ok())
-                    .and_then(|v| v.get("duration_ms").and_then(serde_json::Value::as_f64))
-                    .filter(|t| t.is_finite() && *t >= 0.0)
-                    .unwrap_or(0.0);
-                if kind == "eval" {
-                    self.eval_ms += ms;
-                } else {
-                    self.checkpoint_ms += ms;
-                }
-            }
+            "eval" => self.eval_ms += ms,
+            "checkpoint" => self.checkpoint_ms += ms,
             _ => {}
         }
     }

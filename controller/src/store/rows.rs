@@ -437,25 +437,43 @@ macro_rules! diagnosis_queries {
         attempt: u32,
     ) -> Result<$crate::diagnose::goodput::AttemptFacts> {
         self.run("attempt_facts", $($read)* async |c| {
-            let rows = sqlx::query(
-                "SELECT kind, step, step_time_ms, stored_at_ms, CASE WHEN kind = 'step' THEN NULL ELSE body END AS body \
-                 FROM receipts WHERE job_id = $1 AND attempt = $2 AND rank = 0 \
-                 AND kind IN ('step', 'eval', 'checkpoint') ORDER BY seq",
+            let t = "receipts";
+            let mut facts = $crate::diagnose::goodput::AttemptFacts { attempt, ..Default::default() };
+            // The steps are summed where they lie: a long run has one row per step.
+            let totals = sqlx::query(
+                "SELECT count(*) AS steps, max(step) AS last_step, coalesce(sum(step_time_ms), 0.0) AS train_ms \
+                 FROM receipts WHERE job_id = $1 AND attempt = $2 AND rank = 0 AND kind = 'step'",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .fetch_one(&mut *c)
+            .await?;
+            facts.steps = num(&totals, t, "steps")?;
+            facts.last_step = col(&totals, t, "last_step")?;
+            facts.train_ms = col(&totals, t, "train_ms")?;
+            let first = sqlx::query(
+                "SELECT step, step_time_ms, stored_at_ms FROM receipts \
+                 WHERE job_id = $1 AND attempt = $2 AND rank = 0 AND kind = 'step' ORDER BY seq LIMIT 1",
+            )
+            .bind(int(job)?)
+            .bind(i64::from(attempt))
+            .fetch_optional(&mut *c)
+            .await?;
+            if let Some(row) = first {
+                facts.first_step = col(&row, t, "step")?;
+                facts.first_step_ms = col::<Option<f64>>(&row, t, "step_time_ms")?.unwrap_or(0.0);
+                facts.first_step_at_ms = Some(col(&row, t, "stored_at_ms")?);
+            }
+            let timed = sqlx::query(
+                "SELECT kind, body FROM receipts WHERE job_id = $1 AND attempt = $2 AND rank = 0 \
+                 AND kind IN ('eval', 'checkpoint') ORDER BY seq",
             )
             .bind(int(job)?)
             .bind(i64::from(attempt))
             .fetch_all(&mut *c)
             .await?;
-            let mut facts = $crate::diagnose::goodput::AttemptFacts { attempt, ..Default::default() };
-            for row in &rows {
-                let t = "receipts";
-                facts.add(
-                    &col::<String>(row, t, "kind")?,
-                    col(row, t, "step")?,
-                    col(row, t, "step_time_ms")?,
-                    col(row, t, "stored_at_ms")?,
-                    col::<Option<String>>(row, t, "body")?.as_deref(),
-                );
+            for row in &timed {
+                facts.add_duration(&col::<String>(row, t, "kind")?, &col::<String>(row, t, "body")?);
             }
             Ok(facts)
         })
