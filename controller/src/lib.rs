@@ -11,6 +11,7 @@
 //! - [`core`]: the in-memory state and the job state machine; the one place that mutates state.
 //! - [`service`]: the gRPC services (`Jobs` for operators, `Agents` for hosts).
 //! - [`server`]: `run(listener, controller, shutdown)`, the entry point.
+pub mod auth;
 pub mod config;
 pub mod core;
 pub mod cost;

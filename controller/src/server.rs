@@ -1,9 +1,13 @@
-//! The server entry point: `run(listener, controller, shutdown)`, as in mini-redis. `main`
-//! passes ctrl-c/SIGTERM; tests bind port 0 and pass anything.
+//! The server entry point: `run(listener, http, controller, security, shutdown)`, as in
+//! mini-redis. `main` passes ctrl-c/SIGTERM; tests bind port 0 and pass anything.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+use anyhow::Context;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -11,8 +15,50 @@ use tokio_util::sync::CancellationToken;
 use trainyard_proto::v1::agents_server::AgentsServer;
 use trainyard_proto::v1::jobs_server::JobsServer;
 
+use crate::auth::{Authenticator, Policy};
 use crate::core::Controller;
 use crate::service::{AgentsService, JobsService};
+
+/// The files of the controller's TLS: its certificate and key, and the CA whose certificates
+/// agents present (`init-pki` writes all three).
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: PathBuf,
+}
+
+impl TlsFiles {
+    /// The three files `init-pki` writes into `dir`: server.pem, server.key, ca.pem.
+    pub fn in_dir(dir: &std::path::Path) -> Self {
+        TlsFiles { cert: dir.join("server.pem"), key: dir.join("server.key"), client_ca: dir.join("ca.pem") }
+    }
+
+    /// Reads the files into tonic's server configuration. Client certificates are optional at
+    /// the TLS layer because `ctl` has none; the `Agents` service refuses a stream without one.
+    pub fn load(&self) -> anyhow::Result<ServerTlsConfig> {
+        let read = |p: &PathBuf, what: &str| {
+            std::fs::read(p).with_context(|| format!("read the {what} {}", p.display()))
+        };
+        let identity = Identity::from_pem(read(&self.cert, "certificate")?, read(&self.key, "key")?);
+        let ca = Certificate::from_pem(read(&self.client_ca, "client CA")?);
+        Ok(ServerTlsConfig::new().identity(identity).client_ca_root(ca).client_auth_optional(true))
+    }
+}
+
+/// How the gRPC listener is secured: TLS (none on the loopback demo) and who must prove what.
+#[derive(Debug, Clone)]
+pub struct Security {
+    pub tls: Option<TlsFiles>,
+    pub policy: Policy,
+}
+
+impl Security {
+    /// Plaintext on loopback, tokenless calls as the local admin: the demo and most tests.
+    pub fn demo() -> Self {
+        Security { tls: None, policy: Policy::demo() }
+    }
+}
 
 /// Serves `Jobs`, `Agents` and `grpc.health.v1.Health` on `listener`, and `/metrics` and
 /// `/healthz` on `http` when given, until `shutdown` resolves; then ends every agent and watch
@@ -21,8 +67,15 @@ pub async fn run(
     listener: TcpListener,
     http: Option<TcpListener>,
     controller: Arc<Controller>,
+    security: Security,
     shutdown: impl Future,
 ) -> anyhow::Result<()> {
+    let auth = Authenticator::new(controller.store().clone(), security.policy.clone());
+    auth.ensure_local_admin(controller.now_ms()).await.context("create the local admin user")?;
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &security.tls {
+        builder = builder.tls_config(tls.load()?).context("configure TLS")?;
+    }
     let token = CancellationToken::new();
     let background = tokio::spawn(controller.clone().run_background(token.clone()));
     let http_server = http.map(|listener| {
@@ -39,11 +92,12 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<JobsServer<JobsService>>().await;
     health.set_serving::<AgentsServer<AgentsService>>().await;
-    let jobs = JobsServer::new(JobsService::new(controller.clone(), token.clone()));
-    let agents = AgentsServer::new(AgentsService::new(controller, token.clone()))
-        .max_decoding_message_size(64 * 1024 * 1024);
+    let jobs = JobsServer::new(JobsService::new(controller.clone(), auth, token.clone()));
+    let agents =
+        AgentsServer::new(AgentsService::new(controller, security.policy.require_agent_cert, token.clone()))
+            .max_decoding_message_size(64 * 1024 * 1024);
     let stop = token.clone();
-    let result = tonic::transport::Server::builder()
+    let result = builder
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))

@@ -6,26 +6,56 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
-use clap::Parser;
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
+use trainyard_controller::auth::Policy;
+use trainyard_controller::server::{Security, TlsFiles};
 use trainyard_controller::store::{self, SqliteStore};
 use trainyard_controller::{Controller, ControllerConfig, server};
 
+mod admin;
+
 /// Schedules training jobs onto GPU hosts and stores the receipts their ranks write.
+///
+/// Without a subcommand it serves. On 127.0.0.1 with no TLS it runs as the no-setup demo:
+/// calls without a token act as the local admin. Anywhere else it needs TLS (--tls-dir; see
+/// `init-pki`), agents present certificates and users present tokens (`user add`).
 #[derive(Debug, Parser)]
 #[command(name = "trainyard-controller", version)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Address to serve gRPC on; port 0 picks a free port (see --addr-file).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
     /// Directory of the embedded SQLite database (trainyard.db).
-    #[arg(long, default_value = "./trainyard-data")]
+    #[arg(long, default_value = "./trainyard-data", global = true)]
     data_dir: PathBuf,
     /// Database URL, overriding --data-dir: postgres://user@host/db for a fleet (the database
     /// must exist; tables are created on start), or sqlite:///var/lib/trainyard/trainyard.db.
-    #[arg(long, env = "TRAINYARD_DB", hide_env_values = true)]
+    #[arg(long, env = "TRAINYARD_DB", hide_env_values = true, global = true)]
     db: Option<String>,
+    /// Serve gRPC over TLS with the files `init-pki` wrote here: server.pem, server.key, and
+    /// ca.pem (the CA agents' client certificates must be signed by).
+    #[arg(long, env = "TRAINYARD_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
+    /// The server certificate (PEM), overriding --tls-dir's server.pem.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The server certificate's key (PEM), overriding --tls-dir's server.key.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// The CA that signs agents' client certificates (PEM), overriding --tls-dir's ca.pem.
+    #[arg(long)]
+    tls_client_ca: Option<PathBuf>,
+    /// Serve plaintext gRPC on a non-loopback address: tokens and receipts cross the network
+    /// unencrypted and agents are not authenticated. Only for an isolated test network.
+    #[arg(long)]
+    insecure_plaintext_on_network: bool,
+    /// Highest job priority a non-admin user may submit.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    max_user_priority: i32,
     /// Write the bound address here once listening (for scripts and tests using port 0).
     #[arg(long)]
     addr_file: Option<PathBuf>,
@@ -60,18 +90,116 @@ impl From<&Cli> for ControllerConfig {
     }
 }
 
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Write a CA, the controller's TLS certificate and agents' client certificates into DIR
+    /// (nothing else is needed for a small fleet; bring your own certificates otherwise).
+    InitPki {
+        /// Directory to write (ca.pem, ca.key, server.pem, server.key, agents/NAME/).
+        #[arg(long)]
+        dir: PathBuf,
+        /// A name or address agents and ctl dial the controller by (repeat; localhost,
+        /// 127.0.0.1 and ::1 are always included).
+        #[arg(long = "san")]
+        sans: Vec<String>,
+        /// An agent to issue a client certificate for (repeat).
+        #[arg(long = "agent")]
+        agents: Vec<String>,
+        /// Days the server and agent certificates are valid.
+        #[arg(long, default_value_t = trainyard_controller::auth::pki::DEFAULT_DAYS)]
+        days: u32,
+    },
+    /// Issue a client certificate for one more agent from the CA in --pki-dir; copy the
+    /// directory it prints to that node.
+    IssueAgentCert {
+        /// The agent's id (its --agent-id, by default its hostname).
+        name: String,
+        #[arg(long)]
+        pki_dir: PathBuf,
+        #[arg(long, default_value_t = trainyard_controller::auth::pki::DEFAULT_DAYS)]
+        days: u32,
+    },
+    /// Add users, issue and revoke their tokens (in the store; works while the controller runs).
+    User {
+        #[command(subcommand)]
+        action: admin::UserCommand,
+    },
+    /// Print the newest rows of the audit log.
+    Audit {
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+}
+
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
     init_logging(&cli.log_format);
-    if let Err(e) = run(cli).await {
+    let result = match &cli.command {
+        None => run(cli).await,
+        Some(command) => admin::run(command, &cli).await,
+    };
+    if let Err(e) = result {
         eprintln!("trainyard-controller: failed to {e:#}");
         std::process::exit(1);
     }
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
-    let store: Arc<dyn store::Store> = match &cli.db {
+/// How the gRPC listener is secured, from the flags: TLS when given; plaintext only on
+/// loopback (the demo) or with the loud flag.
+fn security(cli: &Cli) -> anyhow::Result<Security> {
+    let tls = match (&cli.tls_dir, &cli.tls_cert, &cli.tls_key) {
+        (dir, Some(cert), Some(key)) => Some(TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: cli.tls_client_ca.clone().or_else(|| dir.as_ref().map(|d| d.join("ca.pem"))).context(
+                "--tls-cert needs --tls-client-ca (the CA of the agents' certificates) or --tls-dir",
+            )?,
+        }),
+        (Some(dir), _, _) => {
+            let mut files = TlsFiles::in_dir(dir);
+            if let Some(ca) = &cli.tls_client_ca {
+                files.client_ca = ca.clone();
+            }
+            Some(files)
+        }
+        (None, _, _) => None,
+    };
+    let loopback = cli.listen.ip().is_loopback();
+    Ok(match tls {
+        Some(tls) => {
+            tracing::info!("gRPC over TLS: agents present client certificates, users present tokens");
+            Security { tls: Some(tls), policy: Policy::secure(cli.max_user_priority) }
+        }
+        None if loopback => {
+            tracing::warn!(
+                "demo mode: plaintext gRPC on loopback; calls without a token act as the local admin \
+                 'local' and agents are not authenticated. To put the controller on a network, see \
+                 `trainyard-controller init-pki` and --tls-dir"
+            );
+            Security::demo()
+        }
+        None if cli.insecure_plaintext_on_network => {
+            tracing::warn!(
+                listen = %cli.listen,
+                "INSECURE: plaintext gRPC on a network address (--insecure-plaintext-on-network): tokens \
+                 and receipts cross the network unencrypted and agents are not authenticated"
+            );
+            let policy = Policy { require_agent_cert: false, ..Policy::secure(cli.max_user_priority) };
+            Security { tls: None, policy }
+        }
+        None => bail!(
+            "refusing to serve plaintext gRPC on {}: anyone who can reach it could run programs on every \
+             GPU host. Give --tls-dir (`trainyard-controller init-pki --dir DIR` writes one), listen on \
+             127.0.0.1, or pass --insecure-plaintext-on-network on an isolated network",
+            cli.listen
+        ),
+    })
+}
+
+/// Opens the store the flags name (--db, else the SQLite file in --data-dir).
+async fn open_store(cli: &Cli) -> anyhow::Result<Arc<dyn store::Store>> {
+    Ok(match &cli.db {
         Some(url) => store::open(url).await.with_context(|| format!("open the database {}", redact(url)))?,
         None => {
             std::fs::create_dir_all(&cli.data_dir)
@@ -83,7 +211,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .with_context(|| format!("open the database {}", path.display()))?,
             )
         }
-    };
+    })
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let security = security(&cli)?;
+    let store = open_store(&cli).await?;
     let controller = Controller::start(store, ControllerConfig::from(&cli))
         .await
         .context("load jobs and agents from the store")?;
@@ -111,7 +244,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     };
     tracing::info!(%addr, "trainyard-controller listening");
-    server::run(listener, http, controller, shutdown_signal()).await.context("serve")
+    server::run(listener, http, controller, security, shutdown_signal()).await.context("serve")
 }
 
 /// The URL without its password, for messages and logs.

@@ -24,6 +24,10 @@ impl Controller {
     /// Sends the hello ack first; returns the connection id (for [`Controller::agent_disconnected`]).
     pub async fn agent_hello(&self, hello: Hello, tx: mpsc::Sender<ControllerMessage>) -> Result<u64> {
         let agent_id = hello.agent_id.clone();
+        // Checked before anything is stored, and again under the lock below (a racing hello).
+        if self.lock().agents.get(&agent_id).is_some_and(|e| e.link.is_some()) {
+            return Err(ControllerError::AlreadyConnected(agent_id));
+        }
         let record = AgentRecord {
             agent_id: agent_id.clone(),
             address: hello.address.clone(),
@@ -52,6 +56,9 @@ impl Controller {
             // The newest report is the verdict: a hello without one, or with the report the agent
             // ran at start while a later re-run is stored, keeps what the node had (from the store
             // after a restart of the controller, or from before the reconnect).
+            if core.agents.get(&agent_id).is_some_and(|e| e.link.is_some()) {
+                return Err(ControllerError::AlreadyConnected(agent_id));
+            }
             let previous = core.agents.get(&agent_id).and_then(|e| e.preflight.clone());
             let preflight = match (preflight, previous) {
                 (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
@@ -187,8 +194,21 @@ impl Controller {
         Ok(Some(report))
     }
 
-    /// A rank changed state on an agent.
+    /// A rank changed state on an agent. A report about a rank of the current attempt that
+    /// another agent runs is refused ([`ControllerError::NotYours`]); nothing is stored.
     pub async fn rank_update(&self, agent_id: &str, report: &RankReport) -> Result<()> {
+        if let Some(id) = report.key.map(rank_id) {
+            let core = self.lock();
+            let current = core.jobs.get(&id.job_id).filter(|j| j.record.attempt == id.attempt);
+            if let Some(a) = current.and_then(|j| j.allocations.iter().find(|a| a.id == id))
+                && a.agent_id != agent_id
+            {
+                return Err(ControllerError::NotYours(format!(
+                    "agent {agent_id} reported on rank {} of job {} attempt {}, which runs on {}; an agent speaks only for its own ranks",
+                    id.rank, id.job_id, id.attempt, a.agent_id
+                )));
+            }
+        }
         self.observe(agent_id, report).await
     }
 
@@ -395,7 +415,7 @@ impl Controller {
 
     /// Stores a batch of receipts (one transaction) and returns the ack to send back: the
     /// highest seq per rank of the batch. Takes no lock on the controller's state.
-    pub async fn ingest(&self, batch: ReceiptBatch) -> Result<ReceiptAck> {
+    pub async fn ingest(&self, agent_id: &str, batch: ReceiptBatch) -> Result<ReceiptAck> {
         let arrived = std::time::Instant::now();
         let received = batch.receipts.len() as u64;
         let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();
@@ -425,14 +445,9 @@ impl Controller {
                 "storing receipts that break receipt schema v1, flagged (receipts.problem)"
             );
         }
-        // A batch nearly always holds one job; one lookup per job keeps rows of jobs this store
-        // never had (a wiped database, a foreign controller) out. They are acked and dropped.
-        let jobs: BTreeSet<u64> = highest.keys().map(|id| id.job_id).collect();
-        for job_id in jobs {
-            if self.store.get_job(job_id).await?.is_none() {
-                tracing::warn!(job_id, "dropping receipts of a job this controller does not know");
-                rows.retain(|r| r.id.job_id != job_id);
-            }
+        for job_id in self.check_senders(agent_id, &highest).await? {
+            tracing::warn!(job_id, "dropping receipts of a job this controller does not know");
+            rows.retain(|r| r.id.job_id != job_id);
         }
         let mut stored = 0;
         if !rows.is_empty() {
@@ -446,6 +461,48 @@ impl Controller {
         m.receipt_batch.observe(arrived.elapsed().as_secs_f64());
         let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();
         Ok(ReceiptAck { acks })
+    }
+}
+
+impl Controller {
+    /// Checks that every rank a batch carries receipts of was given to `agent_id`: an agent
+    /// speaks only for itself. Returns the jobs this controller does not know (a wiped
+    /// database, a foreign controller), whose receipts are acked and dropped. A batch nearly
+    /// always holds one attempt of one job; the current attempt of an active job is checked in
+    /// memory, others (late receipts of ended jobs or earlier attempts) in the store.
+    async fn check_senders(&self, agent_id: &str, ranks: &BTreeMap<RankId, u64>) -> Result<Vec<u64>> {
+        let attempts: BTreeSet<(u64, u32)> = ranks.keys().map(|id| (id.job_id, id.attempt)).collect();
+        let mut unknown = Vec::new();
+        for (job_id, attempt) in attempts {
+            let in_memory: Option<BTreeMap<u32, String>> = {
+                let core = self.lock();
+                core.jobs.get(&job_id).filter(|j| j.record.attempt == attempt).map(|j| {
+                    j.allocations.iter().map(|a| (a.id.rank, a.agent_id.clone())).collect()
+                })
+            };
+            let owners = match in_memory {
+                Some(owners) => owners,
+                None => {
+                    if self.store.get_job(job_id).await?.is_none() {
+                        unknown.push(job_id);
+                        continue;
+                    }
+                    let allocations = self.store.allocations(job_id, attempt).await?;
+                    allocations.into_iter().map(|a| (a.id.rank, a.agent_id)).collect()
+                }
+            };
+            let of_attempt = ranks.keys().filter(|id| id.job_id == job_id && id.attempt == attempt);
+            for id in of_attempt {
+                let owner = owners.get(&id.rank).map_or("no agent", String::as_str);
+                if owner != agent_id {
+                    return Err(ControllerError::NotYours(format!(
+                        "agent {agent_id} sent receipts of rank {} of job {job_id} attempt {attempt}, which runs on {owner}; an agent speaks only for its own ranks",
+                        id.rank
+                    )));
+                }
+            }
+        }
+        Ok(unknown)
     }
 }
 

@@ -12,7 +12,7 @@ use trainyard_proto::v1::{
 use super::{ActiveJob, Controller, ControllerError, Core, Result, rank_done};
 use crate::scheduler::{self, GpuView, NodeView, Request};
 use crate::spec::{self, JobSpec};
-use crate::store::{Allocation, JobId, JobRecord, StoreError};
+use crate::store::{Allocation, JobId, JobOwner, JobRecord, StoreError};
 
 /// How long a cancel waits for the reconciler to store it before telling the caller so.
 const CANCEL_STORE_WAIT: Duration = Duration::from_secs(30);
@@ -23,24 +23,29 @@ impl Controller {
     /// that was already stored (a client retrying after a lost reply) returns that job. The
     /// reconciler places it; nothing that happens there can fail this request.
     pub async fn submit(&self, spec: WireSpec, key: Option<&str>) -> Result<JobId> {
+        self.submit_as(spec, key, &JobOwner::default()).await
+    }
+
+    /// [`Controller::submit`] on behalf of `owner`, who the job is recorded as belonging to.
+    pub async fn submit_as(&self, spec: WireSpec, key: Option<&str>, owner: &JobOwner) -> Result<JobId> {
         let spec = spec::parse(spec)?;
         if let Some(key) = key
-            && let Some(id) = self.submitted_before(&spec, key).await?
+            && let Some(id) = self.submitted_before(&spec, key, owner).await?
         {
             return Ok(id);
         }
         let request = request_of(0, &spec);
         let all_nodes = self.lock().node_views(true);
         scheduler::feasible(&request, &all_nodes).map_err(ControllerError::Unsatisfiable)?;
-        let record = match self.store.create_job(&spec, key, "submitted", self.now_ms()).await {
+        let record = match self.store.create_job_for(&spec, key, owner, "submitted", self.now_ms()).await {
             Err(StoreError::Duplicate(_)) if let Some(key) = key => {
                 // The same key raced in from another connection and won.
-                return self.submitted_before(&spec, key).await?.ok_or(StoreError::JobNotFound(0).into());
+                return self.submitted_before(&spec, key, owner).await?.ok_or(StoreError::JobNotFound(0).into());
             }
             other => other?,
         };
         let id = record.id;
-        tracing::info!(job_id = id, name = %spec.name, gpus = request.gpus, "job submitted");
+        tracing::info!(job_id = id, name = %spec.name, gpus = request.gpus, user = %owner.user, "job submitted");
         {
             let mut core = self.lock();
             core.jobs.insert(id, ActiveJob::new(record));
@@ -52,8 +57,13 @@ impl Controller {
     }
 
     /// The job an earlier submit with `key` created, if any; an error if it had another spec.
-    async fn submitted_before(&self, spec: &JobSpec, key: &str) -> Result<Option<JobId>> {
+    async fn submitted_before(&self, spec: &JobSpec, key: &str, owner: &JobOwner) -> Result<Option<JobId>> {
         let Some(job) = self.store.job_by_key(key).await? else { return Ok(None) };
+        if job.owner.user != owner.user {
+            return Err(ControllerError::BadRequest(format!(
+                "idempotency key {key:?} was used by another user; choose another key"
+            )));
+        }
         if &job.spec != spec {
             return Err(ControllerError::BadRequest(format!(
                 "idempotency key {key:?} was used for job {} with a different spec",
@@ -270,6 +280,7 @@ fn launch_messages(core: &Core, job: &ActiveJob) -> Vec<(String, Launch)> {
                     })
                     .collect(),
                 spec: Some((&job.record.spec).into()),
+                run_as: job.record.owner.run_as.clone(),
             };
             (agent.to_string(), launch)
         })

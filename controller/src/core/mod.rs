@@ -77,6 +77,12 @@ pub enum ControllerError {
     /// The logs cannot be read now (no ranks yet, the node is not connected), and why.
     #[error("{0}")]
     LogsUnavailable(String),
+    /// A second stream of an agent that is connected: refused until the first one ends.
+    #[error("agent {0} is already connected; a second stream is refused until the first one ends (a dead one ends within ~30 s)")]
+    AlreadyConnected(String),
+    /// An agent spoke for a rank it was not given (another agent's, or none at all).
+    #[error("{0}")]
+    NotYours(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -238,7 +244,7 @@ impl Controller {
     }
 
     /// Milliseconds since the Unix epoch, from the controller's [`Clock`].
-    fn now_ms(&self) -> i64 {
+    pub fn now_ms(&self) -> i64 {
         self.clock.now_ms()
     }
 

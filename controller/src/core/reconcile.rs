@@ -296,6 +296,7 @@ mod tests {
         let record = JobRecord {
             id: 7,
             spec,
+            owner: Default::default(),
             state,
             reason: String::new(),
             attempt: 0,

@@ -61,11 +61,12 @@ impl Controller {
         Ok(job)
     }
 
-    /// Jobs newest first, with their ranks but without events.
-    pub async fn list_view(&self, active_only: bool, limit: u32) -> Result<Vec<Job>> {
+    /// Jobs newest first (only those `submitted_by` submitted, when given), with their ranks
+    /// but without events.
+    pub async fn list_view(&self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<Job>> {
         let limit = if limit == 0 { 100 } else { limit.min(10_000) };
         let mut jobs = Vec::new();
-        for record in self.store.list_jobs(active_only, limit).await? {
+        for record in self.store.list_jobs(active_only, submitted_by, limit).await? {
             jobs.push(self.summary(record).await?);
         }
         Ok(jobs)
@@ -133,6 +134,8 @@ impl Controller {
             warnings,
             waiting_reason,
             goodput: None,
+            user: record.owner.user,
+            run_as: record.owner.run_as,
         })
     }
 }

@@ -4,6 +4,11 @@
 //! stream are handled strictly in order, so a rank's receipts are stored before its exit is
 //! seen. A receipt batch is acknowledged only after its transaction committed; when the store
 //! fails the stream is closed without an ack, and the agent resends after reconnecting.
+//!
+//! An agent speaks only for itself. Under TLS its client certificate's common name is its id:
+//! a hello naming another agent is refused. On any stream, a second stream of a connected agent
+//! is refused, and a receipt batch or rank report about a rank another agent runs ends the
+//! stream with `PermissionDenied`; nothing of it is stored.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,19 +23,44 @@ use trainyard_proto::PROTOCOL_VERSION;
 use trainyard_proto::v1::agents_server::Agents;
 use trainyard_proto::v1::{AgentMessage, ControllerMessage, agent_message, controller_message};
 
-use crate::core::{Controller, MAX_BATCH};
+use crate::auth::pki;
+use crate::core::{Controller, ControllerError, MAX_BATCH};
 
 /// Messages queued towards one agent before the controller considers it stuck.
 const OUTBOX: usize = 1_024;
 
 pub struct AgentsService {
     controller: Arc<Controller>,
+    /// Streams must come with a client certificate naming the agent (TLS).
+    require_cert: bool,
     shutdown: CancellationToken,
 }
 
 impl AgentsService {
-    pub fn new(controller: Arc<Controller>, shutdown: CancellationToken) -> Self {
-        AgentsService { controller, shutdown }
+    pub fn new(controller: Arc<Controller>, require_cert: bool, shutdown: CancellationToken) -> Self {
+        AgentsService { controller, require_cert, shutdown }
+    }
+
+    /// The agent id the stream's client certificate names; `None` when none is required.
+    fn certified_id<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
+        if !self.require_cert {
+            return Ok(None);
+        }
+        let peer = request.remote_addr();
+        let Some(certs) = request.peer_certs() else {
+            tracing::warn!(?peer, "agent stream refused: no client certificate");
+            return Err(Status::unauthenticated(
+                "agents must present a client certificate signed by the fleet's CA \
+                 (trainyard-agent --tls-dir; `trainyard-controller issue-agent-cert NAME` makes one)",
+            ));
+        };
+        match certs.first().and_then(|c| pki::common_name(c)) {
+            Some(name) => Ok(Some(name)),
+            None => {
+                tracing::warn!(?peer, "agent stream refused: the certificate has no common name");
+                Err(Status::unauthenticated("the client certificate names no agent (no common name)"))
+            }
+        }
     }
 }
 
@@ -44,6 +74,8 @@ impl Agents for AgentsService {
         &self,
         request: Request<Streaming<AgentMessage>>,
     ) -> Result<Response<ConnectStream>, Status> {
+        let certified = self.certified_id(&request)?;
+        let peer = request.remote_addr();
         let mut inbound = request.into_inner();
         let first =
             inbound.message().await?.ok_or_else(|| Status::invalid_argument("stream closed before hello"))?;
@@ -60,32 +92,59 @@ impl Agents for AgentsService {
         if hello.agent_id.is_empty() {
             return Err(Status::invalid_argument("hello carries an empty agent_id"));
         }
+        if let Some(name) = certified
+            && name != hello.agent_id
+        {
+            tracing::warn!(certificate = %name, hello = %hello.agent_id, ?peer, "agent stream refused: impostor");
+            return Err(Status::permission_denied(format!(
+                "this certificate is agent {name}'s, but the hello says {}; an agent speaks only for itself",
+                hello.agent_id
+            )));
+        }
         let agent_id = hello.agent_id.clone();
         let (tx, rx) = mpsc::channel(OUTBOX);
-        let conn_id = self.controller.agent_hello(hello, tx.clone()).await.map_err(super::to_status)?;
+        let conn_id = match self.controller.agent_hello(hello, tx.clone()).await {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::warn!(agent_id, ?peer, error = %e, "agent stream refused");
+                return Err(super::to_status(e));
+            }
+        };
         let controller = self.controller.clone();
         let shutdown = self.shutdown.clone();
+        // A refusal mid-stream ends the response with its status, after what was queued.
+        let (refuse_tx, refuse_rx) = mpsc::channel(1);
         tokio::spawn(async move {
-            serve(&controller, &agent_id, inbound, tx, shutdown).await;
+            if let Err(status) = serve(&controller, &agent_id, inbound, tx, shutdown).await {
+                let _ = refuse_tx.send(status).await;
+            }
             if let Err(e) = controller.agent_disconnected(&agent_id, conn_id).await {
                 tracing::error!(agent_id, error = %e, "failed to record an agent disconnect");
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+        let outbound = ReceiverStream::new(rx).map(Ok).merge(ReceiverStream::new(refuse_rx).map(Err));
+        Ok(Response::new(Box::pin(outbound)))
     }
 }
 
-/// Handles one agent's messages in order until the stream ends, fails, or we shut down.
+/// A refusal of something an agent sent: logged, and the status that ends its stream.
+fn refused(agent_id: &str, e: ControllerError) -> Result<(), Status> {
+    tracing::warn!(agent_id, error = %e, "agent message refused; closing its stream");
+    Err(super::to_status(e))
+}
+
+/// Handles one agent's messages in order until the stream ends, fails, or we shut down; an
+/// error is the status a refused message ends the stream with.
 async fn serve(
     controller: &Controller,
     agent_id: &str,
     mut inbound: Streaming<AgentMessage>,
     tx: mpsc::Sender<ControllerMessage>,
     shutdown: CancellationToken,
-) {
+) -> Result<(), Status> {
     loop {
         let next = tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return Ok(()),
             next = inbound.message() => next,
         };
         let msg = match next {
@@ -97,10 +156,10 @@ async fn serve(
                 controller.agent_seen(agent_id);
                 continue;
             }
-            Ok(None) => return,
+            Ok(None) => return Ok(()),
             Err(status) => {
                 tracing::info!(agent_id, code = ?status.code(), message = status.message(), "agent stream broke");
-                return;
+                return Ok(());
             }
         };
         match msg {
@@ -112,25 +171,30 @@ async fn serve(
                         max = MAX_BATCH,
                         "batch too large; closing"
                     );
-                    return;
+                    return Ok(());
                 }
-                let ack = match controller.ingest(batch).await {
+                let ack = match controller.ingest(agent_id, batch).await {
                     Ok(ack) => ack,
+                    Err(e @ ControllerError::NotYours(_)) => return refused(agent_id, e),
                     Err(e) => {
                         tracing::error!(agent_id, error = %e, "failed to store receipts; closing so the agent resends");
-                        return;
+                        return Ok(());
                     }
                 };
                 let msg = ControllerMessage { msg: Some(controller_message::Msg::Ack(ack)) };
                 if tx.send(msg).await.is_err() {
-                    return;
+                    return Ok(());
                 }
             }
             agent_message::Msg::RankUpdate(update) => {
                 let Some(report) = update.report else { continue };
-                if let Err(e) = controller.rank_update(agent_id, &report).await {
-                    tracing::error!(agent_id, error = %e, "failed to apply a rank update; closing so the agent resends");
-                    return;
+                match controller.rank_update(agent_id, &report).await {
+                    Ok(()) => {}
+                    Err(e @ ControllerError::NotYours(_)) => return refused(agent_id, e),
+                    Err(e) => {
+                        tracing::error!(agent_id, error = %e, "failed to apply a rank update; closing so the agent resends");
+                        return Ok(());
+                    }
                 }
             }
             agent_message::Msg::Leaving(leaving) => {
@@ -144,7 +208,7 @@ async fn serve(
             agent_message::Msg::Preflight(report) => {
                 if let Err(e) = controller.agent_preflight(agent_id, report).await {
                     tracing::error!(agent_id, error = %e, "failed to store a preflight report; closing");
-                    return;
+                    return Ok(());
                 }
             }
             agent_message::Msg::Hello(_) => {

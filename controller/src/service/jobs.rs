@@ -18,7 +18,8 @@ use trainyard_proto::v1::{
     WatchEvent, WatchRequest, watch_event::Event,
 };
 
-use super::to_status;
+use super::{auth_status, to_status};
+use crate::auth::{self, Authenticator, Caller};
 use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
 use crate::store::{JobState, RankState, StoreError};
 
@@ -27,13 +28,60 @@ const WATCH_PAGE: u32 = 2_000;
 
 pub struct JobsService {
     controller: Arc<Controller>,
+    auth: Authenticator,
     shutdown: CancellationToken,
 }
 
 impl JobsService {
-    pub fn new(controller: Arc<Controller>, shutdown: CancellationToken) -> Self {
-        JobsService { controller, shutdown }
+    pub fn new(controller: Arc<Controller>, auth: Authenticator, shutdown: CancellationToken) -> Self {
+        JobsService { controller, auth, shutdown }
     }
+
+    /// The caller of `request`, from its bearer token; a refusal is audited as `action` on
+    /// `target`.
+    async fn caller<T>(&self, request: &Request<T>, action: &str, target: &str) -> Result<Caller, Status> {
+        let header = request.metadata().get("authorization").map(|v| v.to_str().unwrap_or("?"));
+        let now = self.controller.now_ms();
+        match self.auth.user(header, now).await {
+            Ok(caller) => Ok(caller),
+            Err(e) => {
+                let why = e.to_string();
+                tracing::warn!(action, target, peer = ?request.remote_addr(), reason = %why, "call refused: no valid credential");
+                self.auth.audit("-", action, target, Err(&why), now).await;
+                Err(auth_status(e))
+            }
+        }
+    }
+
+    /// The caller of a request about job `job_id`, refused unless it is theirs or they are an
+    /// admin. An unknown job is `NotFound` for everyone.
+    async fn job_caller<T>(&self, request: &Request<T>, action: &str, job_id: u64) -> Result<Caller, Status> {
+        let target = format!("job:{job_id}");
+        let caller = self.caller(request, action, &target).await?;
+        self.check_job(&caller, action, job_id).await?;
+        Ok(caller)
+    }
+
+    async fn check_job(&self, caller: &Caller, action: &str, job_id: u64) -> Result<(), Status> {
+        let store = self.controller.store();
+        let job = store.get_job(job_id).await.map_err(|e| to_status(e.into()))?;
+        let job = job.ok_or_else(|| to_status(ControllerError::JobNotFound(job_id)))?;
+        if caller.may_access(&job.owner) {
+            return Ok(());
+        }
+        let why = format!("job {job_id} belongs to {}; only its owner or an admin may do that", owner_name(&job.owner));
+        self.refuse(caller, action, &format!("job:{job_id}"), why).await
+    }
+
+    async fn refuse<T>(&self, caller: &Caller, action: &str, target: &str, why: String) -> Result<T, Status> {
+        tracing::warn!(user = %caller.name, action, target, reason = %why, "call refused");
+        self.auth.audit(&caller.name, action, target, Err(&why), self.controller.now_ms()).await;
+        Err(Status::permission_denied(why))
+    }
+}
+
+fn owner_name(owner: &crate::store::JobOwner) -> &str {
+    if owner.user.is_empty() { "no user (stored before users existed)" } else { &owner.user }
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchEvent, Status>> + Send>>;
@@ -42,34 +90,65 @@ type LogsStream = Pin<Box<dyn Stream<Item = Result<LogChunk, Status>> + Send>>;
 #[tonic::async_trait]
 impl Jobs for JobsService {
     async fn submit(&self, request: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
+        let caller = self.caller(&request, "job.submit", "job:new").await?;
         let request = request.into_inner();
         let spec = request
             .spec
             .ok_or_else(|| Status::invalid_argument("job spec rejected: the request carries no spec"))?;
+        let name = format!("job:new ({})", spec.name);
+        let owner = match auth::owner_for_submit(&caller, self.auth.policy(), spec.priority) {
+            Ok(owner) => owner,
+            Err(e) => return self.refuse(&caller, "job.submit", &name, e.to_string()).await,
+        };
         let key = Some(request.idempotency_key).filter(|k| !k.is_empty());
-        let job_id = self.controller.submit(spec, key.as_deref()).await.map_err(to_status)?;
-        Ok(Response::new(SubmitResponse { job_id }))
+        let now = self.controller.now_ms();
+        match self.controller.submit_as(spec, key.as_deref(), &owner).await {
+            Ok(job_id) => {
+                let detail = format!("run as {}", if owner.run_as.is_empty() { "the agent's account" } else { &owner.run_as });
+                self.auth.audit(&caller.name, "job.submit", &format!("job:{job_id}"), Ok(&detail), now).await;
+                Ok(Response::new(SubmitResponse { job_id }))
+            }
+            Err(e) => {
+                let status = to_status(e);
+                self.auth.audit(&caller.name, "job.submit", &name, Err(status.message()), now).await;
+                Err(status)
+            }
+        }
     }
 
     async fn get(&self, request: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
-        let job = self.controller.job_view(request.into_inner().job_id).await.map_err(to_status)?;
+        let job_id = request.get_ref().job_id;
+        self.job_caller(&request, "job.get", job_id).await?;
+        let job = self.controller.job_view(job_id).await.map_err(to_status)?;
         Ok(Response::new(job))
     }
 
     async fn list(&self, request: Request<ListJobsRequest>) -> Result<Response<ListJobsResponse>, Status> {
+        let caller = self.caller(&request, "job.list", "jobs").await?;
         let req = request.into_inner();
-        let jobs = self.controller.list_view(req.active_only, req.limit).await.map_err(to_status)?;
+        // Only admins see every job.
+        let only = (!caller.admin).then_some(caller.name.as_str());
+        let jobs = self.controller.list_view(req.active_only, only, req.limit).await.map_err(to_status)?;
         Ok(Response::new(ListJobsResponse { jobs }))
     }
 
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
-        let req = request.into_inner();
-        self.controller.cancel(req.job_id, &req.reason).await.map_err(to_status)?;
+        let req = request.get_ref().clone();
+        let caller = self.job_caller(&request, "job.cancel", req.job_id).await?;
+        let target = format!("job:{}", req.job_id);
+        let now = self.controller.now_ms();
+        if let Err(e) = self.controller.cancel(req.job_id, &req.reason).await {
+            let status = to_status(e);
+            self.auth.audit(&caller.name, "job.cancel", &target, Err(status.message()), now).await;
+            return Err(status);
+        }
+        self.auth.audit(&caller.name, "job.cancel", &target, Ok(&req.reason), now).await;
         let job = self.controller.job_view(req.job_id).await.map_err(to_status)?;
         Ok(Response::new(CancelResponse { job: Some(job) }))
     }
 
-    async fn nodes(&self, _request: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
+    async fn nodes(&self, request: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
+        self.caller(&request, "node.list", "nodes").await?;
         Ok(Response::new(NodesResponse { nodes: self.controller.nodes().await }))
     }
 
@@ -79,10 +158,19 @@ impl Jobs for JobsService {
         &self,
         request: Request<PreflightRequest>,
     ) -> Result<Response<PreflightReport>, Status> {
+        let target = format!("node:{}", request.get_ref().agent_id);
+        let action = if request.get_ref().run_level.is_empty() { "node.preflight.read" } else { "node.preflight" };
+        let caller = self.caller(&request, action, &target).await?;
         let req = request.into_inner();
         let report = if req.run_level.is_empty() {
             self.controller.latest_preflight(&req.agent_id).await
         } else {
+            if !caller.admin {
+                let why = "only admins run preflight checks on nodes".to_string();
+                return self.refuse(&caller, action, &target, why).await;
+            }
+            let level = format!("level {}", req.run_level);
+            self.auth.audit(&caller.name, action, &target, Ok(&level), self.controller.now_ms()).await;
             // A shutdown does not wait for the agent: the operator asks again after the restart.
             tokio::select! {
                 report = self.controller.run_preflight(&req.agent_id, &req.run_level, PREFLIGHT_RUN_TIMEOUT) => report,
@@ -95,12 +183,15 @@ impl Jobs for JobsService {
     }
 
     async fn diagnose(&self, request: Request<DiagnoseRequest>) -> Result<Response<Diagnosis>, Status> {
+        self.job_caller(&request, "job.diagnose", request.get_ref().job_id).await?;
         let req = request.into_inner();
         let d = self.controller.diagnose(req.job_id, req.attempt).await.map_err(to_status)?;
         Ok(Response::new(diagnosis_message(req.job_id, &d)))
     }
 
     async fn compare(&self, request: Request<CompareRequest>) -> Result<Response<Comparison>, Status> {
+        let caller = self.job_caller(&request, "job.compare", request.get_ref().a).await?;
+        self.check_job(&caller, "job.compare", request.get_ref().b).await?;
         let req = request.into_inner();
         let c = self.controller.compare(req.a, req.b).await.map_err(to_status)?;
         Ok(Response::new(comparison_message(&c)))
@@ -110,6 +201,7 @@ impl Jobs for JobsService {
     type LogsStream = LogsStream;
 
     async fn logs(&self, request: Request<LogsRequest>) -> Result<Response<LogsStream>, Status> {
+        self.job_caller(&request, "job.logs", request.get_ref().job_id).await?;
         let req = request.into_inner();
         let rx = self
             .controller
@@ -124,11 +216,8 @@ impl Jobs for JobsService {
     }
 
     async fn watch(&self, request: Request<WatchRequest>) -> Result<Response<WatchStream>, Status> {
+        self.job_caller(&request, "job.watch", request.get_ref().job_id).await?;
         let req = request.into_inner();
-        let store = self.controller.store();
-        if store.get_job(req.job_id).await.map_err(|e| to_status(e.into()))?.is_none() {
-            return Err(to_status(ControllerError::JobNotFound(req.job_id)));
-        }
         let (tx, rx) = mpsc::channel(16);
         let watcher =
             Watcher { controller: self.controller.clone(), job_id: req.job_id, cursor: req.after_position };

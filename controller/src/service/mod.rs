@@ -9,6 +9,7 @@ mod jobs;
 pub use agents::AgentsService;
 pub use jobs::JobsService;
 
+use crate::auth::AuthError;
 use crate::core::ControllerError;
 use crate::store::StoreError;
 
@@ -27,6 +28,8 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
         ControllerError::PreflightTimeout { .. } => tonic::Status::deadline_exceeded(e.to_string()),
         ControllerError::BadRequest(_) => tonic::Status::invalid_argument(e.to_string()),
         ControllerError::LogsUnavailable(_) => tonic::Status::failed_precondition(e.to_string()),
+        ControllerError::AlreadyConnected(_) => tonic::Status::already_exists(e.to_string()),
+        ControllerError::NotYours(_) => tonic::Status::permission_denied(e.to_string()),
         ControllerError::Store(StoreError::JobNotFound(_)) => tonic::Status::not_found(e.to_string()),
         ControllerError::Store(StoreError::StateConflict { .. }) => tonic::Status::aborted(e.to_string()),
         // Database text (SQL, constraint names, server messages) stays in the controller's log:
@@ -42,6 +45,15 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
                 "internal error {incident}: the controller could not use its database; its log has the details under this id"
             ))
         }
+    }
+}
+
+/// Authentication and permission refusals, as statuses.
+pub fn auth_status(e: AuthError) -> tonic::Status {
+    match e {
+        AuthError::Unauthenticated(why) => tonic::Status::unauthenticated(why),
+        AuthError::PermissionDenied(why) => tonic::Status::permission_denied(why),
+        AuthError::Store(e) => to_status(ControllerError::Store(e)),
     }
 }
 

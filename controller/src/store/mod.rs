@@ -84,11 +84,62 @@ pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 pub struct JobRecord {
     pub id: JobId,
     pub spec: JobSpec,
+    /// Who submitted it, and the Unix account its ranks run as.
+    pub owner: JobOwner,
     pub state: JobState,
     pub reason: String,
     pub attempt: u32,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
+}
+
+/// Who owns a job (`jobs.submitted_by`, `jobs.run_as`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobOwner {
+    /// The user who submitted the job; empty for jobs stored before users existed.
+    pub user: String,
+    /// The Unix account the ranks run as; empty: the agent's own account, which the agent
+    /// allows only when it does not run as root (the loopback demo).
+    pub run_as: String,
+}
+
+/// A row of `users`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserRecord {
+    pub name: String,
+    pub admin: bool,
+    /// The Unix account this user's ranks run as; `None`: the user cannot submit.
+    pub unix_user: Option<String>,
+    pub created_at_ms: i64,
+    /// Set: every token of the user is refused.
+    pub disabled_at_ms: Option<i64>,
+}
+
+/// A row of `api_tokens`, without its hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenRecord {
+    pub id: i64,
+    pub user_name: String,
+    /// The token's first characters, so an operator can tell two tokens of a user apart.
+    pub prefix: String,
+    pub created_at_ms: i64,
+    pub expires_at_ms: Option<i64>,
+    pub revoked_at_ms: Option<i64>,
+}
+
+/// A row of `audit_log`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditEntry {
+    pub at_ms: i64,
+    /// The user; `-` when no valid credential came with the call.
+    pub actor: String,
+    /// e.g. `job.submit`, `job.cancel`, `node.preflight`, `user.add`, `token.revoke`.
+    pub action: String,
+    /// e.g. `job:42`, `node:sxm-a`, `user:alice`.
+    pub target: String,
+    pub accepted: bool,
+    /// Why it was refused, or what changed.
+    pub detail: String,
 }
 
 /// A row of `job_events`.
@@ -311,13 +362,25 @@ pub trait JobStore: Send + Sync {
     /// Stores a new job in `pending` with a creation event, and returns it. `key` is the
     /// submit's idempotency key: a second job with the same key fails with
     /// [`StoreError::Duplicate`] and stores nothing.
+    async fn create_job_for(
+        &self,
+        spec: &JobSpec,
+        key: Option<&str>,
+        owner: &JobOwner,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<JobRecord>;
+
+    /// [`JobStore::create_job_for`] with no owner (tests and tools that predate users).
     async fn create_job(
         &self,
         spec: &JobSpec,
         key: Option<&str>,
         reason: &str,
         now_ms: i64,
-    ) -> Result<JobRecord>;
+    ) -> Result<JobRecord> {
+        self.create_job_for(spec, key, &JobOwner::default(), reason, now_ms).await
+    }
 
     /// The job created with idempotency key `key`, if any.
     async fn job_by_key(&self, key: &str) -> Result<Option<JobRecord>>;
@@ -347,8 +410,9 @@ pub trait JobStore: Send + Sync {
 
     async fn get_job(&self, job: JobId) -> Result<Option<JobRecord>>;
 
-    /// Newest first; `active_only` leaves out terminal jobs.
-    async fn list_jobs(&self, active_only: bool, limit: u32) -> Result<Vec<JobRecord>>;
+    /// Jobs newest first, at most `limit`; only unfinished ones with `active_only`, only those
+    /// `submitted_by` submitted when given.
+    async fn list_jobs(&self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<JobRecord>>;
 
     /// Oldest first.
     async fn job_events(&self, job: JobId) -> Result<Vec<JobEventRecord>>;
@@ -443,8 +507,49 @@ pub trait PreflightStore: Send + Sync {
     async fn latest_preflights(&self) -> Result<Vec<PreflightRecord>>;
 }
 
+/// Users, their API tokens, and the audit log. Every method is one transaction; the SQL is
+/// written once for both backends (`rows::auth_queries!`).
+#[async_trait]
+pub trait AuthStore: Send + Sync {
+    /// Adds a user; [`StoreError::Duplicate`] when the name is taken.
+    async fn add_user(&self, user: &UserRecord) -> Result<()>;
+
+    /// Replaces a user's admin flag, Unix account and disabled time; false when no such user.
+    async fn update_user(&self, user: &UserRecord) -> Result<bool>;
+
+    async fn get_user(&self, name: &str) -> Result<Option<UserRecord>>;
+
+    async fn list_users(&self) -> Result<Vec<UserRecord>>;
+
+    /// Stores the SHA-256 (hex) of a new token of `user`; returns the token's id.
+    async fn add_token(
+        &self,
+        user: &str,
+        sha256_hex: &str,
+        prefix: &str,
+        now_ms: i64,
+        expires_at_ms: Option<i64>,
+    ) -> Result<i64>;
+
+    /// Revokes the user's tokens that are not revoked yet (only the one whose prefix is
+    /// `prefix`, when given); returns how many.
+    async fn revoke_tokens(&self, user: &str, prefix: Option<&str>, now_ms: i64) -> Result<u64>;
+
+    /// The tokens of a user, newest first.
+    async fn tokens_of(&self, user: &str) -> Result<Vec<TokenRecord>>;
+
+    /// The token with this hash and its user, revoked and expired ones included (the caller
+    /// says why it refuses them).
+    async fn token_owner(&self, sha256_hex: &str) -> Result<Option<(TokenRecord, UserRecord)>>;
+
+    async fn audit(&self, entry: &AuditEntry) -> Result<()>;
+
+    /// The newest `limit` audit rows, newest first.
+    async fn audit_log(&self, limit: u32) -> Result<Vec<AuditEntry>>;
+}
+
 /// The controller's store: every concern's trait, implemented by each backend (SQLite,
 /// PostgreSQL) and exercised by one test suite.
-pub trait Store: JobStore + FleetStore + ReceiptStore + PreflightStore + 'static {}
+pub trait Store: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + 'static {}
 
-impl<T: JobStore + FleetStore + ReceiptStore + PreflightStore + 'static> Store for T {}
+impl<T: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + 'static> Store for T {}

@@ -23,11 +23,12 @@ use super::rows::{
     encode_spec, engine_columns, int, job_columns, job_id_from, preflight_queries,
 };
 use super::{
-    AgentState, FleetStore, JobId, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result,
+    AgentState, FleetStore, JobId, JobOwner, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result,
     Snapshot, StoreError,
 };
 
 super::rows::diagnosis_queries!(PostgresStore, read: [], write: []);
+super::rows::auth_queries!(PostgresStore, PgRow, read: [], write: []);
 super::rows::row_readers!(PgRow, sqlx::Postgres);
 
 /// Connections in the pool: receipt batches of several agents, the core's writes and the
@@ -154,10 +155,11 @@ fn classify(e: sqlx::Error) -> StoreError {
 
 #[async_trait]
 impl JobStore for PostgresStore {
-    async fn create_job(
+    async fn create_job_for(
         &self,
         spec: &JobSpec,
         key: Option<&str>,
+        owner: &JobOwner,
         reason: &str,
         now_ms: i64,
     ) -> Result<JobRecord> {
@@ -166,8 +168,8 @@ impl JobStore for PostgresStore {
             let resources = &spec.resources;
             let id: i64 = sqlx::query_scalar(
                 "INSERT INTO jobs (name, state, reason, attempt, priority, gpus, gpus_per_node, \
-                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms, submit_key) \
-                 VALUES ($1, 'pending', $2, 0, $3, $4, $5, $6, $7, $8, $9, $10, $10, $11) RETURNING id",
+                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms, submit_key, submitted_by, run_as) \
+                 VALUES ($1, 'pending', $2, 0, $3, $4, $5, $6, $7, $8, $9, $10, $10, $11, $12, $13) RETURNING id",
             )
             .bind(&spec.name)
             .bind(reason)
@@ -180,6 +182,8 @@ impl JobStore for PostgresStore {
             .bind(encode_spec(spec))
             .bind(now_ms)
             .bind(key)
+            .bind(&owner.user)
+            .bind(&owner.run_as)
             .fetch_one(&mut *c)
             .await
             .map_err(duplicate_or)?;
@@ -234,15 +238,16 @@ impl JobStore for PostgresStore {
         self.run("get_job", async |c| fetch_job(c, job, false).await).await
     }
 
-    async fn list_jobs(&self, active_only: bool, limit: u32) -> Result<Vec<JobRecord>> {
+    async fn list_jobs(&self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<JobRecord>> {
         self.run("list_jobs", async |c| {
             let rows = sqlx::query(concat!(
                 "SELECT ",
                 job_columns!(),
-                " FROM jobs WHERE (NOT $1 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
-                 ORDER BY id DESC LIMIT $2"
+                 " FROM jobs WHERE (NOT $1 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
+                 AND ($2::TEXT IS NULL OR submitted_by = $2) ORDER BY id DESC LIMIT $3"
             ))
             .bind(active_only)
+            .bind(submitted_by)
             .bind(i64::from(limit))
             .fetch_all(&mut *c)
             .await?;

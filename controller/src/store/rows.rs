@@ -16,7 +16,7 @@ use super::{JobId, Result, StoreError};
 /// Selected columns of `jobs`, read by `job_from_row`.
 macro_rules! job_columns {
     () => {
-        "id, state, reason, attempt, spec_pb, created_at_ms, updated_at_ms"
+        "id, state, reason, attempt, spec_pb, created_at_ms, updated_at_ms, submitted_by, run_as"
     };
 }
 pub(super) use job_columns;
@@ -166,6 +166,10 @@ macro_rules! row_readers {
             Ok(JobRecord {
                 id: num(row, t, "id")?,
                 spec: decode_spec(&spec_pb)?,
+                owner: $crate::store::JobOwner {
+                    user: col(row, t, "submitted_by")?,
+                    run_as: col(row, t, "run_as")?,
+                },
                 state: state_col(row, t, "state")?,
                 reason: col(row, t, "reason")?,
                 attempt: num(row, t, "attempt")?,
@@ -534,3 +538,199 @@ macro_rules! diagnosis_queries {
     };
 }
 pub(super) use diagnosis_queries;
+
+/// [`super::AuthStore`] for one backend: users, tokens and the audit log, in the same SQL on
+/// both (`$N` placeholders). `read` and `write` as in [`diagnosis_queries!`].
+macro_rules! auth_queries {
+    ($store:ty, $row:ty, read: [$($read:tt)*], write: [$($write:tt)*]) => {
+
+        fn user_from_row(row: &$row) -> Result<$crate::store::UserRecord> {
+            let t = "users";
+            Ok($crate::store::UserRecord {
+                name: col(row, t, "name")?,
+                admin: col(row, t, "admin")?,
+                unix_user: col(row, t, "unix_user")?,
+                created_at_ms: col(row, t, "created_at_ms")?,
+                disabled_at_ms: col(row, t, "disabled_at_ms")?,
+            })
+        }
+
+        fn token_from_row(row: &$row) -> Result<$crate::store::TokenRecord> {
+            let t = "api_tokens";
+            Ok($crate::store::TokenRecord {
+                id: col(row, t, "id")?,
+                user_name: col(row, t, "user_name")?,
+                prefix: col(row, t, "prefix")?,
+                created_at_ms: col(row, t, "created_at_ms")?,
+                expires_at_ms: col(row, t, "expires_at_ms")?,
+                revoked_at_ms: col(row, t, "revoked_at_ms")?,
+            })
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::store::AuthStore for $store {
+            async fn add_user(&self, user: &$crate::store::UserRecord) -> Result<()> {
+                self.run("add_user", $($write)* async |c| {
+                    sqlx::query("INSERT INTO users (name, admin, unix_user, created_at_ms, disabled_at_ms) VALUES ($1, $2, $3, $4, $5)")
+                        .bind(&user.name)
+                        .bind(user.admin)
+                        .bind(&user.unix_user)
+                        .bind(user.created_at_ms)
+                        .bind(user.disabled_at_ms)
+                        .execute(&mut *c)
+                        .await
+                        .map_err($crate::store::rows::duplicate_or)?;
+                    Ok(())
+                })
+                .await
+            }
+
+            async fn update_user(&self, user: &$crate::store::UserRecord) -> Result<bool> {
+                self.run("update_user", $($write)* async |c| {
+                    let done = sqlx::query("UPDATE users SET admin = $2, unix_user = $3, disabled_at_ms = $4 WHERE name = $1")
+                        .bind(&user.name)
+                        .bind(user.admin)
+                        .bind(&user.unix_user)
+                        .bind(user.disabled_at_ms)
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(done.rows_affected() > 0)
+                })
+                .await
+            }
+
+            async fn get_user(&self, name: &str) -> Result<Option<$crate::store::UserRecord>> {
+                self.run("get_user", $($read)* async |c| {
+                    let row = sqlx::query("SELECT name, admin, unix_user, created_at_ms, disabled_at_ms FROM users WHERE name = $1")
+                        .bind(name.to_owned())
+                        .fetch_optional(&mut *c)
+                        .await?;
+                    row.as_ref().map(user_from_row).transpose()
+                })
+                .await
+            }
+
+            async fn list_users(&self) -> Result<Vec<$crate::store::UserRecord>> {
+                self.run("list_users", $($read)* async |c| {
+                    let rows = sqlx::query("SELECT name, admin, unix_user, created_at_ms, disabled_at_ms FROM users ORDER BY name")
+                        .fetch_all(&mut *c)
+                        .await?;
+                    rows.iter().map(user_from_row).collect()
+                })
+                .await
+            }
+
+            async fn add_token(
+                &self,
+                user: &str,
+                sha256_hex: &str,
+                prefix: &str,
+                now_ms: i64,
+                expires_at_ms: Option<i64>,
+            ) -> Result<i64> {
+                self.run("add_token", $($write)* async |c| {
+                    Ok(sqlx::query_scalar("INSERT INTO api_tokens (user_name, token_sha256, prefix, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, $5) RETURNING id")
+                        .bind(user.to_owned())
+                        .bind(sha256_hex.to_owned())
+                        .bind(prefix.to_owned())
+                        .bind(now_ms)
+                        .bind(expires_at_ms)
+                        .fetch_one(&mut *c)
+                        .await
+                        .map_err($crate::store::rows::duplicate_or)?)
+                })
+                .await
+            }
+
+            async fn revoke_tokens(&self, user: &str, prefix: Option<&str>, now_ms: i64) -> Result<u64> {
+                self.run("revoke_tokens", $($write)* async |c| {
+                    let done = sqlx::query("UPDATE api_tokens SET revoked_at_ms = $3 WHERE user_name = $1 AND revoked_at_ms IS NULL AND ($2 IS NULL OR prefix = $2)")
+                        .bind(user.to_owned())
+                        .bind(prefix.map(str::to_owned))
+                        .bind(now_ms)
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(done.rows_affected())
+                })
+                .await
+            }
+
+            async fn tokens_of(&self, user: &str) -> Result<Vec<$crate::store::TokenRecord>> {
+                self.run("tokens_of", $($read)* async |c| {
+                    let rows = sqlx::query("SELECT id, user_name, prefix, created_at_ms, expires_at_ms, revoked_at_ms FROM api_tokens WHERE user_name = $1 ORDER BY id DESC")
+                        .bind(user.to_owned())
+                        .fetch_all(&mut *c)
+                        .await?;
+                    rows.iter().map(token_from_row).collect()
+                })
+                .await
+            }
+
+            async fn token_owner(
+                &self,
+                sha256_hex: &str,
+            ) -> Result<Option<($crate::store::TokenRecord, $crate::store::UserRecord)>> {
+                self.run("token_owner", $($read)* async |c| {
+                    let row = sqlx::query(
+                        "SELECT t.id, t.user_name, t.prefix, t.created_at_ms, t.expires_at_ms, t.revoked_at_ms, \
+                         u.name, u.admin, u.unix_user, u.created_at_ms AS user_created_at_ms, u.disabled_at_ms \
+                         FROM api_tokens t JOIN users u ON u.name = t.user_name WHERE t.token_sha256 = $1",
+                    )
+                    .bind(sha256_hex.to_owned())
+                    .fetch_optional(&mut *c)
+                    .await?;
+                    let Some(row) = row else { return Ok(None) };
+                    let user = $crate::store::UserRecord {
+                        name: col(&row, "users", "name")?,
+                        admin: col(&row, "users", "admin")?,
+                        unix_user: col(&row, "users", "unix_user")?,
+                        created_at_ms: col(&row, "users", "user_created_at_ms")?,
+                        disabled_at_ms: col(&row, "users", "disabled_at_ms")?,
+                    };
+                    Ok(Some((token_from_row(&row)?, user)))
+                })
+                .await
+            }
+
+            async fn audit(&self, entry: &$crate::store::AuditEntry) -> Result<()> {
+                self.run("audit", $($write)* async |c| {
+                    sqlx::query("INSERT INTO audit_log (at_ms, actor, action, target, outcome, detail) VALUES ($1, $2, $3, $4, $5, $6)")
+                        .bind(entry.at_ms)
+                        .bind(&entry.actor)
+                        .bind(&entry.action)
+                        .bind(&entry.target)
+                        .bind(if entry.accepted { "accepted" } else { "refused" })
+                        .bind(&entry.detail)
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(())
+                })
+                .await
+            }
+
+            async fn audit_log(&self, limit: u32) -> Result<Vec<$crate::store::AuditEntry>> {
+                self.run("audit_log", $($read)* async |c| {
+                    let rows = sqlx::query("SELECT at_ms, actor, action, target, outcome, detail FROM audit_log ORDER BY id DESC LIMIT $1")
+                        .bind(i64::from(limit))
+                        .fetch_all(&mut *c)
+                        .await?;
+                    rows.iter()
+                        .map(|r| {
+                            let t = "audit_log";
+                            Ok($crate::store::AuditEntry {
+                                at_ms: col(r, t, "at_ms")?,
+                                actor: col(r, t, "actor")?,
+                                action: col(r, t, "action")?,
+                                target: col(r, t, "target")?,
+                                accepted: col::<String>(r, t, "outcome")? == "accepted",
+                                detail: col(r, t, "detail")?,
+                            })
+                        })
+                        .collect()
+                })
+                .await
+            }
+        }
+    };
+}
+pub(super) use auth_queries;

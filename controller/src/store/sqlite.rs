@@ -21,11 +21,12 @@ use super::rows::{
     encode_spec, engine_columns, int, job_columns, job_id_from, preflight_queries,
 };
 use super::{
-    AgentState, FleetStore, JobId, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result,
+    AgentState, FleetStore, JobId, JobOwner, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result,
     Snapshot, StoreError,
 };
 
 super::rows::diagnosis_queries!(SqliteStore, read: [Mode::Read,], write: [Mode::Write,]);
+super::rows::auth_queries!(SqliteStore, SqliteRow, read: [Mode::Read,], write: [Mode::Write,]);
 super::rows::row_readers!(SqliteRow, sqlx::Sqlite);
 
 /// Connections in the pool. SQLite has one writer at a time anyway; a few connections let
@@ -148,10 +149,11 @@ impl SqliteStore {
 
 #[async_trait]
 impl JobStore for SqliteStore {
-    async fn create_job(
+    async fn create_job_for(
         &self,
         spec: &JobSpec,
         key: Option<&str>,
+        owner: &JobOwner,
         reason: &str,
         now_ms: i64,
     ) -> Result<JobRecord> {
@@ -160,8 +162,8 @@ impl JobStore for SqliteStore {
             let resources = &spec.resources;
             let id: i64 = sqlx::query_scalar(
                 "INSERT INTO jobs (name, state, reason, attempt, priority, gpus, gpus_per_node, \
-                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms, submit_key) \
-                 VALUES (?, 'pending', ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                 engine_kind, argv_json, workdir, spec_pb, created_at_ms, updated_at_ms, submit_key, submitted_by, run_as) \
+                 VALUES (?, 'pending', ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
             )
             .bind(spec.name.clone())
             .bind(reason.to_owned())
@@ -175,6 +177,8 @@ impl JobStore for SqliteStore {
             .bind(now_ms)
             .bind(now_ms)
             .bind(key)
+            .bind(&owner.user)
+            .bind(&owner.run_as)
             .fetch_one(&mut *c)
             .await
             .map_err(duplicate_or)?;
@@ -234,15 +238,17 @@ impl JobStore for SqliteStore {
         self.run("get_job", Mode::Read, async |c| fetch_job(c, job).await).await
     }
 
-    async fn list_jobs(&self, active_only: bool, limit: u32) -> Result<Vec<JobRecord>> {
+    async fn list_jobs(&self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<JobRecord>> {
         self.run("list_jobs", Mode::Read, async |c| {
             let rows = sqlx::query(concat!(
                 "SELECT ",
                 job_columns!(),
-                " FROM jobs WHERE (? = 0 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
-                 ORDER BY id DESC LIMIT ?"
+                 " FROM jobs WHERE (? = 0 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
+                 AND (? IS NULL OR submitted_by = ?) ORDER BY id DESC LIMIT ?"
             ))
             .bind(active_only)
+            .bind(submitted_by)
+            .bind(submitted_by)
             .bind(limit)
             .fetch_all(&mut *c)
             .await?;

@@ -253,10 +253,10 @@ pub mod suite {
 
         s.transition(b.id, JobState::Pending, JobState::Cancelled, 0, "ctl cancel", 4_000).await.unwrap();
         let ids = |v: Vec<crate::store::JobRecord>| v.into_iter().map(|j| j.id).collect::<Vec<_>>();
-        assert_eq!(ids(s.list_jobs(false, 10).await.unwrap()), vec![c.id, b.id, a.id]);
-        assert_eq!(ids(s.list_jobs(true, 10).await.unwrap()), vec![c.id, a.id]);
-        assert_eq!(ids(s.list_jobs(false, 2).await.unwrap()), vec![c.id, b.id]);
-        assert_eq!(ids(s.list_jobs(true, 1).await.unwrap()), vec![c.id]);
+        assert_eq!(ids(s.list_jobs(false, None, 10).await.unwrap()), vec![c.id, b.id, a.id]);
+        assert_eq!(ids(s.list_jobs(true, None, 10).await.unwrap()), vec![c.id, a.id]);
+        assert_eq!(ids(s.list_jobs(false, None, 2).await.unwrap()), vec![c.id, b.id]);
+        assert_eq!(ids(s.list_jobs(true, None, 1).await.unwrap()), vec![c.id]);
     }
 
     pub async fn submit_keys_are_unique(h: &impl Harness) {
@@ -266,7 +266,7 @@ pub mod suite {
         s.create_job(&spec("plain", 1), None, "submitted", 1).await.unwrap();
         let again = s.create_job(&spec("a", 1), Some("key-1"), "submitted", 2).await;
         assert!(matches!(again, Err(StoreError::Duplicate(_))), "{again:?}");
-        assert_eq!(s.list_jobs(false, 10).await.unwrap().len(), 3, "the duplicate stored nothing");
+        assert_eq!(s.list_jobs(false, None, 10).await.unwrap().len(), 3, "the duplicate stored nothing");
         assert_eq!(s.job_by_key("key-1").await.unwrap().map(|j| j.id), Some(a.id));
         assert_eq!(s.job_by_key("key-2").await.unwrap(), None);
     }
@@ -744,7 +744,7 @@ async fn sqlite_open_url_and_in_memory() {
         [SqliteStore::open_in_memory().await.unwrap(), SqliteStore::open("sqlite::memory:").await.unwrap()]
     {
         let j = m.create_job(&fixtures::spec("m", 1), None, "submitted", 1).await.unwrap();
-        assert_eq!(m.list_jobs(false, 10).await.unwrap()[0].id, j.id);
+        assert_eq!(m.list_jobs(false, None, 10).await.unwrap()[0].id, j.id);
         assert_eq!(m.get_job(j.id).await.unwrap().map(|r| r.id), Some(j.id));
     }
 }

@@ -1,0 +1,290 @@
+//! Who is calling, and what they may do.
+//!
+//! - Users (`ctl`, the web view) present a bearer token; the store keeps only its SHA-256.
+//!   Tokens are 256 random bits, so a fast hash is enough: there is no password to guess.
+//! - Agents present a client certificate signed by the fleet's CA; its common name is the
+//!   agent id (checked in `service::agents`).
+//! - The loopback demo (plaintext, loopback only) needs no setup: a call without a token acts
+//!   as the local admin [`LOCAL_ADMIN`], created at start.
+//!
+//! # Layout
+//! - `pki`: the CA and certificates `init-pki` writes.
+//! - this module: tokens, the [`Policy`], [`Authenticator`] (token to [`Caller`]), the
+//!   permission rules, and the audit log writer.
+
+pub mod pki;
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+use crate::store::{AuditEntry, JobOwner, Store, StoreError, UserRecord};
+
+/// The user a tokenless call acts as in the loopback demo.
+pub const LOCAL_ADMIN: &str = "local";
+
+/// Every token starts with this, so a leaked one is recognisable in logs and scanners.
+pub const TOKEN_PREFIX: &str = "tyt_";
+
+/// How the controller authenticates its callers, from how it listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// Users must present a valid token; false: a tokenless call acts as [`LOCAL_ADMIN`].
+    pub require_user_token: bool,
+    /// Agents must present a client certificate whose common name is their id.
+    pub require_agent_cert: bool,
+    /// Highest job priority a non-admin may submit.
+    pub max_user_priority: i32,
+}
+
+impl Policy {
+    /// Plaintext on loopback: the no-setup demo.
+    pub fn demo() -> Self {
+        Policy { require_user_token: false, require_agent_cert: false, max_user_priority: i32::MAX }
+    }
+
+    /// TLS with client certificates for agents and tokens for users.
+    pub fn secure(max_user_priority: i32) -> Self {
+        Policy { require_user_token: true, require_agent_cert: true, max_user_priority }
+    }
+}
+
+/// An authenticated user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub name: String,
+    pub admin: bool,
+    /// The Unix account this user's ranks run as.
+    pub unix_user: Option<String>,
+}
+
+impl Caller {
+    /// May this caller see, watch, read the logs of and cancel a job of `owner`? Jobs stored
+    /// before users existed (no owner) are the admins'.
+    pub fn may_access(&self, owner: &JobOwner) -> bool {
+        self.admin || (!owner.user.is_empty() && owner.user == self.name)
+    }
+}
+
+/// Why a call was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("{0}")]
+    Unauthenticated(String),
+    #[error("{0}")]
+    PermissionDenied(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A new random token (`tyt_` and 64 hex digits).
+pub fn new_token() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("read random bytes for a token: {e}"))?;
+    Ok(format!("{TOKEN_PREFIX}{}", hex(&bytes)))
+}
+
+/// The hex SHA-256 of a token: what the store keeps.
+pub fn token_hash(token: &str) -> String {
+    hex(&Sha256::digest(token.as_bytes()))
+}
+
+/// The first characters of a token, stored to tell a user's tokens apart.
+pub fn token_prefix(token: &str) -> String {
+    token.chars().take(TOKEN_PREFIX.len() + 8).collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Turns a call's bearer token into a [`Caller`], and writes the audit log.
+#[derive(Clone)]
+pub struct Authenticator {
+    store: Arc<dyn Store>,
+    policy: Policy,
+}
+
+impl Authenticator {
+    pub fn new(store: Arc<dyn Store>, policy: Policy) -> Self {
+        Authenticator { store, policy }
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Creates the demo's local admin when this policy lets tokenless calls in.
+    pub async fn ensure_local_admin(&self, now_ms: i64) -> Result<(), StoreError> {
+        if self.policy.require_user_token || self.store.get_user(LOCAL_ADMIN).await?.is_some() {
+            return Ok(());
+        }
+        let user = UserRecord {
+            name: LOCAL_ADMIN.into(),
+            admin: true,
+            unix_user: None,
+            created_at_ms: now_ms,
+            disabled_at_ms: None,
+        };
+        match self.store.add_user(&user).await {
+            Ok(()) | Err(StoreError::Duplicate(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The caller a bearer token (the `authorization` header's value, if any) stands for.
+    pub async fn user(&self, authorization: Option<&str>, now_ms: i64) -> Result<Caller, AuthError> {
+        let token = match authorization {
+            None | Some("") if !self.policy.require_user_token => {
+                return Ok(Caller { name: LOCAL_ADMIN.into(), admin: true, unix_user: None });
+            }
+            None | Some("") => {
+                return Err(AuthError::Unauthenticated(
+                    "no token: pass one with TRAINYARD_TOKEN or --token-file (an admin creates it with \
+                     `trainyard-controller user add NAME`)"
+                        .into(),
+                ));
+            }
+            Some(value) => value.strip_prefix("Bearer ").unwrap_or(value).trim(),
+        };
+        let Some((t, user)) = self.store.token_owner(&token_hash(token)).await? else {
+            return Err(AuthError::Unauthenticated("the token is not valid: unknown to this controller".into()));
+        };
+        if t.revoked_at_ms.is_some() {
+            return Err(AuthError::Unauthenticated(format!(
+                "the token {}... of {} was revoked; ask an admin for a new one",
+                t.prefix, user.name
+            )));
+        }
+        if t.expires_at_ms.is_some_and(|at| at <= now_ms) {
+            return Err(AuthError::Unauthenticated(format!(
+                "the token {}... of {} has expired; ask an admin for a new one",
+                t.prefix, user.name
+            )));
+        }
+        if user.disabled_at_ms.is_some() {
+            return Err(AuthError::Unauthenticated(format!("user {} is disabled", user.name)));
+        }
+        Ok(Caller { name: user.name, admin: user.admin, unix_user: user.unix_user })
+    }
+
+    /// Writes one audit row; a failure is logged, never returned: the action already happened
+    /// (or was already refused).
+    pub async fn audit(&self, actor: &str, action: &str, target: &str, outcome: Result<&str, &str>, at_ms: i64) {
+        let (accepted, detail) = match outcome {
+            Ok(d) => (true, d),
+            Err(d) => (false, d),
+        };
+        let entry = AuditEntry {
+            at_ms,
+            actor: actor.to_string(),
+            action: action.to_string(),
+            target: target.to_string(),
+            accepted,
+            detail: detail.to_string(),
+        };
+        if let Err(e) = self.store.audit(&entry).await {
+            tracing::error!(actor, action, target, error = %e, "failed to write the audit log");
+        }
+    }
+}
+
+/// Who owns a job `caller` submits, or why they may not submit it.
+pub fn owner_for_submit(caller: &Caller, policy: &Policy, priority: i32) -> Result<JobOwner, AuthError> {
+    if !caller.admin && priority > policy.max_user_priority {
+        return Err(AuthError::PermissionDenied(format!(
+            "priority {priority} is above {}, the highest a non-admin may ask for",
+            policy.max_user_priority
+        )));
+    }
+    let run_as = match (&caller.unix_user, policy.require_user_token) {
+        (Some(account), _) => account.clone(),
+        // The demo's ranks run as the agent's own (non-root) account.
+        (None, false) => String::new(),
+        (None, true) => {
+            return Err(AuthError::PermissionDenied(format!(
+                "user {} has no Unix account to run ranks as; an admin sets one with \
+                 `trainyard-controller user set {} --unix-user ACCOUNT`",
+                caller.name, caller.name
+            )));
+        }
+    };
+    Ok(JobOwner { user: caller.name.clone(), run_as })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::SqliteStore;
+
+    #[test]
+    fn tokens_are_random_prefixed_and_hashed() {
+        let (a, b) = (new_token().unwrap(), new_token().unwrap());
+        assert_ne!(a, b);
+        assert!(a.starts_with(TOKEN_PREFIX) && a.len() == TOKEN_PREFIX.len() + 64, "{a}");
+        assert_eq!(token_hash(&a), token_hash(&a));
+        assert_ne!(token_hash(&a), token_hash(&b));
+        assert_eq!(token_hash("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(token_prefix(&a).len(), TOKEN_PREFIX.len() + 8);
+    }
+
+    #[test]
+    fn owners_and_admins_reach_jobs_others_do_not() {
+        let alice = Caller { name: "alice".into(), admin: false, unix_user: Some("alice".into()) };
+        let root = Caller { name: "ops".into(), admin: true, unix_user: None };
+        let of = |u: &str| JobOwner { user: u.into(), run_as: String::new() };
+        assert!(alice.may_access(&of("alice")));
+        assert!(!alice.may_access(&of("bob")));
+        assert!(!alice.may_access(&of("")));
+        assert!(root.may_access(&of("bob")) && root.may_access(&of("")));
+    }
+
+    #[test]
+    fn submit_needs_a_unix_account_and_a_priority_within_the_ceiling() {
+        let policy = Policy::secure(10);
+        let alice = Caller { name: "alice".into(), admin: false, unix_user: Some("u-alice".into()) };
+        assert_eq!(owner_for_submit(&alice, &policy, 10).unwrap().run_as, "u-alice");
+        let high = owner_for_submit(&alice, &policy, 11).unwrap_err().to_string();
+        assert!(high.contains("above 10"), "{high}");
+        let admin = Caller { name: "ops".into(), admin: true, unix_user: Some("ops".into()) };
+        assert!(owner_for_submit(&admin, &policy, 100).is_ok());
+        let unmapped = Caller { unix_user: None, ..alice.clone() };
+        let why = owner_for_submit(&unmapped, &policy, 0).unwrap_err().to_string();
+        assert!(why.contains("no Unix account"), "{why}");
+        assert_eq!(owner_for_submit(&unmapped, &Policy::demo(), 0).unwrap().run_as, "");
+    }
+
+    #[tokio::test]
+    async fn tokens_authenticate_until_revoked_or_expired() {
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let auth = Authenticator::new(store.clone(), Policy::secure(0));
+        let user = UserRecord {
+            name: "alice".into(),
+            admin: false,
+            unix_user: Some("alice".into()),
+            created_at_ms: 1,
+            disabled_at_ms: None,
+        };
+        store.add_user(&user).await.unwrap();
+        let token = new_token().unwrap();
+        store.add_token("alice", &token_hash(&token), &token_prefix(&token), 1, Some(1_000)).await.unwrap();
+        let bearer = format!("Bearer {token}");
+        assert_eq!(auth.user(Some(&bearer), 10).await.unwrap().name, "alice");
+        let expired = auth.user(Some(&bearer), 1_000).await.unwrap_err().to_string();
+        assert!(expired.contains("expired"), "{expired}");
+        assert!(auth.user(None, 10).await.unwrap_err().to_string().starts_with("no token"));
+        assert!(auth.user(Some("Bearer tyt_nope"), 10).await.unwrap_err().to_string().contains("not valid"));
+        assert_eq!(store.revoke_tokens("alice", None, 20).await.unwrap(), 1);
+        assert!(auth.user(Some(&bearer), 30).await.unwrap_err().to_string().contains("revoked"));
+        // The demo lets tokenless calls in as the local admin, but still checks a token given.
+        let demo = Authenticator::new(store.clone(), Policy::demo());
+        demo.ensure_local_admin(5).await.unwrap();
+        demo.ensure_local_admin(6).await.unwrap();
+        assert!(store.get_user(LOCAL_ADMIN).await.unwrap().unwrap().admin);
+        assert_eq!(demo.user(None, 10).await.unwrap().name, LOCAL_ADMIN);
+        assert!(demo.user(Some(&bearer), 30).await.is_err());
+        demo.audit("alice", "job.cancel", "job:3", Err("not yours"), 40).await;
+        let log = store.audit_log(10).await.unwrap();
+        assert_eq!((log[0].action.as_str(), log[0].accepted, log[0].detail.as_str()), ("job.cancel", false, "not yours"));
+    }
+}

@@ -1,0 +1,224 @@
+//! The controller's administration subcommands: the PKI, users and their tokens, the audit
+//! log. They work on the store directly (the controller may be running), and every user or
+//! token change is a row of the audit log.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use clap::Subcommand;
+use trainyard_controller::auth::{self, pki};
+use trainyard_controller::store::{AuditEntry, Store, StoreError, UserRecord};
+
+use super::{Cli, Command};
+
+#[derive(Debug, Subcommand)]
+pub enum UserCommand {
+    /// Add a user and print their first token (shown once; only its hash is stored).
+    Add {
+        name: String,
+        /// Sees and cancels every job, runs preflight on nodes, may use any priority.
+        #[arg(long)]
+        admin: bool,
+        /// The Unix account the user's ranks run as on every node (never root). Without one
+        /// the user cannot submit jobs.
+        #[arg(long)]
+        unix_user: Option<String>,
+        /// Days until the token expires (default: never).
+        #[arg(long)]
+        expires_days: Option<u32>,
+    },
+    /// Print a new token for an existing user (their other tokens stay valid).
+    Token {
+        name: String,
+        #[arg(long)]
+        expires_days: Option<u32>,
+    },
+    /// Revoke a user's tokens: all of them, or the one starting with --prefix.
+    Revoke {
+        name: String,
+        #[arg(long)]
+        prefix: Option<String>,
+    },
+    /// Change a user's Unix account or admin flag, or disable / enable them.
+    Set {
+        name: String,
+        #[arg(long)]
+        unix_user: Option<String>,
+        #[arg(long)]
+        admin: Option<bool>,
+        #[arg(long, conflicts_with = "enable")]
+        disable: bool,
+        #[arg(long)]
+        enable: bool,
+    },
+    /// List users and their tokens (prefixes only).
+    List,
+}
+
+pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
+    match command {
+        Command::InitPki { dir, sans, agents, days } => {
+            let written = pki::init(dir, sans, agents, *days)?;
+            println!("wrote the CA and the controller's certificate to {}", written.dir.display());
+            println!("  controller: trainyard-controller --listen 0.0.0.0:7070 --tls-dir {}", written.dir.display());
+            println!("  ctl:        TRAINYARD_CA={}/ca.pem ctl --controller https://HOST:7070 ...", written.dir.display());
+            for agent in &written.agents {
+                println!("  agent:      copy {} to the node, then trainyard-agent --tls-dir DIR", agent.display());
+            }
+            println!("keep {}/ca.key secret: whoever holds it can make agents", written.dir.display());
+            Ok(())
+        }
+        Command::IssueAgentCert { name, pki_dir, days } => {
+            let out = pki::issue_agent(pki_dir, name, pki::Validity::days(*days))?;
+            println!("{}", out.display());
+            eprintln!("copy this directory to node {name}, then: trainyard-agent --agent-id {name} --tls-dir DIR");
+            Ok(())
+        }
+        Command::User { action } => user(action, &*super::open_store(cli).await?).await,
+        Command::Audit { limit } => {
+            let store = super::open_store(cli).await?;
+            for e in store.audit_log(*limit).await?.iter().rev() {
+                let outcome = if e.accepted { "accepted" } else { "REFUSED" };
+                println!("{}  {:<8} {:<12} {:<20} {:<16} {}", e.at_ms, outcome, e.actor, e.action, e.target, e.detail);
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
+    let now = now_ms();
+    match action {
+        UserCommand::Add { name, admin, unix_user, expires_days } => {
+            check_name(name)?;
+            if let Some(account) = unix_user {
+                check_account(account)?;
+            }
+            let user = UserRecord {
+                name: name.clone(),
+                admin: *admin,
+                unix_user: unix_user.clone(),
+                created_at_ms: now,
+                disabled_at_ms: None,
+            };
+            match store.add_user(&user).await {
+                Err(StoreError::Duplicate(_)) => {
+                    bail!("user {name} exists; `user token {name}` prints a new token for them")
+                }
+                other => other.context("store the user")?,
+            }
+            let detail = format!("admin={admin} unix_user={}", unix_user.as_deref().unwrap_or("-"));
+            audit(store, "user.add", name, &detail).await;
+            issue(store, name, *expires_days).await
+        }
+        UserCommand::Token { name, expires_days } => {
+            existing(store, name).await?;
+            issue(store, name, *expires_days).await
+        }
+        UserCommand::Revoke { name, prefix } => {
+            existing(store, name).await?;
+            let n = store.revoke_tokens(name, prefix.as_deref(), now).await?;
+            audit(store, "token.revoke", name, &format!("{n} token(s) revoked")).await;
+            println!("revoked {n} token(s) of {name}");
+            Ok(())
+        }
+        UserCommand::Set { name, unix_user, admin, disable, enable } => {
+            let mut user = existing(store, name).await?;
+            if let Some(account) = unix_user {
+                check_account(account)?;
+                user.unix_user = Some(account.clone());
+            }
+            if let Some(admin) = admin {
+                user.admin = *admin;
+            }
+            if *disable {
+                user.disabled_at_ms = Some(now);
+            }
+            if *enable {
+                user.disabled_at_ms = None;
+            }
+            store.update_user(&user).await?;
+            let detail = format!(
+                "admin={} unix_user={} disabled={}",
+                user.admin,
+                user.unix_user.as_deref().unwrap_or("-"),
+                user.disabled_at_ms.is_some()
+            );
+            audit(store, "user.set", name, &detail).await;
+            println!("{name}: {detail}");
+            Ok(())
+        }
+        UserCommand::List => {
+            for u in store.list_users().await? {
+                let tokens = store.tokens_of(&u.name).await?;
+                let live: Vec<&str> = tokens
+                    .iter()
+                    .filter(|t| t.revoked_at_ms.is_none() && t.expires_at_ms.is_none_or(|at| at > now))
+                    .map(|t| t.prefix.as_str())
+                    .collect();
+                println!(
+                    "{:<16} admin={:<5} unix_user={:<12} {} tokens: {}",
+                    u.name,
+                    u.admin,
+                    u.unix_user.as_deref().unwrap_or("-"),
+                    if u.disabled_at_ms.is_some() { "DISABLED" } else { "enabled" },
+                    if live.is_empty() { "none".to_string() } else { live.join(", ") }
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Stores a new token of `name` and prints it: the only time it is ever shown.
+async fn issue(store: &dyn Store, name: &str, expires_days: Option<u32>) -> anyhow::Result<()> {
+    let token = auth::new_token()?;
+    let now = now_ms();
+    let expires = expires_days.map(|d| now + i64::from(d) * 86_400_000);
+    store.add_token(name, &auth::token_hash(&token), &auth::token_prefix(&token), now, expires).await?;
+    let detail = format!("token {}... issued", auth::token_prefix(&token));
+    audit(store, "token.add", name, &detail).await;
+    println!("{token}");
+    eprintln!("the token of {name} (shown once): give it to them as TRAINYARD_TOKEN or a --token-file");
+    Ok(())
+}
+
+async fn existing(store: &dyn Store, name: &str) -> anyhow::Result<UserRecord> {
+    store.get_user(name).await?.with_context(|| format!("find user {name}: no such user (`user list` shows them)"))
+}
+
+async fn audit(store: &dyn Store, action: &str, name: &str, detail: &str) {
+    let entry = AuditEntry {
+        at_ms: now_ms(),
+        actor: format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "?".into())),
+        action: action.into(),
+        target: format!("user:{name}"),
+        accepted: true,
+        detail: detail.into(),
+    };
+    if let Err(e) = store.audit(&entry).await {
+        eprintln!("warning: the audit log could not be written: {e}");
+    }
+}
+
+fn check_name(name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@'));
+    if !ok || name == auth::LOCAL_ADMIN {
+        bail!("user name {name:?} must be 1-64 letters, digits, '-', '_', '.' or '@', and not {:?}", auth::LOCAL_ADMIN);
+    }
+    Ok(())
+}
+
+/// Ranks never run as root; the agent checks the account exists on its node.
+fn check_account(account: &str) -> anyhow::Result<()> {
+    if account.is_empty() || account == "root" || account == "0" {
+        bail!("--unix-user {account:?}: ranks never run as root; name an unprivileged account");
+    }
+    Ok(())
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
