@@ -29,6 +29,21 @@ if ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null && ! command -v in
     fi
 fi
 
+# Headless Chromium: the web view's tests load its pages (controller/web/) with
+# `chromium --headless --dump-dom` and read what the page's script rendered. fonts-dejavu-core
+# gives it a font to lay pages out (and take screenshots) with on a bare server. Running the
+# controller needs none of this: browsers are the operators'.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Chromium (apt-get install chromium fonts-dejavu-core) for the web view tests"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
+    else
+        echo "setup: chromium is not installed; the web view tests need it (as root: apt-get install chromium fonts-dejavu-core)" >&2
+        exit 1
+    fi
+fi
+
 # The built-in engine links libtorch from the PyPI torch==2.11.0 wheel (the version tch 0.24
 # is built against), installed into the virtual environment .venv of this checkout. The wheel
 # pulls the nvidia-* CUDA libraries (a few GB) that the GPU path needs. .cargo/config.toml points

@@ -39,6 +39,28 @@ pub struct AgentConfig {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// Write the bound metrics address here once listening (port 0 in tests).
     pub metrics_addr_file: Option<PathBuf>,
+    /// TLS towards the controller: the CA that signed its certificate, and this agent's
+    /// client certificate (whose common name is the agent id) and key. `None`: plaintext.
+    pub tls: Option<TlsFiles>,
+    /// When the agent runs as root, run launches that name no Unix account (the loopback
+    /// demo's) as root instead of refusing them. For a single-user development box only.
+    pub allow_root_ranks: bool,
+}
+
+/// The PEM files of an agent's TLS (`trainyard-controller init-pki` writes them as
+/// `agents/NAME/{ca.pem,agent.pem,agent.key}`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl TlsFiles {
+    /// `ca.pem`, `agent.pem` and `agent.key` in `dir`.
+    pub fn in_dir(dir: &std::path::Path) -> Self {
+        TlsFiles { ca: dir.join("ca.pem"), cert: dir.join("agent.pem"), key: dir.join("agent.key") }
+    }
 }
 
 impl AgentConfig {
@@ -60,6 +82,8 @@ impl AgentConfig {
             reserve_cpus: 0,
             metrics_listen: None,
             metrics_addr_file: None,
+            tls: None,
+            allow_root_ranks: false,
         }
     }
 }

@@ -126,7 +126,7 @@ fn disconnected(error: anyhow::Error, established: bool) -> Ended {
 }
 
 fn from_status(status: Status, established: bool) -> Ended {
-    if status.code() == Code::FailedPrecondition {
+    if matches!(status.code(), Code::FailedPrecondition | Code::PermissionDenied | Code::Unauthenticated) {
         Ended::Refused(status.message().to_string())
     } else {
         disconnected(anyhow!("stream failed: {status}"), established)

@@ -169,6 +169,7 @@ mod tests {
             ranks: vec![],
             spec: Some(JobSpec { env, ..Default::default() }),
             node_count: 0,
+            run_as: String::new(),
         }
     }
 

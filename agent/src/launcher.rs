@@ -25,6 +25,7 @@ use crate::layout::{Layout, RankId, write_atomic};
 use crate::pinning;
 use crate::procfs;
 use crate::state::{self, Phase, RankRecord};
+use crate::account::{self, RunAs};
 use crate::supervise::{ExitFile, SPAWN_FAILED_EXIT_CODE, read_pid_file};
 use crate::tail::{Position, Tailer};
 
@@ -44,6 +45,8 @@ pub struct Launcher {
     ranks: BTreeMap<RankId, Rank>,
     /// Local id of the preflight report the next ranks start under (`TRAINYARD_PREFLIGHT_REPORT`).
     preflight_report: Option<String>,
+    /// A root agent may run launches that name no Unix account as root (`--allow-root-ranks`).
+    root_ranks: bool,
 }
 
 impl Launcher {
@@ -56,7 +59,14 @@ impl Launcher {
         let probe = layout.state_dir().join(".write-probe");
         std::fs::write(&probe, b"")?;
         std::fs::remove_file(&probe)?;
-        Ok(Self { layout, shim_program, inventory, ranks: BTreeMap::new(), preflight_report: None })
+        Ok(Self { layout, shim_program, inventory, ranks: BTreeMap::new(), preflight_report: None, root_ranks: false })
+    }
+
+    /// Lets a root agent run launches that name no Unix account as root (see
+    /// [`account::decide`]).
+    pub fn allow_root_ranks(mut self, allow: bool) -> Self {
+        self.root_ranks = allow;
+        self
     }
 
     pub fn layout(&self) -> &Layout {
@@ -286,8 +296,23 @@ impl Launcher {
                 .map_err(|e| format!("cannot open {}: {e}", p.display()))
         };
         let (stdout, stderr) = (open(&files.stdout)?, open(&files.stderr)?);
+        let run_as = account::decide(&launch.run_as, account::effective_uid(), self.root_ranks, account::lookup)?;
         let mut command = tokio::process::Command::new(&self.shim_program);
         command.arg("supervise").arg("--status-file").arg(&files.exit).arg("--pid-file").arg(&files.pid);
+        if let RunAs::Switch(user) = &run_as {
+            // The rank's own files are the user's; the run directory stays the agent's, so
+            // the shim (root) never writes where the user could plant a link.
+            let receipts = open(&files.receipts)?;
+            for (file, path) in [(&stdout, &files.stdout), (&stderr, &files.stderr), (&receipts, &files.receipts)] {
+                std::os::unix::fs::fchown(file, Some(user.uid), Some(user.gid))
+                    .map_err(|e| format!("cannot give {} to {}: {e}", path.display(), user.name))?;
+            }
+            let groups: Vec<String> = user.groups.iter().map(u32::to_string).collect();
+            command.args(["--uid", &user.uid.to_string(), "--gid", &user.gid.to_string()]);
+            command.arg("--groups").arg(groups.join(","));
+            command.env("USER", &user.name).env("LOGNAME", &user.name).env("HOME", &user.home);
+            info!(rank_id = %id, user = %user.name, uid = user.uid, "rank runs as its job's user");
+        }
         // The planned binding: applied by the shim to the rank between fork and exec, and told to
         // the rank (TRAINYARD_CPUS / TRAINYARD_MEMS) so its launch receipt can record it.
         if !assignment.cpus.is_empty() {

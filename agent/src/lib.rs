@@ -22,6 +22,7 @@
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
 pub mod address;
+pub mod account;
 pub mod config;
 pub mod connection;
 pub mod env;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity as TlsIdentity};
 use tracing::{error, info, warn};
 use trainyard_proto::v1::agents_client::AgentsClient;
 
@@ -92,13 +92,24 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     }
     let layout = Layout::new(&config.data_dir);
     let mut launcher = Launcher::new(layout, config.shim_program.clone(), inventory)
-        .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?;
+        .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?
+        .allow_root_ranks(config.allow_root_ranks);
+    if config.allow_root_ranks && crate::account::effective_uid() == 0 {
+        warn!("--allow-root-ranks: jobs that name no Unix account run their ranks as root on this node; never use it on a shared node");
+    }
     let adopted = launcher.adopt().context("read rank state files")?;
     info!(agent_id = %identity.agent_id, adopted, controller = %config.controller, "agent started");
-    let endpoint = Endpoint::from_shared(config.controller.clone())
+    let mut endpoint = Endpoint::from_shared(config.controller.clone())
         .with_context(|| format!("parse controller URL {:?}", config.controller))?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true);
+    match &config.tls {
+        Some(files) => endpoint = endpoint.tls_config(client_tls(files)?).context("configure TLS")?,
+        None if config.controller.starts_with("https://") => {
+            anyhow::bail!("the controller URL {} is https but no --tls-dir was given", config.controller)
+        }
+        None => {}
+    }
 
     tokio::pin!(shutdown);
     let mut backoff = Backoff::default();
@@ -121,7 +132,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
                     }
                     Ended::Refused(message) => {
                         error!(reason = %message, retry_in_s = REFUSED_RETRY.as_secs(),
-                            "controller refused this agent (protocol mismatch?); upgrade one side");
+                            "controller refused this agent (a protocol mismatch or a credential it does not accept)");
                         REFUSED_RETRY
                     }
                     Ended::Disconnected { error, established } => {
@@ -144,6 +155,18 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
             _ = tokio::time::sleep(delay) => {}
         }
     }
+}
+
+/// tonic's client TLS from the agent's files: the controller must present a certificate of
+/// this CA for the URL's host name, and the agent presents its own.
+fn client_tls(files: &crate::config::TlsFiles) -> anyhow::Result<ClientTlsConfig> {
+    let read = |p: &std::path::Path, what: &str| {
+        std::fs::read(p).with_context(|| format!("read the {what} {}", p.display()))
+    };
+    let ca = Certificate::from_pem(read(&files.ca, "controller CA")?);
+    let identity =
+        TlsIdentity::from_pem(read(&files.cert, "agent certificate")?, read(&files.key, "agent key")?);
+    Ok(ClientTlsConfig::new().ca_certificate(ca).identity(identity))
 }
 
 /// Serves `/metrics` and `/healthz` on `at` for as long as the process runs.

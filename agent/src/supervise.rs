@@ -12,7 +12,9 @@
 //! while a caught one is reset to the default in the rank.
 //!
 //! With `--cpus`/`--mem-node` the rank is bound between fork and exec ([`crate::pinning`]);
-//! the shim itself stays unbound.
+//! the shim itself stays unbound. With `--uid`/`--gid`/`--groups` (an agent running as root)
+//! the rank drops to its job's user there too, after the binding: `setgroups`, `setgid`, then
+//! `setuid`, so it can never regain root. The shim stays root to write `exit.json`.
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -34,7 +36,17 @@ pub struct SuperviseArgs {
     pub pid_file: PathBuf,
     /// CPUs and memory node to bind the rank to; `None`: unpinned.
     pub binding: Option<Binding>,
+    /// The user the rank runs as; `None`: the shim's own.
+    pub user: Option<SwitchUser>,
     pub argv: Vec<String>,
+}
+
+/// The ids the rank switches to before exec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwitchUser {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
 }
 
 /// The content of `exit.json`. `error` is only there when the rank could not be started.
@@ -107,8 +119,10 @@ fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
     let mut command = Command::new(program);
     command.args(rest);
     let binding = args.binding.as_ref().map(Binding::prepare);
-    // SAFETY: setpgid, sched_setaffinity, set_mempolicy and write are async-signal-safe, and the
-    // binding was prepared before the fork: nothing here allocates.
+    let user = args.user.clone();
+    // SAFETY: setpgid, sched_setaffinity, set_mempolicy, setgroups, setgid, setuid and write are
+    // async-signal-safe, and the binding and group list were prepared before the fork: nothing
+    // here allocates.
     unsafe {
         command.pre_exec(move || {
             if libc::setpgid(0, 0) != 0 {
@@ -116,6 +130,15 @@ fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
             }
             if let Some(b) = &binding {
                 b.apply_in_child();
+            }
+            if let Some(u) = &user {
+                let groups = u.groups.as_slice();
+                if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                    || libc::setgid(u.gid) != 0
+                    || libc::setuid(u.uid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });

@@ -47,6 +47,7 @@ fn launch(job_id: u64, ranks: u32, workdir: &Path, argv: &[&str], env: &[(&str, 
             ..Default::default()
         }),
         node_count: 1,
+        run_as: String::new(),
     }
 }
 
@@ -67,7 +68,7 @@ impl Harness {
 
     fn launcher_over(data: &Path) -> Launcher {
         let shim = PathBuf::from(env!("CARGO_BIN_EXE_trainyard-agent"));
-        Launcher::new(Layout::new(data.join("data")), shim, inventory()).unwrap()
+        Launcher::new(Layout::new(data.join("data")), shim, inventory()).unwrap().allow_root_ranks(true)
     }
 
     fn workdir(&self) -> PathBuf {

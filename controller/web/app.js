@@ -27,7 +27,9 @@
         if (v == null || v === false) continue;
         if (k === "class") e.className = v;
         else if (k === "text") e.textContent = String(v);
-        else if (k === "dataset") for (const [dk, dv] of Object.entries(v)) e.dataset[dk] = String(dv);
+        else if (k === "dataset") {
+          for (const [dk, dv] of Object.entries(v)) if (dv != null) e.dataset[dk] = String(dv);
+        }
         else if (k.startsWith("on") && typeof v === "function") e.addEventListener(k.slice(2), v);
         else e.setAttribute(k, v === true ? "" : String(v));
       }
@@ -771,7 +773,7 @@
   }
 
   function renderEvents(tbody, events) {
-    fill(tbody, ...events.map((e) => h("tr", null,
+    fill(tbody, ...events.map((e) => h("tr", { dataset: { atMs: e.at_ms } },
       td(fmtDate(e.at_ms), "mono"), td(badge(e.state)), num(fmtInt(e.attempt)), td(e.reason || ""))));
   }
 

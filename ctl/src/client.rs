@@ -1,25 +1,91 @@
 //! The connection to the controller, and the one place where gRPC failures become sentences
 //! an operator can act on.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::anyhow;
-use tonic::{Code, Status, transport::Channel, transport::Endpoint};
+use anyhow::{Context, anyhow};
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::{Code, Request, Status};
 use trainyard_proto::v1::jobs_client::JobsClient;
 
 /// A connected Jobs client that remembers the address, for the error messages.
 pub struct Controller {
-    pub jobs: JobsClient<Channel>,
+    pub jobs: JobsClient<InterceptedService<Channel, Bearer>>,
     pub url: String,
 }
 
+/// What ctl proves itself with: the CA it trusts the controller's certificate from, and the
+/// user's token.
+#[derive(Debug, Default)]
+pub struct Credentials {
+    pub ca: Option<PathBuf>,
+    pub token: Option<String>,
+}
+
+impl Credentials {
+    /// The token from `TRAINYARD_TOKEN`, else `token_file`, else `~/.config/trainyard/token`
+    /// when it exists; none is fine for the loopback demo.
+    pub fn from_env(ca: Option<PathBuf>, token_file: Option<PathBuf>) -> anyhow::Result<Self> {
+        let token = match std::env::var("TRAINYARD_TOKEN").ok().filter(|t| !t.trim().is_empty()) {
+            Some(token) => Some(token.trim().to_string()),
+            None => {
+                let default = std::env::var_os("HOME")
+                    .map(|h| PathBuf::from(h).join(".config/trainyard/token"))
+                    .filter(|p| p.is_file());
+                match token_file.or(default) {
+                    Some(path) => Some(
+                        std::fs::read_to_string(&path)
+                            .with_context(|| format!("read the token file {}", path.display()))?
+                            .trim()
+                            .to_string(),
+                    ),
+                    None => None,
+                }
+            }
+        };
+        Ok(Credentials { ca, token })
+    }
+}
+
+/// Adds `authorization: Bearer TOKEN` to every call.
+#[derive(Clone)]
+pub struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
 /// Dials the controller at `url`; fails with the "cannot reach" message when nobody answers.
-pub async fn connect(url: &str) -> anyhow::Result<Controller> {
-    let endpoint = Endpoint::from_shared(url.to_string())
+pub async fn connect(url: &str, credentials: &Credentials) -> anyhow::Result<Controller> {
+    let mut endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| anyhow!("invalid controller URL {url:?}: {e} (expected e.g. http://127.0.0.1:7070)"))?
         .connect_timeout(Duration::from_secs(5));
+    if url.starts_with("https://") {
+        let ca = credentials.ca.as_ref().context(
+            "an https:// controller needs the CA of its certificate: --ca FILE or TRAINYARD_CA (init-pki's ca.pem)",
+        )?;
+        let pem = std::fs::read(ca).with_context(|| format!("read the CA {}", ca.display()))?;
+        endpoint = endpoint
+            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))
+            .context("configure TLS")?;
+    }
+    let bearer = match &credentials.token {
+        Some(token) => Some(
+            format!("Bearer {token}").parse().map_err(|_| anyhow!("the token holds characters a token never has"))?,
+        ),
+        None => None,
+    };
     let channel = endpoint.connect().await.map_err(|e| unreachable_error(url, &error_chain(&e)))?;
-    Ok(Controller { jobs: JobsClient::new(channel), url: url.to_string() })
+    Ok(Controller { jobs: JobsClient::with_interceptor(channel, Bearer(bearer)), url: url.to_string() })
 }
 
 impl Controller {
@@ -57,6 +123,8 @@ pub fn describe(url: &str, status: &Status, job: Option<u64>) -> anyhow::Error {
         }
         (Code::InvalidArgument, Some(_)) => anyhow!("request rejected: {message}"),
         (Code::FailedPrecondition, _) => anyhow!("{message}"),
+        (Code::Unauthenticated, _) => anyhow!("the controller at {url} did not accept your credentials: {message}"),
+        (Code::PermissionDenied, _) => anyhow!("permission denied: {message}"),
         (Code::DeadlineExceeded, _) => anyhow!("the controller at {url} did not answer in time"),
         (code, _) => anyhow!("controller error ({code:?}): {message}"),
     }
@@ -126,7 +194,7 @@ mod tests {
             .map(|a| a.port())
             .expect("bind a free port");
         let url = format!("http://127.0.0.1:{port}");
-        let err = connect(&url).await.err().expect("nothing listens there");
+        let err = connect(&url, &Credentials::default()).await.err().expect("nothing listens there");
         let text = err.to_string();
         assert!(text.starts_with(&format!("cannot reach the controller at {url}")), "{text}");
     }

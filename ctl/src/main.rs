@@ -35,6 +35,14 @@ struct Cli {
     /// Address of the controller's gRPC endpoint.
     #[arg(long, global = true, env = "TRAINYARD_CONTROLLER", default_value = "http://127.0.0.1:7070")]
     controller: String,
+    /// The CA that signed the controller's certificate, for an https:// controller (the
+    /// ca.pem `trainyard-controller init-pki` wrote).
+    #[arg(long, global = true, env = "TRAINYARD_CA")]
+    ca: Option<PathBuf>,
+    /// A file holding your token (default: ~/.config/trainyard/token when it exists);
+    /// TRAINYARD_TOKEN, when set, is used instead.
+    #[arg(long, global = true, env = "TRAINYARD_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -149,7 +157,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Submit { file, .. } => Some(spec::load(file)?),
         _ => None,
     };
-    let mut ctl = client::connect(&cli.controller).await?;
+    let credentials = client::Credentials::from_env(cli.ca.clone(), cli.token_file.clone())?;
+    let mut ctl = client::connect(&cli.controller, &credentials).await?;
     match cli.command {
         Command::Submit { follow, key, .. } => {
             let spec = spec.unwrap_or_default();

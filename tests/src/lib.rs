@@ -184,6 +184,11 @@ pub struct Cluster {
     /// The cluster's PostgreSQL server and database URL ([`Backend::Postgres`] only); dropped
     /// after every process of the cluster is gone.
     postgres: Option<(TempPostgres, String)>,
+    /// The PKI directory of a [`Cluster::start_secure`] cluster: its controller serves TLS,
+    /// agents present certificates and `ctl` a token.
+    pki: Option<PathBuf>,
+    /// The token `ctl` presents by default (a secure cluster's admin).
+    pub token: Option<String>,
 }
 
 impl Cluster {
@@ -212,9 +217,70 @@ impl Cluster {
             http_addr: String::new(),
             agents: HashMap::new(),
             postgres,
+            pki: None,
+            token: None,
         };
         cluster.start_controller()?;
         Ok(cluster)
+    }
+
+    /// Starts a controller that serves TLS with a PKI of `init-pki` (agents present client
+    /// certificates, users tokens), on SQLite, with an admin user `admin` whose token `ctl`
+    /// presents unless told otherwise ([`Cluster::ctl_as`]).
+    pub fn start_secure() -> Result<Cluster> {
+        let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
+        let marker = dir.path().display().to_string();
+        let pki = dir.path().join("pki");
+        let out = Command::new(bin("trainyard-controller")?)
+            .args(["init-pki", "--dir"])
+            .arg(&pki)
+            .env(MARKER, &marker)
+            .output()
+            .context("run init-pki")?;
+        if !out.status.success() {
+            bail!("init-pki failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let mut cluster = Cluster {
+            dir,
+            marker,
+            controller: None,
+            addr: String::new(),
+            http_addr: String::new(),
+            agents: HashMap::new(),
+            postgres: None,
+            pki: Some(pki),
+            token: None,
+        };
+        cluster.token = Some(cluster.add_user("admin", &["--admin"])?);
+        cluster.start_controller()?;
+        Ok(cluster)
+    }
+
+    /// The PKI directory of a secure cluster.
+    pub fn pki(&self) -> Option<&Path> {
+        self.pki.as_deref()
+    }
+
+    /// Runs `trainyard-controller ARGS` on this cluster's store (user and audit commands).
+    pub fn admin(&self, args: &[&str]) -> Result<Output> {
+        let mut command = Command::new(bin("trainyard-controller")?);
+        command.args(args);
+        match &self.postgres {
+            Some((_, url)) => command.args(["--db", url]),
+            None => command.arg("--data-dir").arg(self.path("controller")),
+        };
+        command.env(MARKER, &self.marker).output().context("run trainyard-controller")
+    }
+
+    /// `trainyard-controller user add NAME EXTRA...`: returns the token it prints.
+    pub fn add_user(&self, name: &str, extra: &[&str]) -> Result<String> {
+        let mut args = vec!["user", "add", name];
+        args.extend_from_slice(extra);
+        let out = self.admin(&args)?;
+        if !out.status.success() {
+            bail!("user add {name} failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
     }
 
     pub fn backend(&self) -> Backend {
@@ -233,7 +299,11 @@ impl Cluster {
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        match self.pki {
+            // The server certificate names localhost, 127.0.0.1 and ::1.
+            Some(_) => format!("https://{}", self.addr),
+            None => format!("http://{}", self.addr),
+        }
     }
 
     fn log(&self, name: &str) -> Result<std::fs::File> {
@@ -258,6 +328,9 @@ impl Cluster {
             Some((_, url)) => command.args(["--db", url]),
             None => command.arg("--data-dir").arg(self.path("controller")),
         };
+        if let Some(pki) = &self.pki {
+            command.arg("--tls-dir").arg(pki);
+        }
         let child = command
             .args(["--listen", &listen])
             .arg("--addr-file")
@@ -317,8 +390,16 @@ impl Cluster {
     }
 
     /// Starts an agent with extra environment variables (e.g. `TRAINYARD_AGENT_FAILPOINT`).
+    /// Agents of a plain cluster run ranks of jobs that name no Unix account as themselves,
+    /// root included (`--allow-root-ranks`); a secure cluster's agents never do, and present
+    /// a certificate `issue-agent-cert` makes for `name`.
     pub fn start_agent_env(&mut self, name: &str, host: &Path, env: &[(&str, &str)]) -> Result<()> {
-        let child = Command::new(bin("trainyard-agent")?)
+        let mut command = Command::new(bin("trainyard-agent")?);
+        match &self.pki {
+            Some(_) => command.arg("--tls-dir").arg(self.agent_cert(name)?),
+            None => command.arg("--allow-root-ranks"),
+        };
+        let child = command
             .envs(env.iter().copied())
             .arg("--controller")
             .arg(self.url())
@@ -339,6 +420,19 @@ impl Cluster {
             .context("start trainyard-agent")?;
         self.agents.insert(name.to_string(), child);
         self.wait_agent_connected(name, Duration::from_secs(20))
+    }
+
+    /// The TLS directory of agent `name` of a secure cluster, issued on first use.
+    pub fn agent_cert(&self, name: &str) -> Result<PathBuf> {
+        let pki = self.pki.as_ref().context("this cluster has no PKI")?;
+        let dir = pki.join("agents").join(name);
+        if !dir.join("agent.pem").exists() {
+            let out = self.admin(&["issue-agent-cert", name, "--pki-dir", &pki.display().to_string()])?;
+            if !out.status.success() {
+                bail!("issue-agent-cert {name} failed: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        Ok(dir)
     }
 
     /// Waits until the controller's store shows the agent connected.
@@ -381,15 +475,23 @@ impl Cluster {
         }
     }
 
-    /// Runs `ctl` against this cluster.
+    /// Runs `ctl` against this cluster (with the cluster's token, if any).
     pub fn ctl(&self, args: &[&str]) -> Result<Output> {
-        Command::new(bin("ctl")?)
-            .arg("--controller")
-            .arg(self.url())
-            .args(args)
-            .env(MARKER, &self.marker)
-            .output()
-            .context("run ctl")
+        self.ctl_as(self.token.as_deref(), args)
+    }
+
+    /// Runs `ctl` presenting `token` (none: no token at all).
+    pub fn ctl_as(&self, token: Option<&str>, args: &[&str]) -> Result<Output> {
+        let mut command = Command::new(bin("ctl")?);
+        command.arg("--controller").arg(self.url()).args(args).env(MARKER, &self.marker);
+        command.env_remove("TRAINYARD_TOKEN").env_remove("TRAINYARD_TOKEN_FILE").env("HOME", self.dir.path());
+        if let Some(token) = token {
+            command.env("TRAINYARD_TOKEN", token);
+        }
+        if let Some(pki) = &self.pki {
+            command.env("TRAINYARD_CA", pki.join("ca.pem"));
+        }
+        command.output().context("run ctl")
     }
 
     /// Runs `ctl` and returns its stdout; fails with its stderr when it exits non-zero.

@@ -6,8 +6,9 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use trainyard_agent::AgentConfig;
+use trainyard_agent::config::TlsFiles;
 use trainyard_agent::pinning::Binding;
-use trainyard_agent::supervise::{SuperviseArgs, supervise};
+use trainyard_agent::supervise::{SuperviseArgs, SwitchUser, supervise};
 
 #[derive(Debug, Parser)]
 #[command(name = "trainyard-agent", version, about = "trainyard's host agent")]
@@ -41,6 +42,24 @@ struct Cli {
     /// Write the bound metrics address here once listening.
     #[arg(long, global = true)]
     metrics_addr_file: Option<PathBuf>,
+    /// Dial the controller over TLS with the files `trainyard-controller init-pki` (or
+    /// `issue-agent-cert`) wrote for this agent: ca.pem, agent.pem, agent.key. The
+    /// certificate's name must be this agent's id.
+    #[arg(long, env = "TRAINYARD_TLS_DIR", global = true)]
+    tls_dir: Option<PathBuf>,
+    /// The CA of the controller's certificate, overriding --tls-dir's ca.pem.
+    #[arg(long, global = true)]
+    tls_ca: Option<PathBuf>,
+    /// This agent's client certificate, overriding --tls-dir's agent.pem.
+    #[arg(long, global = true, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// This agent's key, overriding --tls-dir's agent.key.
+    #[arg(long, global = true, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// When this agent runs as root, run ranks of jobs that name no Unix account (the loopback
+    /// demo's) as root instead of refusing them. A single-user development box only.
+    #[arg(long, env = "TRAINYARD_ALLOW_ROOT_RANKS", global = true)]
+    allow_root_ranks: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -94,6 +113,14 @@ enum Command {
         /// NUMA node the rank's memory is bound to (MPOL_BIND).
         #[arg(long)]
         mem_node: Option<u32>,
+        /// User id the rank runs as (with --gid and --groups; the shim must be root).
+        #[arg(long, requires = "gid")]
+        uid: Option<u32>,
+        #[arg(long, requires = "uid")]
+        gid: Option<u32>,
+        /// Supplementary group ids of the rank, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        groups: Vec<u32>,
         /// The rank's program and arguments.
         #[arg(last = true, required = true)]
         argv: Vec<String>,
@@ -116,6 +143,21 @@ impl TryFrom<&Cli> for AgentConfig {
         config.reserve_cpus = cli.reserve_cpus;
         config.metrics_listen = cli.metrics_listen;
         config.metrics_addr_file = cli.metrics_addr_file.clone();
+        config.allow_root_ranks = cli.allow_root_ranks;
+        config.tls = match (&cli.tls_dir, &cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
+            (None, None, None, None) => None,
+            (dir, ca, cert, key) => {
+                let base = dir.as_deref().map(TlsFiles::in_dir);
+                let pick = |given: &Option<PathBuf>, from_dir: Option<PathBuf>, flag: &str| {
+                    given.clone().or(from_dir).with_context(|| format!("{flag} (or --tls-dir) is required for TLS"))
+                };
+                Some(TlsFiles {
+                    ca: pick(ca, base.as_ref().map(|b| b.ca.clone()), "--tls-ca")?,
+                    cert: pick(cert, base.as_ref().map(|b| b.cert.clone()), "--tls-cert")?,
+                    key: pick(key, base.as_ref().map(|b| b.key.clone()), "--tls-key")?,
+                })
+            }
+        };
         Ok(config)
     }
 }
@@ -138,14 +180,15 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
-    if let Some(Command::Supervise { status_file, pid_file, cpus, mem_node, argv }) = cli.command {
+    if let Some(Command::Supervise { status_file, pid_file, cpus, mem_node, uid, gid, groups, argv }) = cli.command {
         // A binding that cannot even be parsed leaves the rank unpinned; the read-back and
         // the controller's warning tell the operator (see `trainyard_agent::pinning`).
         let binding = Binding::from_flags(cpus.as_deref(), mem_node).unwrap_or_else(|e| {
             eprintln!("trainyard-agent supervise: {e}; the rank runs unpinned");
             None
         });
-        let code = supervise(&SuperviseArgs { status_file, pid_file, binding, argv });
+        let user = uid.zip(gid).map(|(uid, gid)| SwitchUser { uid, gid, groups });
+        let code = supervise(&SuperviseArgs { status_file, pid_file, binding, user, argv });
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     init_tracing(cli.log_format);

@@ -136,7 +136,7 @@ async fn serve(fake: Fake) -> Controller {
         .add_service(JobsServer::new(fake))
         .serve_with_incoming(TcpListenerStream::new(listener));
     tokio::spawn(server);
-    connect(&url).await.expect("connect to the fake")
+    connect(&url, &Default::default()).await.expect("connect to the fake")
 }
 
 #[tokio::test]
