@@ -51,7 +51,9 @@ pub fn decide(
         return Err(format!("launch refused: no Unix account {requested:?} on this node"));
     };
     if account.uid == 0 {
-        return Err(format!("launch refused: account {requested:?} is root (uid 0); ranks never run as root"));
+        return Err(format!(
+            "launch refused: account {requested:?} is root (uid 0); ranks never run as root"
+        ));
     }
     match (as_root, account.uid == agent_uid) {
         (_, true) => Ok(RunAs::Agent),
@@ -83,7 +85,11 @@ pub fn lookup(name: &str) -> Option<Account> {
         if rc != 0 || result.is_null() {
             return None;
         }
-        let home = if pwd.pw_dir.is_null() { String::new() } else { CStr::from_ptr(pwd.pw_dir).to_string_lossy().into_owned() };
+        let home = if pwd.pw_dir.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(pwd.pw_dir).to_string_lossy().into_owned()
+        };
         (pwd.pw_uid, pwd.pw_gid, home)
     };
     let groups = group_list(&c_name, gid);

@@ -20,12 +20,12 @@ use serde_json::json;
 use tracing::{info, warn};
 use trainyard_proto::v1::{ExecEngine, HostInventory, Launch, RankAssignment, job_spec};
 
+use crate::account::{self, RunAs};
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::layout::{Layout, RankId, write_atomic};
 use crate::pinning;
 use crate::procfs;
 use crate::state::{self, Phase, RankRecord};
-use crate::account::{self, RunAs};
 use crate::supervise::{ExitFile, SPAWN_FAILED_EXIT_CODE, read_pid_file};
 use crate::tail::{Position, Tailer};
 
@@ -59,7 +59,14 @@ impl Launcher {
         let probe = layout.state_dir().join(".write-probe");
         std::fs::write(&probe, b"")?;
         std::fs::remove_file(&probe)?;
-        Ok(Self { layout, shim_program, inventory, ranks: BTreeMap::new(), preflight_report: None, root_ranks: false })
+        Ok(Self {
+            layout,
+            shim_program,
+            inventory,
+            ranks: BTreeMap::new(),
+            preflight_report: None,
+            root_ranks: false,
+        })
     }
 
     /// Lets a root agent run launches that name no Unix account as root (see
@@ -296,14 +303,17 @@ impl Launcher {
                 .map_err(|e| format!("cannot open {}: {e}", p.display()))
         };
         let (stdout, stderr) = (open(&files.stdout)?, open(&files.stderr)?);
-        let run_as = account::decide(&launch.run_as, account::effective_uid(), self.root_ranks, account::lookup)?;
+        let run_as =
+            account::decide(&launch.run_as, account::effective_uid(), self.root_ranks, account::lookup)?;
         let mut command = tokio::process::Command::new(&self.shim_program);
         command.arg("supervise").arg("--status-file").arg(&files.exit).arg("--pid-file").arg(&files.pid);
         if let RunAs::Switch(user) = &run_as {
             // The rank's own files are the user's; the run directory stays the agent's, so
             // the shim (root) never writes where the user could plant a link.
             let receipts = open(&files.receipts)?;
-            for (file, path) in [(&stdout, &files.stdout), (&stderr, &files.stderr), (&receipts, &files.receipts)] {
+            for (file, path) in
+                [(&stdout, &files.stdout), (&stderr, &files.stderr), (&receipts, &files.receipts)]
+            {
                 std::os::unix::fs::fchown(file, Some(user.uid), Some(user.gid))
                     .map_err(|e| format!("cannot give {} to {}: {e}", path.display(), user.name))?;
             }

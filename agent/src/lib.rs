@@ -21,8 +21,8 @@
 //!   rendering and parsing.
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
-pub mod address;
 pub mod account;
+pub mod address;
 pub mod config;
 pub mod connection;
 pub mod env;

@@ -95,7 +95,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
         .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?
         .allow_root_ranks(config.allow_root_ranks);
     if config.allow_root_ranks && crate::account::effective_uid() == 0 {
-        warn!("--allow-root-ranks: jobs that name no Unix account run their ranks as root on this node; never use it on a shared node");
+        warn!(
+            "--allow-root-ranks: jobs that name no Unix account run their ranks as root on this node; never use it on a shared node"
+        );
     }
     let adopted = launcher.adopt().context("read rank state files")?;
     info!(agent_id = %identity.agent_id, adopted, controller = %config.controller, "agent started");

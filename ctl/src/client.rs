@@ -80,7 +80,9 @@ pub async fn connect(url: &str, credentials: &Credentials) -> anyhow::Result<Con
     }
     let bearer = match &credentials.token {
         Some(token) => Some(
-            format!("Bearer {token}").parse().map_err(|_| anyhow!("the token holds characters a token never has"))?,
+            format!("Bearer {token}")
+                .parse()
+                .map_err(|_| anyhow!("the token holds characters a token never has"))?,
         ),
         None => None,
     };
@@ -123,7 +125,9 @@ pub fn describe(url: &str, status: &Status, job: Option<u64>) -> anyhow::Error {
         }
         (Code::InvalidArgument, Some(_)) => anyhow!("request rejected: {message}"),
         (Code::FailedPrecondition, _) => anyhow!("{message}"),
-        (Code::Unauthenticated, _) => anyhow!("the controller at {url} did not accept your credentials: {message}"),
+        (Code::Unauthenticated, _) => {
+            anyhow!("the controller at {url} did not accept your credentials: {message}")
+        }
         (Code::PermissionDenied, _) => anyhow!("permission denied: {message}"),
         (Code::DeadlineExceeded, _) => anyhow!("the controller at {url} did not answer in time"),
         (code, _) => anyhow!("controller error ({code:?}): {message}"),

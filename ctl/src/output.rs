@@ -15,6 +15,9 @@ use trainyard_proto::v1::{
 pub struct JobJson {
     pub id: u64,
     pub name: String,
+    /// Who submitted the job, and the Unix account its ranks run as ("" = the agent's own).
+    pub user: String,
+    pub run_as: String,
     pub state: String,
     pub reason: String,
     pub attempt: u32,
@@ -275,6 +278,8 @@ impl From<&Job> for JobJson {
         JobJson {
             id: j.id,
             name: j.spec.as_ref().map(|s| s.name.clone()).unwrap_or_default(),
+            user: j.user.clone(),
+            run_as: j.run_as.clone(),
             state: j.state.clone(),
             reason: j.reason.clone(),
             attempt: j.attempt,

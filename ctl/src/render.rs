@@ -137,6 +137,10 @@ pub fn job_details(j: &Job, now_ms: i64) -> String {
         if name.is_empty() { format!("job {}\n", j.id) } else { format!("job {} ({name})\n", j.id) };
     let _ = writeln!(out, "  state:    {} (attempt {})", j.state, j.attempt);
     let _ = writeln!(out, "  reason:   {}", j.reason);
+    if !j.user.is_empty() {
+        let account = if j.run_as.is_empty() { "the agent's account" } else { j.run_as.as_str() };
+        let _ = writeln!(out, "  user:     {} (ranks run as {account})", j.user);
+    }
     let _ =
         writeln!(out, "  created:  {} ({} ago)", timestamp(j.created_at_ms), age(now_ms, j.created_at_ms));
     let _ = writeln!(out, "  receipts: {}", j.receipts);

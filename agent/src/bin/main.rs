@@ -149,7 +149,10 @@ impl TryFrom<&Cli> for AgentConfig {
             (dir, ca, cert, key) => {
                 let base = dir.as_deref().map(TlsFiles::in_dir);
                 let pick = |given: &Option<PathBuf>, from_dir: Option<PathBuf>, flag: &str| {
-                    given.clone().or(from_dir).with_context(|| format!("{flag} (or --tls-dir) is required for TLS"))
+                    given
+                        .clone()
+                        .or(from_dir)
+                        .with_context(|| format!("{flag} (or --tls-dir) is required for TLS"))
                 };
                 Some(TlsFiles {
                     ca: pick(ca, base.as_ref().map(|b| b.ca.clone()), "--tls-ca")?,
@@ -180,7 +183,9 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
-    if let Some(Command::Supervise { status_file, pid_file, cpus, mem_node, uid, gid, groups, argv }) = cli.command {
+    if let Some(Command::Supervise { status_file, pid_file, cpus, mem_node, uid, gid, groups, argv }) =
+        cli.command
+    {
         // A binding that cannot even be parsed leaves the rank unpinned; the read-back and
         // the controller's warning tell the operator (see `trainyard_agent::pinning`).
         let binding = Binding::from_flags(cpus.as_deref(), mem_node).unwrap_or_else(|e| {

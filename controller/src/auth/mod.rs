@@ -148,7 +148,9 @@ impl Authenticator {
             Some(value) => value.strip_prefix("Bearer ").unwrap_or(value).trim(),
         };
         let Some((t, user)) = self.store.token_owner(&token_hash(token)).await? else {
-            return Err(AuthError::Unauthenticated("the token is not valid: unknown to this controller".into()));
+            return Err(AuthError::Unauthenticated(
+                "the token is not valid: unknown to this controller".into(),
+            ));
         };
         if t.revoked_at_ms.is_some() {
             return Err(AuthError::Unauthenticated(format!(
@@ -170,7 +172,14 @@ impl Authenticator {
 
     /// Writes one audit row; a failure is logged, never returned: the action already happened
     /// (or was already refused).
-    pub async fn audit(&self, actor: &str, action: &str, target: &str, outcome: Result<&str, &str>, at_ms: i64) {
+    pub async fn audit(
+        &self,
+        actor: &str,
+        action: &str,
+        target: &str,
+        outcome: Result<&str, &str>,
+        at_ms: i64,
+    ) {
         let (accepted, detail) = match outcome {
             Ok(d) => (true, d),
             Err(d) => (false, d),
@@ -285,6 +294,9 @@ mod tests {
         assert!(demo.user(Some(&bearer), 30).await.is_err());
         demo.audit("alice", "job.cancel", "job:3", Err("not yours"), 40).await;
         let log = store.audit_log(10).await.unwrap();
-        assert_eq!((log[0].action.as_str(), log[0].accepted, log[0].detail.as_str()), ("job.cancel", false, "not yours"));
+        assert_eq!(
+            (log[0].action.as_str(), log[0].accepted, log[0].detail.as_str()),
+            ("job.cancel", false, "not yours")
+        );
     }
 }

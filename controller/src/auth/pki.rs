@@ -65,7 +65,8 @@ pub fn init(dir: &Path, server_names: &[String], agents: &[String], days: u32) -
     let mut ca = CertificateParams::new(Vec::<String>::new()).context("CA parameters")?;
     ca.distinguished_name.push(DnType::CommonName, "trainyard CA");
     ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    ca.key_usages =
+        vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
     let now = OffsetDateTime::now_utc();
     ca.not_before = now - Duration::hours(1);
     ca.not_after = now + Duration::days(CA_DAYS);
@@ -106,7 +107,8 @@ pub fn agent_cert(dir: &Path, name: &str, validity: Validity) -> anyhow::Result<
 fn load_issuer(dir: &Path) -> anyhow::Result<(Issuer<'static, KeyPair>, String)> {
     let read = |name: &str| {
         let path = dir.join(name);
-        std::fs::read_to_string(&path).with_context(|| format!("read {} (run init-pki first)", path.display()))
+        std::fs::read_to_string(&path)
+            .with_context(|| format!("read {} (run init-pki first)", path.display()))
     };
     let (ca_pem, ca_key) = (read("ca.pem")?, read("ca.key")?);
     let key = KeyPair::from_pem(&ca_key).with_context(|| format!("parse {}/ca.key", dir.display()))?;
@@ -168,7 +170,8 @@ fn leaf(
     params.not_before = validity.not_before;
     params.not_after = validity.not_after;
     params.use_authority_key_identifier_extension = true;
-    let cert = params.signed_by(&key, issuer).with_context(|| format!("sign the certificate of {common_name}"))?;
+    let cert =
+        params.signed_by(&key, issuer).with_context(|| format!("sign the certificate of {common_name}"))?;
     Ok((cert.pem(), key.serialize_pem()))
 }
 
@@ -199,7 +202,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let written = init(dir.path(), &["ctl.example".into()], &["sxm-a".into()], 30).unwrap();
         assert_eq!(written.agents, vec![dir.path().join("agents/sxm-a")]);
-        for f in ["ca.pem", "ca.key", "server.pem", "server.key", "agents/sxm-a/agent.pem", "agents/sxm-a/agent.key"] {
+        for f in [
+            "ca.pem",
+            "ca.key",
+            "server.pem",
+            "server.key",
+            "agents/sxm-a/agent.pem",
+            "agents/sxm-a/agent.key",
+        ] {
             assert!(dir.path().join(f).is_file(), "{f}");
         }
         use std::os::unix::fs::PermissionsExt as _;

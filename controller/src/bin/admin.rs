@@ -60,10 +60,19 @@ pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
         Command::InitPki { dir, sans, agents, days } => {
             let written = pki::init(dir, sans, agents, *days)?;
             println!("wrote the CA and the controller's certificate to {}", written.dir.display());
-            println!("  controller: trainyard-controller --listen 0.0.0.0:7070 --tls-dir {}", written.dir.display());
-            println!("  ctl:        TRAINYARD_CA={}/ca.pem ctl --controller https://HOST:7070 ...", written.dir.display());
+            println!(
+                "  controller: trainyard-controller --listen 0.0.0.0:7070 --tls-dir {}",
+                written.dir.display()
+            );
+            println!(
+                "  ctl:        TRAINYARD_CA={}/ca.pem ctl --controller https://HOST:7070 ...",
+                written.dir.display()
+            );
             for agent in &written.agents {
-                println!("  agent:      copy {} to the node, then trainyard-agent --tls-dir DIR", agent.display());
+                println!(
+                    "  agent:      copy {} to the node, then trainyard-agent --tls-dir DIR",
+                    agent.display()
+                );
             }
             println!("keep {}/ca.key secret: whoever holds it can make agents", written.dir.display());
             Ok(())
@@ -71,7 +80,9 @@ pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
         Command::IssueAgentCert { name, pki_dir, days } => {
             let out = pki::issue_agent(pki_dir, name, pki::Validity::days(*days))?;
             println!("{}", out.display());
-            eprintln!("copy this directory to node {name}, then: trainyard-agent --agent-id {name} --tls-dir DIR");
+            eprintln!(
+                "copy this directory to node {name}, then: trainyard-agent --agent-id {name} --tls-dir DIR"
+            );
             Ok(())
         }
         Command::User { action } => user(action, &*super::open_store(cli).await?).await,
@@ -79,7 +90,10 @@ pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
             let store = super::open_store(cli).await?;
             for e in store.audit_log(*limit).await?.iter().rev() {
                 let outcome = if e.accepted { "accepted" } else { "REFUSED" };
-                println!("{}  {:<8} {:<12} {:<20} {:<16} {}", e.at_ms, outcome, e.actor, e.action, e.target, e.detail);
+                println!(
+                    "{}  {:<8} {:<12} {:<20} {:<16} {}",
+                    e.at_ms, outcome, e.actor, e.action, e.target, e.detail
+                );
             }
             Ok(())
         }
@@ -184,7 +198,10 @@ async fn issue(store: &dyn Store, name: &str, expires_days: Option<u32>) -> anyh
 }
 
 async fn existing(store: &dyn Store, name: &str) -> anyhow::Result<UserRecord> {
-    store.get_user(name).await?.with_context(|| format!("find user {name}: no such user (`user list` shows them)"))
+    store
+        .get_user(name)
+        .await?
+        .with_context(|| format!("find user {name}: no such user (`user list` shows them)"))
 }
 
 async fn audit(store: &dyn Store, action: &str, name: &str, detail: &str) {
@@ -206,7 +223,10 @@ fn check_name(name: &str) -> anyhow::Result<()> {
         && name.len() <= 64
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@'));
     if !ok || name == auth::LOCAL_ADMIN {
-        bail!("user name {name:?} must be 1-64 letters, digits, '-', '_', '.' or '@', and not {:?}", auth::LOCAL_ADMIN);
+        bail!(
+            "user name {name:?} must be 1-64 letters, digits, '-', '_', '.' or '@', and not {:?}",
+            auth::LOCAL_ADMIN
+        );
     }
     Ok(())
 }

@@ -476,9 +476,10 @@ impl Controller {
         for (job_id, attempt) in attempts {
             let in_memory: Option<BTreeMap<u32, String>> = {
                 let core = self.lock();
-                core.jobs.get(&job_id).filter(|j| j.record.attempt == attempt).map(|j| {
-                    j.allocations.iter().map(|a| (a.id.rank, a.agent_id.clone())).collect()
-                })
+                core.jobs
+                    .get(&job_id)
+                    .filter(|j| j.record.attempt == attempt)
+                    .map(|j| j.allocations.iter().map(|a| (a.id.rank, a.agent_id.clone())).collect())
             };
             let owners = match in_memory {
                 Some(owners) => owners,

@@ -40,7 +40,10 @@ impl Controller {
         let record = match self.store.create_job_for(&spec, key, owner, "submitted", self.now_ms()).await {
             Err(StoreError::Duplicate(_)) if let Some(key) = key => {
                 // The same key raced in from another connection and won.
-                return self.submitted_before(&spec, key, owner).await?.ok_or(StoreError::JobNotFound(0).into());
+                return self
+                    .submitted_before(&spec, key, owner)
+                    .await?
+                    .ok_or(StoreError::JobNotFound(0).into());
             }
             other => other?,
         };

@@ -78,7 +78,9 @@ pub enum ControllerError {
     #[error("{0}")]
     LogsUnavailable(String),
     /// A second stream of an agent that is connected: refused until the first one ends.
-    #[error("agent {0} is already connected; a second stream is refused until the first one ends (a dead one ends within ~30 s)")]
+    #[error(
+        "agent {0} is already connected; a second stream is refused until the first one ends (a dead one ends within ~30 s)"
+    )]
     AlreadyConnected(String),
     /// An agent spoke for a rank it was not given (another agent's, or none at all).
     #[error("{0}")]
@@ -325,7 +327,9 @@ fn rank_failure(a: &Allocation) -> Option<String> {
         RankState::Lost => Some(format!("{on} was lost: {}", o.message)),
         RankState::Exited => match (o.exit_code, o.signal) {
             (Some(0), _) => None,
-            (Some(code), _) => Some(format!("{on} exited with code {code}")),
+            (Some(code), _) if o.message.is_empty() => Some(format!("{on} exited with code {code}")),
+            // A launch the agent refused or could not spawn says why (exit code 127).
+            (Some(code), _) => Some(format!("{on} exited with code {code}: {}", o.message)),
             (None, Some(sig)) => Some(format!("{on} was killed by signal {sig}")),
             (None, None) if o.message.is_empty() => Some(format!("{on} ended without an exit status")),
             (None, None) => Some(format!("{on} ended: {}", o.message)),

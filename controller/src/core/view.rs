@@ -63,7 +63,12 @@ impl Controller {
 
     /// Jobs newest first (only those `submitted_by` submitted, when given), with their ranks
     /// but without events.
-    pub async fn list_view(&self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<Job>> {
+    pub async fn list_view(
+        &self,
+        active_only: bool,
+        submitted_by: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<Job>> {
         let limit = if limit == 0 { 100 } else { limit.min(10_000) };
         let mut jobs = Vec::new();
         for record in self.store.list_jobs(active_only, submitted_by, limit).await? {

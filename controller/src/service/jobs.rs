@@ -69,7 +69,10 @@ impl JobsService {
         if caller.may_access(&job.owner) {
             return Ok(());
         }
-        let why = format!("job {job_id} belongs to {}; only its owner or an admin may do that", owner_name(&job.owner));
+        let why = format!(
+            "job {job_id} belongs to {}; only its owner or an admin may do that",
+            owner_name(&job.owner)
+        );
         self.refuse(caller, action, &format!("job:{job_id}"), why).await
     }
 
@@ -104,7 +107,10 @@ impl Jobs for JobsService {
         let now = self.controller.now_ms();
         match self.controller.submit_as(spec, key.as_deref(), &owner).await {
             Ok(job_id) => {
-                let detail = format!("run as {}", if owner.run_as.is_empty() { "the agent's account" } else { &owner.run_as });
+                let detail = format!(
+                    "run as {}",
+                    if owner.run_as.is_empty() { "the agent's account" } else { &owner.run_as }
+                );
                 self.auth.audit(&caller.name, "job.submit", &format!("job:{job_id}"), Ok(&detail), now).await;
                 Ok(Response::new(SubmitResponse { job_id }))
             }
@@ -159,7 +165,8 @@ impl Jobs for JobsService {
         request: Request<PreflightRequest>,
     ) -> Result<Response<PreflightReport>, Status> {
         let target = format!("node:{}", request.get_ref().agent_id);
-        let action = if request.get_ref().run_level.is_empty() { "node.preflight.read" } else { "node.preflight" };
+        let action =
+            if request.get_ref().run_level.is_empty() { "node.preflight.read" } else { "node.preflight" };
         let caller = self.caller(&request, action, &target).await?;
         let req = request.into_inner();
         let report = if req.run_level.is_empty() {

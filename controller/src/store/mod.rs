@@ -412,7 +412,12 @@ pub trait JobStore: Send + Sync {
 
     /// Jobs newest first, at most `limit`; only unfinished ones with `active_only`, only those
     /// `submitted_by` submitted when given.
-    async fn list_jobs(&self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<JobRecord>>;
+    async fn list_jobs(
+        &self,
+        active_only: bool,
+        submitted_by: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<JobRecord>>;
 
     /// Oldest first.
     async fn job_events(&self, job: JobId) -> Result<Vec<JobEventRecord>>;

@@ -23,8 +23,8 @@ use super::rows::{
     encode_spec, engine_columns, int, job_columns, job_id_from, preflight_queries,
 };
 use super::{
-    AgentState, FleetStore, JobId, JobOwner, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result,
-    Snapshot, StoreError,
+    AgentState, FleetStore, JobId, JobOwner, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore,
+    Result, Snapshot, StoreError,
 };
 
 super::rows::diagnosis_queries!(PostgresStore, read: [], write: []);
@@ -238,12 +238,17 @@ impl JobStore for PostgresStore {
         self.run("get_job", async |c| fetch_job(c, job, false).await).await
     }
 
-    async fn list_jobs(&self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<JobRecord>> {
+    async fn list_jobs(
+        &self,
+        active_only: bool,
+        submitted_by: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<JobRecord>> {
         self.run("list_jobs", async |c| {
             let rows = sqlx::query(concat!(
                 "SELECT ",
                 job_columns!(),
-                 " FROM jobs WHERE (NOT $1 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
+                " FROM jobs WHERE (NOT $1 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
                  AND ($2::TEXT IS NULL OR submitted_by = $2) ORDER BY id DESC LIMIT $3"
             ))
             .bind(active_only)

@@ -21,8 +21,8 @@ use super::rows::{
     encode_spec, engine_columns, int, job_columns, job_id_from, preflight_queries,
 };
 use super::{
-    AgentState, FleetStore, JobId, JobOwner, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore, Result,
-    Snapshot, StoreError,
+    AgentState, FleetStore, JobId, JobOwner, JobSpec, JobStore, NewReceipt, PreflightStore, ReceiptStore,
+    Result, Snapshot, StoreError,
 };
 
 super::rows::diagnosis_queries!(SqliteStore, read: [Mode::Read,], write: [Mode::Write,]);
@@ -104,6 +104,14 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Full)
             .foreign_keys(true)
             .busy_timeout(BUSY_TIMEOUT);
+        if max_connections > 1 {
+            // One connection switches a new file to WAL and migrates it before the pool opens
+            // more: connections racing to do that get SQLITE_BUSY without waiting.
+            use sqlx::Connection as _;
+            let mut first = SqliteConnection::connect_with(&options).await?;
+            sqlx::migrate!("../migrations/sqlite").run(&mut first).await?;
+            first.close().await?;
+        }
         let pool = SqlitePoolOptions::new()
             .max_connections(max_connections)
             .min_connections(1)
@@ -238,12 +246,17 @@ impl JobStore for SqliteStore {
         self.run("get_job", Mode::Read, async |c| fetch_job(c, job).await).await
     }
 
-    async fn list_jobs(&self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<JobRecord>> {
+    async fn list_jobs(
+        &self,
+        active_only: bool,
+        submitted_by: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<JobRecord>> {
         self.run("list_jobs", Mode::Read, async |c| {
             let rows = sqlx::query(concat!(
                 "SELECT ",
                 job_columns!(),
-                 " FROM jobs WHERE (? = 0 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
+                " FROM jobs WHERE (? = 0 OR state NOT IN ('succeeded', 'failed', 'cancelled')) \
                  AND (? IS NULL OR submitted_by = ?) ORDER BY id DESC LIMIT ?"
             ))
             .bind(active_only)
