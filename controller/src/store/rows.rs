@@ -629,7 +629,7 @@ macro_rules! auth_queries {
                 expires_at_ms: Option<i64>,
             ) -> Result<i64> {
                 self.run("add_token", $($write)* async |c| {
-                    Ok(sqlx::query_scalar("INSERT INTO api_tokens (user_name, token_sha256, prefix, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, $5) RETURNING id")
+                    sqlx::query_scalar("INSERT INTO api_tokens (user_name, token_sha256, prefix, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, $5) RETURNING id")
                         .bind(user.to_owned())
                         .bind(sha256_hex.to_owned())
                         .bind(prefix.to_owned())
@@ -637,7 +637,7 @@ macro_rules! auth_queries {
                         .bind(expires_at_ms)
                         .fetch_one(&mut *c)
                         .await
-                        .map_err($crate::store::rows::duplicate_or)?)
+                        .map_err($crate::store::rows::duplicate_or)
                 })
                 .await
             }
