@@ -89,9 +89,15 @@ URL="http://$(cat "$DATA/controller.addr")"
 export TRAINYARD_CONTROLLER="$URL"
 echo "controller listening at $URL; database $DATA/controller/trainyard.db"
 
+# The demo's jobs belong to the local admin, who has no Unix account mapping: an agent running
+# as root refuses such launches unless told that this is a single-user box (docs/security.md).
+AGENT_FLAGS=()
+if [ "$(id -u)" = 0 ]; then
+    AGENT_FLAGS+=(--allow-root-ranks)
+fi
 for node in a b; do
     say "Starting agent demo-node-$node (8 stand-in H100 SXM GPUs from deploy/hosts/demo-node-$node.json)"
-    "$ROOT/target/debug/trainyard-agent" --controller "$URL" \
+    "$ROOT/target/debug/trainyard-agent" --controller "$URL" "${AGENT_FLAGS[@]}" \
         --host-file "$ROOT/deploy/hosts/demo-node-$node.json" --data-dir "$DATA/node-$node" \
         2>"$DATA/agent-$node.log" &
     PIDS+=($!)

@@ -10,8 +10,11 @@
 //! burst's latency only measures its own backlog). On this machine the ranks, the agents and the
 //! controller share the same 2 cores.
 //!
+//! `secure` runs SQLite again on a secure cluster: TLS between agents and controller, agent
+//! certificates, a token for ctl, ranks run as the user's account (`nobody` under root).
+//!
 //! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench receipt_throughput
-//! [-- sqlite|postgres]` (both backends when none is named). PostgreSQL runs with its default,
+//! [-- sqlite|postgres|secure]` (sqlite and postgres when none is named). PostgreSQL runs with its default,
 //! durable settings (`fsync`, `synchronous_commit` on).
 
 use std::time::Duration;
@@ -66,19 +69,22 @@ fn main() -> anyhow::Result<()> {
     let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     for (name, backend) in [("sqlite", Backend::Sqlite), ("postgres", Backend::Postgres)] {
         if named.is_empty() || named.iter().any(|n| n == name) {
-            bench(backend)?;
+            bench(backend, false)?;
         }
+    }
+    if named.iter().any(|n| n == "secure") {
+        bench(Backend::Sqlite, true)?;
     }
     Ok(())
 }
 
-fn bench(backend: Backend) -> anyhow::Result<()> {
+fn bench(backend: Backend, secure: bool) -> anyhow::Result<()> {
     let (store, target) = match backend {
         Backend::Sqlite => ("SQLite", 100_000),
         Backend::Postgres => ("PostgreSQL", 50_000),
     };
-    println!("== {store}");
-    let mut c = Cluster::start_on(backend)?;
+    println!("== {store}{}", if secure { " (TLS, certificates, tokens, run-as)" } else { "" });
+    let mut c = if secure { Cluster::start_secure()? } else { Cluster::start_on(backend)? };
     c.start_agent("node-a", 4)?;
     c.start_agent("node-b", 4)?;
     for (phase, per_rank) in [("burst", 0), ("paced", paced_per_rank(backend))] {

@@ -6,8 +6,12 @@
 //! store: `submitted → running` from the job's events, and `ctl start → running` against the
 //! wall clock of this process (same machine, same clock). Prints medians and p90s.
 //!
-//! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench submit_latency`
-//! (the bench runs in the release profile and uses the debug binaries that setup builds).
+//! Two clusters: the loopback demo (plaintext, no credentials) and a secure one (TLS with agent
+//! certificates, ctl with a token, ranks run as the user's account: `nobody` under root).
+//!
+//! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench submit_latency
+//! [-- demo|secure]` (the bench runs in the release profile and uses the debug binaries that setup
+//! builds).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -23,7 +27,7 @@ fn percentile(sorted: &[i64], p: f64) -> i64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-fn measure(c: &Cluster, ranks: u32) -> anyhow::Result<()> {
+fn measure(c: &Cluster, label: &str, ranks: u32) -> anyhow::Result<()> {
     let file = c.job_file(&format!("trivial-{ranks}"), ranks, 0, &[], "");
     // A trivial rank: a shell that sleeps a little so "all ranks running" is observable.
     let text = std::fs::read_to_string(&file)?
@@ -45,7 +49,7 @@ fn measure(c: &Cluster, ranks: u32) -> anyhow::Result<()> {
     in_controller.sort_unstable();
     end_to_end.sort_unstable();
     println!(
-        "{ranks} rank(s), {JOBS} jobs: submitted→running median {} ms (p90 {} ms); \
+        "{label}: {ranks} rank(s), {JOBS} jobs: submitted→running median {} ms (p90 {} ms); \
          ctl start→running median {} ms (p90 {} ms); target median < 300 ms",
         percentile(&in_controller, 0.5),
         percentile(&in_controller, 0.9),
@@ -56,9 +60,15 @@ fn measure(c: &Cluster, ranks: u32) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let mut c = Cluster::start()?;
-    c.start_agent("node-a", 8)?;
-    measure(&c, 1)?;
-    measure(&c, 8)?;
+    let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    for label in ["demo", "secure"] {
+        if !named.is_empty() && !named.iter().any(|n| n == label) {
+            continue;
+        }
+        let mut c = if label == "secure" { Cluster::start_secure()? } else { Cluster::start()? };
+        c.start_agent("node-a", 8)?;
+        measure(&c, label, 1)?;
+        measure(&c, label, 8)?;
+    }
     Ok(())
 }

@@ -107,6 +107,18 @@ pub fn host_file_numa(dir: &Path, hostname: &str, gpu_numa: &[i32], numa_cpus: &
     path
 }
 
+/// The Unix account test users' ranks run as on a secure cluster: `nobody` when the tests run
+/// as root (so the switch is real), else the account running them (an unprivileged agent runs
+/// ranks as itself only).
+pub fn run_account() -> String {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    if unsafe { libc::geteuid() } == 0 {
+        "nobody".into()
+    } else {
+        std::env::var("USER").unwrap_or_else(|_| "nobody".into())
+    }
+}
+
 /// `.venv/bin/python` of this checkout: deploy/setup.sh installs torch and lightning there.
 pub fn venv_python() -> PathBuf {
     repo_root().join(".venv/bin/python")
@@ -225,10 +237,15 @@ impl Cluster {
     }
 
     /// Starts a controller that serves TLS with a PKI of `init-pki` (agents present client
-    /// certificates, users tokens), on SQLite, with an admin user `admin` whose token `ctl`
-    /// presents unless told otherwise ([`Cluster::ctl_as`]).
+    /// certificates, users tokens), on SQLite, with an admin user `admin` (ranks run as
+    /// [`run_account`]) whose token `ctl` presents unless told otherwise ([`Cluster::ctl_as`]).
+    /// The cluster's directory is world-traversable, so ranks run as `nobody` reach their files.
     pub fn start_secure() -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        }
         let marker = dir.path().display().to_string();
         let pki = dir.path().join("pki");
         let out = Command::new(bin("trainyard-controller")?)
@@ -251,7 +268,7 @@ impl Cluster {
             pki: Some(pki),
             token: None,
         };
-        cluster.token = Some(cluster.add_user("admin", &["--admin"])?);
+        cluster.token = Some(cluster.add_user("admin", &["--admin", "--unix-user", &run_account()])?);
         cluster.start_controller()?;
         Ok(cluster)
     }

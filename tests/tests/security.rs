@@ -13,17 +13,7 @@ use trainyard_proto::v1::agents_client::AgentsClient;
 use trainyard_proto::v1::{
     AgentMessage, Hello, RankKey, RankReport, RankUpdate, Receipt, ReceiptBatch, agent_message,
 };
-use trainyard_tests::{Cluster, proc_status_field};
-
-/// The Unix account test users run as: `nobody` when the tests run as root (so the switch is
-/// real), else the account running the tests (an unprivileged agent runs ranks as itself only).
-fn run_account() -> String {
-    if unsafe { libc::geteuid() } == 0 {
-        "nobody".into()
-    } else {
-        std::env::var("USER").unwrap_or_else(|_| "nobody".into())
-    }
-}
+use trainyard_tests::{Cluster, proc_status_field, run_account};
 
 /// A job of `gpus` ranks that each sleep: nothing a rank run as `nobody` cannot do.
 fn sleep_job(c: &Cluster, name: &str, gpus: u32) -> PathBuf {

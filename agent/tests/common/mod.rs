@@ -84,6 +84,8 @@ pub async fn start(host: &str) -> Fake {
     let mut config =
         AgentConfig::new(format!("http://{addr}"), Some(dir.path().join("host.json")), data.clone());
     config.shim_program = env!("CARGO_BIN_EXE_trainyard-agent").into();
+    // These tests run as root on CI machines; their launches name no Unix account.
+    config.allow_root_ranks = true;
     let (stop, stop_rx) = oneshot::channel::<()>();
     let agent = tokio::spawn(trainyard_agent::run(config, async move {
         let _ = stop_rx.await;

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use trainyard_proto::v1::{PreflightCheck, PreflightReport, controller_message::Msg};
+use tokio::sync::mpsc;
+use trainyard_proto::PROTOCOL_VERSION;
+use trainyard_proto::v1::{Hello, PreflightCheck, PreflightReport, controller_message::Msg};
 
 use crate::domain::Inventory;
 
@@ -108,13 +110,19 @@ async fn verdicts_come_back_after_a_restart() {
     c.reconcile().await;
     assert!(bad.launched_jobs().is_empty());
     assert_eq!(row(&c.nodes().await, "bad").verdict, "fail");
+    // A second stream while the first is open is refused, and stores nothing.
+    let (tx, _rx) = mpsc::channel(8);
+    let hello = Hello { agent_id: "bad".into(), protocol_version: PROTOCOL_VERSION, ..Default::default() };
+    assert!(matches!(c.agent_hello(hello, tx).await, Err(ControllerError::AlreadyConnected(_))));
     // Its hello with the same report again (after a reconnect) does not store it twice.
-    let _again = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
+    c.agent_disconnected("bad", bad.conn_id).await.expect("disconnect");
+    let again = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
     assert_eq!(row(&c.nodes().await, "bad").preflight_report_id, first_id);
     // Fixed and re-run; a later hello carrying the start report again keeps the newer verdict.
     c.agent_preflight("bad", report("bad", 5, &[])).await.expect("report");
     let fixed = row(&c.nodes().await, "bad").preflight_report_id;
     assert!(fixed > first_id);
+    c.agent_disconnected("bad", again.conn_id).await.expect("disconnect");
     let _later = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
     let b = row(&c.nodes().await, "bad").clone();
     assert_eq!((b.verdict.as_str(), b.preflight_report_id), ("pass", fixed));
