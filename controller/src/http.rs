@@ -9,16 +9,18 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
+use crate::auth::Authenticator;
 use crate::core::Controller;
 use crate::metrics::{CONTENT_TYPE, metrics};
 
-/// The routes, over `controller`.
-pub fn router(controller: Arc<Controller>) -> Router {
+/// The routes, over `controller`: metrics, health and the web view (`crate::web`).
+pub fn router(controller: Arc<Controller>, auth: Authenticator) -> Router {
     Router::new()
         .route("/metrics", get(scrape))
         .route("/healthz", get(healthz))
         .fallback(not_found)
-        .with_state(controller)
+        .with_state(controller.clone())
+        .merge(crate::web::routes(controller, auth))
 }
 
 async fn scrape(State(controller): State<Arc<Controller>>) -> impl IntoResponse {
@@ -33,5 +35,8 @@ async fn healthz() -> &'static str {
 }
 
 async fn not_found(uri: axum::http::Uri) -> (StatusCode, String) {
-    (StatusCode::NOT_FOUND, format!("no page {}; this listener serves /metrics and /healthz\n", uri.path()))
+    (
+        StatusCode::NOT_FOUND,
+        format!("no page {}; this listener serves the web view at /, /metrics and /healthz\n", uri.path()),
+    )
 }

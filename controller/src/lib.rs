@@ -21,10 +21,12 @@ pub mod http;
 pub mod metrics;
 pub mod receipts;
 pub mod scheduler;
+pub mod series;
 pub mod server;
 pub mod service;
 pub mod spec;
 pub mod store;
+pub mod web;
 
 pub use config::ControllerConfig;
 pub use core::Controller;

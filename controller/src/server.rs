@@ -79,7 +79,7 @@ pub async fn run(
     let token = CancellationToken::new();
     let background = tokio::spawn(controller.clone().run_background(token.clone()));
     let http_server = http.map(|listener| {
-        let routes = crate::http::router(controller.clone());
+        let routes = crate::http::router(controller.clone(), auth.clone());
         let stop = token.clone();
         tokio::spawn(async move {
             let serve =

@@ -36,6 +36,22 @@ impl Evidence {
 
 impl Controller {
     /// Diagnoses `attempt` of a job (default: its current attempt).
+    /// Folds the ended job's last step receipts into its plot rollups, once they settled.
+    async fn roll_up(&self, job_id: JobId) {
+        tokio::time::sleep(std::time::Duration::from_millis(crate::series::SETTLE_MS as u64)).await;
+        let settled = self.now_ms() - crate::series::SETTLE_MS;
+        loop {
+            match self.store.roll_up_steps(job_id, settled, 100_000).await {
+                Ok(n) if n < 100_000 => return,
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!(job_id, error = %e, "could not fold the job's step receipts for its plots");
+                    return;
+                }
+            }
+        }
+    }
+
     pub async fn diagnose(&self, job_id: JobId, attempt: Option<u32>) -> Result<Diagnosis> {
         Ok(self.evidence(job_id, attempt).await?.diagnose())
     }
@@ -57,6 +73,7 @@ impl Controller {
     /// `attempt_goodput`, `job_findings`). A failure is logged: the live answers of
     /// `ctl status` and `ctl diagnose` do not depend on it.
     pub(super) async fn record_outcome(&self, job_id: JobId) {
+        self.roll_up(job_id).await;
         let outcome = async {
             let goodput = self.goodput(job_id).await?;
             let evidence = self.evidence(job_id, None).await?;

@@ -58,6 +58,11 @@ impl Controller {
             .collect()
     }
 
+    /// The inventory a node reported in its last hello (GPUs, NUMA nodes, link matrix).
+    pub fn node_inventory(&self, agent_id: &str) -> Option<crate::domain::Inventory> {
+        self.lock().agents.get(agent_id).map(|e| e.record.inventory.clone())
+    }
+
     /// The newest preflight report of a node (agent id, or hostname when unambiguous).
     pub async fn latest_preflight(&self, host: &str) -> Result<PreflightRecord> {
         let agent_id = {

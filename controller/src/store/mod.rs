@@ -553,8 +553,32 @@ pub trait AuthStore: Send + Sync {
     async fn audit_log(&self, limit: u32) -> Result<Vec<AuditEntry>>;
 }
 
+/// Step rollups for plots ([`crate::series`]); the SQL is written once for both backends
+/// (`rows::series_queries!`).
+#[async_trait]
+pub trait SeriesStore: Send + Sync {
+    /// Folds the job's receipts stored after its watermark into `step_rollups`: at most
+    /// `max_rows` of them, stopping at the first stored after `settled_before_ms`. Returns how
+    /// many receipts it read (fewer than `max_rows`: the job is folded up to that time).
+    async fn roll_up_steps(&self, job: JobId, settled_before_ms: i64, max_rows: u32) -> Result<u64>;
+
+    /// The folded steps of an attempt: (first step, last step, ranks), to 128 steps; `None`
+    /// before any step receipt is folded.
+    async fn rollup_extent(&self, job: JobId, attempt: u32) -> Result<Option<(i64, i64, u32)>>;
+
+    /// The rollup rows of one level over a range of buckets, every rank.
+    async fn rollup_rows(
+        &self,
+        job: JobId,
+        attempt: u32,
+        level: i64,
+        from_bucket: i64,
+        to_bucket: i64,
+    ) -> Result<Vec<crate::series::RollupRow>>;
+}
+
 /// The controller's store: every concern's trait, implemented by each backend (SQLite,
 /// PostgreSQL) and exercised by one test suite.
-pub trait Store: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + 'static {}
+pub trait Store: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + SeriesStore + 'static {}
 
-impl<T: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + 'static> Store for T {}
+impl<T: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + SeriesStore + 'static> Store for T {}

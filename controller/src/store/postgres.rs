@@ -29,6 +29,7 @@ use super::{
 
 super::rows::diagnosis_queries!(PostgresStore, read: [], write: []);
 super::rows::auth_queries!(PostgresStore, PgRow, read: [], write: []);
+super::rows::series_queries!(PostgresStore, PgRow, read: [], write: []);
 super::rows::row_readers!(PgRow, sqlx::Postgres);
 
 /// Connections in the pool: receipt batches of several agents, the core's writes and the

@@ -734,3 +734,201 @@ macro_rules! auth_queries {
     };
 }
 pub(super) use auth_queries;
+
+/// [`super::SeriesStore`] for one backend: the step rollups the web view's plots read
+/// ([`crate::series`]), in the same SQL on both. `read` and `write` as in [`diagnosis_queries!`].
+macro_rules! series_queries {
+    ($store:ty, $row:ty, read: [$($read:tt)*], write: [$($write:tt)*]) => {
+        fn rollup_from_row(row: &$row, level: i64) -> Result<$crate::series::RollupRow> {
+            let t = "step_rollups";
+            let agg = |p: &str| -> Result<$crate::series::Agg> {
+                Ok($crate::series::Agg {
+                    n: col(row, t, &format!("{p}_n"))?,
+                    min: col::<Option<f64>>(row, t, &format!("{p}_min"))?.unwrap_or(0.0),
+                    max: col::<Option<f64>>(row, t, &format!("{p}_max"))?.unwrap_or(0.0),
+                    sum: col::<Option<f64>>(row, t, &format!("{p}_sum"))?.unwrap_or(0.0),
+                })
+            };
+            Ok($crate::series::RollupRow {
+                attempt: num(row, t, "attempt")?,
+                level,
+                rank: num(row, t, "rank")?,
+                bucket: col(row, t, "bucket")?,
+                aggs: [agg("step_ms")?, agg("loss")?, agg("tps")?, agg("mfu")?],
+            })
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::store::SeriesStore for $store {
+            async fn roll_up_steps(&self, job: JobId, settled_before_ms: i64, max_rows: u32) -> Result<u64> {
+                use $crate::series::{StepPoint, fold};
+                let id = int(job)?;
+                // Read outside the write lock (receipts keep arriving meanwhile), fold, then
+                // merge and write in one short transaction that moves the watermark.
+                let (from, to, points, read) = self.run("roll_up_read", $($read)* async |c| {
+                    let t = "receipts";
+                    let wm: i64 = sqlx::query_scalar("SELECT position FROM step_rollup_progress WHERE job_id = $1")
+                        .bind(id)
+                        .fetch_optional(&mut *c)
+                        .await?
+                        .unwrap_or(0);
+                    let rows = sqlx::query(
+                        "SELECT position, kind, stored_at_ms, attempt, rank, step, step_time_ms, loss, tokens_per_s, mfu \
+                         FROM receipts WHERE job_id = $1 AND position > $2 ORDER BY position LIMIT $3",
+                    )
+                    .bind(id)
+                    .bind(wm)
+                    .bind(i64::from(max_rows))
+                    .fetch_all(&mut *c)
+                    .await?;
+                    let (mut last, mut read, mut points) = (wm, 0u64, Vec::new());
+                    for r in &rows {
+                        if col::<i64>(r, t, "stored_at_ms")? > settled_before_ms {
+                            break;
+                        }
+                        last = col(r, t, "position")?;
+                        read += 1;
+                        let step: Option<i64> = col(r, t, "step")?;
+                        if let (Some(step), "step") = (step, col::<String>(r, t, "kind")?.as_str()) {
+                            points.push(StepPoint {
+                                attempt: num(r, t, "attempt")?,
+                                rank: num(r, t, "rank")?,
+                                step,
+                                values: [col(r, t, "step_time_ms")?, col(r, t, "loss")?, col(r, t, "tokens_per_s")?, col(r, t, "mfu")?],
+                            });
+                        }
+                    }
+                    Ok((wm, last, points, read))
+                })
+                .await?;
+                if to == from {
+                    return Ok(0);
+                }
+                let folded = fold(&points);
+                self.run("roll_up_write", $($write)* async |c| {
+                    // A retried transaction starts again from the fold.
+                    let mut folded = folded.clone();
+                    let mut groups: std::collections::BTreeMap<(u32, i64, u32), (i64, i64)> = Default::default();
+                    for &(attempt, level, rank, bucket) in folded.keys() {
+                        let g = groups.entry((attempt, level, rank)).or_insert((bucket, bucket));
+                        (g.0, g.1) = (g.0.min(bucket), g.1.max(bucket));
+                    }
+                    for ((attempt, level, rank), (lo, hi)) in groups {
+                        let rows = sqlx::query(
+                            "SELECT attempt, rank, bucket, step_ms_n, step_ms_min, step_ms_max, step_ms_sum, loss_n, loss_min, loss_max, loss_sum, \
+                             tps_n, tps_min, tps_max, tps_sum, mfu_n, mfu_min, mfu_max, mfu_sum FROM step_rollups \
+                             WHERE job_id = $1 AND attempt = $2 AND level = $3 AND rank = $4 AND bucket BETWEEN $5 AND $6",
+                        )
+                        .bind(id)
+                        .bind(i64::from(attempt))
+                        .bind(level)
+                        .bind(i64::from(rank))
+                        .bind(lo)
+                        .bind(hi)
+                        .fetch_all(&mut *c)
+                        .await?;
+                        for row in &rows {
+                            let old = rollup_from_row(row, level)?;
+                            if let Some(new) = folded.get_mut(&(attempt, level, rank, old.bucket)) {
+                                for (n, o) in new.iter_mut().zip(old.aggs.iter()) {
+                                    n.merge(o);
+                                }
+                            }
+                        }
+                    }
+                    for (&(attempt, level, rank, bucket), aggs) in &folded {
+                        let mut q = sqlx::query(
+                            "INSERT INTO step_rollups (job_id, attempt, level, rank, bucket, step_ms_n, step_ms_min, step_ms_max, step_ms_sum, \
+                             loss_n, loss_min, loss_max, loss_sum, tps_n, tps_min, tps_max, tps_sum, mfu_n, mfu_min, mfu_max, mfu_sum) \
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21) \
+                             ON CONFLICT (job_id, attempt, level, rank, bucket) DO UPDATE SET \
+                             step_ms_n = excluded.step_ms_n, step_ms_min = excluded.step_ms_min, step_ms_max = excluded.step_ms_max, step_ms_sum = excluded.step_ms_sum, \
+                             loss_n = excluded.loss_n, loss_min = excluded.loss_min, loss_max = excluded.loss_max, loss_sum = excluded.loss_sum, \
+                             tps_n = excluded.tps_n, tps_min = excluded.tps_min, tps_max = excluded.tps_max, tps_sum = excluded.tps_sum, \
+                             mfu_n = excluded.mfu_n, mfu_min = excluded.mfu_min, mfu_max = excluded.mfu_max, mfu_sum = excluded.mfu_sum",
+                        )
+                        .bind(id)
+                        .bind(i64::from(attempt))
+                        .bind(level)
+                        .bind(i64::from(rank))
+                        .bind(bucket);
+                        for a in aggs {
+                            let present = (a.n > 0).then_some(());
+                            q = q.bind(a.n).bind(present.map(|_| a.min)).bind(present.map(|_| a.max)).bind(present.map(|_| a.sum));
+                        }
+                        q.execute(&mut *c).await?;
+                    }
+                    // Guarded by the watermark read above: of two folds racing, one writes.
+                    let moved = sqlx::query("UPDATE step_rollup_progress SET position = $2 WHERE job_id = $1 AND position = $3")
+                        .bind(id)
+                        .bind(to)
+                        .bind(from)
+                        .execute(&mut *c)
+                        .await?
+                        .rows_affected();
+                    if moved == 0 {
+                        sqlx::query("INSERT INTO step_rollup_progress (job_id, position) VALUES ($1, $2)")
+                            .bind(id)
+                            .bind(to)
+                            .execute(&mut *c)
+                            .await
+                            .map_err($crate::store::rows::duplicate_or)?;
+                    }
+                    Ok(())
+                })
+                .await?;
+                Ok(read)
+            }
+
+            async fn rollup_extent(&self, job: JobId, attempt: u32) -> Result<Option<(i64, i64, u32)>> {
+                self.run("rollup_extent", $($read)* async |c| {
+                    // The middle level: few rows, and its buckets bound the steps within 128.
+                    let level = $crate::series::LEVELS[1];
+                    let row = sqlx::query(
+                        "SELECT min(bucket) AS lo, max(bucket) AS hi, count(DISTINCT rank) AS ranks FROM step_rollups \
+                         WHERE job_id = $1 AND attempt = $2 AND level = $3",
+                    )
+                    .bind(int(job)?)
+                    .bind(i64::from(attempt))
+                    .bind(level)
+                    .fetch_one(&mut *c)
+                    .await?;
+                    let t = "step_rollups";
+                    let (lo, hi): (Option<i64>, Option<i64>) = (col(&row, t, "lo")?, col(&row, t, "hi")?);
+                    Ok(match (lo, hi) {
+                        (Some(lo), Some(hi)) => Some((lo * level, hi * level + level - 1, num(&row, t, "ranks")?)),
+                        _ => None,
+                    })
+                })
+                .await
+            }
+
+            async fn rollup_rows(
+                &self,
+                job: JobId,
+                attempt: u32,
+                level: i64,
+                from_bucket: i64,
+                to_bucket: i64,
+            ) -> Result<Vec<$crate::series::RollupRow>> {
+                self.run("rollup_rows", $($read)* async |c| {
+                    let rows = sqlx::query(
+                        "SELECT attempt, rank, bucket, step_ms_n, step_ms_min, step_ms_max, step_ms_sum, loss_n, loss_min, loss_max, loss_sum, \
+                         tps_n, tps_min, tps_max, tps_sum, mfu_n, mfu_min, mfu_max, mfu_sum FROM step_rollups \
+                         WHERE job_id = $1 AND attempt = $2 AND level = $3 AND bucket BETWEEN $4 AND $5",
+                    )
+                    .bind(int(job)?)
+                    .bind(i64::from(attempt))
+                    .bind(level)
+                    .bind(from_bucket)
+                    .bind(to_bucket)
+                    .fetch_all(&mut *c)
+                    .await?;
+                    rows.iter().map(|r| rollup_from_row(r, level)).collect()
+                })
+                .await
+            }
+        }
+    };
+}
+pub(super) use series_queries;

@@ -27,6 +27,7 @@ use super::{
 
 super::rows::diagnosis_queries!(SqliteStore, read: [Mode::Read,], write: [Mode::Write,]);
 super::rows::auth_queries!(SqliteStore, SqliteRow, read: [Mode::Read,], write: [Mode::Write,]);
+super::rows::series_queries!(SqliteStore, SqliteRow, read: [Mode::Read,], write: [Mode::Write,]);
 super::rows::row_readers!(SqliteRow, sqlx::Sqlite);
 
 /// Connections in the pool. SQLite has one writer at a time anyway; a few connections let

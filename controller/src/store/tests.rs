@@ -8,7 +8,7 @@ use crate::spec::{Engine, JobSpec, Resources};
 use crate::store::pg_server::{Durability, TempPostgres};
 use crate::store::{
     AgentRecord, AgentState, Allocation, FleetStore, JobState, JobStore, NewReceipt, PreflightRecord,
-    PreflightStore, RankId, RankObserved, RankState, ReceiptStore, Store, StoreError,
+    AuthStore, PreflightStore, RankId, RankObserved, RankState, ReceiptStore, SeriesStore, Store, StoreError,
 };
 use crate::store::{PostgresStore, SqliteStore};
 
@@ -41,6 +41,8 @@ macro_rules! store_suite {
             mean_optimizer_ms_of_step_receipts,
             submit_keys_are_unique,
             attempt_facts_and_outcomes,
+            step_rollups_fold_each_receipt_once,
+            users_tokens_owners_and_audit,
         );
     };
     (@each $harness:ty: $($name:ident),+ $(,)?) => {
@@ -567,6 +569,80 @@ pub mod suite {
         // The same seq in another attempt is another receipt.
         let next = receipts(RankId { job_id: j.id, attempt: 1, rank: 0 }, 0, 7);
         assert_eq!(s.insert_receipts(&next, 14).await.unwrap(), 7);
+    }
+
+    pub async fn step_rollups_fold_each_receipt_once(h: &impl Harness) {
+        use crate::series::Metric;
+        let s = h.open().await;
+        let j = s.create_job(&spec("plot", 2), None, "submitted", 1).await.unwrap();
+        let r0 = RankId { job_id: j.id, attempt: 0, rank: 0 };
+        let r1 = RankId { job_id: j.id, attempt: 0, rank: 1 };
+        let mut batch = receipts(r0, 0, 300);
+        batch.extend(receipts(r1, 0, 300));
+        batch.push(receipt(r0, 300, "eval", Some(300), r#"{"kind":"eval","step":300,"duration_ms":5}"#));
+        s.insert_receipts(&batch, 10).await.unwrap();
+        assert_eq!(s.rollup_extent(j.id, 0).await.unwrap(), None, "nothing folded yet");
+        // Receipts stored after the cut-off wait for a later fold.
+        assert_eq!(s.roll_up_steps(j.id, 9, 1_000).await.unwrap(), 0);
+        // In pieces, as the background pass and requests do.
+        assert_eq!(s.roll_up_steps(j.id, 10, 250).await.unwrap(), 250);
+        assert_eq!(s.roll_up_steps(j.id, 10, 1_000).await.unwrap(), 351);
+        assert_eq!(s.roll_up_steps(j.id, 10, 1_000).await.unwrap(), 0);
+        // A replay stores nothing, so it folds nothing.
+        s.insert_receipts(&receipts(r0, 0, 300), 11).await.unwrap();
+        assert_eq!(s.roll_up_steps(j.id, 11, 1_000).await.unwrap(), 0);
+        assert_eq!(s.rollup_extent(j.id, 0).await.unwrap(), Some((0, 383, 2)));
+        let fine = s.rollup_rows(j.id, 0, 16, 0, 1).await.unwrap();
+        assert_eq!(fine.len(), 4, "buckets 0 and 1 of both ranks");
+        let b0 = fine.iter().find(|r| r.rank == 1 && r.bucket == 0).unwrap();
+        let step_ms = b0.aggs[Metric::StepMs as usize];
+        // step_time_ms = 100 + seq % 10 over seq 0..16
+        assert_eq!((step_ms.n, step_ms.min, step_ms.max, step_ms.sum), (16, 100.0, 109.0, 1_660.0));
+        assert_eq!(b0.aggs[Metric::Mfu as usize].n, 0, "no mfu in these receipts");
+        let coarse = s.rollup_rows(j.id, 0, 1024, 0, 0).await.unwrap();
+        assert_eq!(coarse.iter().map(|r| r.aggs[0].n).sum::<i64>(), 600, "every step once, the eval not at all");
+        // More steps later fold into the same buckets exactly.
+        s.insert_receipts(&receipts(r0, 301, 20), 12).await.unwrap();
+        assert_eq!(s.roll_up_steps(j.id, 12, 1_000).await.unwrap(), 20);
+        let coarse = s.rollup_rows(j.id, 0, 1024, 0, 0).await.unwrap();
+        assert_eq!(coarse.iter().map(|r| r.aggs[0].n).sum::<i64>(), 620);
+        let r0_128 = s.rollup_rows(j.id, 0, 128, 2, 2).await.unwrap();
+        assert_eq!(r0_128.iter().find(|r| r.rank == 0).unwrap().aggs[0].n, 44 + 20, "steps 256..299 and 301..320");
+    }
+
+    pub async fn users_tokens_owners_and_audit(h: &impl Harness) {
+        use crate::store::{AuditEntry, JobOwner, UserRecord};
+        let s = h.open().await;
+        let alice = UserRecord { name: "alice".into(), admin: false, unix_user: Some("alice".into()), created_at_ms: 1, disabled_at_ms: None };
+        s.add_user(&alice).await.unwrap();
+        assert!(matches!(s.add_user(&alice).await, Err(StoreError::Duplicate(_))));
+        assert!(s.update_user(&UserRecord { admin: true, ..alice.clone() }).await.unwrap());
+        assert!(s.get_user("alice").await.unwrap().unwrap().admin);
+        assert!(!s.update_user(&UserRecord { name: "nobody".into(), ..alice.clone() }).await.unwrap());
+        let id = s.add_token("alice", "ab12", "tyt_ab", 5, None).await.unwrap();
+        s.add_token("alice", "cd34", "tyt_cd", 6, Some(100)).await.unwrap();
+        assert!(matches!(s.add_token("alice", "ab12", "tyt_ab", 7, None).await, Err(StoreError::Duplicate(_))));
+        let (t, u) = s.token_owner("ab12").await.unwrap().unwrap();
+        assert_eq!((t.id, t.prefix.as_str(), u.name.as_str(), t.revoked_at_ms), (id, "tyt_ab", "alice", None));
+        assert_eq!(s.revoke_tokens("alice", Some("tyt_cd"), 9).await.unwrap(), 1);
+        assert_eq!(s.revoke_tokens("alice", None, 10).await.unwrap(), 1, "the other one");
+        assert_eq!(s.token_owner("ab12").await.unwrap().unwrap().0.revoked_at_ms, Some(10));
+        assert_eq!(s.tokens_of("alice").await.unwrap().len(), 2);
+        assert!(s.token_owner("zz").await.unwrap().is_none());
+        // Jobs record their owner, and lists filter on it.
+        let owner = JobOwner { user: "alice".into(), run_as: "alice".into() };
+        let mine = s.create_job_for(&spec("mine", 1), None, &owner, "submitted", 1).await.unwrap();
+        s.create_job(&spec("legacy", 1), None, "submitted", 2).await.unwrap();
+        assert_eq!(s.get_job(mine.id).await.unwrap().unwrap().owner, owner);
+        let listed = s.list_jobs(false, Some("alice"), 10).await.unwrap();
+        assert_eq!(listed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![mine.id]);
+        assert_eq!(s.list_jobs(false, None, 10).await.unwrap().len(), 2);
+        for (at, accepted) in [(1, true), (2, false)] {
+            let entry = AuditEntry { at_ms: at, actor: "alice".into(), action: "job.cancel".into(), target: "job:1".into(), accepted, detail: "d".into() };
+            s.audit(&entry).await.unwrap();
+        }
+        let log = s.audit_log(10).await.unwrap();
+        assert_eq!(log.iter().map(|e| (e.at_ms, e.accepted)).collect::<Vec<_>>(), vec![(2, false), (1, true)]);
     }
 
     pub async fn receipts_after_pages_by_cursor(h: &impl Harness) {

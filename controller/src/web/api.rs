@@ -1,0 +1,402 @@
+//! The JSON the pages read. Shapes are documented in `docs/web.md`; the page (`controller/web/
+//! app.js`) is their only client, and the browser tests assert on what it renders from them.
+
+use std::time::Duration;
+
+use axum::extract::Path;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use super::{Query, Web, WebState, error, int_param, job_id, query_pairs, store_error};
+use crate::auth::Caller;
+use crate::core::LogEvent;
+use crate::diagnose::Diagnosis;
+use crate::diagnose::compare::{Comparison, Distribution, Side};
+use crate::series::{self, Metric};
+use crate::spec::Engine;
+use crate::store::JobRecord;
+
+/// Lines of rank 0's log the job page shows.
+const LOG_TAIL_LINES: u32 = 40;
+/// How long the job page waits for an agent to send the log tail.
+const LOG_WAIT: Duration = Duration::from_secs(2);
+/// Highest step or bucket count a query may name.
+const MAX_STEP: i64 = 1_000_000_000;
+
+/// `?` for handlers: an error is already the response.
+macro_rules! tri {
+    ($e:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(response) => return response,
+        }
+    };
+}
+
+fn ok(value: Value) -> Response {
+    (StatusCode::OK, [(axum::http::header::CONTENT_TYPE, "application/json")], value.to_string()).into_response()
+}
+
+impl Web {
+    /// The job, if `caller` may see it: 404 when unknown, 403 when it is someone else's.
+    async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Response> {
+        let id = job_id(raw)?;
+        let job = self.controller.store().get_job(id).await.map_err(|e| store_error(e.into()))?;
+        let job = job.ok_or_else(|| error(StatusCode::NOT_FOUND, format!("job {id} not found")))?;
+        if !caller.may_access(&job.owner) {
+            return Err(error(StatusCode::FORBIDDEN, format!("job {id} is not yours; only its owner or an admin may see it")));
+        }
+        Ok(job)
+    }
+
+    /// Folds new step receipts of the job into its rollups, so its plots are current.
+    async fn catch_up(&self, job: u64) -> Result<(), Response> {
+        let settled = self.controller.now_ms() - series::SETTLE_MS;
+        for _ in 0..64 {
+            let folded = self.controller.store().roll_up_steps(job, settled, 100_000).await;
+            if folded.map_err(|e| store_error(e.into()))? < 100_000 {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `GET /api/jobs[?limit=N&active=1]`: newest first; non-admins see their own only.
+pub(super) async fn jobs(state: WebState, headers: HeaderMap, query: Query) -> Response {
+    let web = state.0;
+    let caller = tri!(web.caller(&headers).await);
+    let pairs = tri!(query_pairs(&query.0));
+    let limit = tri!(int_param(&pairs, "limit", 1, 1_000)).unwrap_or(200) as u32;
+    let active = pairs.iter().any(|(k, v)| k == "active" && v == "1");
+    let only = (!caller.admin).then_some(caller.name.as_str());
+    let listed = tri!(web.controller.list_view(active, only, limit).await.map_err(store_error));
+    let mut jobs = Vec::with_capacity(listed.len());
+    for j in &listed {
+        let facts = web.controller.store().attempt_facts(j.id, j.attempt).await.ok();
+        let goodput = web.controller.goodput(j.id).await.ok().and_then(|g| g.goodput);
+        let record = web.controller.store().get_job(j.id).await.ok().flatten();
+        jobs.push(json!({
+            "id": j.id,
+            "name": j.spec.as_ref().map(|s| s.name.clone()).unwrap_or_default(),
+            "state": j.state,
+            "user": j.user,
+            "gpus": j.spec.as_ref().and_then(|s| s.resources.as_ref()).map_or(0, |r| r.gpus),
+            "nodes": nodes_of(j),
+            "created_at_ms": j.created_at_ms,
+            "updated_at_ms": j.updated_at_ms,
+            "attempt": j.attempt,
+            "step": facts.and_then(|f| f.last_step),
+            "total_steps": record.as_ref().and_then(total_steps),
+            "goodput": goodput,
+            "reason": j.reason,
+        }));
+    }
+    ok(json!({ "now_ms": web.controller.now_ms(), "jobs": jobs }))
+}
+
+fn nodes_of(j: &trainyard_proto::v1::Job) -> Vec<String> {
+    let mut nodes: Vec<String> = j.ranks.iter().map(|r| r.agent_id.clone()).collect();
+    nodes.dedup();
+    nodes.sort();
+    nodes.dedup();
+    nodes
+}
+
+/// The steps a built-in job runs (`num_iterations`); unknown for scripts.
+fn total_steps(job: &JobRecord) -> Option<i64> {
+    match &job.spec.engine {
+        Engine::Builtin { settings, .. } => settings.get("num_iterations")?.parse().ok(),
+        _ => None,
+    }
+}
+
+/// `GET /api/jobs/{id}`: the job, its events and ranks, diagnosis, goodput and log tail.
+pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<String>) -> Response {
+    let web = state.0;
+    let caller = tri!(web.caller(&headers).await);
+    let record = tri!(web.job_for(&caller, &raw).await);
+    let id = record.id;
+    let j = tri!(web.controller.job_view(id).await.map_err(store_error));
+    let facts = web.controller.store().attempt_facts(id, j.attempt).await.ok();
+    let goodput = j.goodput.as_ref().map(|g| {
+        let parts = [
+            ("training", g.train_ms - g.lost_ms),
+            ("startup", g.startup_ms),
+            ("eval", g.eval_ms),
+            ("checkpoint", g.checkpoint_ms),
+            ("restarts", g.restart_ms),
+            ("lost", g.lost_ms),
+            ("other", g.other_ms),
+        ];
+        json!({
+            "fraction": g.goodput,
+            "wall_ms": g.wall_ms,
+            "summary": g.summary,
+            "parts": parts.iter().filter(|(_, ms)| *ms > 0.0).map(|(name, ms)| json!({"name": name, "ms": ms})).collect::<Vec<_>>(),
+        })
+    });
+    let diagnosis = match web.controller.diagnose(id, None).await {
+        Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => diagnosis_json(&d),
+        _ => Value::Null,
+    };
+    let ranks: Vec<Value> = j
+        .ranks
+        .iter()
+        .map(|r| {
+            json!({
+                "rank": r.rank,
+                "agent_id": r.agent_id,
+                "gpu_index": r.gpu_index,
+                "numa_node": r.planned_mems.parse::<i64>().ok(),
+                "cpus": if r.effective_cpus.is_empty() { &r.planned_cpus } else { &r.effective_cpus },
+                "state": r.state,
+                "pid": (r.pid > 0).then_some(r.pid),
+                "exit_code": (r.state == "exited" && r.signal == 0).then_some(r.exit_code),
+                "signal": (r.signal != 0).then_some(r.signal),
+                "message": "",
+            })
+        })
+        .collect();
+    let events: Vec<Value> = j
+        .events
+        .iter()
+        .map(|e| json!({"at_ms": e.at_ms, "state": e.to_state, "from": e.from_state, "reason": e.reason}))
+        .collect();
+    let logs = log_tail(&web, id).await;
+    ok(json!({
+        "id": id,
+        "name": record.spec.name,
+        "state": j.state,
+        "user": j.user,
+        "run_as": j.run_as,
+        "gpus": record.spec.resources.gpus,
+        "attempt": j.attempt,
+        "created_at_ms": j.created_at_ms,
+        "updated_at_ms": j.updated_at_ms,
+        "reason": j.reason,
+        "step": facts.and_then(|f| f.last_step),
+        "total_steps": total_steps(&record),
+        "receipts": j.receipts,
+        "spec_summary": spec_summary(&record),
+        "warnings": j.warnings,
+        "goodput": goodput,
+        "events": events,
+        "ranks": ranks,
+        "diagnosis": diagnosis,
+        "logs": logs,
+        "metrics": Metric::ALL.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
+    }))
+}
+
+fn spec_summary(job: &JobRecord) -> String {
+    match &job.spec.engine {
+        Engine::Exec { argv, .. } => format!("exec {}", argv.join(" ")),
+        Engine::Builtin { preset, .. } => format!("builtin {preset}"),
+    }
+}
+
+/// Rank 0's last lines, or why there are none.
+async fn log_tail(web: &Web, job: u64) -> Value {
+    let mut rx = match web.controller.open_logs(job, 0, LOG_TAIL_LINES, false).await {
+        Ok(rx) => rx,
+        Err(e) => return json!({"rank": 0, "text": "", "unavailable": e.to_string()}),
+    };
+    let mut text = String::new();
+    let read = async {
+        while let Some(event) = rx.recv().await {
+            match event {
+                LogEvent::Chunk { data, .. } => text.push_str(&String::from_utf8_lossy(&data)),
+                LogEvent::Failed(why) => return Some(why),
+            }
+        }
+        None
+    };
+    match tokio::time::timeout(LOG_WAIT, read).await {
+        Ok(None) => json!({"rank": 0, "text": text}),
+        Ok(Some(why)) => json!({"rank": 0, "text": text, "unavailable": why}),
+        Err(_) => json!({"rank": 0, "text": text, "unavailable": "the node did not send the logs in time"}),
+    }
+}
+
+fn diagnosis_json(d: &Diagnosis) -> Value {
+    json!({
+        "verdict": d.verdict(),
+        "healthy": d.findings.is_empty(),
+        "stragglers": d.ranks.iter().filter(|r| r.straggler).map(|r| r.rank).collect::<Vec<_>>(),
+        "findings": d.findings.iter().map(|f| json!({
+            "cause": f.cause.to_string(),
+            "summary": f.summary,
+            "nodes": f.nodes,
+            "ranks": f.ranks,
+            "expected_cost": f.expected_cost,
+            "remedy": f.remedy,
+            "evidence": f.evidence.iter().map(|m| json!({"name": m.name, "value": m.value, "unit": m.unit})).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "median_step_ms": d.median_step_ms,
+        "median_tokens_per_s": d.median_tokens_per_s,
+    })
+}
+
+/// `GET /api/jobs/{id}/series?metric=M[&buckets=N&from=S&to=S&attempt=A]`: per rank, at most
+/// `buckets` points `[first step, min, max, mean]` over the steps asked for (default: all).
+pub(super) async fn series(state: WebState, headers: HeaderMap, Path(raw): Path<String>, query: Query) -> Response {
+    let web = state.0;
+    let caller = tri!(web.caller(&headers).await);
+    let pairs = tri!(query_pairs(&query.0));
+    let metric = match pairs.iter().find(|(k, _)| k == "metric") {
+        None => return error(StatusCode::BAD_REQUEST, "metric is required: step_ms, loss, tokens_per_s or mfu"),
+        Some((_, m)) => match Metric::parse(m) {
+            Some(m) => m,
+            None => return error(StatusCode::BAD_REQUEST, format!("unknown metric {m:?}: step_ms, loss, tokens_per_s or mfu")),
+        },
+    };
+    let buckets = tri!(int_param(&pairs, "buckets", 1, i64::from(series::MAX_BUCKETS))).unwrap_or(800) as u32;
+    let from = tri!(int_param(&pairs, "from", 0, MAX_STEP));
+    let to = tri!(int_param(&pairs, "to", 0, MAX_STEP));
+    if let (Some(f), Some(t)) = (from, to)
+        && f > t
+    {
+        return error(StatusCode::BAD_REQUEST, format!("from={f} is after to={t}"));
+    }
+    let record = tri!(web.job_for(&caller, &raw).await);
+    let attempt = tri!(int_param(&pairs, "attempt", 0, i64::from(record.attempt))).map_or(record.attempt, |a| a as u32);
+    tri!(web.catch_up(record.id).await);
+    let store = web.controller.store();
+    let extent = tri!(store.rollup_extent(record.id, attempt).await.map_err(|e| store_error(e.into())));
+    let empty = json!({"metric": metric.as_str(), "unit": metric.unit(), "from": from, "to": to, "bucket_steps": 0, "ranks": []});
+    let Some((first, last, ranks)) = extent else { return ok(empty) };
+    let (from, to) = (from.unwrap_or(first), to.unwrap_or(last).min(last));
+    if from > to {
+        return ok(empty);
+    }
+    let level = series::choose_level(to - from + 1, i64::from(ranks), buckets);
+    let rows = tri!(store.rollup_rows(record.id, attempt, level, from / level, to / level).await.map_err(|e| store_error(e.into())));
+    let mut by_rank: std::collections::BTreeMap<u32, Vec<&series::RollupRow>> = Default::default();
+    for r in &rows {
+        by_rank.entry(r.rank).or_default().push(r);
+    }
+    let mut width = 0;
+    let mut out = Vec::new();
+    for (rank, rows) in by_rank {
+        let (w, points) = series::downsample(&rows, metric, from, to, buckets);
+        if points.is_empty() {
+            continue;
+        }
+        width = w;
+        out.push(json!({"rank": rank, "points": points}));
+    }
+    ok(json!({
+        "metric": metric.as_str(),
+        "unit": metric.unit(),
+        "attempt": attempt,
+        "from": from,
+        "to": to,
+        "bucket_steps": width,
+        "level": level,
+        "ranks": out,
+    }))
+}
+
+/// `GET /api/nodes`: every node with its verdict, NUMA layout, link matrix and failing checks.
+pub(super) async fn nodes(state: WebState, headers: HeaderMap) -> Response {
+    let web = state.0;
+    tri!(web.caller(&headers).await);
+    let mut nodes = Vec::new();
+    for n in web.controller.nodes().await {
+        let report = web.controller.latest_preflight(&n.agent_id).await.ok();
+        let inventory = web.controller.node_inventory(&n.agent_id);
+        let numa: Vec<Value> = inventory.as_ref().map_or_else(Vec::new, |inv| {
+            inv.numa_nodes
+                .iter()
+                .map(|node| {
+                    let gpus: Vec<u32> =
+                        inv.gpus.iter().filter(|g| g.numa_node == Some(node.id)).map(|g| g.index).collect();
+                    json!({"node": node.id, "gpus": gpus, "cpus": node.cpus})
+                })
+                .collect()
+        });
+        let matrix = inventory.as_ref().filter(|inv| !inv.links.is_empty()).map(|inv| {
+            let n = inv.gpus.len();
+            let labels: Vec<String> = inv.gpus.iter().map(|g| format!("GPU{}", g.index)).collect();
+            let rows: Vec<&[String]> = inv.links.chunks(n.max(1)).collect();
+            json!({"labels": labels, "rows": rows})
+        });
+        let failing: Vec<Value> = report.as_ref().map_or_else(Vec::new, |r| {
+            r.checks
+                .iter()
+                .filter(|c| c.status != crate::store::CheckStatus::Pass)
+                .map(|c| {
+                    json!({"id": c.id, "status": c.status.to_string(), "detail": format!("measured {}; expected {}", c.measured, c.expected), "remedy": c.remedy})
+                })
+                .collect()
+        });
+        nodes.push(json!({
+            "agent_id": n.agent_id,
+            "state": n.state,
+            "address": "",
+            "gpus": n.gpus,
+            "gpu_model": n.gpu_model,
+            "interconnect_class": Some(n.interconnect_class.clone()).filter(|c| !c.is_empty()),
+            "verdict": Some(n.verdict.clone()).filter(|v| !v.is_empty()),
+            "verdict_reason": n.verdict_reason,
+            "preflight_level": report.as_ref().map(|r| r.level.to_string()),
+            "preflight_at_ms": report.as_ref().map(|r| r.finished_at_ms),
+            "running_ranks": n.gpus.saturating_sub(n.free_gpus),
+            "numa": numa,
+            "matrix": matrix,
+            "failing": failing,
+        }));
+    }
+    ok(json!({ "nodes": nodes }))
+}
+
+/// `GET /api/compare?a=A&b=B`: two jobs side by side and the verdict.
+pub(super) async fn compare(state: WebState, headers: HeaderMap, query: Query) -> Response {
+    let web = state.0;
+    let caller = tri!(web.caller(&headers).await);
+    let pairs = tri!(query_pairs(&query.0));
+    let pick = |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    let (Some(a), Some(b)) = (pick("a"), pick("b")) else {
+        return error(StatusCode::BAD_REQUEST, "compare needs two jobs: ?a=JOB&b=JOB");
+    };
+    let a = tri!(web.job_for(&caller, &a).await).id;
+    let b = tri!(web.job_for(&caller, &b).await).id;
+    let c = tri!(web.controller.compare(a, b).await.map_err(store_error));
+    ok(comparison_json(&c))
+}
+
+fn comparison_json(c: &Comparison) -> Value {
+    let dist = |d: &Option<Distribution>| d.map(|d| json!({"n": d.n, "p10": d.p10, "p50": d.p50, "p90": d.p90}));
+    let side = |s: &Side| {
+        json!({
+            "job_id": s.job_id,
+            "name": s.name,
+            "state": s.state,
+            "attempt": s.attempt,
+            "nodes": s.nodes.iter().map(|n| json!({
+                "agent_id": n.agent_id,
+                "ranks": n.ranks,
+                "numa_layout": n.numa_layout,
+                "interconnect_class": n.class.map(|c| c.to_string()),
+                "verdict": n.verdict.map(|v| v.to_string()),
+            })).collect::<Vec<_>>(),
+            "step_time_ms": dist(&s.step_time_ms),
+            "tokens_per_s": dist(&s.tokens_per_s),
+            "diagnosis": diagnosis_json(&s.diagnosis),
+        })
+    };
+    let diffs = |d: &[crate::diagnose::compare::Diff]| {
+        d.iter().map(|d| json!({"name": d.name, "a": d.a, "b": d.b})).collect::<Vec<_>>()
+    };
+    json!({
+        "a": side(&c.a),
+        "b": side(&c.b),
+        "env": diffs(&c.env),
+        "provenance": diffs(&c.provenance),
+        "step_time_ratio": c.step_time_ratio,
+        "differences": c.differences,
+        "verdict": c.verdict,
+    })
+}

@@ -1,0 +1,175 @@
+//! The web view, on the controller's HTTP listener beside `/metrics`: pages for jobs, one job,
+//! nodes and a comparison, and the JSON they read. Same authentication as `ctl`: the API takes
+//! a bearer token (the page keeps one in the browser's local storage and asks for it on a 401);
+//! in the loopback demo a call without one acts as the local admin.
+//!
+//! # Layout
+//! - this module: the routes, authentication, the embedded assets (`controller/web/`, built
+//!   into the binary: nothing is fetched at run time).
+//! - `api`: the JSON of each endpoint, from the controller's views and the store.
+//!
+//! Every bad input (unknown job, malformed or huge query values) is a 4xx with a one-line
+//! message, never a 500.
+
+mod api;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+
+use crate::auth::{AuthError, Authenticator, Caller};
+use crate::core::Controller;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct Web {
+    controller: Arc<Controller>,
+    auth: Authenticator,
+}
+
+/// The web view's routes, to merge into the HTTP listener's router.
+pub fn routes(controller: Arc<Controller>, auth: Authenticator) -> Router {
+    Router::new()
+        .route("/", get(page))
+        .route("/jobs/{id}", get(page))
+        .route("/nodes", get(page))
+        .route("/compare", get(page))
+        .route("/assets/{file}", get(asset))
+        .route("/api/jobs", get(api::jobs))
+        .route("/api/jobs/{id}", get(api::job))
+        .route("/api/jobs/{id}/series", get(api::series))
+        .route("/api/nodes", get(api::nodes))
+        .route("/api/compare", get(api::compare))
+        .with_state(Web { controller, auth })
+}
+
+const INDEX: &str = include_str!("../../web/index.html");
+
+async fn page() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8"), (header::CACHE_CONTROL, "no-cache")], INDEX)
+        .into_response()
+}
+
+/// The static files, built into the binary.
+async fn asset(Path(file): Path<String>) -> Response {
+    let (body, kind): (&'static [u8], &str) = match file.as_str() {
+        "app.js" => (include_bytes!("../../web/app.js"), "text/javascript; charset=utf-8"),
+        "style.css" => (include_bytes!("../../web/style.css"), "text/css; charset=utf-8"),
+        "uPlot.iife.min.js" => (include_bytes!("../../web/vendor/uPlot.iife.min.js"), "text/javascript; charset=utf-8"),
+        "uplot.min.css" => (include_bytes!("../../web/vendor/uplot.min.css"), "text/css; charset=utf-8"),
+        _ => return error(StatusCode::NOT_FOUND, format!("no asset {file}")),
+    };
+    ([(header::CONTENT_TYPE, kind), (header::CACHE_CONTROL, "max-age=300")], body).into_response()
+}
+
+impl Web {
+    /// The caller of a request, from its `Authorization` header.
+    async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Response> {
+        let header = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or("?"));
+        match self.auth.user(header, self.controller.now_ms()).await {
+            Ok(caller) => Ok(caller),
+            Err(AuthError::Unauthenticated(why)) => Err(error(StatusCode::UNAUTHORIZED, why)),
+            Err(AuthError::PermissionDenied(why)) => Err(error(StatusCode::FORBIDDEN, why)),
+            Err(AuthError::Store(e)) => Err(store_error(e.into())),
+        }
+    }
+}
+
+/// A 4xx or 5xx with a one-line message.
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let mut message = message.into();
+    message.push('\n');
+    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message).into_response()
+}
+
+/// A controller error as the gRPC service would say it, with the matching HTTP status.
+fn store_error(e: crate::core::ControllerError) -> Response {
+    let status = crate::service::to_status(e);
+    let code = match status.code() {
+        tonic::Code::NotFound => StatusCode::NOT_FOUND,
+        tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition => StatusCode::BAD_REQUEST,
+        tonic::Code::PermissionDenied => StatusCode::FORBIDDEN,
+        tonic::Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    error(code, status.message())
+}
+
+/// Query parameters as `(name, value)` pairs; a malformed string is a 400 naming it.
+fn query_pairs(raw: &Option<String>) -> Result<Vec<(String, String)>, Response> {
+    let Some(raw) = raw else { return Ok(Vec::new()) };
+    let mut pairs = Vec::new();
+    for part in raw.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = part.split_once('=').unwrap_or((part, ""));
+        let decode = |s: &str| {
+            percent_decode(s).ok_or_else(|| error(StatusCode::BAD_REQUEST, format!("malformed query string: {part:?}")))
+        };
+        pairs.push((decode(k)?, decode(v)?));
+    }
+    Ok(pairs)
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// One integer query parameter within `[lo, hi]`; absent: `None`.
+fn int_param(pairs: &[(String, String)], name: &str, lo: i64, hi: i64) -> Result<Option<i64>, Response> {
+    let Some((_, v)) = pairs.iter().find(|(k, _)| k == name) else { return Ok(None) };
+    match v.parse::<i64>() {
+        Ok(n) if (lo..=hi).contains(&n) => Ok(Some(n)),
+        Ok(n) => Err(error(StatusCode::BAD_REQUEST, format!("{name}={n} is out of range ({lo} to {hi})"))),
+        Err(_) => Err(error(StatusCode::BAD_REQUEST, format!("{name}={v:?} is not a whole number"))),
+    }
+}
+
+/// A job id from the path: a 400 when it is not a number.
+fn job_id(raw: &str) -> Result<u64, Response> {
+    raw.parse().map_err(|_| error(StatusCode::BAD_REQUEST, format!("{raw:?} is not a job id")))
+}
+
+/// Keeps `RawQuery` in the public signature of the handlers in `api`.
+type Query = RawQuery;
+type WebState = State<Web>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_strings_decode_or_say_what_is_malformed() {
+        let pairs = query_pairs(&Some("metric=step_ms&from=10&name=a%20b+c&flag".into())).unwrap();
+        assert_eq!(pairs[2], ("name".into(), "a b c".into()));
+        assert_eq!(pairs[3], ("flag".into(), String::new()));
+        assert!(query_pairs(&Some("from=%zz".into())).is_err());
+        assert!(query_pairs(&Some("x=%E2%28".into())).is_err(), "invalid UTF-8");
+        assert_eq!(int_param(&pairs, "from", 0, 100).unwrap(), Some(10));
+        assert!(int_param(&pairs, "from", 11, 100).is_err());
+        assert!(int_param(&[("from".into(), "1e9".into())], "from", 0, 100).is_err());
+        assert!(job_id("12x").is_err());
+    }
+}
