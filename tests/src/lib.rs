@@ -145,15 +145,75 @@ pub struct PythonJob<'a> {
 
 /// `method path` over HTTP/1.1 to `addr`: (status, body).
 pub fn http(addr: &str, method: &str, path: &str) -> Result<(u16, String)> {
+    http_with(addr, method, path, &[])
+}
+
+/// [`http`] with extra request headers, e.g. `("Authorization", "Bearer ...")`.
+pub fn http_with(addr: &str, method: &str, path: &str, headers: &[(&str, &str)]) -> Result<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr).with_context(|| format!("connect to {addr}"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    write!(stream, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}Connection: close\r\n\r\n")?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    let response = String::from_utf8_lossy(&response).into_owned();
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
     let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("status line")?;
-    Ok((status, body.to_string()))
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { unchunk(body) } else { body.to_string() };
+    Ok((status, body))
+}
+
+/// The body of a chunked HTTP/1.1 response.
+fn unchunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// The headless Chromium of this machine (`deploy/setup.sh` installs the Debian package).
+pub fn chromium() -> Option<PathBuf> {
+    ["chromium", "chromium-browser", "google-chrome"].into_iter().find_map(|name| {
+        let out = Command::new("sh").args(["-c", &format!("command -v {name}")]).output().ok()?;
+        let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        (out.status.success() && !path.is_empty()).then(|| PathBuf::from(path))
+    })
+}
+
+/// Loads `url` in headless Chromium, lets its scripts run for up to `budget` of virtual time,
+/// and returns the rendered DOM; with `screenshot`, also writes a PNG of the page there.
+pub fn browse(url: &str, budget: Duration, screenshot: Option<&Path>) -> Result<String> {
+    let browser = chromium().context("chromium is not installed (deploy/setup.sh installs it)")?;
+    let profile = tempfile::tempdir()?;
+    let base = |c: &mut Command| {
+        c.args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run"])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg(format!("--virtual-time-budget={}", budget.as_millis()))
+            .stdin(Stdio::null());
+    };
+    let mut dump = Command::new(&browser);
+    base(&mut dump);
+    let out = dump.arg("--dump-dom").arg(url).output().context("run chromium")?;
+    if !out.status.success() {
+        bail!("chromium failed on {url}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    if let Some(path) = screenshot {
+        let mut shot = Command::new(&browser);
+        base(&mut shot);
+        shot.arg("--window-size=1400,1000").arg(format!("--screenshot={}", path.display())).arg(url);
+        let done = shot.stdout(Stdio::null()).stderr(Stdio::null()).status().context("run chromium")?;
+        if !done.success() {
+            bail!("chromium could not take a screenshot of {url}");
+        }
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The CPUs this process may run on, from `/proc/self/status` (the machine's real CPU ids).

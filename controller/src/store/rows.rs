@@ -763,6 +763,9 @@ macro_rules! series_queries {
             async fn roll_up_steps(&self, job: JobId, settled_before_ms: i64, max_rows: u32) -> Result<u64> {
                 use $crate::series::{StepPoint, fold};
                 let id = int(job)?;
+                // One fold at a time in this process (the page asks for four series at once):
+                // two folds past the same watermark would count the same receipts twice.
+                let _one = $crate::series::FOLDING.lock().await;
                 // Read outside the write lock (receipts keep arriving meanwhile), fold, then
                 // merge and write in one short transaction that moves the watermark.
                 let (from, to, points, read) = self.run("roll_up_read", $($read)* async |c| {
@@ -858,22 +861,14 @@ macro_rules! series_queries {
                         }
                         q.execute(&mut *c).await?;
                     }
-                    // Guarded by the watermark read above: of two folds racing, one writes.
-                    let moved = sqlx::query("UPDATE step_rollup_progress SET position = $2 WHERE job_id = $1 AND position = $3")
-                        .bind(id)
-                        .bind(to)
-                        .bind(from)
-                        .execute(&mut *c)
-                        .await?
-                        .rows_affected();
-                    if moved == 0 {
-                        sqlx::query("INSERT INTO step_rollup_progress (job_id, position) VALUES ($1, $2)")
-                            .bind(id)
-                            .bind(to)
-                            .execute(&mut *c)
-                            .await
-                            .map_err($crate::store::rows::duplicate_or)?;
-                    }
+                    sqlx::query(
+                        "INSERT INTO step_rollup_progress (job_id, position) VALUES ($1, $2) \
+                         ON CONFLICT (job_id) DO UPDATE SET position = excluded.position",
+                    )
+                    .bind(id)
+                    .bind(to)
+                    .execute(&mut *c)
+                    .await?;
                     Ok(())
                 })
                 .await?;
