@@ -9,8 +9,12 @@
 //! - [`cost`]: the placement cost model, collective time per optimizer step (pure).
 //! - [`store`]: the durable store (SQLite by default, PostgreSQL for fleets) behind one trait.
 //! - [`core`]: the in-memory state and the job state machine; the one place that mutates state.
+//! - [`auth`]: who is calling (tokens, agent certificates, the demo's local admin), what they
+//!   may do, the audit log, and the PKI `init-pki` writes.
+//! - [`series`]: step rollups and min/max downsampling for plots (pure).
 //! - [`service`]: the gRPC services (`Jobs` for operators, `Agents` for hosts).
-//! - [`server`]: `run(listener, controller, shutdown)`, the entry point.
+//! - [`http`] and [`web`]: the HTTP listener: `/metrics`, `/healthz` and the web view.
+//! - [`server`]: `run(listener, http, controller, security, shutdown)`, the entry point.
 pub mod auth;
 pub mod config;
 pub mod core;

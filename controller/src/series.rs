@@ -162,7 +162,13 @@ pub type Point = [f64; 4];
 
 /// Merges one rank's rollup buckets (of one level, any order) of `metric` into at most
 /// `buckets` points over `[from, to]`, each covering `width` steps (a multiple of the level).
-pub fn downsample(rows: &[&RollupRow], metric: Metric, from: i64, to: i64, buckets: u32) -> (i64, Vec<Point>) {
+pub fn downsample(
+    rows: &[&RollupRow],
+    metric: Metric,
+    from: i64,
+    to: i64,
+    buckets: u32,
+) -> (i64, Vec<Point>) {
     let Some(level) = rows.first().map(|r| r.level) else { return (0, Vec::new()) };
     let span = (to - from + 1).max(1);
     let per = (span / i64::from(buckets.max(1))).max(1);
@@ -180,9 +186,14 @@ pub fn downsample(rows: &[&RollupRow], metric: Metric, from: i64, to: i64, bucke
     }
     let points = merged
         .into_iter()
-        .map(|(i, a)| [(start + i * width) as f64, a.min, a.max, a.sum / a.n as f64])
+        .map(|(i, a)| [(start + i * width) as f64, a.min, a.max, round4(a.sum / a.n as f64)])
         .collect();
     (width, points)
+}
+
+/// A mean to 4 decimals: the digits a plot can show, and half the JSON of a full `f64`.
+fn round4(v: f64) -> f64 {
+    (v * 1e4).round() / 1e4
 }
 
 #[cfg(test)]

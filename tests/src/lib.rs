@@ -160,7 +160,11 @@ pub fn http_with(addr: &str, method: &str, path: &str, headers: &[(&str, &str)])
     let response = String::from_utf8_lossy(&response).into_owned();
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
     let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("status line")?;
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { unchunk(body) } else { body.to_string() };
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        unchunk(body)
+    } else {
+        body.to_string()
+    };
     Ok((status, body))
 }
 

@@ -76,7 +76,8 @@ fn every_page_renders_in_a_real_browser_with_the_stores_numbers() -> anyhow::Res
         let t = std::time::Instant::now();
         let api = http_with(&c.http_addr, "GET", &format!("/api/jobs/{running}"), &[]);
         let took = t.elapsed();
-        let series = http_with(&c.http_addr, "GET", &format!("/api/jobs/{running}/series?metric=step_ms"), &[]);
+        let series =
+            http_with(&c.http_addr, "GET", &format!("/api/jobs/{running}/series?metric=step_ms"), &[]);
         panic!("running job page not ready: {live}\nAPI ({took:?}): {api:?}\nseries: {series:?}");
     }
     assert!(plot(&live, "step_ms").contains("<canvas"));
@@ -88,12 +89,14 @@ fn every_page_renders_in_a_real_browser_with_the_stores_numbers() -> anyhow::Res
     assert!(nodes.contains(r#"class="matrix""#), "topology matrix");
     assert!(nodes.contains("NV18"), "the link codes of the host file");
 
-    let compare = browse(&format!("{base}/compare?a={done}&b={running}"), budget, shot("compare").as_deref())?;
+    let compare =
+        browse(&format!("{base}/compare?a={done}&b={running}"), budget, shot("compare").as_deref())?;
     assert!(compare.contains(r#"data-ready="1""#), "compare page not ready: {compare}");
     assert!(compare.contains(r#"id="verdict""#) && compare.contains(r#"id="compare""#));
 
     // The series the plots drew: every rank, points within the steps the store holds.
-    let (status, body) = http_with(&c.http_addr, "GET", &format!("/api/jobs/{done}/series?metric=step_ms"), &[])?;
+    let (status, body) =
+        http_with(&c.http_addr, "GET", &format!("/api/jobs/{done}/series?metric=step_ms"), &[])?;
     assert_eq!(status, 200, "{body}");
     let series: serde_json::Value = serde_json::from_str(&body)?;
     assert_eq!(series["ranks"].as_array().map(Vec::len), Some(4), "{series}");

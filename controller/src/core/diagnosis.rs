@@ -58,6 +58,12 @@ impl Controller {
 
     /// Where the job's wall time went, attempt by attempt (until now for a running attempt).
     pub async fn goodput(&self, job_id: JobId) -> Result<Goodput> {
+        Ok(self.goodput_and_facts(job_id).await?.0)
+    }
+
+    /// [`Controller::goodput`] and the facts of the job's current attempt it was computed from
+    /// (its last step, for progress): one pass over the receipts, not two.
+    pub async fn goodput_and_facts(&self, job_id: JobId) -> Result<(Goodput, goodput::AttemptFacts)> {
         let record = self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
         let events = self.store.job_events(job_id).await?;
         let mut facts = Vec::new();
@@ -66,7 +72,8 @@ impl Controller {
             f.place_in(&events);
             facts.push(f);
         }
-        Ok(goodput::goodput(&facts, self.now_ms()))
+        let g = goodput::goodput(&facts, self.now_ms());
+        Ok((g, facts.pop().unwrap_or_default()))
     }
 
     /// Records an ended job's goodput and its last attempt's findings (tables

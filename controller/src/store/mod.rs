@@ -566,11 +566,13 @@ pub trait SeriesStore: Send + Sync {
     /// before any step receipt is folded.
     async fn rollup_extent(&self, job: JobId, attempt: u32) -> Result<Option<(i64, i64, u32)>>;
 
-    /// The rollup rows of one level over a range of buckets, every rank.
+    /// The rollup rows of one level over a range of buckets, every rank, with only `metric`'s
+    /// aggregate read (the others stay empty).
     async fn rollup_rows(
         &self,
         job: JobId,
         attempt: u32,
+        metric: crate::series::Metric,
         level: i64,
         from_bucket: i64,
         to_bucket: i64,
@@ -579,6 +581,12 @@ pub trait SeriesStore: Send + Sync {
 
 /// The controller's store: every concern's trait, implemented by each backend (SQLite,
 /// PostgreSQL) and exercised by one test suite.
-pub trait Store: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + SeriesStore + 'static {}
+pub trait Store:
+    JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + SeriesStore + 'static
+{
+}
 
-impl<T: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + SeriesStore + 'static> Store for T {}
+impl<T: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + SeriesStore + 'static> Store
+    for T
+{
+}

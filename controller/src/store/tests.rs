@@ -7,8 +7,9 @@ use crate::domain::{GpuInfo, Inventory, PreflightLevel};
 use crate::spec::{Engine, JobSpec, Resources};
 use crate::store::pg_server::{Durability, TempPostgres};
 use crate::store::{
-    AgentRecord, AgentState, Allocation, FleetStore, JobState, JobStore, NewReceipt, PreflightRecord,
-    AuthStore, PreflightStore, RankId, RankObserved, RankState, ReceiptStore, SeriesStore, Store, StoreError,
+    AgentRecord, AgentState, Allocation, AuthStore, FleetStore, JobState, JobStore, NewReceipt,
+    PreflightRecord, PreflightStore, RankId, RankObserved, RankState, ReceiptStore, SeriesStore, Store,
+    StoreError,
 };
 use crate::store::{PostgresStore, SqliteStore};
 
@@ -592,28 +593,45 @@ pub mod suite {
         s.insert_receipts(&receipts(r0, 0, 300), 11).await.unwrap();
         assert_eq!(s.roll_up_steps(j.id, 11, 1_000).await.unwrap(), 0);
         assert_eq!(s.rollup_extent(j.id, 0).await.unwrap(), Some((0, 383, 2)));
-        let fine = s.rollup_rows(j.id, 0, 16, 0, 1).await.unwrap();
+        let fine = s.rollup_rows(j.id, 0, Metric::StepMs, 16, 0, 1).await.unwrap();
         assert_eq!(fine.len(), 4, "buckets 0 and 1 of both ranks");
         let b0 = fine.iter().find(|r| r.rank == 1 && r.bucket == 0).unwrap();
         let step_ms = b0.aggs[Metric::StepMs as usize];
         // step_time_ms = 100 + seq % 10 over seq 0..16
         assert_eq!((step_ms.n, step_ms.min, step_ms.max, step_ms.sum), (16, 100.0, 109.0, 1_660.0));
-        assert_eq!(b0.aggs[Metric::Mfu as usize].n, 0, "no mfu in these receipts");
-        let coarse = s.rollup_rows(j.id, 0, 1024, 0, 0).await.unwrap();
-        assert_eq!(coarse.iter().map(|r| r.aggs[0].n).sum::<i64>(), 600, "every step once, the eval not at all");
+        let loss = s.rollup_rows(j.id, 0, Metric::Loss, 16, 0, 0).await.unwrap();
+        assert_eq!(loss.iter().find(|r| r.rank == 1).unwrap().aggs[Metric::Loss as usize].n, 16);
+        let mfu = s.rollup_rows(j.id, 0, Metric::Mfu, 16, 0, 0).await.unwrap();
+        assert_eq!(mfu[0].aggs[Metric::Mfu as usize].n, 0, "no mfu in these receipts");
+        let coarse = s.rollup_rows(j.id, 0, Metric::StepMs, 1024, 0, 0).await.unwrap();
+        assert_eq!(
+            coarse.iter().map(|r| r.aggs[0].n).sum::<i64>(),
+            600,
+            "every step once, the eval not at all"
+        );
         // More steps later fold into the same buckets exactly.
         s.insert_receipts(&receipts(r0, 301, 20), 12).await.unwrap();
         assert_eq!(s.roll_up_steps(j.id, 12, 1_000).await.unwrap(), 20);
-        let coarse = s.rollup_rows(j.id, 0, 1024, 0, 0).await.unwrap();
+        let coarse = s.rollup_rows(j.id, 0, Metric::StepMs, 1024, 0, 0).await.unwrap();
         assert_eq!(coarse.iter().map(|r| r.aggs[0].n).sum::<i64>(), 620);
-        let r0_128 = s.rollup_rows(j.id, 0, 128, 2, 2).await.unwrap();
-        assert_eq!(r0_128.iter().find(|r| r.rank == 0).unwrap().aggs[0].n, 44 + 20, "steps 256..299 and 301..320");
+        let r0_128 = s.rollup_rows(j.id, 0, Metric::StepMs, 128, 2, 2).await.unwrap();
+        assert_eq!(
+            r0_128.iter().find(|r| r.rank == 0).unwrap().aggs[0].n,
+            44 + 20,
+            "steps 256..299 and 301..320"
+        );
     }
 
     pub async fn users_tokens_owners_and_audit(h: &impl Harness) {
         use crate::store::{AuditEntry, JobOwner, UserRecord};
         let s = h.open().await;
-        let alice = UserRecord { name: "alice".into(), admin: false, unix_user: Some("alice".into()), created_at_ms: 1, disabled_at_ms: None };
+        let alice = UserRecord {
+            name: "alice".into(),
+            admin: false,
+            unix_user: Some("alice".into()),
+            created_at_ms: 1,
+            disabled_at_ms: None,
+        };
         s.add_user(&alice).await.unwrap();
         assert!(matches!(s.add_user(&alice).await, Err(StoreError::Duplicate(_))));
         assert!(s.update_user(&UserRecord { admin: true, ..alice.clone() }).await.unwrap());
@@ -621,9 +639,15 @@ pub mod suite {
         assert!(!s.update_user(&UserRecord { name: "nobody".into(), ..alice.clone() }).await.unwrap());
         let id = s.add_token("alice", "ab12", "tyt_ab", 5, None).await.unwrap();
         s.add_token("alice", "cd34", "tyt_cd", 6, Some(100)).await.unwrap();
-        assert!(matches!(s.add_token("alice", "ab12", "tyt_ab", 7, None).await, Err(StoreError::Duplicate(_))));
+        assert!(matches!(
+            s.add_token("alice", "ab12", "tyt_ab", 7, None).await,
+            Err(StoreError::Duplicate(_))
+        ));
         let (t, u) = s.token_owner("ab12").await.unwrap().unwrap();
-        assert_eq!((t.id, t.prefix.as_str(), u.name.as_str(), t.revoked_at_ms), (id, "tyt_ab", "alice", None));
+        assert_eq!(
+            (t.id, t.prefix.as_str(), u.name.as_str(), t.revoked_at_ms),
+            (id, "tyt_ab", "alice", None)
+        );
         assert_eq!(s.revoke_tokens("alice", Some("tyt_cd"), 9).await.unwrap(), 1);
         assert_eq!(s.revoke_tokens("alice", None, 10).await.unwrap(), 1, "the other one");
         assert_eq!(s.token_owner("ab12").await.unwrap().unwrap().0.revoked_at_ms, Some(10));
@@ -638,11 +662,21 @@ pub mod suite {
         assert_eq!(listed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![mine.id]);
         assert_eq!(s.list_jobs(false, None, 10).await.unwrap().len(), 2);
         for (at, accepted) in [(1, true), (2, false)] {
-            let entry = AuditEntry { at_ms: at, actor: "alice".into(), action: "job.cancel".into(), target: "job:1".into(), accepted, detail: "d".into() };
+            let entry = AuditEntry {
+                at_ms: at,
+                actor: "alice".into(),
+                action: "job.cancel".into(),
+                target: "job:1".into(),
+                accepted,
+                detail: "d".into(),
+            };
             s.audit(&entry).await.unwrap();
         }
         let log = s.audit_log(10).await.unwrap();
-        assert_eq!(log.iter().map(|e| (e.at_ms, e.accepted)).collect::<Vec<_>>(), vec![(2, false), (1, true)]);
+        assert_eq!(
+            log.iter().map(|e| (e.at_ms, e.accepted)).collect::<Vec<_>>(),
+            vec![(2, false), (1, true)]
+        );
     }
 
     pub async fn receipts_after_pages_by_cursor(h: &impl Harness) {

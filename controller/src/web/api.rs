@@ -8,7 +8,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::{Query, Web, WebState, error, int_param, job_id, query_pairs, store_error};
+use super::{Query, Reject, Web, WebState, error, int_param, job_id, query_pairs, reject, store_error};
 use crate::auth::Caller;
 use crate::core::LogEvent;
 use crate::diagnose::Diagnosis;
@@ -29,29 +29,33 @@ macro_rules! tri {
     ($e:expr) => {
         match $e {
             Ok(v) => v,
-            Err(response) => return response,
+            Err(refused) => return refused.into_response(),
         }
     };
 }
 
 fn ok(value: Value) -> Response {
-    (StatusCode::OK, [(axum::http::header::CONTENT_TYPE, "application/json")], value.to_string()).into_response()
+    (StatusCode::OK, [(axum::http::header::CONTENT_TYPE, "application/json")], value.to_string())
+        .into_response()
 }
 
 impl Web {
     /// The job, if `caller` may see it: 404 when unknown, 403 when it is someone else's.
-    async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Response> {
+    async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Reject> {
         let id = job_id(raw)?;
         let job = self.controller.store().get_job(id).await.map_err(|e| store_error(e.into()))?;
-        let job = job.ok_or_else(|| error(StatusCode::NOT_FOUND, format!("job {id} not found")))?;
+        let job = job.ok_or_else(|| reject(StatusCode::NOT_FOUND, format!("job {id} not found")))?;
         if !caller.may_access(&job.owner) {
-            return Err(error(StatusCode::FORBIDDEN, format!("job {id} is not yours; only its owner or an admin may see it")));
+            return Err(reject(
+                StatusCode::FORBIDDEN,
+                format!("job {id} is not yours; only its owner or an admin may see it"),
+            ));
         }
         Ok(job)
     }
 
     /// Folds new step receipts of the job into its rollups, so its plots are current.
-    async fn catch_up(&self, job: u64) -> Result<(), Response> {
+    async fn catch_up(&self, job: u64) -> Result<(), Reject> {
         let settled = self.controller.now_ms() - series::SETTLE_MS;
         for _ in 0..64 {
             let folded = self.controller.store().roll_up_steps(job, settled, 100_000).await;
@@ -71,37 +75,36 @@ pub(super) async fn jobs(state: WebState, headers: HeaderMap, query: Query) -> R
     let limit = tri!(int_param(&pairs, "limit", 1, 1_000)).unwrap_or(200) as u32;
     let active = pairs.iter().any(|(k, v)| k == "active" && v == "1");
     let only = (!caller.admin).then_some(caller.name.as_str());
-    let listed = tri!(web.controller.list_view(active, only, limit).await.map_err(store_error));
+    let store = web.controller.store();
+    // Straight from the store, without `ctl status`'s per-job receipt counts: cheap on jobs of
+    // millions of receipts.
+    let listed = tri!(store.list_jobs(active, only, limit).await.map_err(|e| store_error(e.into())));
     let mut jobs = Vec::with_capacity(listed.len());
     for j in &listed {
-        let facts = web.controller.store().attempt_facts(j.id, j.attempt).await.ok();
-        let goodput = web.controller.goodput(j.id).await.ok().and_then(|g| g.goodput);
-        let record = web.controller.store().get_job(j.id).await.ok().flatten();
+        let (goodput, facts) = match web.controller.goodput_and_facts(j.id).await {
+            Ok((g, f)) => (g.goodput, Some(f)),
+            Err(_) => (None, None),
+        };
+        let allocations = store.allocations(j.id, j.attempt).await.unwrap_or_default();
+        let nodes: std::collections::BTreeSet<&str> =
+            allocations.iter().map(|a| a.agent_id.as_str()).collect();
         jobs.push(json!({
             "id": j.id,
-            "name": j.spec.as_ref().map(|s| s.name.clone()).unwrap_or_default(),
-            "state": j.state,
-            "user": j.user,
-            "gpus": j.spec.as_ref().and_then(|s| s.resources.as_ref()).map_or(0, |r| r.gpus),
-            "nodes": nodes_of(j),
+            "name": j.spec.name,
+            "state": j.state.to_string(),
+            "user": j.owner.user,
+            "gpus": j.spec.resources.gpus,
+            "nodes": nodes,
             "created_at_ms": j.created_at_ms,
             "updated_at_ms": j.updated_at_ms,
             "attempt": j.attempt,
             "step": facts.and_then(|f| f.last_step),
-            "total_steps": record.as_ref().and_then(total_steps),
+            "total_steps": total_steps(j),
             "goodput": goodput,
             "reason": j.reason,
         }));
     }
     ok(json!({ "now_ms": web.controller.now_ms(), "jobs": jobs }))
-}
-
-fn nodes_of(j: &trainyard_proto::v1::Job) -> Vec<String> {
-    let mut nodes: Vec<String> = j.ranks.iter().map(|r| r.agent_id.clone()).collect();
-    nodes.dedup();
-    nodes.sort();
-    nodes.dedup();
-    nodes
 }
 
 /// The steps a built-in job runs (`num_iterations`); unknown for scripts.
@@ -112,15 +115,26 @@ fn total_steps(job: &JobRecord) -> Option<i64> {
     }
 }
 
-/// `GET /api/jobs/{id}`: the job, its events and ranks, diagnosis, goodput and log tail.
+/// Step receipts above which the job page does not diagnose live (a diagnosis reads every
+/// step sample); the page says to run `ctl diagnose`, and shows the stored findings once the
+/// job has ended.
+const LIVE_DIAGNOSIS_MAX_RECEIPTS: u64 = 300_000;
+
+/// `GET /api/jobs/{id}`: the job, its events and ranks, diagnosis, goodput and log tail. Reads
+/// only what stays cheap on a job of millions of receipts (no scan of its receipts).
 pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<String>) -> Response {
     let web = state.0;
     let caller = tri!(web.caller(&headers).await);
     let record = tri!(web.job_for(&caller, &raw).await);
     let id = record.id;
-    let j = tri!(web.controller.job_view(id).await.map_err(store_error));
-    let facts = web.controller.store().attempt_facts(id, j.attempt).await.ok();
-    let goodput = j.goodput.as_ref().map(|g| {
+    let store = web.controller.store();
+    let allocations = tri!(store.allocations(id, record.attempt).await.map_err(|e| store_error(e.into())));
+    let events = tri!(store.job_events(id).await.map_err(|e| store_error(e.into())));
+    let (goodput, facts) = match web.controller.goodput_and_facts(id).await {
+        Ok((g, f)) => (Some(g), Some(f)),
+        Err(_) => (None, None),
+    };
+    let goodput = goodput.map(|g| {
         let parts = [
             ("training", g.train_ms - g.lost_ms),
             ("startup", g.startup_ms),
@@ -133,54 +147,70 @@ pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<Str
         json!({
             "fraction": g.goodput,
             "wall_ms": g.wall_ms,
-            "summary": g.summary,
+            "summary": g.describe(),
             "parts": parts.iter().filter(|(_, ms)| *ms > 0.0).map(|(name, ms)| json!({"name": name, "ms": ms})).collect::<Vec<_>>(),
         })
     });
-    let diagnosis = match web.controller.diagnose(id, None).await {
-        Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => diagnosis_json(&d),
-        _ => Value::Null,
+    // Rank 0's steps times the ranks bound the step receipts without counting them.
+    let folded_ranks = store.rollup_extent(id, record.attempt).await.ok().flatten().map_or(0, |e| e.2);
+    let ranks = allocations.len().max(folded_ranks as usize).max(1) as u64;
+    let steps_stored = facts.as_ref().map_or(0, |f| f.steps) * ranks;
+    let diagnosis = if steps_stored > LIVE_DIAGNOSIS_MAX_RECEIPTS {
+        json!({
+            "verdict": format!("about {steps_stored} step receipts: too many to diagnose on a page load; run `ctl diagnose {id}`"),
+            "healthy": Value::Null, "stragglers": [], "findings": [],
+        })
+    } else {
+        match web.controller.diagnose(id, None).await {
+            Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => diagnosis_json(&d),
+            _ => Value::Null,
+        }
     };
-    let ranks: Vec<Value> = j
-        .ranks
+    let ranks: Vec<Value> = allocations
         .iter()
-        .map(|r| {
+        .map(|a| {
+            let o = &a.observed;
             json!({
-                "rank": r.rank,
-                "agent_id": r.agent_id,
-                "gpu_index": r.gpu_index,
-                "numa_node": r.planned_mems.parse::<i64>().ok(),
-                "cpus": if r.effective_cpus.is_empty() { &r.planned_cpus } else { &r.effective_cpus },
-                "state": r.state,
-                "pid": (r.pid > 0).then_some(r.pid),
-                "exit_code": (r.state == "exited" && r.signal == 0).then_some(r.exit_code),
-                "signal": (r.signal != 0).then_some(r.signal),
-                "message": "",
+                "rank": a.id.rank,
+                "agent_id": a.agent_id,
+                "gpu_index": a.gpu_index,
+                "numa_node": a.planned_mems.parse::<i64>().ok(),
+                "cpus": if o.effective_cpus.is_empty() { &a.planned_cpus } else { &o.effective_cpus },
+                "state": o.state.to_string(),
+                "pid": o.pid,
+                "exit_code": o.exit_code,
+                "signal": o.signal,
+                "message": o.message,
             })
         })
         .collect();
-    let events: Vec<Value> = j
-        .events
+    let events: Vec<Value> = events
         .iter()
-        .map(|e| json!({"at_ms": e.at_ms, "state": e.to_state, "from": e.from_state, "reason": e.reason}))
+        .map(|e| {
+            json!({
+                "at_ms": e.at_ms,
+                "state": e.to_state.to_string(),
+                "from": e.from_state.map(|s| s.to_string()),
+                "reason": e.reason,
+                "attempt": e.attempt,
+            })
+        })
         .collect();
-    let logs = log_tail(&web, id).await;
+    let logs = if allocations.is_empty() { Value::Null } else { log_tail(&web, id).await };
     ok(json!({
         "id": id,
         "name": record.spec.name,
-        "state": j.state,
-        "user": j.user,
-        "run_as": j.run_as,
+        "state": record.state.to_string(),
+        "user": record.owner.user,
+        "run_as": record.owner.run_as,
         "gpus": record.spec.resources.gpus,
-        "attempt": j.attempt,
-        "created_at_ms": j.created_at_ms,
-        "updated_at_ms": j.updated_at_ms,
-        "reason": j.reason,
-        "step": facts.and_then(|f| f.last_step),
+        "attempt": record.attempt,
+        "created_at_ms": record.created_at_ms,
+        "updated_at_ms": record.updated_at_ms,
+        "reason": record.reason,
+        "step": facts.as_ref().and_then(|f| f.last_step),
         "total_steps": total_steps(&record),
-        "receipts": j.receipts,
         "spec_summary": spec_summary(&record),
-        "warnings": j.warnings,
         "goodput": goodput,
         "events": events,
         "ranks": ranks,
@@ -241,15 +271,27 @@ fn diagnosis_json(d: &Diagnosis) -> Value {
 
 /// `GET /api/jobs/{id}/series?metric=M[&buckets=N&from=S&to=S&attempt=A]`: per rank, at most
 /// `buckets` points `[first step, min, max, mean]` over the steps asked for (default: all).
-pub(super) async fn series(state: WebState, headers: HeaderMap, Path(raw): Path<String>, query: Query) -> Response {
+pub(super) async fn series(
+    state: WebState,
+    headers: HeaderMap,
+    Path(raw): Path<String>,
+    query: Query,
+) -> Response {
     let web = state.0;
     let caller = tri!(web.caller(&headers).await);
     let pairs = tri!(query_pairs(&query.0));
     let metric = match pairs.iter().find(|(k, _)| k == "metric") {
-        None => return error(StatusCode::BAD_REQUEST, "metric is required: step_ms, loss, tokens_per_s or mfu"),
+        None => {
+            return error(StatusCode::BAD_REQUEST, "metric is required: step_ms, loss, tokens_per_s or mfu");
+        }
         Some((_, m)) => match Metric::parse(m) {
             Some(m) => m,
-            None => return error(StatusCode::BAD_REQUEST, format!("unknown metric {m:?}: step_ms, loss, tokens_per_s or mfu")),
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    format!("unknown metric {m:?}: step_ms, loss, tokens_per_s or mfu"),
+                );
+            }
         },
     };
     let buckets = tri!(int_param(&pairs, "buckets", 1, i64::from(series::MAX_BUCKETS))).unwrap_or(800) as u32;
@@ -261,7 +303,8 @@ pub(super) async fn series(state: WebState, headers: HeaderMap, Path(raw): Path<
         return error(StatusCode::BAD_REQUEST, format!("from={f} is after to={t}"));
     }
     let record = tri!(web.job_for(&caller, &raw).await);
-    let attempt = tri!(int_param(&pairs, "attempt", 0, i64::from(record.attempt))).map_or(record.attempt, |a| a as u32);
+    let attempt =
+        tri!(int_param(&pairs, "attempt", 0, i64::from(record.attempt))).map_or(record.attempt, |a| a as u32);
     tri!(web.catch_up(record.id).await);
     let store = web.controller.store();
     let extent = tri!(store.rollup_extent(record.id, attempt).await.map_err(|e| store_error(e.into())));
@@ -272,7 +315,12 @@ pub(super) async fn series(state: WebState, headers: HeaderMap, Path(raw): Path<
         return ok(empty);
     }
     let level = series::choose_level(to - from + 1, i64::from(ranks), buckets);
-    let rows = tri!(store.rollup_rows(record.id, attempt, level, from / level, to / level).await.map_err(|e| store_error(e.into())));
+    let rows = tri!(
+        store
+            .rollup_rows(record.id, attempt, metric, level, from / level, to / level)
+            .await
+            .map_err(|e| store_error(e.into()))
+    );
     let mut by_rank: std::collections::BTreeMap<u32, Vec<&series::RollupRow>> = Default::default();
     for r in &rows {
         by_rank.entry(r.rank).or_default().push(r);
@@ -368,7 +416,8 @@ pub(super) async fn compare(state: WebState, headers: HeaderMap, query: Query) -
 }
 
 fn comparison_json(c: &Comparison) -> Value {
-    let dist = |d: &Option<Distribution>| d.map(|d| json!({"n": d.n, "p10": d.p10, "p50": d.p50, "p90": d.p90}));
+    let dist =
+        |d: &Option<Distribution>| d.map(|d| json!({"n": d.n, "p10": d.p10, "p50": d.p50, "p90": d.p90}));
     let side = |s: &Side| {
         json!({
             "job_id": s.job_id,

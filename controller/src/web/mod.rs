@@ -59,7 +59,9 @@ async fn asset(Path(file): Path<String>) -> Response {
     let (body, kind): (&'static [u8], &str) = match file.as_str() {
         "app.js" => (include_bytes!("../../web/app.js"), "text/javascript; charset=utf-8"),
         "style.css" => (include_bytes!("../../web/style.css"), "text/css; charset=utf-8"),
-        "uPlot.iife.min.js" => (include_bytes!("../../web/vendor/uPlot.iife.min.js"), "text/javascript; charset=utf-8"),
+        "uPlot.iife.min.js" => {
+            (include_bytes!("../../web/vendor/uPlot.iife.min.js"), "text/javascript; charset=utf-8")
+        }
         "uplot.min.css" => (include_bytes!("../../web/vendor/uplot.min.css"), "text/css; charset=utf-8"),
         _ => return error(StatusCode::NOT_FOUND, format!("no asset {file}")),
     };
@@ -68,26 +70,44 @@ async fn asset(Path(file): Path<String>) -> Response {
 
 impl Web {
     /// The caller of a request, from its `Authorization` header.
-    async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Response> {
+    async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Reject> {
         let header = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or("?"));
         match self.auth.user(header, self.controller.now_ms()).await {
             Ok(caller) => Ok(caller),
-            Err(AuthError::Unauthenticated(why)) => Err(error(StatusCode::UNAUTHORIZED, why)),
-            Err(AuthError::PermissionDenied(why)) => Err(error(StatusCode::FORBIDDEN, why)),
+            Err(AuthError::Unauthenticated(why)) => Err(reject(StatusCode::UNAUTHORIZED, why)),
+            Err(AuthError::PermissionDenied(why)) => Err(reject(StatusCode::FORBIDDEN, why)),
             Err(AuthError::Store(e)) => Err(store_error(e.into())),
         }
     }
 }
 
+/// A refused request: its status and one line of text (small, unlike a `Response`, so the
+/// helpers' `Result`s stay small).
+#[derive(Debug)]
+pub(super) struct Reject {
+    status: StatusCode,
+    message: String,
+}
+
+impl IntoResponse for Reject {
+    fn into_response(self) -> Response {
+        let mut message = self.message;
+        message.push('\n');
+        (self.status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message).into_response()
+    }
+}
+
+fn reject(status: StatusCode, message: impl Into<String>) -> Reject {
+    Reject { status, message: message.into() }
+}
+
 /// A 4xx or 5xx with a one-line message.
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    let mut message = message.into();
-    message.push('\n');
-    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message).into_response()
+    reject(status, message).into_response()
 }
 
 /// A controller error as the gRPC service would say it, with the matching HTTP status.
-fn store_error(e: crate::core::ControllerError) -> Response {
+fn store_error(e: crate::core::ControllerError) -> Reject {
     let status = crate::service::to_status(e);
     let code = match status.code() {
         tonic::Code::NotFound => StatusCode::NOT_FOUND,
@@ -96,17 +116,18 @@ fn store_error(e: crate::core::ControllerError) -> Response {
         tonic::Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    error(code, status.message())
+    reject(code, status.message())
 }
 
 /// Query parameters as `(name, value)` pairs; a malformed string is a 400 naming it.
-fn query_pairs(raw: &Option<String>) -> Result<Vec<(String, String)>, Response> {
+fn query_pairs(raw: &Option<String>) -> Result<Vec<(String, String)>, Reject> {
     let Some(raw) = raw else { return Ok(Vec::new()) };
     let mut pairs = Vec::new();
     for part in raw.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = part.split_once('=').unwrap_or((part, ""));
         let decode = |s: &str| {
-            percent_decode(s).ok_or_else(|| error(StatusCode::BAD_REQUEST, format!("malformed query string: {part:?}")))
+            percent_decode(s)
+                .ok_or_else(|| reject(StatusCode::BAD_REQUEST, format!("malformed query string: {part:?}")))
         };
         pairs.push((decode(k)?, decode(v)?));
     }
@@ -138,18 +159,18 @@ fn percent_decode(s: &str) -> Option<String> {
 }
 
 /// One integer query parameter within `[lo, hi]`; absent: `None`.
-fn int_param(pairs: &[(String, String)], name: &str, lo: i64, hi: i64) -> Result<Option<i64>, Response> {
+fn int_param(pairs: &[(String, String)], name: &str, lo: i64, hi: i64) -> Result<Option<i64>, Reject> {
     let Some((_, v)) = pairs.iter().find(|(k, _)| k == name) else { return Ok(None) };
     match v.parse::<i64>() {
         Ok(n) if (lo..=hi).contains(&n) => Ok(Some(n)),
-        Ok(n) => Err(error(StatusCode::BAD_REQUEST, format!("{name}={n} is out of range ({lo} to {hi})"))),
-        Err(_) => Err(error(StatusCode::BAD_REQUEST, format!("{name}={v:?} is not a whole number"))),
+        Ok(n) => Err(reject(StatusCode::BAD_REQUEST, format!("{name}={n} is out of range ({lo} to {hi})"))),
+        Err(_) => Err(reject(StatusCode::BAD_REQUEST, format!("{name}={v:?} is not a whole number"))),
     }
 }
 
 /// A job id from the path: a 400 when it is not a number.
-fn job_id(raw: &str) -> Result<u64, Response> {
-    raw.parse().map_err(|_| error(StatusCode::BAD_REQUEST, format!("{raw:?} is not a job id")))
+fn job_id(raw: &str) -> Result<u64, Reject> {
+    raw.parse().map_err(|_| reject(StatusCode::BAD_REQUEST, format!("{raw:?} is not a job id")))
 }
 
 /// Keeps `RawQuery` in the public signature of the handlers in `api`.
