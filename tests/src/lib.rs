@@ -276,7 +276,6 @@ impl Cluster {
     /// Starts a controller on port 0 with its store on `backend`.
     pub fn start_on(backend: Backend) -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
-        let marker = dir.path().display().to_string();
         let postgres = match backend {
             Backend::Sqlite => None,
             Backend::Postgres => {
@@ -285,17 +284,7 @@ impl Cluster {
                 Some((server, url))
             }
         };
-        let mut cluster = Cluster {
-            dir,
-            marker,
-            controller: None,
-            addr: String::new(),
-            http_addr: String::new(),
-            agents: HashMap::new(),
-            postgres,
-            pki: None,
-            token: None,
-        };
+        let mut cluster = Cluster::unstarted(dir, postgres, None);
         cluster.start_controller()?;
         Ok(cluster)
     }
@@ -321,20 +310,29 @@ impl Cluster {
         if !out.status.success() {
             bail!("init-pki failed: {}", String::from_utf8_lossy(&out.stderr));
         }
-        let mut cluster = Cluster {
+        let mut cluster = Cluster::unstarted(dir, None, Some(pki));
+        cluster.token = Some(cluster.add_user("admin", &["--admin", "--unix-user", &run_account()])?);
+        cluster.start_controller()?;
+        Ok(cluster)
+    }
+
+    /// A cluster in `dir` whose controller is not started yet.
+    fn unstarted(
+        dir: tempfile::TempDir,
+        postgres: Option<(TempPostgres, String)>,
+        pki: Option<PathBuf>,
+    ) -> Cluster {
+        Cluster {
+            marker: dir.path().display().to_string(),
             dir,
-            marker,
             controller: None,
             addr: String::new(),
             http_addr: String::new(),
             agents: HashMap::new(),
-            postgres: None,
-            pki: Some(pki),
+            postgres,
+            pki,
             token: None,
-        };
-        cluster.token = Some(cluster.add_user("admin", &["--admin", "--unix-user", &run_account()])?);
-        cluster.start_controller()?;
-        Ok(cluster)
+        }
     }
 
     /// The PKI directory of a secure cluster.

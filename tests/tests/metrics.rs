@@ -84,8 +84,10 @@ fn metrics_count_what_the_store_holds_and_bad_requests_are_4xx() -> anyhow::Resu
     ensure!(trainyard_tests::http(&agent, "GET", "/x")?.0 == 404);
 
     ensure!(c.http("GET", "/healthz")? == (200, "ok\n".to_string()));
-    let (code, body) = c.http("GET", "/jobs/%ff?x=%%")?;
-    ensure!(code == 404 && body.contains("serves /metrics"), "{code}: {body}");
+    let (code, body) = c.http("GET", "/nope/%ff?x=%%")?;
+    ensure!(code == 404 && body.contains("serves the web view at /, /metrics"), "{code}: {body}");
+    let (code, body) = c.http("GET", "/api/jobs/%ff?x=%%")?;
+    ensure!(code == 400 && body.contains("Invalid UTF-8"), "{code}: {body}");
     let (code, _) = c.http("POST", "/metrics")?;
     ensure!(code == 405, "POST /metrics: {code}");
     Ok(())
