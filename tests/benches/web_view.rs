@@ -1,6 +1,6 @@
 //! The web view on a big job: 100,000 steps x 64 ranks (6.4 million step receipts).
 //!
-//! Targets (issue #13): the job page renders in under 2 s and its data endpoint answers in
+//! Targets (docs/web.md): the job page renders in under 2 s and its data endpoint answers in
 //! under 300 ms. Builds the job's receipts straight into a SQLite store (as ingest would store
 //! them, a rank slow and a few spikes included), folds them into the plot rollups, starts a real
 //! controller on that store, then measures:
