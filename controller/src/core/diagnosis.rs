@@ -34,22 +34,25 @@ impl Evidence {
     }
 }
 
+/// Receipts one fold pass reads.
+const FOLD_PASS: u32 = 100_000;
+
 impl Controller {
     /// Diagnoses `attempt` of a job (default: its current attempt).
     /// Folds the ended job's last step receipts into its plot rollups, once they settled.
     async fn roll_up(&self, job_id: JobId) {
         tokio::time::sleep(std::time::Duration::from_millis(crate::series::SETTLE_MS as u64)).await;
-        let settled = self.now_ms() - crate::series::SETTLE_MS;
-        loop {
-            match self.store.roll_up_steps(job_id, settled, 100_000).await {
-                Ok(n) if n < 100_000 => return,
-                Ok(_) => continue,
-                Err(e) => {
-                    tracing::warn!(job_id, error = %e, "could not fold the job's step receipts for its plots");
-                    return;
-                }
-            }
+        if let Err(e) = self.fold_steps(job_id).await {
+            tracing::warn!(job_id, error = %e, "could not fold the job's step receipts for its plots");
         }
+    }
+
+    /// Folds every settled step receipt of the job into its plot rollups
+    /// ([`crate::series`]), in passes of [`FOLD_PASS`] receipts.
+    pub async fn fold_steps(&self, job_id: JobId) -> Result<()> {
+        let settled = self.now_ms() - crate::series::SETTLE_MS;
+        while self.store.roll_up_steps(job_id, settled, FOLD_PASS).await? == u64::from(FOLD_PASS) {}
+        Ok(())
     }
 
     pub async fn diagnose(&self, job_id: JobId, attempt: Option<u32>) -> Result<Diagnosis> {

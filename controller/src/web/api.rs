@@ -53,18 +53,6 @@ impl Web {
         }
         Ok(job)
     }
-
-    /// Folds new step receipts of the job into its rollups, so its plots are current.
-    async fn catch_up(&self, job: u64) -> Result<(), Reject> {
-        let settled = self.controller.now_ms() - series::SETTLE_MS;
-        for _ in 0..64 {
-            let folded = self.controller.store().roll_up_steps(job, settled, 100_000).await;
-            if folded.map_err(|e| store_error(e.into()))? < 100_000 {
-                break;
-            }
-        }
-        Ok(())
-    }
 }
 
 /// `GET /api/jobs[?limit=N&active=1]`: newest first; non-admins see their own only.
@@ -305,7 +293,8 @@ pub(super) async fn series(
     let record = tri!(web.job_for(&caller, &raw).await);
     let attempt =
         tri!(int_param(&pairs, "attempt", 0, i64::from(record.attempt))).map_or(record.attempt, |a| a as u32);
-    tri!(web.catch_up(record.id).await);
+    // Folds what arrived since the last request, so the plots are current.
+    tri!(web.controller.fold_steps(record.id).await.map_err(store_error));
     let store = web.controller.store();
     let extent = tri!(store.rollup_extent(record.id, attempt).await.map_err(|e| store_error(e.into())));
     let empty = json!({"metric": metric.as_str(), "unit": metric.unit(), "from": from, "to": to, "bucket_steps": 0, "ranks": []});
