@@ -342,7 +342,6 @@ impl Session<'_> {
                 rank.tailer.ack(ack.seq);
             }
         }
-        self.launcher.persist_acks();
     }
 
     async fn on_tick(&mut self) -> Result<(), Closed> {

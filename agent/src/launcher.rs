@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -22,11 +22,14 @@ use trainyard_proto::v1::{ExecEngine, HostInventory, Launch, RankAssignment, job
 
 use crate::account::{self, RunAs};
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
-use crate::layout::{Layout, RankId, write_atomic};
+use crate::layout::{
+    Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RUN_FILE_MODE, RankId, STATE_DIR_MODE, make_dir,
+    write_durable, write_private,
+};
 use crate::pinning;
 use crate::procfs;
 use crate::state::{self, Phase, RankRecord};
-use crate::supervise::{ExitFile, SPAWN_FAILED_EXIT_CODE, read_pid_file};
+use crate::supervise::{ExitFile, SHIM_PATH, SPAWN_FAILED_EXIT_CODE, read_pid_file};
 use crate::tail::{Position, Tailer};
 
 /// A rank the agent knows: its durable record and the tailer of its receipts.
@@ -47,13 +50,20 @@ pub struct Launcher {
     preflight_report: Option<String>,
     /// A root agent may run launches that name no Unix account as root (`--allow-root-ranks`).
     root_ranks: bool,
+    /// When acknowledged positions were last written to the state files.
+    acks_persisted_at: std::time::Instant,
 }
+
+/// How often acknowledged positions reach the state files (each write is fsynced): a crash
+/// loses at most this much of them, which only resends receipts the store deduplicates.
+pub const ACK_PERSIST_EVERY: Duration = Duration::from_secs(1);
 
 impl Launcher {
     /// A launcher over `layout`; creates the state directory.
     pub fn new(layout: Layout, shim_program: PathBuf, inventory: HostInventory) -> std::io::Result<Self> {
-        std::fs::create_dir_all(layout.state_dir())?;
-        std::fs::create_dir_all(layout.data_dir().join("runs"))?;
+        make_dir(&layout.data_dir().join("state"), STATE_DIR_MODE, None)?;
+        make_dir(&layout.state_dir(), STATE_DIR_MODE, None)?;
+        make_dir(&layout.data_dir().join("runs"), 0o755, None)?;
         // create_dir_all succeeds on a read-only directory that exists: prove it is writable now
         // rather than at the first launch.
         let probe = layout.state_dir().join(".write-probe");
@@ -66,6 +76,7 @@ impl Launcher {
             ranks: BTreeMap::new(),
             preflight_report: None,
             root_ranks: false,
+            acks_persisted_at: std::time::Instant::now(),
         })
     }
 
@@ -138,7 +149,9 @@ impl Launcher {
             launch.master_port = u32::from(self.master_port_for(&launch));
         }
         let launch = &launch;
-        if let Err(e) = self.write_launch_json(launch) {
+        let run_as =
+            account::decide(&launch.run_as, account::effective_uid(), self.root_ranks, account::lookup);
+        if let Err(e) = self.write_launch_json(launch, owner(&run_as)) {
             warn!(job_id = launch.job_id, attempt = launch.attempt, error = %e, "failed to write launch.json");
         }
         let mut ids = Vec::new();
@@ -149,7 +162,7 @@ impl Launcher {
                 info!(rank_id = %id, "rank already known; launch is idempotent");
                 continue;
             }
-            let record = match self.start_rank(id, launch, assignment, refusal) {
+            let record = match self.start_rank(id, launch, assignment, &run_as, refusal) {
                 Ok(record) => record,
                 Err(e) => {
                     // Not recorded, so not started: the controller sees no report for it.
@@ -195,12 +208,35 @@ impl Launcher {
         0
     }
 
-    fn write_launch_json(&self, launch: &Launch) -> std::io::Result<()> {
-        let dir = self.layout.attempt_dir(launch.job_id, launch.attempt);
-        std::fs::create_dir_all(&dir)?;
+    /// Writes `launch.json` (it holds the environment overlay: the job's user's, 0600) after
+    /// making the job's run directories private to the job's user.
+    fn write_launch_json(&self, launch: &Launch, owner: Option<Owner>) -> std::io::Result<()> {
+        self.make_run_dirs(launch.job_id, launch.attempt, None, owner)?;
         let bytes = serde_json::to_vec_pretty(&launch_json(launch, &self.inventory, &self.layout))
             .map_err(std::io::Error::other)?;
-        write_atomic(&self.layout.launch_json(launch.job_id, launch.attempt), &bytes)
+        let path = self.layout.launch_json(launch.job_id, launch.attempt);
+        write_durable(&path, &bytes, PRIVATE_FILE_MODE, owner)
+    }
+
+    /// Creates the job's, the attempt's and (given `rank`) the rank's run directories, mode
+    /// 0750 with the job user's group: only the agent creates entries there, only the job's
+    /// user (and root) enters.
+    fn make_run_dirs(
+        &self,
+        job_id: u64,
+        attempt: u32,
+        rank: Option<u32>,
+        owner: Option<Owner>,
+    ) -> std::io::Result<()> {
+        let group = owner.map(|o| o.gid);
+        let attempt_dir = self.layout.attempt_dir(job_id, attempt);
+        let job_dir = attempt_dir.parent().map(Path::to_path_buf).unwrap_or_default();
+        make_dir(&job_dir, RUN_DIR_MODE, group)?;
+        make_dir(&attempt_dir, RUN_DIR_MODE, group)?;
+        if let Some(rank) = rank {
+            make_dir(&self.layout.rank_dir(RankId { job_id, attempt, rank }), RUN_DIR_MODE, group)?;
+        }
+        Ok(())
     }
 
     /// Records the rank (phase `launching`, no shim yet) durably, then spawns its shim. The
@@ -213,6 +249,7 @@ impl Launcher {
         id: RankId,
         launch: &Launch,
         assignment: &RankAssignment,
+        run_as: &Result<RunAs, String>,
         refusal: Option<&str>,
     ) -> std::io::Result<RankRecord> {
         let files = self.layout.rank_files(id);
@@ -240,10 +277,10 @@ impl Launcher {
             record.message = reason.to_string();
             return Ok(record);
         }
-        std::fs::create_dir_all(&files.dir)?;
+        self.make_run_dirs(id.job_id, id.attempt, Some(id.rank), owner(run_as))?;
         record.save(&self.layout)?;
         failpoint("before-spawn");
-        let spawned = self.spawn_shim(id, launch, assignment);
+        let spawned = self.spawn_shim(id, launch, assignment, run_as);
         if spawned.is_ok() {
             failpoint("after-spawn");
         }
@@ -264,52 +301,52 @@ impl Launcher {
     }
 
     /// Spawns the shim for one rank; returns its pid and start time, or why it could not.
+    ///
+    /// The shim is root on a root agent, so it gets nothing of the user's: a clean environment
+    /// (`PATH` only), `/` as its directory, and the rank's environment in a root-only file it
+    /// hands to the rank's exec after the drop ([`crate::supervise`]).
     fn spawn_shim(
         &self,
         id: RankId,
         launch: &Launch,
         assignment: &RankAssignment,
+        run_as: &Result<RunAs, String>,
     ) -> Result<(u32, u64), String> {
         let exec = &exec_engine(launch)?;
         if !self.inventory.gpus.iter().any(|g| g.index == assignment.gpu_index) {
             return Err(format!("launch refused: GPU {} is not on this host", assignment.gpu_index));
         }
+        let run_as = run_as.as_ref().map_err(Clone::clone)?;
         let files = self.layout.rank_files(id);
-        std::fs::create_dir_all(&files.dir)
-            .map_err(|e| format!("cannot create {}: {e}", files.dir.display()))?;
         let host = HostContext {
             gpus: &self.inventory.gpus,
             inherited_omp_threads: std::env::var_os("OMP_NUM_THREADS").is_some(),
         };
-        let mut env = rank_env(launch, assignment, &files.receipts, &host);
-        if let Some(local_id) = &self.preflight_report {
-            env.vars.insert(PREFLIGHT_REPORT.to_string(), local_id.clone());
+        let rank = rank_env(launch, assignment, &files.receipts, &host);
+        if !rank.ignored_overlay.is_empty() {
+            warn!(rank_id = %id, names = ?rank.ignored_overlay, "overlay variables ignored: the agent owns them");
         }
-        if !env.ignored_overlay.is_empty() {
-            warn!(rank_id = %id, names = ?env.ignored_overlay, "overlay variables ignored: the agent owns them");
-        }
-        let workdir = Path::new(&exec.workdir);
-        if !workdir.is_dir() {
-            return Err(format!("spawn failed: workdir {} is not a directory", exec.workdir));
-        }
-        let path_var =
-            env.vars.get("PATH").cloned().or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
-        check_program(&exec.argv[0], workdir, &path_var)?;
+        // The rank's whole environment: the agent's own (never its CUDA_VISIBLE_DEVICES), the
+        // user's account, the binding, then the rank's variables and the job's overlay.
+        let mut env: BTreeMap<String, String> = std::env::vars_os()
+            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
+            .filter(|(name, _)| name != VISIBLE_DEVICES)
+            .collect();
+        let mut command = tokio::process::Command::new(&self.shim_program);
+        command.env_clear().env("PATH", SHIM_PATH).current_dir("/");
+        command.arg("supervise").arg("--status-file").arg(&files.exit).arg("--pid-file").arg(&files.pid);
+        command.arg("--env-file").arg(files.env()).arg("--workdir").arg(&exec.workdir);
         let open = |p: &Path| {
             OpenOptions::new()
                 .create(true)
                 .append(true)
+                .mode(RUN_FILE_MODE)
+                .custom_flags(libc::O_NOFOLLOW)
                 .open(p)
                 .map_err(|e| format!("cannot open {}: {e}", p.display()))
         };
         let (stdout, stderr) = (open(&files.stdout)?, open(&files.stderr)?);
-        let run_as =
-            account::decide(&launch.run_as, account::effective_uid(), self.root_ranks, account::lookup)?;
-        let mut command = tokio::process::Command::new(&self.shim_program);
-        command.arg("supervise").arg("--status-file").arg(&files.exit).arg("--pid-file").arg(&files.pid);
-        if let RunAs::Switch(user) = &run_as {
-            // The rank's own files are the user's; the run directory stays the agent's, so
-            // the shim (root) never writes where the user could plant a link.
+        if let RunAs::Switch(user) = run_as {
             let receipts = open(&files.receipts)?;
             for (file, path) in
                 [(&stdout, &files.stdout), (&stderr, &files.stderr), (&receipts, &files.receipts)]
@@ -320,28 +357,31 @@ impl Launcher {
             let groups: Vec<String> = user.groups.iter().map(u32::to_string).collect();
             command.args(["--uid", &user.uid.to_string(), "--gid", &user.gid.to_string()]);
             command.arg("--groups").arg(groups.join(","));
-            command.env("USER", &user.name).env("LOGNAME", &user.name).env("HOME", &user.home);
+            for (name, value) in [("USER", &user.name), ("LOGNAME", &user.name), ("HOME", &user.home)] {
+                env.insert(name.to_string(), value.clone());
+            }
             info!(rank_id = %id, user = %user.name, uid = user.uid, "rank runs as its job's user");
         }
         // The planned binding: applied by the shim to the rank between fork and exec, and told to
         // the rank (TRAINYARD_CPUS / TRAINYARD_MEMS) so its launch receipt can record it.
         if !assignment.cpus.is_empty() {
-            command.arg("--cpus").arg(&assignment.cpus).env("TRAINYARD_CPUS", &assignment.cpus);
+            command.arg("--cpus").arg(&assignment.cpus);
+            env.insert("TRAINYARD_CPUS".into(), assignment.cpus.clone());
         }
         if assignment.numa_node >= 0 && !assignment.cpus.is_empty() {
             let node = assignment.numa_node.to_string();
-            command.arg("--mem-node").arg(&node).env("TRAINYARD_MEMS", &node);
+            command.arg("--mem-node").arg(&node);
+            env.insert("TRAINYARD_MEMS".into(), node);
         }
-        command
-            .arg("--")
-            .args(&exec.argv)
-            .current_dir(workdir)
-            // Never inherited from the agent: set by the device rule or not at all.
-            .env_remove(VISIBLE_DEVICES)
-            .envs(&env.vars)
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(stderr);
+        env.extend(rank.vars);
+        if let Some(local_id) = &self.preflight_report {
+            env.insert(PREFLIGHT_REPORT.to_string(), local_id.clone());
+        }
+        let bytes =
+            serde_json::to_vec(&env).map_err(|e| format!("cannot encode the rank's environment: {e}"))?;
+        write_private(&files.env(), &bytes, PRIVATE_FILE_MODE)
+            .map_err(|e| format!("cannot write {}: {e}", files.env().display()))?;
+        command.arg("--").args(&exec.argv).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
         // SAFETY: setsid is async-signal-safe, the only call between fork and exec.
         unsafe {
             command.pre_exec(|| {
@@ -408,9 +448,14 @@ impl Launcher {
         }
     }
 
-    /// Writes the acknowledged positions that moved into the state files.
+    /// Writes the acknowledged positions that moved into the state files, at most once per
+    /// [`ACK_PERSIST_EVERY`], except for ranks that ended (so they can be forgotten promptly).
     pub fn persist_acks(&mut self) {
-        for rank in self.ranks.values_mut() {
+        let due = self.acks_persisted_at.elapsed() >= ACK_PERSIST_EVERY;
+        if due {
+            self.acks_persisted_at = std::time::Instant::now();
+        }
+        for rank in self.ranks.values_mut().filter(|r| due || r.record.phase.is_final()) {
             if rank.tailer.take_acked_dirty() {
                 rank.record.acked = rank.tailer.acked();
                 if let Err(e) = rank.record.save(&self.layout) {
@@ -438,6 +483,14 @@ impl Launcher {
             }
         }
         done
+    }
+}
+
+/// The account a launch's run files are given to: the job's user when the agent switches.
+fn owner(run_as: &Result<RunAs, String>) -> Option<Owner> {
+    match run_as {
+        Ok(RunAs::Switch(user)) => Some(Owner { uid: user.uid, gid: user.gid }),
+        _ => None,
     }
 }
 
@@ -475,23 +528,6 @@ fn builtin_engine(b: &trainyard_proto::v1::BuiltinEngine) -> Result<ExecEngine, 
         }
     }
     Ok(ExecEngine { argv, workdir: b.data.clone(), source_dir: String::new() })
-}
-
-/// Fails with a clear message when `program` cannot be run: a path relative to `workdir`,
-/// or a name looked up on `path_var`.
-fn check_program(program: &str, workdir: &Path, path_var: &str) -> Result<(), String> {
-    let executable =
-        |p: &Path| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
-    if program.contains('/') {
-        if executable(&workdir.join(program)) {
-            return Ok(());
-        }
-        return Err(format!("spawn failed: {program}: not an executable file"));
-    }
-    if std::env::split_paths(path_var).any(|dir| executable(&workdir.join(dir).join(program))) {
-        return Ok(());
-    }
-    Err(format!("spawn failed: {program}: not found on PATH"))
 }
 
 /// Looks at one unfinished rank; returns whether its record changed.

@@ -6,9 +6,20 @@
 //! DATA/state/ranks/<job>.<attempt>.<rank>.json
 //! ```
 //!
-//! `rank.pid` (the rank's pid, written by the shim) is ours; the rest is the documented layout.
+//! `rank.pid` (the rank's pid, written by the shim) and `env.json` (the rank's environment, read
+//! by the shim) are ours; the rest is the documented layout.
+//!
+//! Who may read what: the agent's state directory is its own, 0700. A job's run directories
+//! (`job-<id>`, `attempt-<n>`, `rank-<r>`) are the agent's, with the job user's group and mode
+//! 0750, so the job's user enters them and nobody else does, and only the agent (root) creates
+//! entries there: a user can never plant a link where the root shim writes. The rank's own files
+//! (`receipts.jsonl`, `stdout.log`, `stderr.log`) are the user's, 0640; `launch.json`, which holds
+//! the environment overlay, is the user's, 0600; `env.json` is the agent's, 0600.
 
 use std::fmt;
+use std::fs::OpenOptions;
+use std::io::Write as _;
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -101,12 +112,86 @@ pub struct RankFiles {
     pub pid: PathBuf,
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
-/// reader (or a restarted agent) sees the old content or the new one, never half of it.
+impl RankFiles {
+    /// The rank's environment as the agent hands it to the shim (root-only).
+    pub fn env(&self) -> PathBuf {
+        self.dir.join("env.json")
+    }
+}
+
+/// Mode of the run directories of a job (owner the agent, group the job's user).
+pub const RUN_DIR_MODE: u32 = 0o750;
+/// Mode of a rank's own files (owner the job's user).
+pub const RUN_FILE_MODE: u32 = 0o640;
+/// Mode of files that may hold secrets (the environment overlay) and of the agent's state.
+pub const PRIVATE_FILE_MODE: u32 = 0o600;
+/// Mode of the agent's state directory.
+pub const STATE_DIR_MODE: u32 = 0o700;
+
+/// The account a file is given to: the job's user when the agent runs ranks as one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Creates `dir` and its missing parents, then sets `mode` on it, and `group` when given.
+pub fn make_dir(dir: &Path, mode: u32, group: Option<u32>) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    if let Some(gid) = group {
+        std::os::unix::fs::chown(dir, None, Some(gid))?;
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+}
+
+/// Writes `bytes` to `path` so that it survives a power cut whole or not at all: a fresh
+/// temporary file beside it (never following a link), fsynced, renamed over `path`, then the
+/// directory fsynced. Readers (and a restarted agent) see the old content or the new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_durable(path, bytes, PRIVATE_FILE_MODE, None)
+}
+
+/// [`write_atomic`] with the file's `mode` and, when given, its owner.
+pub fn write_durable(path: &Path, bytes: &[u8], mode: u32, owner: Option<Owner>) -> std::io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    if let Some(o) = owner {
+        std::os::unix::fs::fchown(&file, Some(o.uid), Some(o.gid))?;
+    }
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Writes a small private file (`mode`, created or truncated, never through a link) without
+/// the fsyncs of [`write_durable`]: for files that matter only while the host is up.
+pub fn write_private(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    file.write_all(bytes)
+}
+
+/// Makes a rename or a new entry in `dir` durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    std::fs::File::open(dir)?.sync_all()
 }

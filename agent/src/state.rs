@@ -2,9 +2,12 @@
 //!
 //! What we persist: enough to adopt a rank after an agent restart (shim pid and start time, rank
 //! pid, run files), what the controller was last told it could rely on (phase, exit status), and
-//! how far its receipts were acknowledged. The file is written (tmp + rename) before any report
-//! of the change leaves the agent, so the controller never knows more than the disk. No fsync:
-//! after a host crash the ranks are gone anyway, and replayed receipts are deduplicated.
+//! how far its receipts were acknowledged. The file is written durably (a temporary file,
+//! fsynced, renamed, the directory fsynced: [`crate::layout::write_atomic`]) before any report of
+//! the change leaves the agent, so the controller never knows more than the disk, even after a
+//! power cut. Acknowledged positions are persisted at most once a second
+//! ([`crate::launcher::Launcher::persist_acks`]): losing the last second of them only resends
+//! receipts the store deduplicates.
 
 use std::path::Path;
 
@@ -110,8 +113,10 @@ impl RankRecord {
     }
 }
 
-/// Reads every state file. Unreadable files are logged and left in place for an operator:
-/// deleting them would lose the only record of a possibly running rank.
+/// Reads every state file. A file that cannot be read or parsed (torn by a crash of a disk
+/// that lied about fsync, or edited by hand) is an error naming it: it may be the only record of
+/// a running rank, so the agent neither skips nor deletes it, and an operator decides.
+/// Leftover `*.json.tmp` files of an interrupted write are ignored (the rename never happened).
 pub fn load_all(layout: &Layout) -> std::io::Result<Vec<RankRecord>> {
     let dir = layout.state_dir();
     let mut records = Vec::new();
@@ -120,12 +125,15 @@ pub fn load_all(layout: &Layout) -> std::io::Result<Vec<RankRecord>> {
         if path.extension().is_none_or(|e| e != "json") {
             continue;
         }
-        match load_one(&path) {
-            Ok(record) => records.push(record),
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "skipping unreadable rank state file")
-            }
-        }
+        let record = load_one(&path).map_err(|e| {
+            std::io::Error::other(format!(
+                "rank state file {} is unreadable ({e:#}); it may record a running rank: check the \
+                 rank, then move the file out of {} and start the agent again",
+                path.display(),
+                dir.display()
+            ))
+        })?;
+        records.push(record);
     }
     records.sort_by_key(|r| r.id);
     Ok(records)

@@ -1,5 +1,5 @@
-//! The per-rank shim, run as
-//! `trainyard-agent supervise --status-file F --pid-file P [--cpus LIST --mem-node N] -- ARGV`.
+//! The per-rank shim, run as `trainyard-agent supervise --status-file F --pid-file P
+//! --env-file E --workdir W [--cpus LIST --mem-node N] [--uid U --gid G --groups L] -- ARGV`.
 //!
 //! It exists so that a rank's exit status is known even when the agent that started it was
 //! killed or restarted meanwhile: the agent starts the shim in a session of its own, the shim
@@ -15,7 +15,20 @@
 //! the shim itself stays unbound. With `--uid`/`--gid`/`--groups` (an agent running as root)
 //! the rank drops to its job's user there too, after the binding: `setgroups`, `setgid`, then
 //! `setuid`, so it can never regain root. The shim stays root to write `exit.json`.
+//!
+//! Nothing the job's user controls reaches the root part. The agent starts the shim with a
+//! clean, fixed environment (`PATH` only), so the dynamic loader of this root process never sees
+//! the overlay's `LD_PRELOAD`, `GCONV_PATH`, `MALLOC_*` and friends. The rank's environment
+//! travels in a root-only file (`--env-file`, JSON) that the shim reads as data and hands to the
+//! rank's `execve` only, after the drop. The checks that touch user-named paths (the workdir is a
+//! directory, `argv[0]` is an executable on the rank's `PATH`) run with the effective ids of the
+//! rank's user, so a job cannot probe root-only paths; the rank's `chdir` to its workdir happens
+//! after `setuid`, and `argv[0]` is looked up by `execvp` in the rank, with the rank's `PATH`.
 
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
@@ -29,11 +42,24 @@ use crate::pinning::Binding;
 /// command it cannot run).
 pub const SPAWN_FAILED_EXIT_CODE: i32 = 127;
 
+/// The only variable of the shim's own environment: where a root process finds programs. The
+/// shim runs none itself; it is there so that nothing in the shim falls back to a user's.
+pub const SHIM_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Largest rank environment file the shim reads: the spec's overlay is bounded at submit
+/// (`trainyard_proto::limits::MAX_ENV_BYTES`), the agent's own environment and trainyard's
+/// variables come on top.
+pub const MAX_ENV_FILE_BYTES: u64 = 4 * 1024 * 1024;
+
 /// What the shim invocation names.
 #[derive(Debug, Clone)]
 pub struct SuperviseArgs {
     pub status_file: PathBuf,
     pub pid_file: PathBuf,
+    /// The rank's whole environment (a JSON object of strings), written by the agent.
+    pub env_file: PathBuf,
+    /// The rank's working directory, entered after the drop to the rank's user.
+    pub workdir: PathBuf,
     /// CPUs and memory node to bind the rank to; `None`: unpinned.
     pub binding: Option<Binding>,
     /// The user the rank runs as; `None`: the shim's own.
@@ -116,13 +142,18 @@ pub fn supervise(args: &SuperviseArgs) -> i32 {
 
 fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
     let (program, rest) = args.argv.split_first().ok_or("spawn failed: empty argv")?;
+    let env = read_env_file(&args.env_file)?;
+    let path_var = env.get("PATH").map_or(DEFAULT_EXECVP_PATH, String::as_str);
+    as_user(args.user.as_ref(), || check_launch(program, &args.workdir, path_var))??;
+    let workdir = CString::new(args.workdir.as_os_str().as_bytes())
+        .map_err(|_| format!("spawn failed: workdir {} contains a NUL byte", args.workdir.display()))?;
     let mut command = Command::new(program);
-    command.args(rest);
+    command.args(rest).env_clear().envs(&env);
     let binding = args.binding.as_ref().map(Binding::prepare);
     let user = args.user.clone();
-    // SAFETY: setpgid, sched_setaffinity, set_mempolicy, setgroups, setgid, setuid and write are
-    // async-signal-safe, and the binding and group list were prepared before the fork: nothing
-    // here allocates.
+    // SAFETY: setpgid, sched_setaffinity, set_mempolicy, setgroups, setgid, setuid, chdir and
+    // write are async-signal-safe, and the binding, group list and workdir were prepared before
+    // the fork: nothing here allocates.
     unsafe {
         command.pre_exec(move || {
             if libc::setpgid(0, 0) != 0 {
@@ -140,6 +171,10 @@ fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
                     return Err(std::io::Error::last_os_error());
                 }
             }
+            // After the drop: a workdir the user may not enter fails here, as the user.
+            if libc::chdir(workdir.as_ptr()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             Ok(())
         });
     }
@@ -150,6 +185,90 @@ fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
     }
     // std's wait retries on EINTR, so a caught SIGTERM does not end the wait.
     child.wait().map_err(|e| format!("wait for rank failed: {e}"))
+}
+
+/// glibc's `execvp` search path when the environment has no `PATH`.
+const DEFAULT_EXECVP_PATH: &str = "/bin:/usr/bin";
+
+/// Reads the rank's environment file: a JSON object of string values, at most
+/// [`MAX_ENV_FILE_BYTES`].
+pub fn read_env_file(path: &Path) -> Result<BTreeMap<String, String>, String> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path)
+        .map_err(|e| format!("spawn failed: cannot open the rank's environment {}: {e}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_ENV_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("spawn failed: cannot read {}: {e}", path.display()))?;
+    if bytes.len() as u64 > MAX_ENV_FILE_BYTES {
+        return Err(format!(
+            "spawn failed: the rank's environment {} is over {MAX_ENV_FILE_BYTES} bytes",
+            path.display()
+        ));
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| format!("spawn failed: the rank's environment {} is not valid: {e}", path.display()))
+}
+
+/// Runs `f` with the effective user, group and supplementary groups of `user` (the shim is
+/// root and keeps root as its real and saved ids, so it can come back), then returns to root.
+/// Without a user, `f` runs as the shim is. A failure to switch back is an error: the shim
+/// then starts nothing.
+fn as_user<T>(user: Option<&SwitchUser>, f: impl FnOnce() -> T) -> Result<T, String> {
+    let Some(u) = user else { return Ok(f()) };
+    let os = |what: &str| format!("spawn failed: {what}: {}", std::io::Error::last_os_error());
+    // SAFETY: plain credential syscalls on this single-threaded process; the group list
+    // pointers are valid for the lengths passed.
+    unsafe {
+        let mut saved = vec![0 as libc::gid_t; 65_536];
+        let n = libc::getgroups(saved.len() as libc::c_int, saved.as_mut_ptr());
+        if n < 0 {
+            return Err(os("getgroups"));
+        }
+        saved.truncate(n as usize);
+        let saved_egid = libc::getegid();
+        if libc::setgroups(u.groups.len(), u.groups.as_ptr()) != 0 {
+            return Err(os("setgroups to the rank's user"));
+        }
+        if libc::setegid(u.gid) != 0 || libc::seteuid(u.uid) != 0 {
+            let e = os("setegid/seteuid to the rank's user");
+            let _ = libc::seteuid(0);
+            let _ = libc::setegid(saved_egid);
+            let _ = libc::setgroups(saved.len(), saved.as_ptr());
+            return Err(e);
+        }
+        let out = f();
+        if libc::seteuid(0) != 0
+            || libc::setegid(saved_egid) != 0
+            || libc::setgroups(saved.len(), saved.as_ptr()) != 0
+        {
+            return Err(os("back to root after checking the launch as the rank's user"));
+        }
+        Ok(out)
+    }
+}
+
+/// Fails with a clear message when the rank cannot be started: `workdir` is not a directory it
+/// may enter, or `program` (relative to `workdir` when it has a `/`, else looked up on
+/// `path_var`) is not an executable file. Run with the rank user's effective ids.
+pub fn check_launch(program: &str, workdir: &Path, path_var: &str) -> Result<(), String> {
+    match std::fs::metadata(workdir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(format!("spawn failed: workdir {} is not a directory", workdir.display())),
+        Err(e) => return Err(format!("spawn failed: workdir {}: {e}", workdir.display())),
+    }
+    let executable =
+        |p: &Path| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    if program.contains('/') {
+        if executable(&workdir.join(program)) {
+            return Ok(());
+        }
+        return Err(format!("spawn failed: {program}: not an executable file"));
+    }
+    if std::env::split_paths(path_var).any(|dir| executable(&workdir.join(dir).join(program))) {
+        return Ok(());
+    }
+    Err(format!("spawn failed: {program}: not found on PATH"))
 }
 
 /// Reads the pid file the shim writes; `None` until it is there.

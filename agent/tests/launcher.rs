@@ -238,16 +238,71 @@ async fn cancel_kills_a_group_that_ignores_sigterm() {
 #[tokio::test]
 async fn spawn_failures_become_exited_ranks_with_a_message() {
     let mut h = Harness::new();
+    // The shim checks the program and the workdir (as the rank's user) and says why it failed.
     h.launcher.launch(&launch(5, 1, &h.workdir(), &["no-such-program-trainyard"], &[]));
+    h.wait_for(id(5, 0), "exited", |p, _| p == Phase::Exited).await;
     let r = &h.launcher.get(id(5, 0)).unwrap().record;
     assert_eq!((r.phase, r.exit_code), (Phase::Exited, Some(127)));
     assert!(r.message.contains("not found"), "{}", r.message);
     assert!(h.launcher.layout().state_file(id(5, 0)).exists());
 
     h.launcher.launch(&launch(6, 1, &h.dir.path().join("missing"), &["sh", "-c", "true"], &[]));
+    h.wait_for(id(6, 0), "exited", |p, _| p == Phase::Exited).await;
     let r = &h.launcher.get(id(6, 0)).unwrap().record;
-    assert_eq!(r.phase, Phase::Exited);
+    assert_eq!((r.phase, r.exit_code), (Phase::Exited, Some(127)));
     assert!(r.message.contains("workdir"), "{}", r.message);
+}
+
+/// The shim (root on a root agent) runs with a fixed environment: nothing of the overlay, nor of
+/// the agent's own, reaches it; the rank gets both. Its run files are private.
+#[tokio::test]
+async fn the_shim_gets_a_clean_environment_and_run_files_are_private() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mut h = Harness::new();
+    let overlay =
+        [("LD_PRELOAD", "/nonexistent/trainyard-test.so"), ("GCONV_PATH", "/tmp/x"), ("FOO", "bar")];
+    h.launcher.launch(&launch(11, 1, &h.workdir(), &["sleep", "30"], &overlay));
+    h.wait_for(id(11, 0), "running", |p, pid| p == Phase::Running && pid.is_some()).await;
+    let r = h.launcher.get(id(11, 0)).unwrap().record.clone();
+    let shim = std::fs::read(format!("/proc/{}/environ", r.shim_pid.unwrap())).unwrap();
+    let shim: Vec<&[u8]> = shim.split(|b| *b == 0).filter(|v| !v.is_empty()).collect();
+    assert_eq!(
+        shim.len(),
+        1,
+        "the shim has PATH only: {:?}",
+        shim.iter().map(|v| String::from_utf8_lossy(v)).collect::<Vec<_>>()
+    );
+    assert!(shim[0].starts_with(b"PATH=/usr/local/sbin:"));
+    let rank = String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/environ", r.pid.unwrap())).unwrap())
+        .into_owned();
+    for expected in ["LD_PRELOAD=/nonexistent/trainyard-test.so", "GCONV_PATH=/tmp/x", "FOO=bar", "RANK=0"] {
+        assert!(rank.split('\0').any(|v| v == expected), "{expected} missing from the rank's environment");
+    }
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    let layout = h.launcher.layout();
+    assert_eq!(mode(&layout.state_dir()), 0o700);
+    assert_eq!(mode(&layout.attempt_dir(11, 1)), 0o750);
+    assert_eq!(mode(&layout.rank_dir(id(11, 0))), 0o750);
+    assert_eq!(mode(&layout.launch_json(11, 1)), 0o600);
+    assert_eq!(mode(&r.files.env()), 0o600);
+    assert_eq!(mode(&r.files.stdout), 0o640);
+    assert_eq!(mode(&layout.state_file(id(11, 0))), 0o600);
+}
+
+/// A torn state file stops the adoption with an error naming it instead of being skipped.
+#[tokio::test]
+async fn a_torn_state_file_is_an_error_naming_it() {
+    let mut h = Harness::new();
+    h.launcher.launch(&launch(12, 1, &h.workdir(), &["true"], &[]));
+    h.wait_for(id(12, 0), "exited", |p, _| p == Phase::Exited).await;
+    let path = h.launcher.layout().state_file(id(12, 0));
+    let whole = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &whole[..whole.len() / 2]).unwrap();
+    // A leftover temporary file of an interrupted write is not an error.
+    std::fs::write(path.with_extension("json.tmp"), b"{").unwrap();
+    let err = Harness::launcher_over(h.dir.path()).adopt().unwrap_err().to_string();
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert!(err.contains("unreadable"), "{err}");
 }
 
 #[tokio::test]

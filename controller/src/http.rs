@@ -1,31 +1,90 @@
-//! The controller's HTTP listener, beside the gRPC one: `/metrics` for Prometheus and
-//! `/healthz` for load balancers and probes. Bad paths and methods are 4xx with a message.
+//! The controller's HTTP listener, beside the gRPC one: `/metrics` for Prometheus, `/healthz`
+//! for load balancers and probes, and the web view. Bad paths and methods are 4xx with a
+//! message.
+//!
+//! The listener is as safe as the gRPC one ([`Exposure`]): on loopback it follows the gRPC
+//! listener's policy (the demo's tokenless local admin included); off loopback a call always
+//! needs a token, the listener serves HTTPS with the controller's certificate when TLS is
+//! configured (and refuses to start in plain text unless told so, in `main`), and `/metrics`
+//! needs a token unless the operator opted in to a public scrape endpoint.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
+use anyhow::Context;
 use axum::Router;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls;
+use tokio_rustls::server::TlsStream;
 
-use crate::auth::Authenticator;
+use crate::auth::{AuthError, Authenticator};
 use crate::core::Controller;
 use crate::metrics::{CONTENT_TYPE, metrics};
+use crate::server::TlsFiles;
+
+/// How the HTTP listener is exposed, decided from its address and the flags.
+#[derive(Debug, Clone, Default)]
+pub struct Exposure {
+    /// HTTPS with these files (the gRPC listener's certificate and key).
+    pub tls: Option<TlsFiles>,
+    /// `/metrics` answers without a token (`--metrics-public`); otherwise it needs one off
+    /// loopback.
+    pub public_metrics: bool,
+}
 
 /// The routes, over `controller`: metrics, health and the web view (`crate::web`).
-pub fn router(controller: Arc<Controller>, auth: Authenticator) -> Router {
+/// `metrics_need_token`: `/metrics` asks for a user's token, as the web API does.
+pub fn router(controller: Arc<Controller>, auth: Authenticator, metrics_need_token: bool) -> Router {
+    let scrape_state = Scrape { controller: controller.clone(), auth: auth.clone(), metrics_need_token };
     Router::new()
         .route("/metrics", get(scrape))
+        .with_state(scrape_state)
         .route("/healthz", get(healthz))
         .fallback(not_found)
-        .with_state(controller.clone())
         .merge(crate::web::routes(controller, auth))
 }
 
-async fn scrape(State(controller): State<Arc<Controller>>) -> impl IntoResponse {
-    controller.refresh_gauges();
-    ([(header::CONTENT_TYPE, CONTENT_TYPE)], metrics().encode())
+#[derive(Clone)]
+struct Scrape {
+    controller: Arc<Controller>,
+    auth: Authenticator,
+    metrics_need_token: bool,
+}
+
+async fn scrape(State(s): State<Scrape>, headers: HeaderMap) -> Response {
+    if s.metrics_need_token {
+        let given = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or("?"));
+        if given.is_none() {
+            return (
+                StatusCode::UNAUTHORIZED,
+                "/metrics on this address needs a token (Authorization: Bearer ...; Prometheus: \
+                 authorization.credentials_file), or start the controller with --metrics-public\n",
+            )
+                .into_response();
+        }
+        match s.auth.user(given, s.controller.now_ms()).await {
+            Ok(_) => {}
+            Err(AuthError::Unauthenticated(why)) => {
+                return (StatusCode::UNAUTHORIZED, why + "\n").into_response();
+            }
+            Err(AuthError::PermissionDenied(why)) => {
+                return (StatusCode::FORBIDDEN, why + "\n").into_response();
+            }
+            Err(AuthError::Store(_)) => {
+                return (StatusCode::SERVICE_UNAVAILABLE, "the store is unavailable; try again\n")
+                    .into_response();
+            }
+        }
+    }
+    s.controller.refresh_gauges();
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], metrics().encode()).into_response()
 }
 
 /// 200 while the controller serves; the store's health shows in `/metrics`
@@ -39,4 +98,91 @@ async fn not_found(uri: axum::http::Uri) -> (StatusCode, String) {
         StatusCode::NOT_FOUND,
         format!("no page {}; this listener serves the web view at /, /metrics and /healthz\n", uri.path()),
     )
+}
+
+/// Longest a client may take over its TLS handshake before the connection is dropped.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in progress at once; further connections wait in the kernel's backlog.
+pub const MAX_TLS_HANDSHAKES: usize = 256;
+
+/// A TLS listener for `axum::serve`: handshakes run in tasks of their own (bounded in number
+/// and time), so one slow client never holds up the others; finished ones are handed over.
+pub struct TlsListener {
+    ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    local: SocketAddr,
+}
+
+impl TlsListener {
+    /// Wraps `listener` with the certificate and key of `files`.
+    pub fn new(listener: TcpListener, files: &TlsFiles) -> anyhow::Result<Self> {
+        let local = listener.local_addr().context("read the HTTP listener's address")?;
+        let acceptor = TlsAcceptor::from(Arc::new(server_config(files)?));
+        let (tx, ready) = mpsc::channel(64);
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_TLS_HANDSHAKES));
+        tokio::spawn(async move {
+            loop {
+                let Ok(permit) = slots.clone().acquire_owned().await else { return };
+                let (tcp, peer) = match listener.accept().await {
+                    Ok(pair) => pair,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "HTTPS accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                if tx.is_closed() {
+                    return;
+                }
+                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = tx.send((stream, peer)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "HTTPS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "HTTPS handshake timed out"),
+                    }
+                });
+            }
+        });
+        Ok(TlsListener { ready, local })
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(pair) => pair,
+            // The accept loop ended (it never does while the listener lives): serve nothing more.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local)
+    }
+}
+
+/// The rustls server configuration of the controller's certificate and key.
+fn server_config(files: &TlsFiles) -> anyhow::Result<rustls::ServerConfig> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(&files.cert)
+        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| anyhow::anyhow!("read the certificate {}: {e}", files.cert.display()))?;
+    let key = PrivateKeyDer::from_pem_file(&files.key)
+        .map_err(|e| anyhow::anyhow!("read the key {}: {e}", files.key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("choose TLS versions")?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .context("use the certificate and key for HTTPS")?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
 }

@@ -17,6 +17,7 @@ use trainyard_proto::v1::jobs_server::JobsServer;
 
 use crate::auth::{Authenticator, Policy};
 use crate::core::Controller;
+use crate::http::{Exposure, TlsListener};
 use crate::service::{AgentsService, JobsService};
 
 /// The files of the controller's TLS: its certificate and key, and the CA whose certificates
@@ -60,12 +61,13 @@ impl Security {
     }
 }
 
-/// Serves `Jobs`, `Agents` and `grpc.health.v1.Health` on `listener`, and `/metrics` and
-/// `/healthz` on `http` when given, until `shutdown` resolves; then ends every agent and watch
-/// stream and returns once in-flight requests are answered.
+/// Serves `Jobs`, `Agents` and `grpc.health.v1.Health` on `listener`, and `/metrics`,
+/// `/healthz` and the web view on `http` when given (exposed as its [`Exposure`] says), until
+/// `shutdown` resolves; then ends every agent and watch stream and returns once in-flight
+/// requests are answered.
 pub async fn run(
     listener: TcpListener,
-    http: Option<TcpListener>,
+    http: Option<(TcpListener, Exposure)>,
     controller: Arc<Controller>,
     security: Security,
     shutdown: impl Future,
@@ -78,17 +80,10 @@ pub async fn run(
     }
     let token = CancellationToken::new();
     let background = tokio::spawn(controller.clone().run_background(token.clone()));
-    let http_server = http.map(|listener| {
-        let routes = crate::http::router(controller.clone(), auth.clone());
-        let stop = token.clone();
-        tokio::spawn(async move {
-            let serve =
-                axum::serve(listener, routes).with_graceful_shutdown(async move { stop.cancelled().await });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "the HTTP listener (/metrics) failed");
-            }
-        })
-    });
+    let http_server = match http {
+        Some((listener, exposure)) => Some(serve_http(listener, exposure, &controller, &auth, &token)?),
+        None => None,
+    };
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<JobsServer<JobsService>>().await;
     health.set_serving::<AgentsServer<AgentsService>>().await;
@@ -118,4 +113,41 @@ pub async fn run(
         let _ = server.await;
     }
     result.map_err(|e| anyhow::anyhow!("gRPC server failed: {e}"))
+}
+
+/// Starts the HTTP listener's server. Off loopback the demo's tokenless admin never applies
+/// (every call needs a token) and `/metrics` needs one unless public; with TLS files it speaks
+/// HTTPS.
+fn serve_http(
+    listener: TcpListener,
+    exposure: Exposure,
+    controller: &Arc<Controller>,
+    auth: &Authenticator,
+    token: &CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let loopback = listener.local_addr().context("read the HTTP listener's address")?.ip().is_loopback();
+    let auth = if loopback {
+        auth.clone()
+    } else {
+        let policy = Policy { require_user_token: true, ..auth.policy().clone() };
+        Authenticator::new(controller.store().clone(), policy)
+    };
+    let routes = crate::http::router(controller.clone(), auth, !loopback && !exposure.public_metrics);
+    let stop = token.clone();
+    let stopped = async move { stop.cancelled().await };
+    Ok(match &exposure.tls {
+        Some(files) => {
+            let tls = TlsListener::new(listener, files)?;
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(tls, routes).with_graceful_shutdown(stopped).await {
+                    tracing::error!(error = %e, "the HTTPS listener failed");
+                }
+            })
+        }
+        None => tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, routes).with_graceful_shutdown(stopped).await {
+                tracing::error!(error = %e, "the HTTP listener failed");
+            }
+        }),
+    })
 }

@@ -182,19 +182,31 @@ fn bad(field: impl Into<String>, reason: impl Into<String>) -> SpecError {
     SpecError { field: field.into(), reason: reason.into() }
 }
 
+fn too_long(field: &str, bytes: usize, max: usize) -> SpecError {
+    bad(field, format!("is {bytes} bytes long, at most {max} allowed"))
+}
+
 /// Interconnect classes a job may require (`any`, or empty, for no requirement).
 pub const INTERCONNECTS: [&str; 4] = ["nvswitch", "nvlink-pairs", "pcie", "any"];
 
 /// Variables the agent sets for every rank; an overlay may not redefine them.
 pub use trainyard_proto::contract::RANK_ENV as RESERVED_ENV;
 
-/// Upper bounds that keep one bad spec from hurting the controller.
-const MAX_NAME_LEN: usize = 128;
+/// Upper bounds that keep one bad spec from hurting the controller; the size limits are the
+/// contract's ([`trainyard_proto::limits`]), shared with `ctl` and the agents.
+use trainyard_proto::limits::{
+    MAX_ARGV_BYTES, MAX_ARGV_ITEMS, MAX_ENV_BYTES, MAX_ENV_VARS, MAX_NAME_BYTES as MAX_NAME_LEN,
+    MAX_PATH_BYTES, MAX_SETTINGS, MAX_SETTINGS_BYTES, MAX_SHORT_STRING_BYTES, MAX_SPEC_BYTES,
+};
 const MAX_GPUS: u32 = 65_536;
 const MAX_RESTARTS: u32 = 100;
 
 /// Checks everything that can be checked without knowing the fleet.
 pub fn validate(spec: &WireSpec) -> Result<(), SpecError> {
+    let encoded = prost::Message::encoded_len(spec);
+    if encoded > MAX_SPEC_BYTES {
+        return Err(bad("spec", format!("is {encoded} bytes encoded, at most {MAX_SPEC_BYTES} allowed")));
+    }
     validate_name(&spec.name)?;
     validate_resources(spec)?;
     validate_engine(spec.engine.as_ref())?;
@@ -239,6 +251,9 @@ fn validate_resources(spec: &WireSpec) -> Result<(), SpecError> {
     if res.gpus > MAX_GPUS {
         return Err(bad("resources.gpus", format!("{} is more than {MAX_GPUS}", res.gpus)));
     }
+    if res.gpu_model.len() > MAX_SHORT_STRING_BYTES {
+        return Err(too_long("resources.gpu_model", res.gpu_model.len(), MAX_SHORT_STRING_BYTES));
+    }
     if res.gpus_per_node > 0 && res.gpus % res.gpus_per_node != 0 {
         return Err(bad(
             "resources.gpus_per_node",
@@ -271,6 +286,17 @@ fn validate_engine(engine: Option<&WireEngine>) -> Result<(), SpecError> {
             if !b.data.starts_with('/') {
                 return Err(bad("engine.data", "must be an absolute directory of token shards"));
             }
+            absolute("engine.data", &b.data, true)?;
+            if b.settings.len() > MAX_SETTINGS {
+                return Err(bad(
+                    "engine.settings",
+                    format!("has {} entries, at most {MAX_SETTINGS} allowed", b.settings.len()),
+                ));
+            }
+            let bytes: usize = b.settings.iter().map(|(k, v)| k.len() + v.len()).sum();
+            if bytes > MAX_SETTINGS_BYTES {
+                return Err(too_long("engine.settings", bytes, MAX_SETTINGS_BYTES));
+            }
             for k in b.settings.keys() {
                 if k.is_empty()
                     || !k.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
@@ -283,6 +309,16 @@ fn validate_engine(engine: Option<&WireEngine>) -> Result<(), SpecError> {
         Some(WireEngine::Exec(exec)) => {
             if exec.argv.is_empty() || exec.argv[0].is_empty() {
                 return Err(bad("engine.argv", "must name a program to run"));
+            }
+            if exec.argv.len() > MAX_ARGV_ITEMS {
+                return Err(bad(
+                    "engine.argv",
+                    format!("has {} arguments, at most {MAX_ARGV_ITEMS} allowed", exec.argv.len()),
+                ));
+            }
+            let bytes: usize = exec.argv.iter().map(String::len).sum();
+            if bytes > MAX_ARGV_BYTES {
+                return Err(too_long("engine.argv", bytes, MAX_ARGV_BYTES));
             }
             if let Some(i) = exec.argv.iter().position(|a| a.contains('\0')) {
                 return Err(bad(format!("engine.argv[{i}]"), "contains a NUL byte"));
@@ -297,6 +333,9 @@ fn absolute(field: &str, path: &str, required: bool) -> Result<(), SpecError> {
     if path.is_empty() {
         return if required { Err(bad(field, "is required (an absolute path)")) } else { Ok(()) };
     }
+    if path.len() > MAX_PATH_BYTES {
+        return Err(too_long(field, path.len(), MAX_PATH_BYTES));
+    }
     if path.contains('\0') {
         return Err(bad(field, "contains a NUL byte"));
     }
@@ -309,7 +348,19 @@ fn absolute(field: &str, path: &str, required: bool) -> Result<(), SpecError> {
     Ok(())
 }
 
+/// The rule for the environment overlay: it is applied only to the rank's own process, after the
+/// agent's shim has dropped to the job's user, so no variable (`LD_PRELOAD`, `PYTHONPATH`, ...)
+/// reaches anything that runs as root. What is refused here is only what cannot work: a name
+/// that is not a variable name, a variable trainyard sets for every rank, a NUL byte, and more
+/// than [`MAX_ENV_VARS`] variables or [`MAX_ENV_BYTES`] bytes.
 fn validate_env(spec: &WireSpec) -> Result<(), SpecError> {
+    if spec.env.len() > MAX_ENV_VARS {
+        return Err(bad("env", format!("has {} variables, at most {MAX_ENV_VARS} allowed", spec.env.len())));
+    }
+    let bytes: usize = spec.env.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if bytes > MAX_ENV_BYTES {
+        return Err(too_long("env", bytes, MAX_ENV_BYTES));
+    }
     for (name, value) in &spec.env {
         let field = format!("env.{name}");
         if !is_env_name(name) {
@@ -378,6 +429,77 @@ mod tests {
 
     fn field_of(spec: &JobSpec) -> String {
         validate(spec).expect_err("spec should be rejected").field
+    }
+
+    /// Every size limit of a spec: at the limit it passes, one above it is refused naming the
+    /// field and the limit.
+    #[test]
+    fn every_size_limit_holds_at_its_value_and_refuses_one_more() {
+        type Edit = fn(&mut JobSpec, usize);
+        fn exec(spec: &mut JobSpec) -> &mut ExecEngine {
+            match spec.engine.as_mut() {
+                Some(Engine::Exec(e)) => e,
+                _ => unreachable!("good() is an exec spec"),
+            }
+        }
+        fn builtin(spec: &mut JobSpec) -> &mut BuiltinEngine {
+            if !matches!(spec.engine, Some(Engine::Builtin(_))) {
+                spec.engine = Some(Engine::Builtin(BuiltinEngine {
+                    preset: "d4".into(),
+                    data: "/d".into(),
+                    settings: Default::default(),
+                }));
+            }
+            match spec.engine.as_mut() {
+                Some(Engine::Builtin(b)) => b,
+                _ => unreachable!(),
+            }
+        }
+        let path = |n: usize| format!("/{}", "p".repeat(n - 1));
+        let cases: Vec<(&str, usize, Edit)> = vec![
+            ("name", MAX_NAME_LEN, |s, n| s.name = "n".repeat(n)),
+            ("resources.gpu_model", MAX_SHORT_STRING_BYTES, |s, n| {
+                s.resources.as_mut().unwrap().gpu_model = "m".repeat(n)
+            }),
+            ("engine.argv", MAX_ARGV_ITEMS, |s, n| exec(s).argv = vec!["a".into(); n]),
+            ("engine.argv", MAX_ARGV_BYTES, |s, n| exec(s).argv = vec!["a".repeat(n)]),
+            ("engine.workdir", MAX_PATH_BYTES, |s, n| exec(s).workdir = format!("/{}", "w".repeat(n - 1))),
+            ("engine.source_dir", MAX_PATH_BYTES, |s, n| {
+                exec(s).source_dir = format!("/{}", "s".repeat(n - 1))
+            }),
+            ("engine.data", MAX_PATH_BYTES, |s, n| builtin(s).data = format!("/{}", "d".repeat(n - 1))),
+            ("engine.settings", MAX_SETTINGS, |s, n| {
+                builtin(s).settings = (0..n).map(|i| (format!("k{i}"), "1".to_string())).collect()
+            }),
+            ("engine.settings", MAX_SETTINGS_BYTES, |s, n| {
+                builtin(s).settings = [("k".to_string(), "v".repeat(n - 1))].into_iter().collect()
+            }),
+            ("env", MAX_ENV_VARS, |s, n| s.env = (0..n).map(|i| (format!("V{i}"), String::new())).collect()),
+            ("env", MAX_ENV_BYTES, |s, n| {
+                s.env = [("V".to_string(), "x".repeat(n - 1))].into_iter().collect()
+            }),
+        ];
+        for (field, limit, edit) in cases {
+            let mut at = good();
+            edit(&mut at, limit);
+            assert_eq!(validate(&at), Ok(()), "{field} at its limit {limit}");
+            let mut over = good();
+            edit(&mut over, limit + 1);
+            let err = validate(&over).expect_err("one over the limit");
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.reason.contains(&limit.to_string()), "{field}: {err}");
+        }
+        // The whole spec, encoded, is checked first, before any field is looked at: every field
+        // at its limit together still fits; a larger one is refused whole.
+        let mut all = good();
+        exec(&mut all).argv = vec!["a".repeat(MAX_ARGV_BYTES)];
+        all.env = [("V".to_string(), "x".repeat(MAX_ENV_BYTES - 1))].into_iter().collect();
+        exec(&mut all).workdir = path(MAX_PATH_BYTES);
+        exec(&mut all).source_dir = path(MAX_PATH_BYTES);
+        assert_eq!(validate(&all), Ok(()));
+        let mut huge = good();
+        huge.env = [("V".to_string(), "x".repeat(MAX_SPEC_BYTES))].into_iter().collect();
+        assert_eq!(validate(&huge).unwrap_err().field, "spec");
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The `trainyard.v1` gRPC contract: generated types and services, plus the few values the
-//! contract defines beyond its messages ([`contract`]), so both ends share one definition.
+//! contract defines beyond its messages ([`contract`]) and the bounds on every size a peer
+//! controls ([`limits`]), so both ends share one definition.
 //!
 //! `trainyard.proto` is the source of truth; see its comments for field meanings.
 
 pub mod contract;
+pub mod limits;
 
 /// Version of the agent protocol. An agent whose hello carries another number is refused
 /// with `FailedPrecondition`, and the agent refuses a controller that answers with another.

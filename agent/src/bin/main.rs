@@ -39,6 +39,10 @@ struct Cli {
     /// picks a free port (see --metrics-addr-file). Default: no HTTP.
     #[arg(long, global = true)]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// Allow --metrics-listen on a non-loopback address (a monitoring network): the agent's
+    /// /metrics has no authentication, so without this flag it stays on loopback.
+    #[arg(long, global = true)]
+    metrics_public: bool,
     /// Write the bound metrics address here once listening.
     #[arg(long, global = true)]
     metrics_addr_file: Option<PathBuf>,
@@ -107,6 +111,12 @@ enum Command {
         status_file: PathBuf,
         #[arg(long)]
         pid_file: PathBuf,
+        /// The rank's environment, a JSON object written by the agent (root-only).
+        #[arg(long)]
+        env_file: PathBuf,
+        /// The rank's working directory, entered after dropping to the rank's user.
+        #[arg(long)]
+        workdir: PathBuf,
         /// CPUs to bind the rank to (kernel list format, e.g. 0-15).
         #[arg(long)]
         cpus: Option<String>,
@@ -141,6 +151,16 @@ impl TryFrom<&Cli> for AgentConfig {
         config.agent_id = cli.agent_id.clone();
         config.address = cli.address.clone();
         config.reserve_cpus = cli.reserve_cpus;
+        if let Some(at) = cli.metrics_listen
+            && !at.ip().is_loopback()
+            && !cli.metrics_public
+        {
+            anyhow::bail!(
+                "refusing --metrics-listen {at}: the agent's /metrics answers anyone who reaches it; \
+                 keep it on 127.0.0.1 (scrape through a local proxy) or pass --metrics-public on a \
+                 monitoring network"
+            );
+        }
         config.metrics_listen = cli.metrics_listen;
         config.metrics_addr_file = cli.metrics_addr_file.clone();
         config.allow_root_ranks = cli.allow_root_ranks;
@@ -183,8 +203,18 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
-    if let Some(Command::Supervise { status_file, pid_file, cpus, mem_node, uid, gid, groups, argv }) =
-        cli.command
+    if let Some(Command::Supervise {
+        status_file,
+        pid_file,
+        env_file,
+        workdir,
+        cpus,
+        mem_node,
+        uid,
+        gid,
+        groups,
+        argv,
+    }) = cli.command
     {
         // A binding that cannot even be parsed leaves the rank unpinned; the read-back and
         // the controller's warning tell the operator (see `trainyard_agent::pinning`).
@@ -193,7 +223,8 @@ fn main() -> ExitCode {
             None
         });
         let user = uid.zip(gid).map(|(uid, gid)| SwitchUser { uid, gid, groups });
-        let code = supervise(&SuperviseArgs { status_file, pid_file, binding, user, argv });
+        let code =
+            supervise(&SuperviseArgs { status_file, pid_file, env_file, workdir, binding, user, argv });
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     init_tracing(cli.log_format);

@@ -10,6 +10,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 use trainyard_controller::auth::Policy;
+use trainyard_controller::http::Exposure;
 use trainyard_controller::server::{Security, TlsFiles};
 use trainyard_controller::store::{self, SqliteStore};
 use trainyard_controller::{Controller, ControllerConfig, server};
@@ -53,6 +54,14 @@ struct Cli {
     /// unencrypted and agents are not authenticated. Only for an isolated test network.
     #[arg(long)]
     insecure_plaintext_on_network: bool,
+    /// Serve the HTTP listener (web view, /metrics) in plain text on a non-loopback address
+    /// without TLS: tokens cross the network in clear; an isolated network only.
+    #[arg(long)]
+    http_insecure_plaintext_on_network: bool,
+    /// Let /metrics answer without a token on a non-loopback HTTP listener (a monitoring network
+    /// whose scraper cannot send a bearer token). On loopback it never needs one.
+    #[arg(long)]
+    metrics_public: bool,
     /// Highest job priority a non-admin user may submit.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     max_user_priority: i32,
@@ -197,6 +206,30 @@ fn security(cli: &Cli) -> anyhow::Result<Security> {
     })
 }
 
+/// How the HTTP listener at `bound` is exposed. On loopback: plain HTTP, as the gRPC listener's
+/// policy says. Off loopback: HTTPS with the gRPC listener's certificate when it has one;
+/// without TLS, only with --http-insecure-plaintext-on-network. Calls there always need a token
+/// (the server enforces it), `/metrics` too unless --metrics-public.
+fn http_exposure(cli: &Cli, bound: SocketAddr, security: &Security) -> anyhow::Result<Exposure> {
+    let public_metrics = cli.metrics_public;
+    if bound.ip().is_loopback() {
+        return Ok(Exposure { tls: None, public_metrics });
+    }
+    if let Some(tls) = &security.tls {
+        return Ok(Exposure { tls: Some(tls.clone()), public_metrics });
+    }
+    if !cli.http_insecure_plaintext_on_network {
+        bail!(
+            "refusing to serve the web view and /metrics in plain text on {bound}: tokens would cross \
+             the network in clear. Give --tls-dir (the HTTP listener then serves HTTPS with the same \
+             certificate), keep --http-listen on 127.0.0.1, or pass --http-insecure-plaintext-on-network \
+             on an isolated network"
+        );
+    }
+    tracing::warn!(%bound, "INSECURE: plain-text HTTP on a network address; every call still needs a token");
+    Ok(Exposure { tls: None, public_metrics })
+}
+
 /// Opens the store the flags name (--db, else the SQLite file in --data-dir).
 async fn open_store(cli: &Cli) -> anyhow::Result<Arc<dyn store::Store>> {
     Ok(match &cli.db {
@@ -235,12 +268,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let listener =
                 TcpListener::bind(at).await.with_context(|| format!("listen on {at} (--http-listen)"))?;
             let bound = listener.local_addr().context("read the bound HTTP address")?;
+            let exposure = http_exposure(&cli, bound, &security)?;
             if let Some(path) = &cli.http_addr_file {
                 write_atomically(path, &bound.to_string())
                     .with_context(|| format!("write {}", path.display()))?;
             }
-            tracing::info!(addr = %bound, "serving /metrics and /healthz");
-            Some(listener)
+            let scheme = if exposure.tls.is_some() { "https" } else { "http" };
+            tracing::info!(addr = %bound, scheme, "serving the web view, /metrics and /healthz");
+            Some((listener, exposure))
         }
     };
     tracing::info!(%addr, "trainyard-controller listening");
