@@ -18,7 +18,14 @@ use trainyard_proto::v1::agent_message::Msg as Out;
 use trainyard_proto::v1::{AgentMessage, LogData, ReadLogs};
 
 /// Bytes per `LogData` message.
-pub const CHUNK: usize = 64 * 1024;
+pub use trainyard_proto::limits::MAX_LOG_CHUNK_BYTES as CHUNK;
+/// Most bytes a second one request reads and sends: logs share the agent's stream with receipts
+/// and rank reports, and the controller drops a client that falls 16 MiB behind, so a dump is
+/// paced to what a client reads rather than to what the disk gives.
+pub const MAX_BYTES_PER_SEC: usize = 8 << 20;
+/// The pause after each full piece that keeps a request at [`MAX_BYTES_PER_SEC`].
+const PIECE_INTERVAL: Duration = Duration::from_micros((CHUNK as u64 * 1_000_000) / MAX_BYTES_PER_SEC as u64);
+
 /// How often a followed rank's files are read for new output.
 pub const FOLLOW_EVERY: Duration = Duration::from_millis(250);
 
@@ -119,6 +126,9 @@ async fn send_from(
         let data =
             LogData { request_id, stream: stream.to_string(), data: buf[..n].to_vec(), ..Default::default() };
         tx.send(message(data)).await.map_err(|_| Gone)?;
+        if n == CHUNK {
+            tokio::time::sleep(PIECE_INTERVAL).await;
+        }
     }
     Ok(offset)
 }

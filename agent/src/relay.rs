@@ -126,7 +126,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
                 if config.address.is_none() {
                     identity.address = advertised_address(&config.controller, &identity.address).await;
                 }
-                let client = AgentsClient::new(channel);
+                let client = AgentsClient::new(channel)
+                    .max_decoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES)
+                    .max_encoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES);
                 match connection::serve(&config, &identity, &mut launcher, client, shutdown.as_mut()).await {
                     Ended::Shutdown => {
                         info!("agent stopped; ranks keep running");

@@ -22,8 +22,8 @@ use trainyard_proto::v1::Receipt;
 
 use crate::layout::RankId;
 
-/// Lines longer than this (without the newline) are skipped.
-pub const MAX_LINE_BYTES: usize = 1 << 20;
+/// Lines longer than this (without the newline) are skipped and counted, never buffered whole.
+pub use trainyard_proto::limits::MAX_RECEIPT_LINE_BYTES as MAX_LINE_BYTES;
 
 const CHUNK_BYTES: usize = 64 * 1024;
 

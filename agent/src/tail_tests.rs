@@ -155,6 +155,21 @@ fn line_of_exactly_the_limit_is_kept() {
 }
 
 #[test]
+fn line_one_byte_over_the_limit_is_skipped_and_counted() {
+    let fx = Fixture::new();
+    let mut line = b"{\"kind\":\"edge\",\"pad\":\"".to_vec();
+    line.resize(MAX_LINE_BYTES - 1, b'y');
+    line.extend_from_slice(b"\"}");
+    assert_eq!(line.len(), MAX_LINE_BYTES + 1);
+    line.extend_from_slice(b"\n{\"kind\":\"after\"}\n");
+    fx.append(&line);
+    let mut t = fx.tailer(Position::default());
+    let (out, _) = poll(&mut t);
+    assert_eq!(seqs(&out), vec![1], "the long line is skipped, the next one kept");
+    assert_eq!(t.skipped_lines(), 1);
+}
+
+#[test]
 fn over_long_partial_line_is_skipped_once_its_newline_arrives() {
     let fx = Fixture::new();
     fx.append(&vec![b'z'; MAX_LINE_BYTES + 10]);

@@ -12,6 +12,7 @@ use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use trainyard_proto::limits;
 use trainyard_proto::v1::agents_server::AgentsServer;
 use trainyard_proto::v1::jobs_server::JobsServer;
 
@@ -87,10 +88,13 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<JobsServer<JobsService>>().await;
     health.set_serving::<AgentsServer<AgentsService>>().await;
-    let jobs = JobsServer::new(JobsService::new(controller.clone(), auth, token.clone()));
+    let jobs = JobsServer::new(JobsService::new(controller.clone(), auth, token.clone()))
+        .max_decoding_message_size(limits::MAX_REQUEST_BYTES)
+        .max_encoding_message_size(limits::MAX_RESPONSE_BYTES);
     let agents =
         AgentsServer::new(AgentsService::new(controller, security.policy.require_agent_cert, token.clone()))
-            .max_decoding_message_size(64 * 1024 * 1024);
+            .max_decoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES)
+            .max_encoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES);
     let stop = token.clone();
     let result = builder
         .tcp_nodelay(true)

@@ -87,7 +87,10 @@ pub async fn connect(url: &str, credentials: &Credentials) -> anyhow::Result<Con
         None => None,
     };
     let channel = endpoint.connect().await.map_err(|e| unreachable_error(url, &error_chain(&e)))?;
-    Ok(Controller { jobs: JobsClient::with_interceptor(channel, Bearer(bearer)), url: url.to_string() })
+    let jobs = JobsClient::with_interceptor(channel, Bearer(bearer))
+        .max_decoding_message_size(trainyard_proto::limits::MAX_RESPONSE_BYTES)
+        .max_encoding_message_size(trainyard_proto::limits::MAX_REQUEST_BYTES);
+    Ok(Controller { jobs, url: url.to_string() })
 }
 
 impl Controller {

@@ -98,16 +98,74 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Longest value of an audit row's field; longer ones (a 4 MiB job name in a refused submit)
+/// are cut, with their length noted, so a flood of large refused calls cannot fill the disk.
+pub const MAX_AUDIT_FIELD_BYTES: usize = 256;
+
+/// Refused calls without a valid credential written to `audit_log` per second (after a burst of
+/// [`AUDIT_REFUSALS_BURST`]); the rest are counted and written as one summary row, so a flood of
+/// bad tokens neither grows the table without bound nor takes the store's connections from
+/// receipt ingest.
+pub const AUDIT_REFUSALS_PER_SEC: f64 = 10.0;
+pub const AUDIT_REFUSALS_BURST: f64 = 50.0;
+
+/// Longest `authorization` value looked up at all: a token is `tyt_` and 64 hex digits.
+const MAX_TOKEN_BYTES: usize = 128;
+
 /// Turns a call's bearer token into a [`Caller`], and writes the audit log.
 #[derive(Clone)]
 pub struct Authenticator {
     store: Arc<dyn Store>,
     policy: Policy,
+    refusals: Arc<std::sync::Mutex<RefusalBudget>>,
+}
+
+/// The token bucket of [`Authenticator::audit_refusal`]: rows it may still write, and the
+/// refusals it dropped since the last row.
+#[derive(Debug)]
+struct RefusalBudget {
+    tokens: f64,
+    at_ms: i64,
+    suppressed: u64,
+}
+
+impl RefusalBudget {
+    /// Whether a row may be written at `now_ms`; when not, the refusal is counted.
+    fn take(&mut self, now_ms: i64) -> bool {
+        let elapsed = (now_ms - self.at_ms).max(0) as f64 / 1000.0;
+        self.tokens = (self.tokens + elapsed * AUDIT_REFUSALS_PER_SEC).min(AUDIT_REFUSALS_BURST);
+        self.at_ms = now_ms;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            self.suppressed += 1;
+            false
+        }
+    }
+}
+
+/// `text` cut to [`MAX_AUDIT_FIELD_BYTES`] on a character boundary, its full length noted.
+pub fn clip(text: &str) -> String {
+    clip_to(text, MAX_AUDIT_FIELD_BYTES)
+}
+
+/// `text` cut to about `max` bytes on a character boundary, its full length noted.
+pub fn clip_to(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &text[..end], text.len())
 }
 
 impl Authenticator {
     pub fn new(store: Arc<dyn Store>, policy: Policy) -> Self {
-        Authenticator { store, policy }
+        let budget = RefusalBudget { tokens: AUDIT_REFUSALS_BURST, at_ms: 0, suppressed: 0 };
+        Authenticator { store, policy, refusals: Arc::new(std::sync::Mutex::new(budget)) }
     }
 
     pub fn policy(&self) -> &Policy {
@@ -147,6 +205,12 @@ impl Authenticator {
             }
             Some(value) => value.strip_prefix("Bearer ").unwrap_or(value).trim(),
         };
+        // Nothing that cannot be a token costs a database lookup.
+        if token.len() > MAX_TOKEN_BYTES || !token.starts_with(TOKEN_PREFIX) {
+            return Err(AuthError::Unauthenticated(format!(
+                "the token is not valid: a trainyard token starts with {TOKEN_PREFIX} and is 68 characters long"
+            )));
+        }
         let Some((t, user)) = self.store.token_owner(&token_hash(token)).await? else {
             return Err(AuthError::Unauthenticated(
                 "the token is not valid: unknown to this controller".into(),
@@ -186,15 +250,39 @@ impl Authenticator {
         };
         let entry = AuditEntry {
             at_ms,
-            actor: actor.to_string(),
-            action: action.to_string(),
-            target: target.to_string(),
+            actor: clip(actor),
+            action: clip(action),
+            target: clip(target),
             accepted,
-            detail: detail.to_string(),
+            detail: clip(detail),
         };
         if let Err(e) = self.store.audit(&entry).await {
             tracing::error!(actor, action, target, error = %e, "failed to write the audit log");
         }
+    }
+}
+
+impl Authenticator {
+    /// Audits a call refused for want of a valid credential, at most
+    /// [`AUDIT_REFUSALS_PER_SEC`] rows a second; the first row after a dry spell says how many
+    /// were left out.
+    pub async fn audit_refusal(&self, action: &str, target: &str, why: &str, at_ms: i64) {
+        let (write, suppressed) = {
+            let mut budget = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+            let write = budget.take(at_ms);
+            let suppressed = if write { std::mem::take(&mut budget.suppressed) } else { 0 };
+            (write, suppressed)
+        };
+        if !write {
+            return;
+        }
+        if suppressed > 0 {
+            let note = format!(
+                "{suppressed} more refused calls without a valid credential were not audited one by one (rate limit)"
+            );
+            self.audit("-", "audit.rate_limited", "-", Err(&note), at_ms).await;
+        }
+        self.audit("-", action, target, Err(why), at_ms).await;
     }
 }
 

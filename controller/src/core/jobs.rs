@@ -12,10 +12,14 @@ use trainyard_proto::v1::{
 use super::{ActiveJob, Controller, ControllerError, Core, Result, rank_done};
 use crate::scheduler::{self, GpuView, NodeView, Request};
 use crate::spec::{self, JobSpec};
-use crate::store::{Allocation, JobId, JobOwner, JobRecord, StoreError};
+use crate::store::{Allocation, JobId, JobOwner, JobRecord, JobState, StoreError};
 
 /// How long a cancel waits for the reconciler to store it before telling the caller so.
 const CANCEL_STORE_WAIT: Duration = Duration::from_secs(30);
+
+/// Jobs one user may have waiting (`pending`) at once: a loop of submits cannot bury the
+/// queue (every scheduling pass looks at every pending job) or the store.
+pub const MAX_PENDING_JOBS_PER_USER: usize = 1_000;
 
 impl Controller {
     /// Validates, stores and queues a job; returns its id. Nothing is stored for a bad spec or
@@ -35,6 +39,19 @@ impl Controller {
             return Ok(id);
         }
         let request = request_of(0, &spec);
+        let pending = self
+            .lock()
+            .jobs
+            .values()
+            .filter(|j| j.record.state == JobState::Pending && j.record.owner.user == owner.user)
+            .count();
+        if !owner.user.is_empty() && pending >= MAX_PENDING_JOBS_PER_USER {
+            return Err(ControllerError::TooMany(format!(
+                "user {} already has {pending} jobs waiting, the most one user may have \
+                 ({MAX_PENDING_JOBS_PER_USER}); cancel some or wait for them to start",
+                owner.user
+            )));
+        }
         let all_nodes = self.lock().node_views(true);
         scheduler::feasible(&request, &all_nodes).map_err(ControllerError::Unsatisfiable)?;
         let record = match self.store.create_job_for(&spec, key, owner, "submitted", self.now_ms()).await {

@@ -1,11 +1,12 @@
 //! `Jobs.Logs`: a rank's stdout and stderr, read by its agent from the files it keeps and
 //! relayed over the agent's stream to the client. Nothing is stored: the controller holds one
-//! small bounded channel per open request, and a client that stops reading for
-//! [`CLIENT_STALL`] is dropped (its agent is told to stop), so a stuck client never holds up
-//! that agent's receipts.
+//! bounded channel per open request ([`BUFFER`] pieces), and the agent's stream never waits for
+//! a client: a piece that finds the channel full drops that client (its agent is told to stop,
+//! the client is told why), so a slow `ctl logs --follow` never holds up the receipts and rank
+//! reports that share the agent's stream. The agent paces its reading
+//! (`trainyard_agent::logs::MAX_BYTES_PER_SEC`), so a client that keeps up is never dropped.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use tokio::sync::mpsc;
 use trainyard_proto::v1::controller_message::Msg;
@@ -14,10 +15,10 @@ use trainyard_proto::v1::{ControllerMessage, LogData, ReadLogs, StopLogs};
 use super::{Controller, ControllerError, Result};
 use crate::store::JobId;
 
-/// How long one piece may wait for a client that does not read.
-pub const CLIENT_STALL: Duration = Duration::from_secs(10);
-/// Pieces of 64 KiB buffered per request.
-const BUFFER: usize = 16;
+/// Pieces of up to 64 KiB buffered per request (16 MiB): a client this far behind is dropped.
+pub const BUFFER: usize = 256;
+/// How long a dropped client is given to read up to the notice that says why.
+const SLOW_CLIENT_NOTICE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What a `Logs` client receives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,7 +86,7 @@ impl Controller {
 
     /// A piece of logs from `agent_id`: forwarded to its client. The last piece closes the
     /// request; a client that went away (or stalls) closes it too and stops the agent.
-    pub async fn log_data(&self, agent_id: &str, data: LogData) {
+    pub fn log_data(&self, agent_id: &str, data: LogData) {
         let request_id = data.request_id;
         let tx = self.log_waiters().get(&request_id).filter(|w| w.agent_id == agent_id).map(|w| w.tx.clone());
         let Some(tx) = tx else { return };
@@ -94,8 +95,23 @@ impl Controller {
             (true, false) => Some(LogEvent::Failed(data.error)),
             (false, _) => Some(LogEvent::Chunk { stream: data.stream, data: data.data }),
         };
+        // Never awaited: this runs on the agent's stream.
         let delivered = match event {
-            Some(event) => matches!(tokio::time::timeout(CLIENT_STALL, tx.send(event)).await, Ok(Ok(()))),
+            Some(event) => match tx.try_send(event) {
+                Ok(()) => true,
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    // Told off the agent's path, once the client has read what is queued.
+                    tokio::spawn(async move {
+                        let why = format!(
+                            "logs stopped: this client fell {BUFFER} pieces (16 MiB) behind; read faster, or use --tail"
+                        );
+                        let _ =
+                            tokio::time::timeout(SLOW_CLIENT_NOTICE, tx.send(LogEvent::Failed(why))).await;
+                    });
+                    false
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => false,
+            },
             None => true,
         };
         if data.done || !delivered {

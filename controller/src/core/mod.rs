@@ -85,6 +85,9 @@ pub enum ControllerError {
     /// An agent spoke for a rank it was not given (another agent's, or none at all).
     #[error("{0}")]
     NotYours(String),
+    /// A per-user cap on a shared resource (pending jobs, open streams) is reached.
+    #[error("{0}")]
+    TooMany(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }

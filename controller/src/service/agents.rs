@@ -204,7 +204,7 @@ async fn serve(
             }
             // Every message counts as a sign of life (see the top of the loop).
             agent_message::Msg::Heartbeat(_) => {}
-            agent_message::Msg::LogData(data) => controller.log_data(agent_id, data).await,
+            agent_message::Msg::LogData(data) => controller.log_data(agent_id, data),
             agent_message::Msg::Preflight(report) => {
                 if let Err(e) = controller.agent_preflight(agent_id, report).await {
                     tracing::error!(agent_id, error = %e, "failed to store a preflight report; closing");

@@ -18,6 +18,8 @@ use trainyard_proto::v1::{
     WatchEvent, WatchRequest, watch_event::Event,
 };
 
+use trainyard_proto::limits;
+
 use super::{auth_status, to_status};
 use crate::auth::{self, Authenticator, Caller};
 use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
@@ -26,15 +28,57 @@ use crate::store::{JobState, RankState, StoreError};
 /// Receipts read from the store per round trip of a watcher.
 const WATCH_PAGE: u32 = 2_000;
 
+/// `Watch` and `Logs` streams one user may hold open at once: each holds a task, a channel and
+/// store reads, so one user's script cannot starve the others.
+pub const MAX_STREAMS_PER_USER: usize = 16;
+
 pub struct JobsService {
     controller: Arc<Controller>,
     auth: Authenticator,
     shutdown: CancellationToken,
+    streams: StreamSlots,
+}
+
+/// Open streams per user.
+#[derive(Clone, Default)]
+struct StreamSlots(Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>);
+
+/// One open stream of a user; the count goes down when the stream (and this) is dropped.
+struct StreamSlot {
+    slots: StreamSlots,
+    user: String,
+}
+
+impl StreamSlots {
+    fn take(&self, user: &str) -> Result<StreamSlot, Status> {
+        let mut open = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let count = open.entry(user.to_string()).or_default();
+        if *count >= MAX_STREAMS_PER_USER {
+            return Err(Status::resource_exhausted(format!(
+                "user {user} already has {count} watch/logs streams open, the most one user may have \
+                 ({MAX_STREAMS_PER_USER}); close some first"
+            )));
+        }
+        *count += 1;
+        Ok(StreamSlot { slots: self.clone(), user: user.to_string() })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut open = self.slots.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = open.get_mut(&self.user) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.user);
+            }
+        }
+    }
 }
 
 impl JobsService {
     pub fn new(controller: Arc<Controller>, auth: Authenticator, shutdown: CancellationToken) -> Self {
-        JobsService { controller, auth, shutdown }
+        JobsService { controller, auth, shutdown, streams: StreamSlots::default() }
     }
 
     /// The caller of `request`, from its bearer token; a refusal is audited as `action` on
@@ -47,7 +91,7 @@ impl JobsService {
             Err(e) => {
                 let why = e.to_string();
                 tracing::warn!(action, target, peer = ?request.remote_addr(), reason = %why, "call refused: no valid credential");
-                self.auth.audit("-", action, target, Err(&why), now).await;
+                self.auth.audit_refusal(action, target, &why, now).await;
                 Err(auth_status(e))
             }
         }
@@ -103,6 +147,13 @@ impl Jobs for JobsService {
             Ok(owner) => owner,
             Err(e) => return self.refuse(&caller, "job.submit", &name, e.to_string()).await,
         };
+        if request.idempotency_key.len() > limits::MAX_SHORT_STRING_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "the idempotency key is {} bytes long, at most {} allowed",
+                request.idempotency_key.len(),
+                limits::MAX_SHORT_STRING_BYTES
+            )));
+        }
         let key = Some(request.idempotency_key).filter(|k| !k.is_empty());
         let now = self.controller.now_ms();
         match self.controller.submit_as(spec, key.as_deref(), &owner).await {
@@ -139,7 +190,10 @@ impl Jobs for JobsService {
     }
 
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
-        let req = request.get_ref().clone();
+        let mut req = request.get_ref().clone();
+        if req.reason.len() > limits::MAX_SHORT_STRING_BYTES {
+            req.reason = crate::auth::clip_to(&req.reason, limits::MAX_SHORT_STRING_BYTES);
+        }
         let caller = self.job_caller(&request, "job.cancel", req.job_id).await?;
         let target = format!("job:{}", req.job_id);
         let now = self.controller.now_ms();
@@ -208,22 +262,34 @@ impl Jobs for JobsService {
     type LogsStream = LogsStream;
 
     async fn logs(&self, request: Request<LogsRequest>) -> Result<Response<LogsStream>, Status> {
-        self.job_caller(&request, "job.logs", request.get_ref().job_id).await?;
+        let caller = self.job_caller(&request, "job.logs", request.get_ref().job_id).await?;
+        let slot = self.streams.take(&caller.name)?;
         let req = request.into_inner();
+        if req.tail_lines > limits::MAX_TAIL_LINES {
+            return Err(Status::invalid_argument(format!(
+                "--tail {} is more than {} lines",
+                req.tail_lines,
+                limits::MAX_TAIL_LINES
+            )));
+        }
         let rx = self
             .controller
             .open_logs(req.job_id, req.rank, req.tail_lines, req.follow)
             .await
             .map_err(to_status)?;
-        let chunks = tokio_stream::StreamExt::map(ReceiverStream::new(rx), |event| match event {
-            LogEvent::Chunk { stream, data } => Ok(LogChunk { stream, data }),
-            LogEvent::Failed(why) => Err(Status::unavailable(why)),
+        let chunks = tokio_stream::StreamExt::map(ReceiverStream::new(rx), move |event| {
+            let _held = &slot;
+            match event {
+                LogEvent::Chunk { stream, data } => Ok(LogChunk { stream, data }),
+                LogEvent::Failed(why) => Err(Status::unavailable(why)),
+            }
         });
         Ok(Response::new(Box::pin(chunks)))
     }
 
     async fn watch(&self, request: Request<WatchRequest>) -> Result<Response<WatchStream>, Status> {
-        self.job_caller(&request, "job.watch", request.get_ref().job_id).await?;
+        let caller = self.job_caller(&request, "job.watch", request.get_ref().job_id).await?;
+        let slot = self.streams.take(&caller.name)?;
         let req = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let watcher =
@@ -234,7 +300,11 @@ impl Jobs for JobsService {
                 let _ = tx.send(Err(to_status(e.into()))).await;
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let events = tokio_stream::StreamExt::map(ReceiverStream::new(rx), move |event| {
+            let _held = &slot;
+            event
+        });
+        Ok(Response::new(Box::pin(events)))
     }
 }
 

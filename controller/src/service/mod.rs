@@ -30,6 +30,7 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
         ControllerError::LogsUnavailable(_) => tonic::Status::failed_precondition(e.to_string()),
         ControllerError::AlreadyConnected(_) => tonic::Status::already_exists(e.to_string()),
         ControllerError::NotYours(_) => tonic::Status::permission_denied(e.to_string()),
+        ControllerError::TooMany(_) => tonic::Status::resource_exhausted(e.to_string()),
         ControllerError::Store(StoreError::JobNotFound(_)) => tonic::Status::not_found(e.to_string()),
         ControllerError::Store(StoreError::StateConflict { .. }) => tonic::Status::aborted(e.to_string()),
         // Database text (SQL, constraint names, server messages) stays in the controller's log:

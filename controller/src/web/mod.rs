@@ -119,9 +119,18 @@ fn store_error(e: crate::core::ControllerError) -> Reject {
     reject(code, status.message())
 }
 
-/// Query parameters as `(name, value)` pairs; a malformed string is a 400 naming it.
+/// Longest query string the API reads; every parameter it knows is a few digits or a word.
+pub const MAX_QUERY_BYTES: usize = 4_096;
+
+/// Query parameters as `(name, value)` pairs; a malformed or over-long string is a 400 naming it.
 fn query_pairs(raw: &Option<String>) -> Result<Vec<(String, String)>, Reject> {
     let Some(raw) = raw else { return Ok(Vec::new()) };
+    if raw.len() > MAX_QUERY_BYTES {
+        return Err(reject(
+            StatusCode::BAD_REQUEST,
+            format!("the query string is {} bytes long, at most {MAX_QUERY_BYTES} allowed", raw.len()),
+        ));
+    }
     let mut pairs = Vec::new();
     for part in raw.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = part.split_once('=').unwrap_or((part, ""));
