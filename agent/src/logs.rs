@@ -19,12 +19,28 @@ use trainyard_proto::v1::{AgentMessage, LogData, ReadLogs};
 
 /// Bytes per `LogData` message.
 pub use trainyard_proto::limits::MAX_LOG_CHUNK_BYTES as CHUNK;
-/// Most bytes a second one request reads and sends: logs share the agent's stream with receipts
-/// and rank reports, and the controller drops a client that falls 16 MiB behind, so a dump is
-/// paced to what a client reads rather than to what the disk gives.
-pub const MAX_BYTES_PER_SEC: usize = 8 << 20;
-/// The pause after each full piece that keeps a request at [`MAX_BYTES_PER_SEC`].
+/// Most log bytes a second this agent sends, all requests together: logs share the agent's
+/// stream with receipts and rank reports, so fifty open `ctl logs` of a chatty rank cannot crowd
+/// the receipts out; and the controller drops a client that falls 16 MiB behind, so a dump goes
+/// at a pace clients read rather than at what the disk gives.
+pub const MAX_BYTES_PER_SEC: usize = 16 << 20;
+/// The time one full piece takes of the agent's log budget.
 const PIECE_INTERVAL: Duration = Duration::from_micros((CHUNK as u64 * 1_000_000) / MAX_BYTES_PER_SEC as u64);
+
+/// When the agent's log budget next has room for a piece (shared by every request).
+static NEXT_PIECE: std::sync::Mutex<Option<tokio::time::Instant>> = std::sync::Mutex::new(None);
+
+/// Waits for the agent's log budget to have room for one more full piece.
+async fn pace() {
+    let at = {
+        let mut next = NEXT_PIECE.lock().unwrap_or_else(|p| p.into_inner());
+        let now = tokio::time::Instant::now();
+        let at = next.map_or(now, |n| n.max(now));
+        *next = Some(at + PIECE_INTERVAL);
+        at
+    };
+    tokio::time::sleep_until(at).await;
+}
 
 /// How often a followed rank's files are read for new output.
 pub const FOLLOW_EVERY: Duration = Duration::from_millis(250);
@@ -125,10 +141,10 @@ async fn send_from(
         offset += n as u64;
         let data =
             LogData { request_id, stream: stream.to_string(), data: buf[..n].to_vec(), ..Default::default() };
-        tx.send(message(data)).await.map_err(|_| Gone)?;
         if n == CHUNK {
-            tokio::time::sleep(PIECE_INTERVAL).await;
+            pace().await;
         }
+        tx.send(message(data)).await.map_err(|_| Gone)?;
     }
     Ok(offset)
 }

@@ -39,16 +39,49 @@ pub struct Exposure {
     pub public_metrics: bool,
 }
 
-/// The routes, over `controller`: metrics, health and the web view (`crate::web`).
-/// `metrics_need_token`: `/metrics` asks for a user's token, as the web API does.
+/// Requests the HTTP listener serves at once; more are answered 503 at once rather than queued,
+/// so a flood of page loads cannot pile up store reads.
+pub const MAX_CONCURRENT_HTTP_REQUESTS: usize = 64;
+/// Longest one HTTP request may take (a job page of millions of receipts answers in seconds).
+pub const HTTP_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The routes, over `controller`: metrics, health and the web view (`crate::web`), behind the
+/// concurrency limit and the request timeout. `metrics_need_token`: `/metrics` asks for a user's
+/// token, as the web API does.
 pub fn router(controller: Arc<Controller>, auth: Authenticator, metrics_need_token: bool) -> Router {
     let scrape_state = Scrape { controller: controller.clone(), auth: auth.clone(), metrics_need_token };
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_HTTP_REQUESTS));
     Router::new()
         .route("/metrics", get(scrape))
         .with_state(scrape_state)
         .route("/healthz", get(healthz))
         .fallback(not_found)
         .merge(crate::web::routes(controller, auth))
+        .layer(axum::middleware::from_fn_with_state(slots, limit))
+}
+
+/// The concurrency limit and the timeout of every HTTP request.
+async fn limit(
+    State(slots): State<Arc<tokio::sync::Semaphore>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Ok(_permit) = slots.try_acquire() else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, "1")],
+            format!("busy: {MAX_CONCURRENT_HTTP_REQUESTS} requests in progress; try again in a second\n"),
+        )
+            .into_response();
+    };
+    match tokio::time::timeout(HTTP_REQUEST_TIMEOUT, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the request took longer than {} s and was stopped\n", HTTP_REQUEST_TIMEOUT.as_secs()),
+        )
+            .into_response(),
+    }
 }
 
 #[derive(Clone)]

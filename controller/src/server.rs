@@ -21,6 +21,15 @@ use crate::core::Controller;
 use crate::http::{Exposure, TlsListener};
 use crate::service::{AgentsService, JobsService};
 
+/// Requests (streams included) one gRPC connection may have in flight; more wait.
+pub const MAX_CONCURRENT_REQUESTS_PER_CONNECTION: usize = 256;
+/// Headers of one gRPC request (a token is under 100 bytes): larger ones are refused by HTTP/2.
+pub const MAX_HEADER_BYTES: u32 = 16 << 10;
+/// Longest a unary gRPC call may take before it is answered `Cancelled`; above the longest wait
+/// a call does on purpose (`ctl preflight --run`, 2 minutes). Streams are not cut by it: it
+/// bounds the time to a stream's first response only.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(150);
+
 /// The files of the controller's TLS: its certificate and key, and the CA whose certificates
 /// agents present (`init-pki` writes all three).
 #[derive(Debug, Clone)]
@@ -98,6 +107,10 @@ pub async fn run(
     let stop = token.clone();
     let result = builder
         .tcp_nodelay(true)
+        .concurrency_limit_per_connection(MAX_CONCURRENT_REQUESTS_PER_CONNECTION)
+        .max_concurrent_streams(Some(MAX_CONCURRENT_REQUESTS_PER_CONNECTION as u32))
+        .http2_max_header_list_size(Some(MAX_HEADER_BYTES))
+        .timeout(REQUEST_TIMEOUT)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .add_service(health_service)
