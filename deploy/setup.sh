@@ -44,6 +44,19 @@ if ! command -v chromium >/dev/null 2>&1; then
     fi
 fi
 
+# iproute2 and curl: the tests that put the controller's HTTP listener on a non-loopback address
+# run it in a network namespace of their own (`ip netns`) and talk to it with curl
+# (tests/tests/http_exposure.rs). Without root they are skipped, and so is this.
+if ! command -v ip >/dev/null 2>&1 || ! command -v curl >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing iproute2 and curl (apt-get) for the network tests"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 curl >/dev/null
+    else
+        echo "setup: ip (iproute2) or curl is missing; the network tests will say skipped" >&2
+    fi
+fi
+
 # The built-in engine links libtorch from the PyPI torch==2.11.0 wheel (the version tch 0.24
 # is built against), installed into the virtual environment .venv of this checkout. The wheel
 # pulls the nvidia-* CUDA libraries (a few GB) that the GPU path needs. .cargo/config.toml points

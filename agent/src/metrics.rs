@@ -39,6 +39,7 @@ pub struct Metrics {
     pub receipt_lag_bytes: Gauge,
     pub unacked_batches: Gauge,
     pub skipped_lines: Gauge,
+    pub held_ranks: Gauge,
     pub receipts_relayed: Counter,
     pub receipt_bytes_relayed: Counter,
 }
@@ -59,6 +60,7 @@ impl Metrics {
             receipt_lag_bytes: Gauge::default(),
             unacked_batches: Gauge::default(),
             skipped_lines: Gauge::default(),
+            held_ranks: Gauge::default(),
             receipts_relayed: Counter::default(),
             receipt_bytes_relayed: Counter::default(),
         };
@@ -78,6 +80,11 @@ impl Metrics {
             "skipped_lines",
             "Receipts-file lines that are not receipts",
             m.skipped_lines.clone(),
+        );
+        registry.register(
+            "held_ranks",
+            "Ranks whose receipts the controller does not acknowledge (it does not know the job): kept in their files, not read further",
+            m.held_ranks.clone(),
         );
         registry.register("receipts_relayed", "Receipts sent to the controller", m.receipts_relayed.clone());
         registry.register("receipt_bytes_relayed", "Bytes of receipts sent", m.receipt_bytes_relayed.clone());
@@ -101,6 +108,7 @@ impl Metrics {
         self.unacked_batches.set(unacked_batches as i64);
         let skipped: u64 = launcher.ranks().map(|r| r.tailer.skipped_lines()).sum();
         self.skipped_lines.set(i64::try_from(skipped).unwrap_or(i64::MAX));
+        self.held_ranks.set(launcher.ranks().filter(|r| r.tailer.held()).count() as i64);
     }
 
     /// The metrics in the OpenMetrics text format.

@@ -27,6 +27,12 @@ pub use trainyard_proto::limits::MAX_RECEIPT_LINE_BYTES as MAX_LINE_BYTES;
 
 const CHUNK_BYTES: usize = 64 * 1024;
 
+/// Bytes of a receipts file read past its acknowledged position before the tailer waits: the
+/// controller stores and acknowledges within a batch or two, so only a controller that does not
+/// acknowledge a rank's receipts (it does not know the job) holds a rank here. Its receipts
+/// stay in the file, to be sent again on the next stream.
+pub const MAX_UNACKED_BYTES: u64 = 64 << 20;
+
 /// A point in a receipts file: the start of line `next_seq`, with `skipped` lines skipped
 /// before it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,6 +95,8 @@ pub struct Tailer {
     /// not read (again) yet: the acks of a `HelloAck`, which arrive after the rewind of a new
     /// stream. Such lines are passed over as acknowledged instead of being sent twice.
     stored_through: Option<u64>,
+    /// Reading waits at [`MAX_UNACKED_BYTES`] past the acknowledged position.
+    held: bool,
 }
 
 impl Tailer {
@@ -105,6 +113,7 @@ impl Tailer {
             too_long: false,
             in_flight: VecDeque::new(),
             stored_through: None,
+            held: false,
         }
     }
 
@@ -127,6 +136,11 @@ impl Tailer {
         self.line.skipped
     }
 
+    /// Whether reading waits because [`MAX_UNACKED_BYTES`] are unacknowledged.
+    pub fn held(&self) -> bool {
+        self.held
+    }
+
     /// Whether receipts were sent and are not acknowledged yet.
     pub fn has_unacked(&self) -> bool {
         !self.in_flight.is_empty()
@@ -147,6 +161,20 @@ impl Tailer {
             Err(e) => return Err(e),
         };
         let read_from = self.line.offset + self.consumed;
+        if read_from.saturating_sub(self.acked.offset) >= MAX_UNACKED_BYTES {
+            if !self.held {
+                self.held = true;
+                tracing::warn!(
+                    job_id = self.id.job_id,
+                    attempt = self.id.attempt,
+                    rank = self.id.rank,
+                    unacked_bytes = read_from - self.acked.offset,
+                    "the controller does not acknowledge this rank's receipts; holding them in the file (sent again on the next stream)"
+                );
+            }
+            return Ok(false);
+        }
+        self.held = false;
         let len = file.metadata()?.len();
         if len < read_from {
             tracing::warn!(

@@ -313,3 +313,60 @@ fn budget_limits_a_batch_and_the_rest_follows() {
     assert!(t.poll(&mut out, &mut big_budget(), false).unwrap());
     assert_eq!(seqs(&out), vec![6, 7, 8, 9]);
 }
+
+mod props {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A receipts file line: a receipt, garbage (any bytes but a newline), or an over-long line.
+    fn line() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            4 => (0i64..1_000_000).prop_map(|s| format!(r#"{{"kind":"step","step":{s}}}"#).into_bytes()),
+            2 => proptest::collection::vec(any::<u8>().prop_filter("no newline", |b| *b != b'\n'), 0..80),
+            1 => Just(vec![b'x'; MAX_LINE_BYTES + 1]),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Lines written in arbitrary pieces, polled between the pieces: every line gets its
+        /// sequence number, the receipts among them are sent exactly once and in order, the
+        /// rest are skipped and counted, and memory stays bounded.
+        #[test]
+        fn any_lines_in_any_pieces_are_sent_or_skipped_once(
+            lines in proptest::collection::vec(line(), 1..12),
+            cuts in proptest::collection::vec(1usize..5_000, 1..8),
+        ) {
+            let fx = Fixture::new();
+            let mut bytes = Vec::new();
+            for l in &lines {
+                bytes.extend_from_slice(l);
+                bytes.push(b'\n');
+            }
+            let mut t = fx.tailer(Position::default());
+            let mut sent = Vec::new();
+            let mut at = 0;
+            for cut in cuts.iter().cycle() {
+                if at >= bytes.len() {
+                    break;
+                }
+                let end = (at + cut).min(bytes.len());
+                fx.append(&bytes[at..end]);
+                at = end;
+                sent.extend(poll(&mut t).0);
+                prop_assert!(t.partial.capacity() <= 2 * MAX_LINE_BYTES);
+            }
+            sent.extend(poll(&mut t).0);
+            let expected: Vec<u64> = lines
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.len() <= MAX_LINE_BYTES && parse_receipt(l).is_ok())
+                .map(|(i, _)| i as u64)
+                .collect();
+            prop_assert_eq!(seqs(&sent), expected.clone());
+            prop_assert_eq!(t.skipped_lines() as usize, lines.len() - expected.len());
+        }
+    }
+}

@@ -9,6 +9,7 @@
 //! | `trainyard_agents_known` | gauge | agents ever seen |
 //! | `trainyard_receipts_ingested_total` | counter | receipts stored (replays not counted) |
 //! | `trainyard_receipts_skipped_total` | counter | lines acknowledged but not stored (not JSON objects, replays) |
+//! | `trainyard_receipts_unknown_job_total` | counter | receipts of jobs this controller does not know: neither stored nor acknowledged (the agent keeps them) |
 //! | `trainyard_receipts_flagged_total` | counter | receipts stored flagged: they break schema v1 |
 //! | `trainyard_receipt_batch_seconds` | histogram | a receipt batch from arrival to committed |
 //! | `trainyard_store_operation_seconds{op}` | histogram | every store transaction, retries included |
@@ -51,6 +52,7 @@ pub struct Metrics {
     pub agents_known: Gauge,
     pub receipts_ingested: Counter,
     pub receipts_skipped: Counter,
+    pub receipts_unknown_job: Counter,
     pub receipts_flagged: Counter,
     pub receipt_batch: Histogram,
     pub store_operation: Family<OpLabel, Histogram, fn() -> Histogram>,
@@ -74,6 +76,7 @@ impl Metrics {
             agents_known: Gauge::default(),
             receipts_ingested: Counter::default(),
             receipts_skipped: Counter::default(),
+            receipts_unknown_job: Counter::default(),
             receipts_flagged: Counter::default(),
             receipt_batch: latency(),
             store_operation: Family::new_with_constructor(latency),
@@ -94,6 +97,11 @@ impl Metrics {
             "receipts_skipped",
             "Receipt lines acknowledged but not stored (not JSON objects, replays)",
             m.receipts_skipped.clone(),
+        );
+        registry.register(
+            "receipts_unknown_job",
+            "Receipts of jobs this controller does not know, neither stored nor acknowledged",
+            m.receipts_unknown_job.clone(),
         );
         registry.register(
             "receipts_flagged",

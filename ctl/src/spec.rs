@@ -110,8 +110,20 @@ pub fn parse(text: &str) -> Result<JobSpec, String> {
 
 /// Reads and parses the spec file at `path`, ready to submit.
 pub fn load(path: &std::path::Path) -> anyhow::Result<JobSpec> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read job spec {}", path.display()))?;
+    use std::io::Read as _;
+    use trainyard_proto::limits::MAX_SPEC_FILE_BYTES;
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot read job spec {}", path.display()))?;
+    let mut text = String::new();
+    file.take(MAX_SPEC_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("cannot read job spec {}", path.display()))?;
+    if text.len() as u64 > MAX_SPEC_FILE_BYTES {
+        anyhow::bail!(
+            "job spec {} is larger than {MAX_SPEC_FILE_BYTES} bytes; a spec is a few lines",
+            path.display()
+        );
+    }
     parse(&text).map_err(|e| anyhow::anyhow!("invalid job spec {}: {e}", path.display()))
 }
 
@@ -364,5 +376,40 @@ lr = "0.02"
         assert!(!line.contains('\n'), "{line}");
         assert!(line.starts_with("TOML parse error at line 7"), "{line}");
         assert!(line.contains("`gpus = \"x\"`: invalid type"), "{line}");
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+        /// Any text as a spec file: a spec or one line of error, never a panic.
+        #[test]
+        fn any_text_is_a_spec_or_one_line_of_error(text in "(?s).{0,300}") {
+            if let Err(e) = parse(&text) {
+                prop_assert!(!e.contains('\n'), "{}", e);
+            }
+        }
+
+        /// A valid spec with one random edit: the same.
+        #[test]
+        fn edited_specs_are_a_spec_or_one_line_of_error(at in 0usize..400, len in 0usize..20, with in "(?s).{0,12}") {
+            let good = "name = \"demo\"\npriority = 0\n\n[resources]\ngpus = 16\ngpus_per_node = 8\n\n\
+                        [engine]\nkind = \"exec\"\nargv = [\"python3\", \"rank.py\"]\nworkdir = \"/srv\"\n\n\
+                        [env]\nNCCL_DEBUG = \"WARN\"\n\n[restart]\nmax_restarts = 1\n";
+            let mut chars: Vec<char> = good.chars().collect();
+            let at = at % (chars.len() + 1);
+            let end = (at + len).min(chars.len());
+            chars.splice(at..end, with.chars());
+            let text: String = chars.into_iter().collect();
+            if let Err(e) = parse(&text) {
+                prop_assert!(!e.contains('\n'), "{}", e);
+            }
+        }
     }
 }

@@ -115,5 +115,31 @@ pub mod cpulist {
             assert!(parse("").unwrap_err().contains("empty"));
             assert!(parse("0-4000000").unwrap_err().contains("longer"));
         }
+
+        mod props {
+            use proptest::prelude::*;
+
+            use super::super::*;
+
+            proptest! {
+                #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+                /// Any text (a host file's or a kernel's CPU list): ids or an error, never a panic.
+                #[test]
+                fn any_text_is_a_cpu_list_or_an_error(text in "[0-9,\\- x\n]{0,40}|(?s).{0,40}") {
+                    if let Ok(ids) = parse(&text) {
+                        prop_assert!(ids.windows(2).all(|w| w[0] < w[1]), "sorted and distinct");
+                    }
+                }
+
+                /// Formatting any set of CPUs reads back the same set.
+                #[test]
+                fn format_then_parse_is_the_identity(mut ids in proptest::collection::vec(0u32..4096, 1..64)) {
+                    ids.sort_unstable();
+                    ids.dedup();
+                    prop_assert_eq!(parse(&format(&ids)).unwrap(), ids);
+                }
+            }
+        }
     }
 }

@@ -17,8 +17,7 @@
 //! [-- sqlite|postgres|secure]` (sqlite and postgres when none is named). PostgreSQL runs with its default,
 //! durable settings (`fsync`, `synchronous_commit` on).
 
-use std::time::Duration;
-
+use trainyard_tests::flood::{flood, median};
 use trainyard_tests::{Backend, Cluster};
 
 const PER_RANK: i64 = 50_000;
@@ -31,38 +30,6 @@ fn paced_per_rank(backend: Backend) -> i64 {
         Backend::Sqlite => 10_000,
         Backend::Postgres => 3_125,
     }
-}
-
-fn run_once(c: &Cluster, run: usize, rate_per_rank: i64) -> anyhow::Result<(f64, i64, i64)> {
-    let file = c.job_file(&format!("flood-{run}-{rate_per_rank}"), 8, 4, &[], "");
-    let text = std::fs::read_to_string(&file)?.replace(
-        r#"argv = ["python3", "examples/rank.py"]"#,
-        &format!(
-            r#"argv = ["python3", "examples/flood.py", "--receipts", "{PER_RANK}", "--rate", "{rate_per_rank}", "--chunk", "100"]"#
-        ),
-    );
-    std::fs::write(&file, text)?;
-    let job = c.submit(&file)?;
-    let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(300))?;
-    anyhow::ensure!(status["state"] == "succeeded", "flood job failed: {status}");
-    let rows = c.query(&format!(
-        "SELECT COUNT(*), MAX(stored_at_ms) - MIN(stored_at_ms) FROM receipts WHERE job_id = {job}"
-    ))?;
-    let (count, span_ms) = (rows[0][0], rows[0][1].max(1));
-    anyhow::ensure!(count == 8 * PER_RANK, "stored {count} receipts, expected {}", 8 * PER_RANK);
-    let t_ms = match c.backend() {
-        Backend::Sqlite => "json_extract(body, '$.t_ms')",
-        Backend::Postgres => "CAST(receipt_number(body, 't_ms') AS BIGINT)",
-    };
-    let latency = |q: f64| -> anyhow::Result<i64> {
-        let offset = ((count - 1) as f64 * q) as i64;
-        let rows = c.query(&format!(
-            "SELECT stored_at_ms - {t_ms} AS l FROM receipts WHERE job_id = {job} \
-             ORDER BY l LIMIT 1 OFFSET {offset}"
-        ))?;
-        Ok(rows[0][0])
-    };
-    Ok((count as f64 * 1000.0 / span_ms as f64, latency(0.5)?, latency(0.99)?))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -90,14 +57,13 @@ fn bench(backend: Backend, secure: bool) -> anyhow::Result<()> {
     for (phase, per_rank) in [("burst", 0), ("paced", paced_per_rank(backend))] {
         let mut results = Vec::new();
         for run in 0..RUNS {
-            let (rate, p50, p99) = run_once(&c, run, per_rank)?;
-            println!("{phase} run {run}: {rate:.0} receipts/s stored, latency p50 {p50} ms, p99 {p99} ms");
-            results.push((rate, p99));
+            let f = flood(&c, &format!("flood-{run}-{per_rank}"), PER_RANK, per_rank)?;
+            println!(
+                "{phase} run {run}: {:.0} receipts/s stored, latency p50 {} ms, p99 {} ms",
+                f.rate, f.p50_ms, f.p99_ms
+            );
+            results.push((f.rate, f.p99_ms));
         }
-        let median = |mut v: Vec<f64>| {
-            v.sort_by(|a, b| a.total_cmp(b));
-            v[v.len() / 2]
-        };
         let rate = median(results.iter().map(|r| r.0).collect());
         let p99 = median(results.iter().map(|r| r.1 as f64).collect());
         match phase {

@@ -4,6 +4,7 @@
 //! # Layout
 //! - [`Cluster`]: a temporary directory with a controller, agents and helpers to drive them.
 //! - [`host_file`]: writes a host description standing in for an 8-GPU node.
+//! - [`flood`]: the receipt flood job the ingest benches run, and what it measured.
 //! - Process hygiene: every process a cluster starts carries a marker in its environment, which
 //!   ranks inherit; dropping the cluster kills every process carrying it, so no test leaves a
 //!   rank behind even when it fails half-way.
@@ -19,6 +20,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use sqlx::Row;
 use trainyard_controller::store::pg_server::{Durability, TempPostgres};
+
+pub mod flood;
 
 /// Environment variable that marks every process of one test cluster.
 const MARKER: &str = "TRAINYARD_TEST_CLUSTER";

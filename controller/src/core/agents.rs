@@ -445,9 +445,21 @@ impl Controller {
                 "storing receipts that break receipt schema v1, flagged (receipts.problem)"
             );
         }
+        let mut held_back = 0;
         for job_id in self.check_senders(agent_id, &highest).await? {
-            tracing::warn!(job_id, "dropping receipts of a job this controller does not know");
+            // Not acknowledged: the agent keeps them in the rank's file (up to its window) and
+            // sends them again on its next stream, so nothing is lost if this controller is the
+            // wrong one or its database is being restored.
+            let held = rows.iter().filter(|r| r.id.job_id == job_id).count();
+            tracing::warn!(
+                agent_id,
+                job_id,
+                receipts = held,
+                "receipts of a job this controller does not know: not stored and not acknowledged; the agent keeps them"
+            );
+            held_back += held as u64;
             rows.retain(|r| r.id.job_id != job_id);
+            highest.retain(|id, _| id.job_id != job_id);
         }
         let mut stored = 0;
         if !rows.is_empty() {
@@ -456,7 +468,8 @@ impl Controller {
         }
         let m = crate::metrics::metrics();
         m.receipts_ingested.inc_by(stored);
-        m.receipts_skipped.inc_by(received.saturating_sub(stored));
+        m.receipts_skipped.inc_by(received.saturating_sub(stored + held_back));
+        m.receipts_unknown_job.inc_by(held_back);
         m.receipts_flagged.inc_by(flagged as u64);
         m.receipt_batch.observe(arrived.elapsed().as_secs_f64());
         let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();
@@ -467,7 +480,7 @@ impl Controller {
 impl Controller {
     /// Checks that every rank a batch carries receipts of was given to `agent_id`: an agent
     /// speaks only for itself. Returns the jobs this controller does not know (a wiped
-    /// database, a foreign controller), whose receipts are acked and dropped. A batch nearly
+    /// database, a foreign controller), whose receipts are neither stored nor acknowledged. A batch nearly
     /// always holds one attempt of one job; the current attempt of an active job is checked in
     /// memory, others (late receipts of ended jobs or earlier attempts) in the store.
     async fn check_senders(&self, agent_id: &str, ranks: &BTreeMap<RankId, u64>) -> Result<Vec<u64>> {

@@ -178,3 +178,26 @@ async fn a_placement_the_store_refuses_fails_no_other_request() {
     c.reconcile().await;
     assert_eq!(agent.launched_jobs(), vec![b], "B is placed on the next pass");
 }
+
+/// Receipts of a job this controller does not know (a wiped or foreign database) are neither
+/// stored nor acknowledged: the agent keeps them and sends them again later.
+#[tokio::test]
+async fn receipts_of_an_unknown_job_are_not_acknowledged() {
+    use trainyard_proto::v1::{Receipt, ReceiptBatch};
+    let store = store().await;
+    let c = controller(&store).await;
+    let _agent = connect(&c, "node-a", 8, None).await;
+    let receipt = |job_id: u64, seq: u64| Receipt {
+        key: Some(RankKey { job_id, attempt: 0, rank: 0 }),
+        seq,
+        kind: "step".into(),
+        step: 1,
+        body: r#"{"kind":"step","step":1}"#.into(),
+    };
+    let before = crate::metrics::metrics().receipts_unknown_job.get();
+    let batch = ReceiptBatch { receipts: vec![receipt(4242, 0), receipt(4242, 1)] };
+    let ack = c.ingest("node-a", batch).await.expect("ingest");
+    assert!(ack.acks.is_empty(), "nothing acknowledged: {ack:?}");
+    assert!(crate::metrics::metrics().receipts_unknown_job.get() >= before + 2);
+    assert_eq!(store.receipts_after(4242, 0, 100).await.map(|r| r.len()).unwrap_or(0), 0);
+}

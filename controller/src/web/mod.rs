@@ -202,4 +202,41 @@ mod tests {
         assert!(int_param(&[("from".into(), "1e9".into())], "from", 0, 100).is_err());
         assert!(job_id("12x").is_err());
     }
+
+    mod props {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        fn encode(s: &str) -> String {
+            s.bytes().map(|b| format!("%{b:02X}")).collect()
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+            /// Any query string: pairs or a 400, never a panic; integers in range or a 400.
+            #[test]
+            fn any_query_string_is_pairs_or_a_400(raw in "(?s).{0,200}", lo in -5i64..5, hi in 5i64..50) {
+                if let Ok(pairs) = query_pairs(&Some(raw)) {
+                    for (k, _) in &pairs {
+                        match int_param(&pairs, k, lo, hi) {
+                            Ok(Some(n)) => prop_assert!((lo..=hi).contains(&n)),
+                            Ok(None) => prop_assert!(false, "the key is there"),
+                            Err(r) => prop_assert_eq!(r.status, StatusCode::BAD_REQUEST),
+                        }
+                    }
+                }
+            }
+
+            /// Whatever a browser encodes decodes back to what it encoded.
+            #[test]
+            fn encoded_pairs_decode_back(pairs in proptest::collection::vec(("\\PC{0,12}", "\\PC{0,12}"), 0..6)) {
+                let raw: Vec<String> = pairs.iter().map(|(k, v)| format!("{}={}", encode(k), encode(v))).collect();
+                let raw = raw.join("&");
+                let decoded = query_pairs(&Some(raw)).expect("well-formed");
+                prop_assert_eq!(decoded, pairs);
+            }
+        }
+    }
 }

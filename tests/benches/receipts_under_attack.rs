@@ -1,0 +1,206 @@
+//! Receipt ingest while the controller is attacked: the rate must stay at 80 % or more of the
+//! quiet rate measured in the same run.
+//!
+//! On a secure cluster (TLS, agent certificates, tokens, run-as), two agents with 4 flood ranks
+//! each (as in `receipt_throughput`) write receipts as fast as they can, in rounds that
+//! alternate quiet and attacked; the attack is
+//! - 200 calls a second with a bad token, each on a new TLS connection, each carrying 1 KiB of
+//!   headers: a well-formed random token (so it costs a store lookup) and 1 KiB of padding;
+//! - 50 `Logs --follow` streams (from four admin users) on a rank that wrote 200 MB of stdout,
+//!   each reading one piece a second, reconnecting when the controller drops it for being slow.
+//!
+//! It prints each run, the medians of 3 quiet and 3 attacked runs, their ratio, what the attack
+//! achieved, and how many refused calls reached `audit_log` (rate-limited).
+//!
+//! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench receipts_under_attack`
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use trainyard_proto::v1::jobs_client::JobsClient;
+use trainyard_proto::v1::{ListJobsRequest, LogsRequest};
+use trainyard_tests::flood::{flood, median};
+use trainyard_tests::{Cluster, run_account};
+
+const PER_RANK: i64 = 50_000;
+const ROUNDS: usize = 3;
+const BAD_CALLS_PER_SEC: u64 = 200;
+const LOG_READERS: usize = 50;
+const READER_USERS: usize = 4;
+
+/// A stop flag the attack tasks poll.
+#[derive(Clone, Default)]
+struct Stop(Arc<AtomicBool>);
+
+impl Stop {
+    fn stop(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+    fn stopped(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Default)]
+struct Counts {
+    bad_calls: AtomicU64,
+    refused: AtomicU64,
+    other: AtomicU64,
+    pieces: AtomicU64,
+    dropped: AtomicU64,
+}
+
+async fn channel(url: &str, ca: &[u8]) -> anyhow::Result<Channel> {
+    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+    Ok(Endpoint::from_shared(url.to_string())?.tls_config(tls)?.connect().await?)
+}
+
+/// One call with a bad (well-formed, unknown) token and 1 KiB of padding, on a new connection.
+async fn bad_call(url: String, ca: Arc<Vec<u8>>, n: u64, counts: Arc<Counts>) {
+    let Ok(ch) = channel(&url, &ca).await else {
+        counts.other.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let mut request = tonic::Request::new(ListJobsRequest::default());
+    let token = format!("Bearer tyt_{n:064x}");
+    request.metadata_mut().insert("authorization", token.parse().expect("ascii"));
+    request.metadata_mut().insert("x-pad", "p".repeat(1024 - token.len()).parse().expect("ascii"));
+    counts.bad_calls.fetch_add(1, Ordering::Relaxed);
+    match JobsClient::new(ch).list(request).await {
+        Err(s) if s.code() == tonic::Code::Unauthenticated => counts.refused.fetch_add(1, Ordering::Relaxed),
+        _ => counts.other.fetch_add(1, Ordering::Relaxed),
+    };
+}
+
+/// A `Logs --follow` client that reads one piece a second, reconnecting when dropped.
+async fn slow_reader(
+    url: String,
+    ca: Arc<Vec<u8>>,
+    token: String,
+    job_id: u64,
+    stop: Stop,
+    counts: Arc<Counts>,
+) {
+    while !stop.stopped() {
+        let Ok(ch) = channel(&url, &ca).await else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        let mut request = tonic::Request::new(LogsRequest { job_id, rank: 0, tail_lines: 0, follow: true });
+        request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().expect("ascii"));
+        let Ok(response) = JobsClient::new(ch).logs(request).await else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        let mut stream = response.into_inner();
+        while !stop.stopped() {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            match stream.message().await {
+                Ok(Some(_)) => counts.pieces.fetch_add(1, Ordering::Relaxed),
+                _ => {
+                    counts.dropped.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+            };
+        }
+    }
+}
+
+/// Starts the attack; it runs until `stop`.
+fn attack(
+    rt: &tokio::runtime::Runtime,
+    c: &Cluster,
+    ca: &Arc<Vec<u8>>,
+    tokens: &[String],
+    chatter: u64,
+) -> (Stop, Arc<Counts>) {
+    let (stop, counts) = (Stop::default(), Arc::new(Counts::default()));
+    let url = c.url();
+    for i in 0..LOG_READERS {
+        let token = tokens[i % tokens.len()].clone();
+        rt.spawn(slow_reader(url.clone(), ca.clone(), token, chatter, stop.clone(), counts.clone()));
+    }
+    let (stop2, counts2, ca2) = (stop.clone(), counts.clone(), ca.clone());
+    rt.spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / BAD_CALLS_PER_SEC));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(400));
+        let mut n = 0u64;
+        while !stop2.stopped() {
+            tick.tick().await;
+            let Ok(permit) = in_flight.clone().try_acquire_owned() else { continue };
+            n += 1;
+            let (url, ca, counts) = (url.clone(), ca2.clone(), counts2.clone());
+            tokio::spawn(async move {
+                bad_call(url, ca, n, counts).await;
+                drop(permit);
+            });
+        }
+    });
+    (stop, counts)
+}
+
+fn main() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let mut c = Cluster::start_secure()?;
+    c.start_agent("node-a", 5)?;
+    c.start_agent("node-b", 5)?;
+    let ca = Arc::new(std::fs::read(c.pki().context("pki")?.join("ca.pem"))?);
+    let account = run_account();
+    let tokens: Vec<String> = (0..READER_USERS)
+        .map(|i| c.add_user(&format!("reader{i}"), &["--admin", "--unix-user", &account]))
+        .collect::<anyhow::Result<_>>()?;
+    let chatter_spec = c.path("chatter.toml");
+    std::fs::write(
+        &chatter_spec,
+        "name = \"chatter\"\n[resources]\ngpus = 1\n\n[engine]\nkind = \"exec\"\n\
+         argv = [\"sh\", \"-c\", \"yes 'a line of training output, about one hundred bytes long, as a chatty rank writes them' | head -n 2000000; sleep 3600\"]\n\
+         workdir = \"/\"\n",
+    )?;
+    let chatter = c.submit(&chatter_spec)?;
+    c.wait_state(chatter, &["running"], Duration::from_secs(30))?;
+    println!(
+        "== SQLite, secure cluster: receipts quiet and under attack ({BAD_CALLS_PER_SEC} bad-token calls/s, {LOG_READERS} slow log readers)"
+    );
+    let (mut quiet, mut attacked) = (Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        let q = flood(&c, &format!("quiet-{round}"), PER_RANK, 0)?;
+        println!("round {round} quiet:    {:.0} receipts/s", q.rate);
+        quiet.push(q.rate);
+        let (stop, counts) = attack(&rt, &c, &ca, &tokens, chatter);
+        std::thread::sleep(Duration::from_secs(2));
+        let started = Instant::now();
+        let before = counts.bad_calls.load(Ordering::Relaxed);
+        let a = flood(&c, &format!("attacked-{round}"), PER_RANK, 0)?;
+        let calls = counts.bad_calls.load(Ordering::Relaxed) - before;
+        let secs = started.elapsed().as_secs_f64();
+        stop.stop();
+        println!(
+            "round {round} attacked: {:.0} receipts/s; meanwhile {:.0} bad-token calls/s ({} refused, {} other so far), \
+             {} log pieces read, {} slow readers dropped",
+            a.rate,
+            calls as f64 / secs,
+            counts.refused.load(Ordering::Relaxed),
+            counts.other.load(Ordering::Relaxed),
+            counts.pieces.load(Ordering::Relaxed),
+            counts.dropped.load(Ordering::Relaxed),
+        );
+        attacked.push(a.rate);
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let (q, a) = (median(quiet), median(attacked));
+    println!(
+        "quiet: median {q:.0} receipts/s; attacked: median {a:.0} receipts/s; ratio {:.2} (target >= 0.80)",
+        a / q
+    );
+    let audited = c.query("SELECT COUNT(*) FROM audit_log WHERE actor = '-'")?;
+    println!(
+        "refused calls written to audit_log: {} (rate-limited; the rest counted in summary rows)",
+        audited[0][0]
+    );
+    c.ctl_ok(&["cancel", &chatter.to_string()])?;
+    Ok(())
+}
