@@ -148,8 +148,9 @@ struct Session<'a> {
     /// Launches whose preflight finished, from the tasks that ran it.
     checked_tx: mpsc::Sender<(Launch, PreflightReport)>,
     checked: mpsc::Receiver<(Launch, PreflightReport)>,
-    /// `ctl logs` readers by request id; a reader cancels its own token when it is done.
-    logs: HashMap<u64, tokio_util::sync::CancellationToken>,
+    /// `ctl logs` readers by request id: the token a reader cancels when it is done (or the
+    /// controller stops it), and the credit of pieces it may still send.
+    logs: HashMap<u64, (tokio_util::sync::CancellationToken, std::sync::Arc<tokio::sync::Semaphore>)>,
 }
 
 /// The stream is gone; the session ends.
@@ -262,15 +263,26 @@ impl Session<'_> {
                 let files = self.launcher.layout().rank_files(id);
                 let files =
                     crate::logs::RankLogs { stdout: files.stdout, stderr: files.stderr, exit: files.exit };
-                self.logs.retain(|_, stop| !stop.is_cancelled());
+                self.logs.retain(|_, (stop, _)| !stop.is_cancelled());
                 let stop = tokio_util::sync::CancellationToken::new();
-                self.logs.insert(request.request_id, stop.clone());
+                let credit = std::sync::Arc::new(tokio::sync::Semaphore::new(
+                    trainyard_proto::limits::LOG_CREDIT_PIECES as usize,
+                ));
+                self.logs.insert(request.request_id, (stop.clone(), credit.clone()));
                 debug!(request_id = request.request_id, job_id = id.job_id, rank = id.rank, "reading logs");
-                tokio::spawn(crate::logs::serve(request, files, self.tx.clone(), stop));
+                tokio::spawn(crate::logs::serve(request, files, self.tx.clone(), stop, credit));
             }
             Some(In::StopLogs(stop)) => {
-                if let Some(token) = self.logs.remove(&stop.request_id) {
+                if let Some((token, _)) = self.logs.remove(&stop.request_id) {
                     token.cancel();
+                }
+            }
+            Some(In::LogCredit(credit)) => {
+                if let Some((_, pieces)) = self.logs.get(&credit.request_id) {
+                    // Never more than one window outstanding, whatever a controller grants.
+                    let room = (trainyard_proto::limits::LOG_CREDIT_PIECES as usize)
+                        .saturating_sub(pieces.available_permits());
+                    pieces.add_permits((credit.pieces as usize).min(room));
                 }
             }
             Some(In::HelloAck(_)) => debug!("ignoring a second HelloAck"),

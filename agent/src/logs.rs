@@ -3,7 +3,9 @@
 //!
 //! Memory stays bounded whatever the file sizes: the files are read in [`CHUNK`]-byte pieces,
 //! each sent before the next is read, through the session's bounded channel (a slow controller
-//! slows the reader, it does not queue the file). The tail is found by scanning back from the
+//! slows the reader, it does not queue the file). A request sends at most
+//! `LOG_CREDIT_PIECES` pieces ahead of what its client has read (the controller grants more
+//! with `LogCredit`), so a client that reads slowly costs the stream only what it reads. The tail is found by scanning back from the
 //! end in blocks. With `follow`, new output is read every [`FOLLOW_EVERY`] until the rank has
 //! ended (its `exit.json` exists) and both files are read to the end, or the request is stopped.
 
@@ -11,8 +13,10 @@ use std::io::SeekFrom;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
-use tokio::sync::mpsc;
+
+use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use trainyard_proto::v1::agent_message::Msg as Out;
 use trainyard_proto::v1::{AgentMessage, LogData, ReadLogs};
@@ -61,11 +65,12 @@ pub async fn serve(
     files: RankLogs,
     tx: mpsc::Sender<AgentMessage>,
     stop: CancellationToken,
+    credit: Arc<Semaphore>,
 ) {
     let id = request.request_id;
     let outcome = tokio::select! {
         _ = stop.cancelled() => return,
-        outcome = stream(&request, &files, &tx) => outcome,
+        outcome = stream(&request, &files, &tx, &credit) => outcome,
     };
     let error = match outcome {
         Ok(()) => String::new(),
@@ -84,7 +89,12 @@ enum End {
 }
 use End::{Failed, Gone};
 
-async fn stream(request: &ReadLogs, files: &RankLogs, tx: &mpsc::Sender<AgentMessage>) -> Result<(), End> {
+async fn stream(
+    request: &ReadLogs,
+    files: &RankLogs,
+    tx: &mpsc::Sender<AgentMessage>,
+    credit: &Semaphore,
+) -> Result<(), End> {
     let what = format!("job {} attempt {} rank {}", request.job_id, request.attempt, request.rank);
     if !files.stdout.exists() && !files.stderr.exists() {
         return Err(Failed(format!(
@@ -98,7 +108,7 @@ async fn stream(request: &ReadLogs, files: &RankLogs, tx: &mpsc::Sender<AgentMes
         offsets[k] = tail_start(path, request.tail_lines)
             .await
             .map_err(|e| Failed(format!("{}: {e}", path.display())))?;
-        offsets[k] = send_from(request.request_id, name, path, offsets[k], tx).await?;
+        offsets[k] = send_from(request.request_id, name, path, offsets[k], tx, credit).await?;
     }
     if !request.follow {
         return Ok(());
@@ -107,7 +117,7 @@ async fn stream(request: &ReadLogs, files: &RankLogs, tx: &mpsc::Sender<AgentMes
         // Read once more after the rank ended, so its last lines are not lost.
         let ended = files.exit.exists();
         for (k, (name, path)) in streams.iter().enumerate() {
-            offsets[k] = send_from(request.request_id, name, path, offsets[k], tx).await?;
+            offsets[k] = send_from(request.request_id, name, path, offsets[k], tx, credit).await?;
         }
         if ended {
             return Ok(());
@@ -124,6 +134,7 @@ async fn send_from(
     path: &PathBuf,
     mut offset: u64,
     tx: &mpsc::Sender<AgentMessage>,
+    credit: &Semaphore,
 ) -> Result<u64, End> {
     let Ok(mut file) = tokio::fs::File::open(path).await else { return Ok(offset) };
     let len = file.metadata().await.map_err(|e| Failed(format!("{}: {e}", path.display())))?.len();
@@ -141,6 +152,8 @@ async fn send_from(
         offset += n as u64;
         let data =
             LogData { request_id, stream: stream.to_string(), data: buf[..n].to_vec(), ..Default::default() };
+        // One piece of the client's credit (granted back as it reads), then the agent's budget.
+        credit.acquire().await.map_err(|_| Gone)?.forget();
         if n == CHUNK {
             pace().await;
         }
@@ -218,6 +231,10 @@ mod tests {
         }
     }
 
+    fn plenty() -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(100_000))
+    }
+
     fn request(tail_lines: u32, follow: bool) -> ReadLogs {
         ReadLogs { request_id: 7, job_id: 1, attempt: 0, rank: 3, tail_lines, follow }
     }
@@ -231,7 +248,7 @@ mod tests {
         std::fs::write(&f.stdout, &big).unwrap();
         std::fs::write(&f.stderr, "warning\nno newline at the end").unwrap();
         let (tx, mut rx) = mpsc::channel(4);
-        tokio::spawn(serve(request(0, false), f.clone(), tx, CancellationToken::new()));
+        tokio::spawn(serve(request(0, false), f.clone(), tx, CancellationToken::new(), plenty()));
         let (out, err, error) = collect(&mut rx).await;
         assert_eq!(
             (out.len(), err.as_str(), error.as_str()),
@@ -239,14 +256,14 @@ mod tests {
         );
 
         let (tx, mut rx) = mpsc::channel(4);
-        tokio::spawn(serve(request(3, false), f.clone(), tx, CancellationToken::new()));
+        tokio::spawn(serve(request(3, false), f.clone(), tx, CancellationToken::new(), plenty()));
         let (out, err, _) = collect(&mut rx).await;
         assert_eq!(out, "line 19997\nline 19998\nline 19999\n");
         assert_eq!(err, "warning\nno newline at the end", "fewer lines than asked: the whole file");
 
         let (tx, mut rx) = mpsc::channel(4);
         let gone = files(&dir.path().join("nope"));
-        tokio::spawn(serve(request(0, false), gone, tx, CancellationToken::new()));
+        tokio::spawn(serve(request(0, false), gone, tx, CancellationToken::new(), plenty()));
         let (_, _, error) = collect(&mut rx).await;
         assert!(error.starts_with("no logs of job 1 attempt 0 rank 3 on this host"), "{error}");
     }
@@ -258,7 +275,7 @@ mod tests {
         let f = files(dir.path());
         std::fs::write(&f.stdout, "first\n").unwrap();
         let (tx, mut rx) = mpsc::channel(4);
-        tokio::spawn(serve(request(0, true), f.clone(), tx, CancellationToken::new()));
+        tokio::spawn(serve(request(0, true), f.clone(), tx, CancellationToken::new(), plenty()));
         let writer = f.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -270,5 +287,24 @@ mod tests {
         let (out, err, error) =
             tokio::time::timeout(Duration::from_secs(10), collect(&mut rx)).await.unwrap();
         assert_eq!((out.as_str(), err.as_str(), error.as_str()), ("first\nsecond\n", "oops\n", ""));
+    }
+
+    /// A request sends only as many pieces as it has credit for; more credit, more pieces.
+    #[tokio::test]
+    async fn pieces_wait_for_credit() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = files(dir.path());
+        std::fs::write(&f.stdout, vec![b'x'; 5 * CHUNK]).unwrap();
+        let credit = Arc::new(Semaphore::new(2));
+        let (tx, mut rx) = mpsc::channel(16);
+        tokio::spawn(serve(request(0, false), f.clone(), tx, CancellationToken::new(), credit.clone()));
+        let mut pieces = 0;
+        while let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(300), rx.recv()).await {
+            pieces += 1;
+        }
+        assert_eq!(pieces, 2, "two pieces of credit, two pieces");
+        credit.add_permits(10);
+        let (out, _, error) = tokio::time::timeout(Duration::from_secs(10), collect(&mut rx)).await.unwrap();
+        assert_eq!((out.len(), error.as_str()), (3 * CHUNK, ""), "the rest once credit came");
     }
 }

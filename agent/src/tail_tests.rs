@@ -370,3 +370,25 @@ mod props {
         }
     }
 }
+
+/// A controller that never acknowledges (it does not know the job): the tailer stops reading at
+/// MAX_UNACKED_BYTES past the acknowledged position, says so, and resumes once acks come.
+#[test]
+fn reading_waits_at_the_unacknowledged_window() {
+    let fx = Fixture::new();
+    let line = format!("{{\"kind\":\"step\",\"pad\":\"{}\"}}\n", "p".repeat(1000));
+    let lines = (MAX_UNACKED_BYTES as usize / line.len()) + 100;
+    fx.append(line.repeat(lines).as_bytes());
+    let mut t = fx.tailer(Position::default());
+    let mut sent = Vec::new();
+    for _ in 0..10 {
+        sent.extend(poll(&mut t).0);
+    }
+    assert!(t.held(), "reading waits");
+    let window = (MAX_UNACKED_BYTES as usize).div_ceil(line.len());
+    assert_eq!(sent.len(), window, "exactly the window was read");
+    t.ack(sent.last().unwrap().seq);
+    sent.extend(poll(&mut t).0);
+    assert!(!t.held());
+    assert_eq!(sent.len(), lines, "the rest follows once acknowledged");
+}

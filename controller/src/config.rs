@@ -12,7 +12,14 @@ pub struct ControllerConfig {
     /// An agent whose stream stays open but sends nothing (not even a heartbeat) for this long
     /// is `unresponsive`: no new work goes there until it speaks again.
     pub unresponsive_after: Duration,
+    /// Jobs one user may have waiting (`pending`) at once; a submit past it is refused
+    /// (`ResourceExhausted`), so a loop of submits cannot bury the queue (every scheduling pass
+    /// looks at every pending job) or the store.
+    pub max_pending_per_user: usize,
 }
+
+/// The default of [`ControllerConfig::max_pending_per_user`].
+pub const MAX_PENDING_JOBS_PER_USER: usize = 1_000;
 
 impl Default for ControllerConfig {
     fn default() -> Self {
@@ -21,6 +28,7 @@ impl Default for ControllerConfig {
             agent_timeout: Duration::from_secs(60),
             // Agents heartbeat every 2 s: 15 s is several missed beats, not a slow network.
             unresponsive_after: Duration::from_secs(15),
+            max_pending_per_user: MAX_PENDING_JOBS_PER_USER,
         }
     }
 }

@@ -497,9 +497,25 @@ mod tests {
         exec(&mut all).workdir = path(MAX_PATH_BYTES);
         exec(&mut all).source_dir = path(MAX_PATH_BYTES);
         assert_eq!(validate(&all), Ok(()));
+        // So every launch of an accepted spec reaches its agents: the largest spec with a rank
+        // map of 1,024 ranks on one host is far under the agent stream's message limit.
+        let rank = trainyard_proto::v1::RankAssignment { cpus: "0-1023".repeat(8), ..Default::default() };
+        let mut max = good();
+        huge_spec_at_the_limit(&mut max);
+        let launch =
+            trainyard_proto::v1::Launch { spec: Some(max), ranks: vec![rank; 1024], ..Default::default() };
+        let encoded = prost::Message::encoded_len(&launch);
+        assert!(encoded < trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES / 4, "{encoded} bytes");
         let mut huge = good();
         huge.env = [("V".to_string(), "x".repeat(MAX_SPEC_BYTES))].into_iter().collect();
         assert_eq!(validate(&huge).unwrap_err().field, "spec");
+    }
+
+    /// A spec whose environment fills the whole encoded limit.
+    fn huge_spec_at_the_limit(spec: &mut JobSpec) {
+        let room = MAX_SPEC_BYTES - prost::Message::encoded_len(spec) - 16;
+        spec.env = [("V".to_string(), "x".repeat(room))].into_iter().collect();
+        assert!(prost::Message::encoded_len(spec) <= MAX_SPEC_BYTES);
     }
 
     #[test]

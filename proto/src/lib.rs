@@ -9,7 +9,8 @@ pub mod limits;
 
 /// Version of the agent protocol. An agent whose hello carries another number is refused
 /// with `FailedPrecondition`, and the agent refuses a controller that answers with another.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// 2: log reading is paced by `LogCredit` (an agent of version 1 would not be).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 #[allow(clippy::all, missing_docs)]
 #[rustfmt::skip]

@@ -52,5 +52,9 @@ pub const MAX_RECEIPT_LINE_BYTES: usize = 1 << 20;
 /// A piece of a rank's stdout or stderr relayed for `ctl logs`.
 pub const MAX_LOG_CHUNK_BYTES: usize = 64 << 10;
 
+/// Log pieces an agent sends a request ahead of what its client has read: the controller grants
+/// more (`LogCredit`) as the client reads, so a slow reader is paced, not buffered.
+pub const LOG_CREDIT_PIECES: u32 = 32;
+
 /// Lines `ctl logs --tail` may ask for.
 pub const MAX_TAIL_LINES: u32 = 1_000_000;

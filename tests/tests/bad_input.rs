@@ -17,6 +17,12 @@ fn rejected(c: &Cluster, name: &str, spec: &str) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// An `[env]` of `n` variables of `bytes` each: each under the overlay's limits on its own.
+fn big_env(n: usize, bytes: usize) -> String {
+    let vars: String = (0..n).map(|i| format!("V{i} = \"{}\"\n", "x".repeat(bytes))).collect();
+    format!("[env]\n{vars}")
+}
+
 fn spec(resources: &str, engine_extra: &str, workdir: &str, env: &str) -> String {
     format!(
         "name = \"bad\"\n[resources]\n{resources}\n[engine]\nkind = \"exec\"\nargv = [\"true\"]\n\
@@ -40,6 +46,20 @@ fn bad_specs_are_rejected_naming_the_field() -> anyhow::Result<()> {
         ("toomany", spec("gpus = 64", "", "/tmp", ""), "the fleet has 16"),
         ("relative", spec("gpus = 1", "", "runs/here", ""), "engine.workdir"),
         ("envname", spec("gpus = 1", "", "/tmp", "[env]\n\"BAD NAME\" = \"1\""), "env.BAD NAME"),
+        // Sizes: one over each limit is named; a whole spec over 512 KiB is refused whole, and a
+        // spec file over 1 MiB is refused by ctl before anything is sent.
+        (
+            "pathlong",
+            spec("gpus = 1", &format!("source_dir = \"/{}\"", "s".repeat(4096)), "/tmp", ""),
+            "engine.source_dir",
+        ),
+        (
+            "envbig",
+            spec("gpus = 1", "", "/tmp", &format!("[env]\nBIG = \"{}\"", "x".repeat(128 << 10))),
+            "at most 131072",
+        ),
+        ("specbig", spec("gpus = 1", "", "/tmp", &big_env(5, 120 << 10)), "at most 524288"),
+        ("filebig", spec("gpus = 1", "", "/tmp", &big_env(9, 120 << 10)), "larger than 1048576 bytes"),
     ];
     for (name, text, needle) in cases {
         let err = rejected(&c, name, &text)?;
@@ -66,5 +86,37 @@ fn garbage_receipt_lines_are_skipped_and_counted() -> anyhow::Result<()> {
     for r in status["ranks"].as_array().unwrap() {
         assert_eq!(r["skipped_lines"], 3, "a non-JSON line, invalid UTF-8 and a 10 MB line: {r}");
     }
+    Ok(())
+}
+
+/// A request over the `Jobs` service's 1 MiB limit is refused by the transport itself, before
+/// any of it is looked at; one just under it reaches the spec check. The controller lives on.
+#[test]
+fn requests_over_the_message_limit_are_refused_by_the_transport() -> anyhow::Result<()> {
+    use trainyard_proto::limits::MAX_REQUEST_BYTES;
+    use trainyard_proto::v1::jobs_client::JobsClient;
+    use trainyard_proto::v1::{JobSpec, SubmitRequest};
+    let c = Cluster::start()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let submit = |env_bytes: usize| -> anyhow::Result<tonic::Status> {
+        let spec = JobSpec {
+            name: "big".into(),
+            env: [("BIG".to_string(), "x".repeat(env_bytes))].into_iter().collect(),
+            ..Default::default()
+        };
+        let request = SubmitRequest { spec: Some(spec), idempotency_key: String::new() };
+        rt.block_on(async {
+            let channel = tonic::transport::Endpoint::from_shared(c.url())?.connect().await?;
+            let mut client = JobsClient::new(channel);
+            Ok(client.submit(request).await.expect_err("refused"))
+        })
+    };
+    let over = submit(MAX_REQUEST_BYTES)?;
+    assert_eq!(over.code(), tonic::Code::OutOfRange, "{over:?}");
+    let under = submit(MAX_REQUEST_BYTES - 64 * 1024)?;
+    assert_eq!(under.code(), tonic::Code::InvalidArgument, "{under:?}");
+    assert!(under.message().contains("at most 524288"), "{}", under.message());
+    assert!(c.ctl(&["status"])?.status.success(), "the controller is alive");
+    assert_eq!(c.query("SELECT COUNT(*) FROM jobs")?[0][0], 0);
     Ok(())
 }

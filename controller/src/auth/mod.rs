@@ -106,8 +106,16 @@ pub const MAX_AUDIT_FIELD_BYTES: usize = 256;
 /// [`AUDIT_REFUSALS_BURST`]); the rest are counted and written as one summary row, so a flood of
 /// bad tokens neither grows the table without bound nor takes the store's connections from
 /// receipt ingest.
-pub const AUDIT_REFUSALS_PER_SEC: f64 = 10.0;
-pub const AUDIT_REFUSALS_BURST: f64 = 50.0;
+pub const AUDIT_REFUSALS_PER_SEC: f64 = 1.0;
+pub const AUDIT_REFUSALS_BURST: f64 = 20.0;
+
+/// How often a token missing from the set of known token hashes reloads the set.
+pub const KNOWN_TOKENS_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Lookups a second of tokens missing from a set loaded less than [`KNOWN_TOKENS_REFRESH`] ago
+/// (a token made a moment ago by `user add` or `user token` is one); past them, during a flood
+/// of made-up tokens, a missing token is refused without a query.
+pub const UNKNOWN_TOKEN_LOOKUPS_PER_SEC: f64 = 20.0;
 
 /// Longest `authorization` value looked up at all: a token is `tyt_` and 64 hex digits.
 const MAX_TOKEN_BYTES: usize = 128;
@@ -118,22 +126,39 @@ pub struct Authenticator {
     store: Arc<dyn Store>,
     policy: Policy,
     refusals: Arc<std::sync::Mutex<RefusalBudget>>,
+    known: Arc<tokio::sync::Mutex<KnownTokens>>,
 }
 
-/// The token bucket of [`Authenticator::audit_refusal`]: rows it may still write, and the
-/// refusals it dropped since the last row.
+/// The hashes of every token in the store, and when they were read. A token found here is
+/// still looked up (revocation, expiry and disabled users apply at once); one not found is
+/// refused without a query unless the set is older than [`KNOWN_TOKENS_REFRESH`].
+struct KnownTokens {
+    hashes: std::collections::HashSet<String>,
+    loaded_at: Option<std::time::Instant>,
+    /// Lookups of missing tokens between reloads.
+    lookups: RefusalBudget,
+}
+
+/// A token bucket: of [`Authenticator::audit_refusal`] (rows it may still write, and the
+/// refusals it left out since the last row), and of lookups of unknown tokens.
 #[derive(Debug)]
 struct RefusalBudget {
     tokens: f64,
     at_ms: i64,
     suppressed: u64,
+    per_sec: f64,
+    burst: f64,
 }
 
 impl RefusalBudget {
-    /// Whether a row may be written at `now_ms`; when not, the refusal is counted.
+    fn new(per_sec: f64, burst: f64) -> Self {
+        RefusalBudget { tokens: burst, at_ms: 0, suppressed: 0, per_sec, burst }
+    }
+
+    /// Whether one more may go at `now_ms`; when not, it is counted.
     fn take(&mut self, now_ms: i64) -> bool {
         let elapsed = (now_ms - self.at_ms).max(0) as f64 / 1000.0;
-        self.tokens = (self.tokens + elapsed * AUDIT_REFUSALS_PER_SEC).min(AUDIT_REFUSALS_BURST);
+        self.tokens = (self.tokens + elapsed * self.per_sec).min(self.burst);
         self.at_ms = now_ms;
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
@@ -164,8 +189,17 @@ pub fn clip_to(text: &str, max: usize) -> String {
 
 impl Authenticator {
     pub fn new(store: Arc<dyn Store>, policy: Policy) -> Self {
-        let budget = RefusalBudget { tokens: AUDIT_REFUSALS_BURST, at_ms: 0, suppressed: 0 };
-        Authenticator { store, policy, refusals: Arc::new(std::sync::Mutex::new(budget)) }
+        let budget = RefusalBudget::new(AUDIT_REFUSALS_PER_SEC, AUDIT_REFUSALS_BURST);
+        Authenticator {
+            store,
+            policy,
+            refusals: Arc::new(std::sync::Mutex::new(budget)),
+            known: Arc::new(tokio::sync::Mutex::new(KnownTokens {
+                hashes: Default::default(),
+                loaded_at: None,
+                lookups: RefusalBudget::new(UNKNOWN_TOKEN_LOOKUPS_PER_SEC, UNKNOWN_TOKEN_LOOKUPS_PER_SEC),
+            })),
+        }
     }
 
     pub fn policy(&self) -> &Policy {
@@ -211,7 +245,13 @@ impl Authenticator {
                 "the token is not valid: a trainyard token starts with {TOKEN_PREFIX} and is 68 characters long"
             )));
         }
-        let Some((t, user)) = self.store.token_owner(&token_hash(token)).await? else {
+        let hash = token_hash(token);
+        if !self.may_exist(&hash, now_ms).await? {
+            return Err(AuthError::Unauthenticated(
+                "the token is not valid: unknown to this controller".into(),
+            ));
+        }
+        let Some((t, user)) = self.store.token_owner(&hash).await? else {
             return Err(AuthError::Unauthenticated(
                 "the token is not valid: unknown to this controller".into(),
             ));
@@ -232,6 +272,23 @@ impl Authenticator {
             return Err(AuthError::Unauthenticated(format!("user {} is disabled", user.name)));
         }
         Ok(Caller { name: user.name, admin: user.admin, unix_user: user.unix_user })
+    }
+
+    /// Whether a token with this hash may be in the store: in the known set; or in it after a
+    /// reload (at most once per [`KNOWN_TOKENS_REFRESH`]); or, between reloads, worth a lookup
+    /// while fewer than [`UNKNOWN_TOKEN_LOOKUPS_PER_SEC`] were. The lock is a Tokio one:
+    /// callers that miss together wait for one reload instead of each running their own.
+    async fn may_exist(&self, hash: &str, now_ms: i64) -> Result<bool, StoreError> {
+        let mut known = self.known.lock().await;
+        if known.hashes.contains(hash) {
+            return Ok(true);
+        }
+        if known.loaded_at.is_some_and(|at| at.elapsed() < KNOWN_TOKENS_REFRESH) {
+            return Ok(known.lookups.take(now_ms));
+        }
+        known.hashes = self.store.token_hashes().await?.into_iter().collect();
+        known.loaded_at = Some(std::time::Instant::now());
+        Ok(known.hashes.contains(hash))
     }
 
     /// Writes one audit row; a failure is logged, never returned: the action already happened
@@ -323,6 +380,86 @@ mod tests {
         assert_ne!(token_hash(&a), token_hash(&b));
         assert_eq!(token_hash("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
         assert_eq!(token_prefix(&a).len(), TOKEN_PREFIX.len() + 8);
+    }
+
+    #[test]
+    fn audit_fields_are_clipped_at_the_limit() {
+        let at = "a".repeat(MAX_AUDIT_FIELD_BYTES);
+        assert_eq!(clip(&at), at, "at the limit: kept whole");
+        let over = "a".repeat(MAX_AUDIT_FIELD_BYTES + 1);
+        let clipped = clip(&over);
+        assert!(
+            clipped.starts_with(&at) && clipped.ends_with(&format!("({} bytes)", MAX_AUDIT_FIELD_BYTES + 1))
+        );
+        // Never inside a character.
+        let wide = "é".repeat(MAX_AUDIT_FIELD_BYTES);
+        assert!(clip(&wide).len() < MAX_AUDIT_FIELD_BYTES + 20);
+    }
+
+    #[test]
+    fn refused_calls_are_audited_at_a_bounded_rate() {
+        let mut budget = RefusalBudget::new(AUDIT_REFUSALS_PER_SEC, AUDIT_REFUSALS_BURST);
+        let burst = AUDIT_REFUSALS_BURST as usize;
+        assert_eq!((0..burst).filter(|_| budget.take(0)).count(), burst, "the burst is written");
+        assert!(!budget.take(0), "one more at the same instant is not");
+        assert_eq!(budget.suppressed, 1);
+        // A second later, AUDIT_REFUSALS_PER_SEC more are written, and no more.
+        let per_sec = AUDIT_REFUSALS_PER_SEC as usize;
+        assert_eq!((0..per_sec * 3).filter(|_| budget.take(1_000)).count(), per_sec);
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_refusals_writes_a_bounded_number_of_rows_and_says_how_many_it_left_out() {
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let auth = Authenticator::new(store.clone(), Policy::secure(0));
+        let huge = "x".repeat(4 << 20);
+        for i in 0..1_000 {
+            auth.audit_refusal("job.submit", &huge, "the token is not valid", i).await;
+        }
+        // One more, two seconds later: it carries the count of those left out.
+        auth.audit_refusal("job.submit", "job:new", "the token is not valid", 3_000).await;
+        let rows = store.audit_log(10_000).await.unwrap();
+        // The burst, then about AUDIT_REFUSALS_PER_SEC a second over the 3 s (each after a
+        // dry spell with its summary row): about 120 rows at most for 1,001 refusals.
+        let burst = AUDIT_REFUSALS_BURST as usize;
+        let most = burst + 2 * (3 * AUDIT_REFUSALS_PER_SEC as usize + 1);
+        assert!((burst..=most).contains(&rows.len()), "{} rows", rows.len());
+        assert!(rows.iter().all(|r| r.target.len() < MAX_AUDIT_FIELD_BYTES + 20));
+        assert!(
+            rows.iter().any(|r| r.action == "audit.rate_limited" && r.detail.contains("more refused calls"))
+        );
+    }
+
+    /// The set of known token hashes never keeps a new token out: one made right after the set
+    /// was read works at once (looked up while lookups of unknown tokens are few).
+    #[tokio::test]
+    async fn a_token_made_a_moment_ago_works_at_once() {
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let auth = Authenticator::new(store.clone(), Policy::secure(0));
+        let user = UserRecord {
+            name: "ann".into(),
+            admin: false,
+            unix_user: None,
+            created_at_ms: 0,
+            disabled_at_ms: None,
+        };
+        store.add_user(&user).await.unwrap();
+        let unknown = format!("Bearer {}", new_token().unwrap());
+        assert!(auth.user(Some(&unknown), 0).await.is_err(), "reads the set");
+        let token = new_token().unwrap();
+        store.add_token("ann", &token_hash(&token), &token_prefix(&token), 1, None).await.unwrap();
+        let caller = auth.user(Some(&format!("Bearer {token}")), 2).await.expect("a new token works");
+        assert_eq!(caller.name, "ann");
+    }
+
+    #[tokio::test]
+    async fn what_cannot_be_a_token_is_refused_without_a_lookup() {
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let auth = Authenticator::new(store, Policy::secure(0));
+        for bad in ["Bearer nope".to_string(), format!("Bearer tyt_{}", "0".repeat(200))] {
+            let e = auth.user(Some(&bad), 0).await.unwrap_err();
+            assert!(e.to_string().contains("starts with tyt_"), "{e}");
+        }
     }
 
     #[test]

@@ -17,10 +17,6 @@ use crate::store::{Allocation, JobId, JobOwner, JobRecord, JobState, StoreError}
 /// How long a cancel waits for the reconciler to store it before telling the caller so.
 const CANCEL_STORE_WAIT: Duration = Duration::from_secs(30);
 
-/// Jobs one user may have waiting (`pending`) at once: a loop of submits cannot bury the
-/// queue (every scheduling pass looks at every pending job) or the store.
-pub const MAX_PENDING_JOBS_PER_USER: usize = 1_000;
-
 impl Controller {
     /// Validates, stores and queues a job; returns its id. Nothing is stored for a bad spec or
     /// one that no node set of the fleet could ever hold. With an idempotency `key`, a submit
@@ -39,16 +35,17 @@ impl Controller {
             return Ok(id);
         }
         let request = request_of(0, &spec);
-        let pending = self
-            .lock()
-            .jobs
-            .values()
-            .filter(|j| j.record.state == JobState::Pending && j.record.owner.user == owner.user)
-            .count();
-        if !owner.user.is_empty() && pending >= MAX_PENDING_JOBS_PER_USER {
+        let cap = self.config.max_pending_per_user;
+        let pending = {
+            let core = self.lock();
+            let mine =
+                |j: &&ActiveJob| j.record.state == JobState::Pending && j.record.owner.user == owner.user;
+            core.jobs.values().filter(mine).count()
+        };
+        if !owner.user.is_empty() && pending >= cap {
             return Err(ControllerError::TooMany(format!(
-                "user {} already has {pending} jobs waiting, the most one user may have \
-                 ({MAX_PENDING_JOBS_PER_USER}); cancel some or wait for them to start",
+                "user {} already has {pending} jobs waiting, the most one user may have ({cap}); \
+                 cancel some or wait for them to start",
                 owner.user
             )));
         }

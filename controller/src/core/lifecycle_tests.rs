@@ -201,3 +201,59 @@ async fn receipts_of_an_unknown_job_are_not_acknowledged() {
     assert!(crate::metrics::metrics().receipts_unknown_job.get() >= before + 2);
     assert_eq!(store.receipts_after(4242, 0, 100).await.map(|r| r.len()).unwrap_or(0), 0);
 }
+
+/// A user may have `max_pending_per_user` jobs waiting: one more is refused, naming the cap;
+/// another user is not held back by it.
+#[tokio::test]
+async fn a_user_may_have_so_many_pending_jobs_and_no_more() {
+    let store = store().await;
+    let config = crate::config::ControllerConfig { max_pending_per_user: 3, ..Default::default() };
+    let c = Controller::start(store.clone(), config).await.expect("start");
+    let _agent = connect(&c, "node-a", 8, None).await;
+    let alice = crate::store::JobOwner { user: "alice".into(), run_as: "alice".into() };
+    for _ in 0..3 {
+        c.submit_as(spec(8), None, &alice).await.expect("at the cap");
+    }
+    let refused = c.submit_as(spec(8), None, &alice).await.expect_err("one over the cap");
+    assert!(matches!(refused, ControllerError::TooMany(_)), "{refused}");
+    assert!(refused.to_string().contains("(3)"), "{refused}");
+    let bob = crate::store::JobOwner { user: "bob".into(), run_as: "bob".into() };
+    c.submit_as(spec(8), None, &bob).await.expect("bob has his own cap");
+}
+
+/// A logs client that does not read never holds up the agent's stream: once its buffer is full
+/// the next piece drops it at once (no wait), the agent is told to stop, and the client is told
+/// why.
+#[tokio::test]
+async fn a_logs_client_that_does_not_read_is_dropped_without_waiting() {
+    use trainyard_proto::v1::LogData;
+    let store = store().await;
+    let c = controller(&store).await;
+    let mut agent = connect(&c, "node-a", 8, None).await;
+    let job = c.submit(spec(1), None).await.expect("submit");
+    c.reconcile().await;
+    let (_, mut rx) = c.open_logs(job, 0, 0, true).await.expect("open logs");
+    let request_id = agent
+        .sent()
+        .into_iter()
+        .find_map(|m| if let Msg::ReadLogs(r) = m { Some(r.request_id) } else { None })
+        .expect("the agent was asked for logs");
+    let piece =
+        |n: u8| LogData { request_id, stream: "stdout".into(), data: vec![n; 16], ..Default::default() };
+    let started = std::time::Instant::now();
+    for n in 0..=crate::core::logs::BUFFER as u8 {
+        c.log_data("node-a", piece(n));
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "never waits for the client");
+    assert!(agent.sent().iter().any(|m| matches!(m, Msg::StopLogs(s) if s.request_id == request_id)));
+    let mut got = 0;
+    let mut told = String::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            LogEvent::Chunk { .. } => got += 1,
+            LogEvent::Failed(why) => told = why,
+        }
+    }
+    assert_eq!(got, crate::core::logs::BUFFER, "what was buffered is delivered");
+    assert!(told.contains("pieces were waiting"), "{told}");
+}

@@ -1,22 +1,24 @@
 //! `Jobs.Logs`: a rank's stdout and stderr, read by its agent from the files it keeps and
-//! relayed over the agent's stream to the client. Nothing is stored: the controller holds one
-//! bounded channel per open request ([`BUFFER`] pieces), and the agent's stream never waits for
-//! a client: a piece that finds the channel full drops that client (its agent is told to stop,
-//! the client is told why), so a slow `ctl logs --follow` never holds up the receipts and rank
-//! reports that share the agent's stream. The agent paces its reading
-//! (`trainyard_agent::logs::MAX_BYTES_PER_SEC`), so a client that keeps up is never dropped.
+//! relayed over the agent's stream to the client. Nothing is stored. The agent sends a request
+//! at most `LOG_CREDIT_PIECES` pieces ahead of what its client has read, and the controller
+//! grants more ([`Controller::log_credit`]) as the client reads: a slow `ctl logs --follow`
+//! costs the agent's stream only what it reads. The controller holds one bounded channel per
+//! open request ([`BUFFER`] pieces, more than the credit) and never waits for a client on the
+//! agent's stream: a piece that finds the channel full (an agent that ignored the credit) drops
+//! that client, tells it why, and stops the agent's reader, so receipts and rank reports that
+//! share the stream are never held up.
 
 use std::sync::atomic::Ordering;
 
 use tokio::sync::mpsc;
 use trainyard_proto::v1::controller_message::Msg;
-use trainyard_proto::v1::{ControllerMessage, LogData, ReadLogs, StopLogs};
+use trainyard_proto::v1::{ControllerMessage, LogCredit, LogData, ReadLogs, StopLogs};
 
 use super::{Controller, ControllerError, Result};
 use crate::store::JobId;
 
-/// Pieces of up to 64 KiB buffered per request (16 MiB): a client this far behind is dropped.
-pub const BUFFER: usize = 256;
+/// Pieces of up to 64 KiB buffered per request (4 MiB): twice the agent's credit window.
+pub const BUFFER: usize = 2 * trainyard_proto::limits::LOG_CREDIT_PIECES as usize;
 /// How long a dropped client is given to read up to the notice that says why.
 const SLOW_CLIENT_NOTICE: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -46,7 +48,7 @@ impl Controller {
         rank: u32,
         tail_lines: u32,
         follow: bool,
-    ) -> Result<mpsc::Receiver<LogEvent>> {
+    ) -> Result<(u64, mpsc::Receiver<LogEvent>)> {
         let job = self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
         let attempt = job.attempt;
         let allocations = self.store.allocations(job_id, attempt).await?;
@@ -81,7 +83,28 @@ impl Controller {
             self.log_waiters().remove(&request_id);
             return Err(ControllerError::AgentGone(agent_id));
         }
-        Ok(rx)
+        Ok((request_id, rx))
+    }
+
+    /// The client of `request_id` went away (or no longer wants more): its agent stops reading.
+    /// Nothing when the request already ended.
+    pub fn close_logs(&self, request_id: u64) {
+        let Some(waiter) = self.log_waiters().remove(&request_id) else { return };
+        let core = self.lock();
+        if let Some(link) = core.agents.get(&waiter.agent_id).and_then(|e| e.link.as_ref()) {
+            let _ = link.tx.try_send(ControllerMessage { msg: Some(Msg::StopLogs(StopLogs { request_id })) });
+        }
+    }
+
+    /// The client of `request_id` read `pieces` more pieces: its agent may send that many more.
+    /// Lost only when the agent's stream is full or gone, and then the request fails anyway.
+    pub fn log_credit(&self, request_id: u64, pieces: u32) {
+        let Some(agent_id) = self.log_waiters().get(&request_id).map(|w| w.agent_id.clone()) else { return };
+        let core = self.lock();
+        if let Some(link) = core.agents.get(&agent_id).and_then(|e| e.link.as_ref()) {
+            let credit = LogCredit { request_id, pieces };
+            let _ = link.tx.try_send(ControllerMessage { msg: Some(Msg::LogCredit(credit)) });
+        }
     }
 
     /// A piece of logs from `agent_id`: forwarded to its client. The last piece closes the
@@ -103,7 +126,7 @@ impl Controller {
                     // Told off the agent's path, once the client has read what is queued.
                     tokio::spawn(async move {
                         let why = format!(
-                            "logs stopped: this client fell {BUFFER} pieces (16 MiB) behind; read faster, or use --tail"
+                            "logs stopped: {BUFFER} pieces were waiting for this client; read faster, or use --tail"
                         );
                         let _ =
                             tokio::time::timeout(SLOW_CLIENT_NOTICE, tx.send(LogEvent::Failed(why))).await;

@@ -25,6 +25,21 @@ use crate::auth::{self, Authenticator, Caller};
 use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
 use crate::store::{JobState, RankState, StoreError};
 
+/// Pieces a logs client reads between two grants of credit to its agent.
+const CREDIT_EVERY: u32 = 8;
+
+/// An open `Logs` response stream; dropping it (the client went away) stops the agent's reader.
+struct LogReading {
+    controller: Arc<Controller>,
+    request_id: u64,
+}
+
+impl Drop for LogReading {
+    fn drop(&mut self) {
+        self.controller.close_logs(self.request_id);
+    }
+}
+
 /// Receipts read from the store per round trip of a watcher.
 const WATCH_PAGE: u32 = 2_000;
 
@@ -272,15 +287,25 @@ impl Jobs for JobsService {
                 limits::MAX_TAIL_LINES
             )));
         }
-        let rx = self
+        let (request_id, rx) = self
             .controller
             .open_logs(req.job_id, req.rank, req.tail_lines, req.follow)
             .await
             .map_err(to_status)?;
+        // Every piece the client takes is credit for its agent to send one more, granted a few
+        // at a time; when the client goes away (the stream is dropped), the agent stops.
+        let reading = LogReading { controller: self.controller.clone(), request_id };
+        let mut taken = 0u32;
         let chunks = tokio_stream::StreamExt::map(ReceiverStream::new(rx), move |event| {
             let _held = &slot;
             match event {
-                LogEvent::Chunk { stream, data } => Ok(LogChunk { stream, data }),
+                LogEvent::Chunk { stream, data } => {
+                    taken += 1;
+                    if taken == CREDIT_EVERY {
+                        reading.controller.log_credit(request_id, std::mem::take(&mut taken));
+                    }
+                    Ok(LogChunk { stream, data })
+                }
                 LogEvent::Failed(why) => Err(Status::unavailable(why)),
             }
         });

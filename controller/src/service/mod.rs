@@ -7,7 +7,7 @@ mod agents;
 mod jobs;
 
 pub use agents::AgentsService;
-pub use jobs::JobsService;
+pub use jobs::{JobsService, MAX_STREAMS_PER_USER};
 
 use crate::auth::AuthError;
 use crate::core::ControllerError;

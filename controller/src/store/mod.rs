@@ -547,6 +547,10 @@ pub trait AuthStore: Send + Sync {
     /// says why it refuses them).
     async fn token_owner(&self, sha256_hex: &str) -> Result<Option<(TokenRecord, UserRecord)>>;
 
+    /// The hash of every token, revoked and expired ones included: the authenticator's set of
+    /// hashes worth a lookup, so that a flood of unknown tokens costs no query each.
+    async fn token_hashes(&self) -> Result<Vec<String>>;
+
     async fn audit(&self, entry: &AuditEntry) -> Result<()>;
 
     /// The newest `limit` audit rows, newest first.

@@ -692,6 +692,14 @@ macro_rules! auth_queries {
                 .await
             }
 
+            async fn token_hashes(&self) -> Result<Vec<String>> {
+                self.run("token_hashes", $($read)* async |c| {
+                    let rows = sqlx::query("SELECT token_sha256 FROM api_tokens").fetch_all(&mut *c).await?;
+                    rows.iter().map(|row| col(row, "api_tokens", "token_sha256")).collect()
+                })
+                .await
+            }
+
             async fn audit(&self, entry: &$crate::store::AuditEntry) -> Result<()> {
                 self.run("audit", $($write)* async |c| {
                     sqlx::query("INSERT INTO audit_log (at_ms, actor, action, target, outcome, detail) VALUES ($1, $2, $3, $4, $5, $6)")

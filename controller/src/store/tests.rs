@@ -653,6 +653,7 @@ pub mod suite {
         assert_eq!(s.token_owner("ab12").await.unwrap().unwrap().0.revoked_at_ms, Some(10));
         assert_eq!(s.tokens_of("alice").await.unwrap().len(), 2);
         assert!(s.token_owner("zz").await.unwrap().is_none());
+        assert!(s.token_hashes().await.unwrap().contains(&"ab12".to_string()));
         // Jobs record their owner, and lists filter on it.
         let owner = JobOwner { user: "alice".into(), run_as: "alice".into() };
         let mine = s.create_job_for(&spec("mine", 1), None, &owner, "submitted", 1).await.unwrap();

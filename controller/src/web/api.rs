@@ -217,21 +217,26 @@ fn spec_summary(job: &JobRecord) -> String {
 
 /// Rank 0's last lines, or why there are none.
 async fn log_tail(web: &Web, job: u64) -> Value {
-    let mut rx = match web.controller.open_logs(job, 0, LOG_TAIL_LINES, false).await {
-        Ok(rx) => rx,
+    let (request_id, mut rx) = match web.controller.open_logs(job, 0, LOG_TAIL_LINES, false).await {
+        Ok(opened) => opened,
         Err(e) => return json!({"rank": 0, "text": "", "unavailable": e.to_string()}),
     };
     let mut text = String::new();
     let read = async {
         while let Some(event) = rx.recv().await {
             match event {
-                LogEvent::Chunk { data, .. } => text.push_str(&String::from_utf8_lossy(&data)),
+                LogEvent::Chunk { data, .. } => {
+                    web.controller.log_credit(request_id, 1);
+                    text.push_str(&String::from_utf8_lossy(&data));
+                }
                 LogEvent::Failed(why) => return Some(why),
             }
         }
         None
     };
-    match tokio::time::timeout(LOG_WAIT, read).await {
+    let outcome = tokio::time::timeout(LOG_WAIT, read).await;
+    web.controller.close_logs(request_id);
+    match outcome {
         Ok(None) => json!({"rank": 0, "text": text}),
         Ok(Some(why)) => json!({"rank": 0, "text": text, "unavailable": why}),
         Err(_) => json!({"rank": 0, "text": text, "unavailable": "the node did not send the logs in time"}),
