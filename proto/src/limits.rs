@@ -54,7 +54,7 @@ pub const MAX_LOG_CHUNK_BYTES: usize = 64 << 10;
 
 /// Log pieces an agent sends a request ahead of what its client has read: the controller grants
 /// more (`LogCredit`) as the client reads, so a slow reader is paced, not buffered.
-pub const LOG_CREDIT_PIECES: u32 = 32;
+pub const LOG_CREDIT_PIECES: u32 = 8;
 
 /// Lines `ctl logs --tail` may ask for.
 pub const MAX_TAIL_LINES: u32 = 1_000_000;

@@ -17,7 +17,7 @@ use trainyard_proto::v1::{ControllerMessage, LogCredit, LogData, ReadLogs, StopL
 use super::{Controller, ControllerError, Result};
 use crate::store::JobId;
 
-/// Pieces of up to 64 KiB buffered per request (4 MiB): twice the agent's credit window.
+/// Pieces of up to 64 KiB buffered per request (1 MiB): twice the agent's credit window.
 pub const BUFFER: usize = 2 * trainyard_proto::limits::LOG_CREDIT_PIECES as usize;
 /// How long a dropped client is given to read up to the notice that says why.
 const SLOW_CLIENT_NOTICE: std::time::Duration = std::time::Duration::from_secs(30);

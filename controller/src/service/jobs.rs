@@ -26,7 +26,7 @@ use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
 use crate::store::{JobState, RankState, StoreError};
 
 /// Pieces a logs client reads between two grants of credit to its agent.
-const CREDIT_EVERY: u32 = 8;
+const CREDIT_EVERY: u32 = 4;
 
 /// An open `Logs` response stream; dropping it (the client went away) stops the agent's reader.
 struct LogReading {
