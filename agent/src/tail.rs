@@ -193,6 +193,10 @@ impl Tailer {
             if budget.exhausted() {
                 return Ok(false);
             }
+            // The window is checked per chunk read: at most one chunk past it.
+            if (self.line.offset + self.consumed).saturating_sub(self.acked.offset) >= MAX_UNACKED_BYTES {
+                return Ok(false);
+            }
             let n = file.read(&mut buf)?;
             if n == 0 {
                 break;
