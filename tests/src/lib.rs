@@ -651,6 +651,15 @@ impl Cluster {
         text.trim().parse().with_context(|| format!("job id from ctl submit output {text:?}"))
     }
 
+    /// Submits a job file with `ctl submit` presenting `token` (a user of a secure cluster).
+    pub fn submit_as(&self, token: &str, file: &Path) -> Result<u64> {
+        let out = self.ctl_as(Some(token), &["submit", &file.display().to_string()])?;
+        if !out.status.success() {
+            bail!("ctl submit failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+    }
+
     /// The job as `ctl status JOB -o json` shows it.
     pub fn status(&self, job: u64) -> Result<serde_json::Value> {
         let out = self.ctl(&["status", &job.to_string(), "-o", "json"])?;

@@ -85,12 +85,6 @@ fn job_with_preload(c: &Cluster, name: &str, gpus: u32, argv: &str, lib: &Path) 
     path
 }
 
-fn submit_as(c: &Cluster, token: &str, file: &Path) -> Result<u64> {
-    let out = c.ctl_as(Some(token), &["submit", &file.display().to_string()])?;
-    anyhow::ensure!(out.status.success(), "submit failed: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
-}
-
 fn uid_of(name: &str) -> Result<(u32, u32)> {
     let id = |flag: &str| -> Result<u32> {
         let out = Command::new("id").args([flag, name]).output()?;
@@ -111,7 +105,7 @@ fn a_library_named_in_the_overlay_never_loads_in_a_root_process() -> Result<()> 
     let (nobody, _) = uid_of("nobody")?;
     let mallory = c.add_user("mallory", &["--unix-user", "nobody"])?;
     let file = job_with_preload(&c, "preload", 2, r#"["sh", "-c", "sleep 1"]"#, &preload.lib);
-    let job = submit_as(&c, &mallory, &file)?;
+    let job = c.submit_as(&mallory, &file)?;
     c.wait_state(job, &["succeeded"], Duration::from_secs(30))?;
 
     let loaded = preload.loaded()?;
@@ -182,7 +176,7 @@ fn another_local_user_reads_nothing_of_a_job() -> Result<()> {
                 argv = [\"sh\", \"-c\", \"echo '{\\\"kind\\\":\\\"step\\\",\\\"step\\\":1}' >> $TRAINYARD_RECEIPTS; echo hi; sleep 30\"]\n\
                 workdir = \"/\"\n\n[env]\nAPI_KEY = \"s3cret\"\n";
     std::fs::write(c.path("secret.toml"), text)?;
-    let job = submit_as(&c, &alice, &c.path("secret.toml"))?;
+    let job = c.submit_as(&alice, &c.path("secret.toml"))?;
     let status = c.wait_state(job, &["running"], Duration::from_secs(20))?;
     let attempt = status["attempt"].as_u64().context("attempt")?;
     let job_dir = c.path(&format!("agent-sxm-a/runs/job-{job}"));

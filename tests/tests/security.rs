@@ -26,12 +26,6 @@ fn sleep_job(c: &Cluster, name: &str, gpus: u32) -> PathBuf {
     path
 }
 
-fn submit_as(c: &Cluster, token: &str, file: &Path) -> anyhow::Result<u64> {
-    let out = c.ctl_as(Some(token), &["submit", &file.display().to_string()])?;
-    anyhow::ensure!(out.status.success(), "submit failed: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
-}
-
 fn stderr_of(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -115,7 +109,7 @@ fn users_reach_only_their_own_jobs_and_admins_reach_all() -> anyhow::Result<()> 
     let alice = c.add_user("alice", &["--unix-user", &account])?;
     let bob = c.add_user("bob", &["--unix-user", &account])?;
     let nobody_mapped = c.add_user("dave", &[])?;
-    let job = submit_as(&c, &alice, &sleep_job(&c, "alice-nap", 1))?;
+    let job = c.submit_as(&alice, &sleep_job(&c, "alice-nap", 1))?;
     let id = job.to_string();
     c.wait_state(job, &["running"], Duration::from_secs(20))?;
 
@@ -167,7 +161,7 @@ fn ranks_run_as_their_users_account_never_root() -> anyhow::Result<()> {
     c.start_agent("sxm-a", 2)?;
     let nobody = trainyard_agent_uid("nobody")?;
     let alice = c.add_user("alice", &["--unix-user", "nobody"])?;
-    let job = submit_as(&c, &alice, &sleep_job(&c, "as-alice", 2))?;
+    let job = c.submit_as(&alice, &sleep_job(&c, "as-alice", 2))?;
     let status = c.wait_state(job, &["running"], Duration::from_secs(20))?;
     for rank in status["ranks"].as_array().context("ranks")? {
         let pid = rank["pid"].as_u64().context("pid")? as u32;
@@ -190,7 +184,7 @@ fn ranks_run_as_their_users_account_never_root() -> anyhow::Result<()> {
 
     // An account this node lacks: the agent refuses the launch and says why.
     let erin = c.add_user("erin", &["--unix-user", "no-such-account-here"])?;
-    let job = submit_as(&c, &erin, &sleep_job(&c, "as-erin", 1))?;
+    let job = c.submit_as(&erin, &sleep_job(&c, "as-erin", 1))?;
     let failed = c.wait_state(job, &["failed"], Duration::from_secs(30))?;
     assert!(failed.to_string().contains("no Unix account"), "{failed}");
     Ok(())
@@ -208,7 +202,7 @@ fn agents_speak_only_for_themselves() -> anyhow::Result<()> {
     c.start_agent("sxm-b", 1)?;
     let account = run_account();
     let bob = c.add_user("bob", &["--unix-user", &account])?;
-    let job = submit_as(&c, &bob, &sleep_job(&c, "bobs", 1))?;
+    let job = c.submit_as(&bob, &sleep_job(&c, "bobs", 1))?;
     c.wait_state(job, &["running"], Duration::from_secs(20))?;
     let a_dir = c.agent_cert("sxm-a")?;
     let url = c.url();
