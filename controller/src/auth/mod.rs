@@ -323,7 +323,16 @@ impl Authenticator {
     /// Audits a call refused for want of a valid credential, at most
     /// [`AUDIT_REFUSALS_PER_SEC`] rows a second; the first row after a dry spell says how many
     /// were left out.
-    pub async fn audit_refusal(&self, action: &str, target: &str, why: &str, at_ms: i64) {
+    /// The log gets the same lines at the same rate (`peer`: where the call came from), so a
+    /// flood fills neither the table nor the log.
+    pub async fn audit_refusal(
+        &self,
+        action: &str,
+        target: &str,
+        why: &str,
+        peer: Option<std::net::SocketAddr>,
+        at_ms: i64,
+    ) {
         let (write, suppressed) = {
             let mut budget = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
             let write = budget.take(at_ms);
@@ -337,9 +346,15 @@ impl Authenticator {
             let note = format!(
                 "{suppressed} more refused calls without a valid credential were not audited one by one (rate limit)"
             );
+            tracing::warn!(
+                suppressed,
+                "refused calls without a valid credential not logged one by one (rate limit)"
+            );
             self.audit("-", "audit.rate_limited", "-", Err(&note), at_ms).await;
         }
-        self.audit("-", action, target, Err(why), at_ms).await;
+        let target = clip(target);
+        tracing::warn!(action, target, ?peer, reason = %why, "call refused: no valid credential");
+        self.audit("-", action, &target, Err(why), at_ms).await;
     }
 }
 
@@ -414,10 +429,10 @@ mod tests {
         let auth = Authenticator::new(store.clone(), Policy::secure(0));
         let huge = "x".repeat(4 << 20);
         for i in 0..1_000 {
-            auth.audit_refusal("job.submit", &huge, "the token is not valid", i).await;
+            auth.audit_refusal("job.submit", &huge, "the token is not valid", None, i).await;
         }
         // One more, two seconds later: it carries the count of those left out.
-        auth.audit_refusal("job.submit", "job:new", "the token is not valid", 3_000).await;
+        auth.audit_refusal("job.submit", "job:new", "the token is not valid", None, 3_000).await;
         let rows = store.audit_log(10_000).await.unwrap();
         // The burst, then about AUDIT_REFUSALS_PER_SEC a second over the 3 s (each after a
         // dry spell with its summary row): about 120 rows at most for 1,001 refusals.

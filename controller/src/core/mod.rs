@@ -35,6 +35,8 @@ pub use logs::LogEvent;
 mod nodes;
 pub use nodes::{PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
 #[cfg(test)]
+mod agent_message_props;
+#[cfg(test)]
 mod lifecycle_tests;
 #[cfg(test)]
 mod test_support;

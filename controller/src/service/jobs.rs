@@ -105,8 +105,7 @@ impl JobsService {
             Ok(caller) => Ok(caller),
             Err(e) => {
                 let why = e.to_string();
-                tracing::warn!(action, target, peer = ?request.remote_addr(), reason = %why, "call refused: no valid credential");
-                self.auth.audit_refusal(action, target, &why, now).await;
+                self.auth.audit_refusal(action, target, &why, request.remote_addr(), now).await;
                 Err(auth_status(e))
             }
         }
@@ -136,6 +135,7 @@ impl JobsService {
     }
 
     async fn refuse<T>(&self, caller: &Caller, action: &str, target: &str, why: String) -> Result<T, Status> {
+        let target = &auth::clip(target);
         tracing::warn!(user = %caller.name, action, target, reason = %why, "call refused");
         self.auth.audit(&caller.name, action, target, Err(&why), self.controller.now_ms()).await;
         Err(Status::permission_denied(why))
@@ -207,7 +207,7 @@ impl Jobs for JobsService {
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
         let mut req = request.get_ref().clone();
         if req.reason.len() > limits::MAX_SHORT_STRING_BYTES {
-            req.reason = crate::auth::clip_to(&req.reason, limits::MAX_SHORT_STRING_BYTES);
+            req.reason = auth::clip_to(&req.reason, limits::MAX_SHORT_STRING_BYTES);
         }
         let caller = self.job_caller(&request, "job.cancel", req.job_id).await?;
         let target = format!("job:{}", req.job_id);

@@ -1,0 +1,109 @@
+//! Property test: whatever an agent sends on its stream (receipt batches with any keys, bodies
+//! and kinds, rank reports with any states, preflight reports decoded from any bytes, log
+//! pieces, a leave), the controller answers each message with a result, never a panic, and
+//! still serves afterwards. The messages go through the same calls the `Agents` service makes.
+
+use proptest::prelude::*;
+use prost::Message;
+use trainyard_proto::v1::{LogData, PreflightReport, RankKey, RankReport, Receipt};
+
+use crate::core::test_support::{connect, controller, spec, store};
+
+#[derive(Debug, Clone)]
+enum Sent {
+    Receipts(Vec<Receipt>),
+    Report(RankReport),
+    Preflight(Vec<u8>),
+    Log(LogData),
+    Leaving(String),
+}
+
+fn key() -> impl Strategy<Value = RankKey> {
+    (0u64..4, 0u32..3, 0u32..4).prop_map(|(job_id, attempt, rank)| RankKey { job_id, attempt, rank })
+}
+
+fn body() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (0i64..100, any::<f64>())
+            .prop_map(|(s, t)| format!(r#"{{"kind":"step","step":{s},"step_time_ms":{t}}}"#)),
+        Just(r#"{"kind":"step","schema":9,"mfu":7}"#.to_string()),
+        "\\PC{0,40}",
+    ]
+}
+
+fn sent() -> impl Strategy<Value = Sent> {
+    let receipt =
+        (key(), any::<u64>(), prop_oneof![Just("step".to_string()), "[a-z]{0,6}"], any::<i64>(), body())
+            .prop_map(|(key, seq, kind, step, body)| Receipt { key: Some(key), seq, kind, step, body });
+    let state = prop_oneof![
+        Just("running".to_string()),
+        Just("exited".to_string()),
+        Just("lost".to_string()),
+        Just("planned".to_string()),
+        "[a-z]{0,8}",
+    ];
+    let report = (key(), state, any::<u32>(), any::<i32>(), any::<i32>(), "\\PC{0,20}").prop_map(
+        |(key, state, pid, exit_code, signal, message)| RankReport {
+            key: Some(key),
+            state,
+            pid,
+            exit_code,
+            signal,
+            message,
+            ..Default::default()
+        },
+    );
+    prop_oneof![
+        4 => proptest::collection::vec(receipt, 0..8).prop_map(Sent::Receipts),
+        3 => report.prop_map(Sent::Report),
+        1 => proptest::collection::vec(any::<u8>(), 0..200).prop_map(Sent::Preflight),
+        1 => (any::<u64>(), any::<bool>(), "\\PC{0,10}").prop_map(|(request_id, done, error)| Sent::Log(LogData {
+            request_id,
+            done,
+            error,
+            ..Default::default()
+        })),
+        1 => "\\PC{0,10}".prop_map(Sent::Leaving),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn any_agent_message_gets_an_answer_and_the_controller_keeps_serving(
+        messages in proptest::collection::vec(sent(), 1..12)
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = store().await;
+            let c = controller(&store).await;
+            let _agent = connect(&c, "node-a", 4, None).await;
+            let job = c.submit(spec(2), None).await.expect("submit");
+            c.reconcile().await;
+            for m in messages {
+                // Errors are answers (the service ends or refuses the stream); panics are not.
+                match m {
+                    Sent::Receipts(receipts) => {
+                        let _ = c.ingest("node-a", trainyard_proto::v1::ReceiptBatch { receipts }).await;
+                    }
+                    Sent::Report(report) => {
+                        let _ = c.rank_update("node-a", &report).await;
+                    }
+                    Sent::Preflight(bytes) => {
+                        if let Ok(report) = PreflightReport::decode(bytes.as_slice()) {
+                            let _ = c.agent_preflight("node-a", report).await;
+                        }
+                    }
+                    Sent::Log(data) => c.log_data("node-a", data),
+                    Sent::Leaving(reason) => {
+                        let _ = c.agent_leaving("node-a", &reason).await;
+                    }
+                }
+                c.reconcile().await;
+            }
+            assert!(c.job_view(job).await.is_ok(), "the controller still answers");
+            assert!(!c.nodes().await.is_empty());
+        });
+    }
+}
