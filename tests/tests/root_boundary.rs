@@ -118,6 +118,32 @@ fn a_library_named_in_the_overlay_never_loads_in_a_root_process() -> Result<()> 
     Ok(())
 }
 
+/// A workdir only root may enter is checked, and entered, as the job's user: the rank is not
+/// started there, and the reason says why. (Checked as root, as before, it ran there.)
+#[test]
+fn a_root_only_workdir_is_refused_as_the_user() -> Result<()> {
+    if !is_root() {
+        println!("skipped: run-as needs the agent to run as root; these tests do not");
+        return Ok(());
+    }
+    let mut c = Cluster::start_secure()?;
+    c.start_agent("sxm-a", 1)?;
+    let hidden = c.path("root-only");
+    std::fs::create_dir_all(&hidden)?;
+    std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700))?;
+    let mallory = c.add_user("mallory", &["--unix-user", "nobody"])?;
+    let text = format!(
+        "name = \"probe\"\n[resources]\ngpus = 1\n\n[engine]\nkind = \"exec\"\nargv = [\"true\"]\nworkdir = {:?}\n",
+        hidden.display().to_string()
+    );
+    std::fs::write(c.path("probe.toml"), text)?;
+    let job = c.submit_as(&mallory, &c.path("probe.toml"))?;
+    let failed = c.wait_state(job, &["failed", "succeeded"], Duration::from_secs(30))?;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    assert!(failed.to_string().contains("Permission denied"), "{failed}");
+    Ok(())
+}
+
 #[test]
 fn on_the_root_demo_the_overlay_reaches_the_rank_only() -> Result<()> {
     if !is_root() {
