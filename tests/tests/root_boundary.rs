@@ -12,9 +12,14 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use trainyard_tests::Cluster;
 
-fn is_root() -> bool {
+/// Whether the tests run as root; if not, says the test is skipped and why.
+fn root_or_skip(why: &str) -> bool {
     // SAFETY: geteuid cannot fail and touches no memory.
-    unsafe { libc::geteuid() == 0 }
+    let root = unsafe { libc::geteuid() == 0 };
+    if !root {
+        println!("skipped: {why}");
+    }
+    root
 }
 
 /// The preload library of `tests/fixtures/preload`, built for this test, with its log; both in a
@@ -95,8 +100,7 @@ fn uid_of(name: &str) -> Result<(u32, u32)> {
 
 #[test]
 fn a_library_named_in_the_overlay_never_loads_in_a_root_process() -> Result<()> {
-    if !is_root() {
-        println!("skipped: run-as needs the agent to run as root; these tests do not");
+    if !root_or_skip("run-as needs the agent to run as root; these tests do not") {
         return Ok(());
     }
     let Some(preload) = Preload::build()? else { return Ok(()) };
@@ -122,8 +126,7 @@ fn a_library_named_in_the_overlay_never_loads_in_a_root_process() -> Result<()> 
 /// started there, and the reason says why. (Checked as root, as before, it ran there.)
 #[test]
 fn a_root_only_workdir_is_refused_as_the_user() -> Result<()> {
-    if !is_root() {
-        println!("skipped: run-as needs the agent to run as root; these tests do not");
+    if !root_or_skip("run-as needs the agent to run as root; these tests do not") {
         return Ok(());
     }
     let mut c = Cluster::start_secure()?;
@@ -146,8 +149,7 @@ fn a_root_only_workdir_is_refused_as_the_user() -> Result<()> {
 
 #[test]
 fn on_the_root_demo_the_overlay_reaches_the_rank_only() -> Result<()> {
-    if !is_root() {
-        println!("skipped: the root demo (--allow-root-ranks) needs the tests to run as root");
+    if !root_or_skip("the root demo (--allow-root-ranks) needs the tests to run as root") {
         return Ok(());
     }
     let Some(preload) = Preload::build()? else { return Ok(()) };
@@ -188,8 +190,7 @@ fn can_read_as(uid: u32, gid: u32, program: &str, path: &Path) -> bool {
 
 #[test]
 fn another_local_user_reads_nothing_of_a_job() -> Result<()> {
-    if !is_root() {
-        println!("skipped: two accounts on one node need the tests to run as root");
+    if !root_or_skip("two accounts on one node need the tests to run as root") {
         return Ok(());
     }
     let mut c = Cluster::start_secure()?;
