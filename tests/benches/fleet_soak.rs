@@ -7,7 +7,7 @@
 //! (VmRSS) after the agents connected and at the end, the jobs by final state, and the error
 //! lines of its log.
 //!
-//! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench fleet_soak
+//! Run: `cargo bench -p trainyard-tests --bench fleet_soak
 //! [-- SECONDS [AGENTS]]` (default 600 s, 64 agents).
 
 use std::time::{Duration, Instant};
@@ -26,6 +26,7 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    trainyard_tests::build_release_binaries()?;
     let args: Vec<u64> =
         std::env::args().skip(1).filter(|a| !a.starts_with('-')).filter_map(|a| a.parse().ok()).collect();
     let seconds = args.first().copied().unwrap_or(600);

@@ -10,14 +10,23 @@
 //! burst's latency only measures its own backlog). On this machine the ranks, the agents and the
 //! controller share the same 2 cores.
 //!
+//! After each SQLite burst the same rows go through a plain sqlx loop into a fresh file
+//! ([`trainyard_tests::raw_insert`]): `trainyard / raw` is the figure that survives a change of
+//! machine (goal at least 0.5). Each run's rate is also held against the median of the three
+//! (stable: within 25 %).
+//!
 //! `secure` runs SQLite again on a secure cluster: TLS between agents and controller, agent
 //! certificates, a token for ctl, ranks run as the user's account (`nobody` under root).
+//! `soak [SECONDS]` floods SQLite for about 180 s (~20 M rows, removed after) and compares the
+//! last whole minute's rate with the first's (target: no slower by more than 15 %).
 //!
-//! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench receipt_throughput
-//! [-- sqlite|postgres|secure]` (sqlite and postgres when none is named). PostgreSQL runs with its default,
-//! durable settings (`fsync`, `synchronous_commit` on).
+//! Run: `cargo bench -p trainyard-tests --bench receipt_throughput
+//! [-- sqlite|postgres|secure|soak [SECONDS]]` (sqlite and postgres when none is named). The bench
+//! builds and runs the release binaries. PostgreSQL runs with its default, durable settings
+//! (`fsync`, `synchronous_commit` on).
 
-use trainyard_tests::flood::{flood, median};
+use trainyard_tests::flood::{flood, flood_job, median, rate_per_minute};
+use trainyard_tests::raw_insert::raw_insert_rate;
 use trainyard_tests::{Backend, Cluster};
 
 const PER_RANK: i64 = 50_000;
@@ -33,6 +42,7 @@ fn paced_per_rank(backend: Backend) -> i64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    trainyard_tests::build_release_binaries()?;
     let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     for (name, backend) in [("sqlite", Backend::Sqlite), ("postgres", Backend::Postgres)] {
         if named.is_empty() || named.iter().any(|n| n == name) {
@@ -41,6 +51,10 @@ fn main() -> anyhow::Result<()> {
     }
     if named.iter().any(|n| n == "secure") {
         bench(Backend::Sqlite, true)?;
+    }
+    if let Some(at) = named.iter().position(|n| n == "soak") {
+        let seconds = named.get(at + 1).and_then(|s| s.parse().ok()).unwrap_or(180);
+        soak(seconds)?;
     }
     Ok(())
 }
@@ -58,17 +72,39 @@ fn bench(backend: Backend, secure: bool) -> anyhow::Result<()> {
         let mut results = Vec::new();
         for run in 0..RUNS {
             let f = flood(&c, &format!("flood-{run}-{per_rank}"), PER_RANK, per_rank)?;
-            println!(
-                "{phase} run {run}: {:.0} receipts/s stored, latency p50 {} ms, p99 {} ms",
-                f.rate, f.p50_ms, f.p99_ms
+            print!(
+                "{phase} run {run}: {:.0} receipts/s stored, latency p50 {} ms, p99 {} ms, controller {:.1} CPU-s",
+                f.rate, f.p50_ms, f.p99_ms, f.controller_cpu_s
             );
-            results.push((f.rate, f.p99_ms));
+            // The raw loop right after the run it is compared with, on the same rows and disk.
+            let raw = match (phase, backend) {
+                ("burst", Backend::Sqlite) => Some(raw_insert_rate(&c, f.job, c.dir.path())?),
+                _ => None,
+            };
+            match raw {
+                Some(raw) => println!("; raw sqlx loop {raw:.0} rows/s, ratio {:.2}", f.rate / raw),
+                None => println!(),
+            }
+            results.push((f.rate, f.p99_ms, raw));
         }
         let rate = median(results.iter().map(|r| r.0).collect());
         let p99 = median(results.iter().map(|r| r.1 as f64).collect());
         match phase {
             "burst" => {
-                println!("burst: median {rate:.0} receipts/s sustained into {store} (target >= {target})")
+                let spread = results.iter().map(|r| (r.0 / rate - 1.0).abs()).fold(0.0, f64::max);
+                println!(
+                    "burst: median {rate:.0} receipts/s sustained into {store} (target >= {target}); \
+                     runs within {:.0} % of it (target 25 %)",
+                    spread * 100.0
+                );
+                let ratios: Vec<f64> = results.iter().filter_map(|r| Some(r.0 / r.2?)).collect();
+                if !ratios.is_empty() {
+                    let raw = median(results.iter().filter_map(|r| r.2).collect());
+                    println!(
+                        "burst: raw sqlx loop median {raw:.0} rows/s; trainyard / raw median {:.2} (goal >= 0.5)",
+                        median(ratios)
+                    );
+                }
             }
             _ => println!(
                 "paced at {} receipts/s offered: median p99 rank-to-row latency {p99:.0} ms (target < 1000)",
@@ -76,5 +112,27 @@ fn bench(backend: Backend, secure: bool) -> anyhow::Result<()> {
             ),
         }
     }
+    Ok(())
+}
+
+/// One flood long enough to fill `seconds` at the burst rate, into SQLite: the rate of each
+/// whole minute, and the last against the first (target: no slower by more than 15 %).
+fn soak(seconds: u64) -> anyhow::Result<()> {
+    println!("== SQLite, one flood of about {seconds} s");
+    let mut c = Cluster::start_on(Backend::Sqlite)?;
+    c.start_agent("node-a", 4)?;
+    c.start_agent("node-b", 4)?;
+    // Sized from a short burst, so the flood lasts about `seconds` on this machine.
+    let probe = flood(&c, "soak-probe", PER_RANK, 0)?;
+    let per_rank = (probe.rate * seconds as f64 * 1.1 / 8.0) as i64;
+    println!("probe: {:.0} receipts/s; flooding {} receipts ({per_rank} per rank)", probe.rate, 8 * per_rank);
+    let job = flood_job(&c, "soak", per_rank, 0)?;
+    let minutes = rate_per_minute(&c, job)?;
+    for (i, rate) in minutes.iter().enumerate() {
+        println!("minute {}: {rate:.0} receipts/s", i + 1);
+    }
+    anyhow::ensure!(minutes.len() >= 2, "the flood lasted less than two whole minutes");
+    let (first, last) = (minutes[0], minutes[minutes.len() - 1]);
+    println!("soak: last minute / first minute {:.2} (target >= 0.85)", last / first);
     Ok(())
 }

@@ -13,7 +13,7 @@
 //! achieved, and how many refused calls reached `audit_log` (rate-limited). The attacker's
 //! threads run at nice 19: on one 2-core machine they stand in for clients elsewhere.
 //!
-//! Run: `cargo build --release --workspace --bins && cargo bench -p trainyard-tests --bench
+//! Run: `cargo bench -p trainyard-tests --bench
 //! receipts_under_attack` (`TRAINYARD_ATTACK=tokens` or `logs` runs one half of the attack alone,
 //! `none` no attack: the noise between alternate runs; `TRAINYARD_ATTACK_PERF=FILE` profiles the
 //! controller during the first attacked run with `perf record`).
@@ -216,6 +216,7 @@ fn measured(c: &Cluster, name: &str) -> anyhow::Result<(f64, String)> {
 }
 
 fn main() -> anyhow::Result<()> {
+    trainyard_tests::build_release_binaries()?;
     // The attacker's threads run at the lowest priority: on this 2-core machine they stand in for
     // clients on other machines, so what the bench measures is what the attack costs the
     // controller, not what the attacker's own TLS handshakes take from the same cores. The

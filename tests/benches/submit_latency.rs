@@ -9,9 +9,8 @@
 //! Two clusters: the loopback demo (plaintext, no credentials) and a secure one (TLS with agent
 //! certificates, ctl with a token, ranks run as the user's account: `nobody` under root).
 //!
-//! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench submit_latency
-//! [-- demo|secure]` (the bench runs in the release profile and uses the debug binaries that setup
-//! builds).
+//! Run: `cargo bench -p trainyard-tests --bench submit_latency
+//! [-- demo|secure]` (it builds and runs the release binaries).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -60,6 +59,7 @@ fn measure(c: &Cluster, label: &str, ranks: u32) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
+    trainyard_tests::build_release_binaries()?;
     let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     for label in ["demo", "secure"] {
         if !named.is_empty() && !named.iter().any(|n| n == label) {

@@ -9,7 +9,7 @@
 //! - the job page in headless Chromium, in real time (`controller/web/dev/probe.py`: until the
 //!   page's `data-ready`), median of 5 loads.
 //!
-//! Run: `cargo build --workspace --bins && cargo bench -p trainyard-tests --bench web_view`
+//! Run: `cargo bench -p trainyard-tests --bench web_view`
 //! (`-- --steps N` for a smaller job).
 
 use std::process::{Command, Stdio};
@@ -109,6 +109,7 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
+    trainyard_tests::build_release_binaries()?;
     let args: Vec<String> = std::env::args().collect();
     let steps: i64 = args
         .iter()

@@ -5,12 +5,14 @@
 //! - [`Cluster`]: a temporary directory with a controller, agents and helpers to drive them.
 //! - [`host_file`]: writes a host description standing in for an 8-GPU node.
 //! - [`flood`]: the receipt flood job the ingest benches run, and what it measured.
+//! - [`raw_insert`]: the same rows through a plain sqlx loop, the ceiling ingest is read against.
 //! - Process hygiene: every process a cluster starts carries a marker in its environment, which
 //!   ranks inherit; dropping the cluster kills every process carrying it, so no test leaves a
 //!   rank behind even when it fails half-way.
 //!
-//! The binaries must be built first (`cargo build --workspace --bins`, which `deploy/test.sh`
-//! does); they are found next to the test executable's directory.
+//! Tests need the debug binaries built first (`cargo build --workspace --bins`, which
+//! `deploy/test.sh` does); benches build the release ones themselves
+//! ([`build_release_binaries`]). Either way they are found in the caller's profile directory.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -22,30 +24,47 @@ use sqlx::Row;
 use trainyard_controller::store::pg_server::{Durability, TempPostgres};
 
 pub mod flood;
+pub mod raw_insert;
 
 /// Environment variable that marks every process of one test cluster.
 const MARKER: &str = "TRAINYARD_TEST_CLUSTER";
 
-/// Directory holding the workspace's binaries (`target/debug`).
+/// Directory holding the workspace's binaries: the test executable's profile directory,
+/// `target/debug` for tests and `target/release` for benches.
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    // target/debug/deps/<test> -> target/debug
+    // target/<profile>/deps/<test> -> target/<profile>
     exe.parent().and_then(Path::parent).expect("target directory").to_path_buf()
 }
 
-/// A workspace binary: next to the test executable's profile directory, or in `target/debug`
-/// (benches run in the release profile but may use the debug binaries that setup built),
-/// whichever was built last, so a stale build of the other profile is never picked.
+/// A workspace binary of the caller's own profile. Tests use the debug binaries that
+/// `deploy/test.sh` builds; benches call [`build_release_binaries`] first, so they never
+/// measure a debug build (which once halved the ingest figures a fresh clone reproduced).
 pub fn bin(name: &str) -> Result<PathBuf> {
-    let dir = bin_dir();
-    let debug = dir.parent().map(|t| t.join("debug").join(name));
-    let built = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let newest =
-        [Some(dir.join(name)), debug].into_iter().flatten().filter_map(|p| Some((built(&p)?, p))).max();
-    match newest.map(|(_, p)| p) {
-        Some(path) => Ok(path),
-        None => bail!("{name} is missing from {}: run `cargo build --workspace --bins` first", dir.display()),
+    let path = bin_dir().join(name);
+    if !path.exists() {
+        bail!("{name} is missing from {}: run `cargo build --workspace --bins` first", bin_dir().display());
     }
+    Ok(path)
+}
+
+/// Builds the workspace's binaries in the release profile, for a bench: a bench measures what an
+/// operator deploys. Cargo's output (progress included) goes to the terminal; a fresh clone
+/// takes a few minutes on 2 cores, an up-to-date tree a fraction of a second.
+pub fn build_release_binaries() -> Result<()> {
+    anyhow::ensure!(
+        !cfg!(debug_assertions),
+        "build_release_binaries is for benches, which run in the release profile"
+    );
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    eprintln!("bench: building the release binaries (cargo build --release --workspace --bins)");
+    let status = Command::new(cargo)
+        .args(["build", "--release", "--workspace", "--bins"])
+        .current_dir(repo_root())
+        .status()
+        .context("run cargo build --release")?;
+    anyhow::ensure!(status.success(), "cargo build --release --workspace --bins failed ({status})");
+    Ok(())
 }
 
 /// Root of the repository (for `examples/rank.py`).
