@@ -79,15 +79,27 @@ pub fn flood_job(c: &Cluster, name: &str, per_rank: i64, rate_per_rank: i64) -> 
     Ok(job)
 }
 
-/// Receipts of `job` stored in each whole minute from its first `stored_at_ms` (a last,
-/// partial minute left out), receipts per second.
-pub fn rate_per_minute(c: &Cluster, job: u64) -> Result<Vec<f64>> {
-    let rows = c.query(&format!(
-        "SELECT (stored_at_ms - (SELECT MIN(stored_at_ms) FROM receipts WHERE job_id = {job})) / 60000 AS minute, \
-         COUNT(*) FROM receipts WHERE job_id = {job} GROUP BY minute ORDER BY minute"
+/// For each whole minute from the job's first `stored_at_ms` (a last, partial minute left
+/// out): receipts stored per second, and the p99 rank-to-row latency (ms) of those receipts.
+/// SQLite only.
+pub fn rate_per_minute(c: &Cluster, job: u64) -> Result<Vec<(f64, i64)>> {
+    let minute =
+        format!("(stored_at_ms - (SELECT MIN(stored_at_ms) FROM receipts WHERE job_id = {job})) / 60000");
+    let counts = c.query(&format!(
+        "SELECT {minute} AS minute, COUNT(*) FROM receipts WHERE job_id = {job} GROUP BY minute ORDER BY minute"
     ))?;
-    let whole = rows.len().saturating_sub(1);
-    Ok(rows[..whole].iter().map(|r| r[1] as f64 / 60.0).collect())
+    let whole = counts.len().saturating_sub(1);
+    let mut minutes = Vec::new();
+    for row in &counts[..whole] {
+        let offset = (row[1] - 1) * 99 / 100;
+        let p99 = c.query(&format!(
+            "SELECT stored_at_ms - json_extract(body, '$.t_ms') AS l FROM receipts \
+             WHERE job_id = {job} AND {minute} = {} ORDER BY l LIMIT 1 OFFSET {offset}",
+            row[0]
+        ))?;
+        minutes.push((row[1] as f64 / 60.0, p99[0][0]));
+    }
+    Ok(minutes)
 }
 
 /// Waits for the job to end by reading its row, not through `ctl status`: a status of a job of
