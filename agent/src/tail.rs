@@ -341,13 +341,80 @@ impl Tailer {
 
 /// `(kind, step)` of a valid receipt line, or why it is not one. A `step` that is not an
 /// integer is not a reason to drop the receipt: it is stored with step -1.
+///
+/// Every line is checked in full (valid JSON, one object) but only `kind` and `step` are kept:
+/// building a whole `serde_json::Value` per line cost the agent more than reading the file.
 fn parse_receipt(bytes: &[u8]) -> Result<(String, i64), &'static str> {
     let text = std::str::from_utf8(bytes).map_err(|_| "not valid UTF-8")?;
-    let value: Value = serde_json::from_str(text).map_err(|_| "not valid JSON")?;
-    let object = value.as_object().ok_or("not a JSON object")?;
-    let kind = object.get("kind").and_then(Value::as_str).ok_or("no string \"kind\" field")?;
-    let step = object.get("step").and_then(Value::as_i64).unwrap_or(-1);
-    Ok((kind.to_string(), step))
+    let mut de = serde_json::Deserializer::from_str(text);
+    let head = match serde::Deserializer::deserialize_any(&mut de, HeadVisitor) {
+        Ok(head) => head,
+        Err(e) if e.is_data() => return Err("not a JSON object"),
+        Err(_) => return Err("not valid JSON"),
+    };
+    de.end().map_err(|_| "not valid JSON")?;
+    let kind = head.kind.and_then(|k| k.ok()).ok_or("no string \"kind\" field")?;
+    Ok((kind, head.step.unwrap_or(-1)))
+}
+
+/// What [`parse_receipt`] keeps of a line: `kind` (`Err` when it is not a string) and `step`
+/// (when an integer). A key given twice counts as its last value, as `serde_json::Value` reads it.
+struct Head {
+    kind: Option<Result<String, ()>>,
+    step: Option<i64>,
+}
+
+struct HeadVisitor;
+
+impl<'de> serde::de::Visitor<'de> for HeadVisitor {
+    type Value = Head;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Head, A::Error> {
+        let mut head = Head { kind: None, step: None };
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Kind => {
+                    head.kind = Some(map.next_value::<Value>()?.as_str().map(str::to_owned).ok_or(()))
+                }
+                Key::Step => head.step = map.next_value::<Value>()?.as_i64(),
+                Key::Other => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(head)
+    }
+}
+
+/// A key of a receipt line, read without allocating.
+enum Key {
+    Kind,
+    Step,
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for Key {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+        struct KeyVisitor;
+        impl serde::de::Visitor<'_> for KeyVisitor {
+            type Value = Key;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<Key, E> {
+                Ok(match key {
+                    "kind" => Key::Kind,
+                    "step" => Key::Step,
+                    _ => Key::Other,
+                })
+            }
+        }
+        d.deserialize_str(KeyVisitor)
+    }
 }
 
 #[cfg(test)]

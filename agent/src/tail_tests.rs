@@ -328,6 +328,41 @@ mod props {
         ]
     }
 
+    /// What `parse_receipt` must decide, read the slow way: through a whole `serde_json::Value`.
+    fn reference(bytes: &[u8]) -> Option<(String, i64)> {
+        let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+        let object = value.as_object()?;
+        let kind = object.get("kind")?.as_str()?;
+        Some((kind.to_string(), object.get("step").and_then(serde_json::Value::as_i64).unwrap_or(-1)))
+    }
+
+    /// JSON-shaped lines: objects with `kind`, `step` and other keys in any order, repeated,
+    /// escaped or of the wrong type, nested values, non-objects and cut-off text.
+    fn json_line() -> impl Strategy<Value = String> {
+        let key = prop_oneof![Just("kind"), Just("step"), Just("k\\u0069nd"), Just("loss"), Just("pad")];
+        let value = prop_oneof![
+            Just("\"step\"".to_string()),
+            Just("\"ev\\u0061l\"".to_string()),
+            (-5i64..1_000_000_000_000).prop_map(|n| n.to_string()),
+            Just("1.5".to_string()),
+            Just("null".to_string()),
+            Just("[1, {\"kind\": \"inner\"}]".to_string()),
+            Just("{\"step\": 3}".to_string()),
+            Just("18446744073709551615".to_string()),
+        ];
+        let object = proptest::collection::vec((key, value), 0..6).prop_map(|pairs| {
+            let fields: Vec<String> = pairs.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
+            format!("{{{}}}", fields.join(", "))
+        });
+        prop_oneof![
+            6 => object.clone(),
+            1 => object.clone().prop_map(|o| format!("[{o}]")),
+            1 => object.clone().prop_map(|o| format!("{o} trailing")),
+            1 => (object, 0usize..40).prop_map(|(o, cut)| o[..cut.min(o.len())].to_string()),
+            1 => Just("\"kind\"".to_string()),
+        ]
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
@@ -367,6 +402,13 @@ mod props {
                 .collect();
             prop_assert_eq!(seqs(&sent), expected.clone());
             prop_assert_eq!(t.skipped_lines() as usize, lines.len() - expected.len());
+        }
+
+        /// The receipt parser, which checks each line without building a `Value`, decides as
+        /// the `Value` reading does: the same lines kept, with the same kind and step.
+        #[test]
+        fn the_streaming_parser_agrees_with_a_whole_value_reading(line in json_line()) {
+            prop_assert_eq!(parse_receipt(line.as_bytes()).ok(), reference(line.as_bytes()), "{}", line);
         }
     }
 }
