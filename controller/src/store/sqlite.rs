@@ -62,6 +62,13 @@ const MAX_CHUNK_LOG2: u32 = 10;
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    /// Writers of this process take turns here before `BEGIN IMMEDIATE`. SQLite admits one
+    /// writer at a time, and one that finds the file locked waits in its busy handler, which
+    /// sleeps in steps of up to 100 ms whether or not the lock is freed sooner: two agents'
+    /// receipt batches would sleep past each other's commits. A queue in the process hands the
+    /// lock over the moment the writer before commits (the busy handler still covers writers of
+    /// other processes, such as `trainyard-controller admin`).
+    writers: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Whether an operation writes: writers take the write lock at `BEGIN IMMEDIATE`, so they wait
@@ -121,7 +128,7 @@ impl SqliteStore {
             .connect_with(options)
             .await?;
         sqlx::migrate!("../migrations/sqlite").run(&pool).await?;
-        Ok(SqliteStore { pool })
+        Ok(SqliteStore { pool, writers: Arc::default() })
     }
 
     /// The pool, for read-only SQL that is not part of the [`Store`] contract (operator views,
@@ -141,6 +148,10 @@ impl SqliteStore {
         let span = tracing::debug_span!("store", op);
         let started = std::time::Instant::now();
         let result = async move {
+            let _turn = match mode {
+                Mode::Read => None,
+                Mode::Write => Some(self.writers.lock().await),
+            };
             let mut tx = match mode {
                 Mode::Read => self.pool.begin().await?,
                 Mode::Write => self.pool.begin_with("BEGIN IMMEDIATE").await?,
