@@ -15,6 +15,7 @@
 //! | `trainyard_store_operation_seconds{op}` | histogram | every store transaction, retries included |
 //! | `trainyard_store_errors_total{op}` | counter | store operations that failed |
 //! | `trainyard_schedule_pass_seconds` | histogram | one scheduling pass |
+//! | `trainyard_connections_turned_away_total` | counter | new gRPC connections closed at accept: their address is limited for a flood of calls without a valid credential |
 //!
 //! Metrics are process-wide ([`metrics`]): the store, the core and the services record into
 //! them without passing a handle around; the gauges are set from the core when scraped.
@@ -58,6 +59,7 @@ pub struct Metrics {
     pub store_operation: Family<OpLabel, Histogram, fn() -> Histogram>,
     pub store_errors: Family<OpLabel, Counter>,
     pub schedule_pass: Histogram,
+    pub connections_turned_away: Counter,
 }
 
 /// The process's metrics, registered on first use.
@@ -82,6 +84,7 @@ impl Metrics {
             store_operation: Family::new_with_constructor(latency),
             store_errors: Family::default(),
             schedule_pass: Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
+            connections_turned_away: Counter::default(),
             registry: Registry::default(),
         };
         registry.register("jobs", "Jobs the controller holds (not finished), by state", m.jobs.clone());
@@ -120,6 +123,11 @@ impl Metrics {
         );
         registry.register("store_errors", "Store operations that failed", m.store_errors.clone());
         registry.register("schedule_pass_seconds", "One scheduling pass", m.schedule_pass.clone());
+        registry.register(
+            "connections_turned_away",
+            "New gRPC connections closed at accept: their address is limited for a flood of calls without a valid credential",
+            m.connections_turned_away.clone(),
+        );
         Metrics { registry, ..m }
     }
 

@@ -84,6 +84,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let auth = Authenticator::new(controller.store().clone(), security.policy.clone());
     auth.ensure_local_admin(controller.now_ms()).await.context("create the local admin user")?;
+    let (door, clock) = (auth.door(), controller.clone());
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &security.tls {
         builder = builder.tls_config(tls.load()?).context("configure TLS")?;
@@ -105,6 +106,12 @@ pub async fn run(
             .max_decoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES)
             .max_encoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES);
     let stop = token.clone();
+    // Connections from an address the door has limited are closed here, before TLS.
+    let incoming =
+        tokio_stream::StreamExt::filter(TcpListenerStream::new(listener), move |conn| match conn {
+            Ok(stream) => stream.peer_addr().map_or(true, |peer| door.admit(peer.ip(), clock.now_ms())),
+            Err(_) => true,
+        });
     let result = builder
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(MAX_CONCURRENT_REQUESTS_PER_CONNECTION)
@@ -116,7 +123,7 @@ pub async fn run(
         .add_service(health_service)
         .add_service(jobs)
         .add_service(agents)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+        .serve_with_incoming_shutdown(incoming, async move {
             shutdown.await;
             tracing::info!("shutting down: closing agent and watch streams");
             stop.cancel();

@@ -284,7 +284,7 @@ fn main() -> anyhow::Result<()> {
         let secs = started.elapsed().as_secs_f64();
         stop.stop();
         println!(
-            "run {run} attacked: {a:.0} receipts/s; {used}; meanwhile {:.0} bad-token calls/s ({} refused, {} other so far), \
+            "run {run} attacked: {a:.0} receipts/s; {used}; meanwhile {:.0} bad-token calls/s ({} refused, {} turned away at accept so far), \
              {} log pieces read, {} slow readers dropped",
             calls as f64 / secs,
             counts.refused.load(Ordering::Relaxed),

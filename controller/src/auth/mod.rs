@@ -9,9 +9,11 @@
 //!
 //! # Layout
 //! - `pki`: the CA and certificates `init-pki` writes.
+//! - [`door`]: addresses that flood the controller with refused calls are turned away at accept.
 //! - this module: tokens, the [`Policy`], [`Authenticator`] (token to [`Caller`]), the
 //!   permission rules, and the audit log writer.
 
+pub mod door;
 pub mod pki;
 
 use std::sync::Arc;
@@ -127,6 +129,7 @@ pub struct Authenticator {
     policy: Policy,
     refusals: Arc<std::sync::Mutex<RefusalBudget>>,
     known: Arc<tokio::sync::Mutex<KnownTokens>>,
+    door: Arc<door::Door>,
 }
 
 /// The hashes of every token in the store, and when they were read. A token found here is
@@ -194,6 +197,7 @@ impl Authenticator {
             store,
             policy,
             refusals: Arc::new(std::sync::Mutex::new(budget)),
+            door: Arc::default(),
             known: Arc::new(tokio::sync::Mutex::new(KnownTokens {
                 hashes: Default::default(),
                 loaded_at: None,
@@ -204,6 +208,12 @@ impl Authenticator {
 
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// The door this authenticator reports refused calls to, for the listener to consult at
+    /// accept.
+    pub fn door(&self) -> Arc<door::Door> {
+        self.door.clone()
     }
 
     /// Creates the demo's local admin when this policy lets tokenless calls in.
@@ -333,6 +343,17 @@ impl Authenticator {
         peer: Option<std::net::SocketAddr>,
         at_ms: i64,
     ) {
+        if let Some(peer) = peer
+            && self.door.refused(peer.ip(), at_ms) == door::Verdict::NowLimited
+        {
+            tracing::warn!(
+                address = %peer.ip(),
+                burst = door::REFUSALS_BURST,
+                "an address keeps calling without a valid credential: its new connections are limited to {}/s until it stops for {} s",
+                door::ACCEPTS_PER_SEC_WHEN_LIMITED,
+                door::LIMITED_FOR_MS / 1000
+            );
+        }
         let (write, suppressed) = {
             let mut budget = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
             let write = budget.take(at_ms);
