@@ -4,8 +4,9 @@
 //! On a secure cluster (TLS, agent certificates, tokens, run-as), two agents with 4 flood ranks
 //! each (as in `receipt_throughput`) write receipts as fast as they can, in rounds that
 //! alternate quiet and attacked; the attack is
-//! - 200 calls a second with a bad token, each on a new TLS connection, each carrying 1 KiB of
-//!   headers: a well-formed random token (so it costs a store lookup) and 1 KiB of padding;
+//! - 200 calls a second with a bad token, each on a new TLS connection from an address of its
+//!   own (127.0.0.2), each carrying 1 KiB of headers: a well-formed random token and padding;
+//!   after a burst the controller's door turns that address's connections away at accept;
 //! - 50 `Logs --follow` streams (from four admin users) on a rank that wrote 200 MB of stdout,
 //!   each reading one piece a second, reconnecting when the controller drops it for being slow.
 //!
@@ -56,14 +57,24 @@ struct Counts {
     dropped: AtomicU64,
 }
 
-async fn channel(url: &str, ca: &[u8]) -> anyhow::Result<Channel> {
+/// A new TLS connection to the controller from `from` (a loopback address).
+async fn channel(url: &str, ca: &[u8], from: [u8; 4]) -> anyhow::Result<Channel> {
     let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
-    Ok(Endpoint::from_shared(url.to_string())?.tls_config(tls)?.connect().await?)
+    let endpoint = Endpoint::from_shared(url.to_string())?.local_address(Some(from.into()));
+    Ok(endpoint.tls_config(tls)?.connect().await?)
 }
+
+/// Where the bad-token calls come from: an address of their own (any 127.x.y.z reaches the
+/// loopback), as an attacker's host would, so the controller's door limits them and not the
+/// bench's own `ctl` and agents on 127.0.0.1.
+const ATTACKER: [u8; 4] = [127, 0, 0, 2];
+/// The slow log readers are users with valid tokens, elsewhere too.
+const READERS: [u8; 4] = [127, 0, 0, 3];
 
 /// One call with a bad (well-formed, unknown) token and 1 KiB of padding, on a new connection.
 async fn bad_call(url: String, ca: Arc<Vec<u8>>, n: u64, counts: Arc<Counts>) {
-    let Ok(ch) = channel(&url, &ca).await else {
+    counts.bad_calls.fetch_add(1, Ordering::Relaxed);
+    let Ok(ch) = channel(&url, &ca, ATTACKER).await else {
         counts.other.fetch_add(1, Ordering::Relaxed);
         return;
     };
@@ -71,7 +82,6 @@ async fn bad_call(url: String, ca: Arc<Vec<u8>>, n: u64, counts: Arc<Counts>) {
     let token = format!("Bearer tyt_{n:064x}");
     request.metadata_mut().insert("authorization", token.parse().expect("ascii"));
     request.metadata_mut().insert("x-pad", "p".repeat(1024 - token.len()).parse().expect("ascii"));
-    counts.bad_calls.fetch_add(1, Ordering::Relaxed);
     match JobsClient::new(ch).list(request).await {
         Err(s) if s.code() == tonic::Code::Unauthenticated => counts.refused.fetch_add(1, Ordering::Relaxed),
         _ => counts.other.fetch_add(1, Ordering::Relaxed),
@@ -88,7 +98,7 @@ async fn slow_reader(
     counts: Arc<Counts>,
 ) {
     while !stop.stopped() {
-        let Ok(ch) = channel(&url, &ca).await else {
+        let Ok(ch) = channel(&url, &ca, READERS).await else {
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         };
