@@ -51,6 +51,7 @@ pub const HTTP_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 pub fn router(controller: Arc<Controller>, auth: Authenticator, metrics_need_token: bool) -> Router {
     let scrape_state = Scrape { controller: controller.clone(), auth: auth.clone(), metrics_need_token };
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_HTTP_REQUESTS));
+    let refusals = (controller.clone(), auth.clone());
     Router::new()
         .route("/metrics", get(scrape))
         .with_state(scrape_state)
@@ -58,6 +59,40 @@ pub fn router(controller: Arc<Controller>, auth: Authenticator, metrics_need_tok
         .fallback(not_found)
         .merge(crate::web::routes(controller, auth))
         .layer(axum::middleware::from_fn_with_state(slots, limit))
+        .layer(axum::middleware::from_fn_with_state(refusals, note_refusals))
+}
+
+/// Where a request came from (served with `into_make_service_with_connect_info::<Peer>`), for
+/// the door ([`crate::auth::door`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub SocketAddr);
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TcpListener>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, TcpListener>) -> Peer {
+        Peer(*stream.remote_addr())
+    }
+}
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TlsListener>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, TlsListener>) -> Peer {
+        Peer(*stream.remote_addr())
+    }
+}
+
+/// Tells the door of every request refused for want of a valid credential (401), by address.
+async fn note_refusals(
+    State((controller, auth)): State<(Arc<Controller>, Authenticator)>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let peer = request.extensions().get::<axum::extract::ConnectInfo<Peer>>().map(|c| c.0.0.ip());
+    let response = next.run(request).await;
+    if let Some(ip) = peer
+        && response.status() == StatusCode::UNAUTHORIZED
+    {
+        auth.note_refused(ip, controller.now_ms());
+    }
+    response
 }
 
 /// The concurrency limit and the timeout of every HTTP request.
@@ -146,8 +181,13 @@ pub struct TlsListener {
 }
 
 impl TlsListener {
-    /// Wraps `listener` with the certificate and key of `files`.
-    pub fn new(listener: TcpListener, files: &TlsFiles) -> anyhow::Result<Self> {
+    /// Wraps `listener` with the certificate and key of `files`. A connection from an address
+    /// `admit` refuses (the door: [`crate::auth::door`]) is closed before its handshake.
+    pub fn new(
+        listener: TcpListener,
+        files: &TlsFiles,
+        admit: impl Fn(std::net::IpAddr) -> bool + Send + 'static,
+    ) -> anyhow::Result<Self> {
         let local = listener.local_addr().context("read the HTTP listener's address")?;
         let acceptor = TlsAcceptor::from(Arc::new(server_config(files)?));
         let (tx, ready) = mpsc::channel(64);
@@ -165,6 +205,9 @@ impl TlsListener {
                 };
                 if tx.is_closed() {
                     return;
+                }
+                if !admit(peer.ip()) {
+                    continue;
                 }
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {

@@ -15,7 +15,7 @@
 //! | `trainyard_store_operation_seconds{op}` | histogram | every store transaction, retries included |
 //! | `trainyard_store_errors_total{op}` | counter | store operations that failed |
 //! | `trainyard_schedule_pass_seconds` | histogram | one scheduling pass |
-//! | `trainyard_connections_turned_away_total` | counter | new gRPC connections closed at accept: their address is limited for a flood of calls without a valid credential |
+//! | `trainyard_connections_turned_away_total` | counter | new gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential |
 //!
 //! Metrics are process-wide ([`metrics`]): the store, the core and the services record into
 //! them without passing a handle around; the gauges are set from the core when scraped.
@@ -125,7 +125,7 @@ impl Metrics {
         registry.register("schedule_pass_seconds", "One scheduling pass", m.schedule_pass.clone());
         registry.register(
             "connections_turned_away",
-            "New gRPC connections closed at accept: their address is limited for a flood of calls without a valid credential",
+            "New gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential",
             m.connections_turned_away.clone(),
         );
         Metrics { registry, ..m }

@@ -18,7 +18,7 @@ use trainyard_proto::v1::jobs_server::JobsServer;
 
 use crate::auth::{Authenticator, Policy};
 use crate::core::Controller;
-use crate::http::{Exposure, TlsListener};
+use crate::http::{Exposure, Peer, TlsListener};
 use crate::service::{AgentsService, JobsService};
 
 /// Requests (streams included) one gRPC connection may have in flight; more wait.
@@ -153,15 +153,18 @@ fn serve_http(
     let auth = if loopback {
         auth.clone()
     } else {
-        let policy = Policy { require_user_token: true, ..auth.policy().clone() };
-        Authenticator::new(controller.store().clone(), policy)
+        auth.with_policy(Policy { require_user_token: true, ..auth.policy().clone() })
     };
+    let door = auth.door();
     let routes = crate::http::router(controller.clone(), auth, !loopback && !exposure.public_metrics);
     let stop = token.clone();
     let stopped = async move { stop.cancelled().await };
     Ok(match &exposure.tls {
         Some(files) => {
-            let tls = TlsListener::new(listener, files)?;
+            let clock = controller.clone();
+            let admit = move |ip| door.admit(ip, clock.now_ms());
+            let tls = TlsListener::new(listener, files, admit)?;
+            let routes = routes.into_make_service_with_connect_info::<Peer>();
             tokio::spawn(async move {
                 if let Err(e) = axum::serve(tls, routes).with_graceful_shutdown(stopped).await {
                     tracing::error!(error = %e, "the HTTPS listener failed");
@@ -169,6 +172,7 @@ fn serve_http(
             })
         }
         None => tokio::spawn(async move {
+            let routes = routes.into_make_service_with_connect_info::<Peer>();
             if let Err(e) = axum::serve(listener, routes).with_graceful_shutdown(stopped).await {
                 tracing::error!(error = %e, "the HTTP listener failed");
             }

@@ -1,6 +1,7 @@
 //! The HTTP listener (web view, /metrics) is as safe as the gRPC one. Off loopback the demo's
 //! tokenless admin never applies, the listener speaks HTTPS with the controller's certificate or
-//! refuses to start in plain text, and /metrics needs a token unless the operator opted in.
+//! refuses to start in plain text, /metrics needs a token unless the operator opted in, and an
+//! address that floods it with bad tokens is turned away before the handshake.
 //!
 //! "Off loopback" is real: each test makes a network namespace of its own with a veth pair
 //! carrying a private address (10.213.0.1), runs the controller and curl inside it, and removes
@@ -169,7 +170,7 @@ fn plain_http_off_loopback_is_refused_unless_asked_for_and_then_needs_tokens() -
 }
 
 #[test]
-fn with_tls_the_http_listener_off_loopback_speaks_https_and_needs_tokens() -> Result<()> {
+fn with_tls_the_http_listener_off_loopback_speaks_https_needs_tokens_and_turns_floods_away() -> Result<()> {
     let Some(mut ns) = Netns::create()? else { return Ok(()) };
     let dir = tempfile::tempdir()?;
     let pki = dir.path().join("pki");
@@ -201,6 +202,16 @@ fn with_tls_the_http_listener_off_loopback_speaks_https_and_needs_tokens() -> Re
     // Plain HTTP to the HTTPS port gets nothing useful.
     let (status, _) = ns.curl(&format!("http://{addr}/api/jobs"), None, None)?;
     assert_ne!(status, 200, "plain HTTP must not be served on the HTTPS port");
+    // A flood of made-up tokens: past its burst the address is turned away before the handshake
+    // (curl sees no HTTP status at all), and a valid token from it still gets in a second later.
+    let bad = format!("tyt_{}", "0".repeat(64));
+    let statuses: Vec<u16> = (0..60).map(|_| https("/api/jobs", Some(&bad))).collect::<Result<_>>()?;
+    let refused = statuses.iter().filter(|&&s| s == 401).count();
+    let turned_away = statuses.iter().filter(|&&s| s == 0).count();
+    assert_eq!(refused + turned_away, 60, "only 401s and closed connections: {statuses:?}");
+    assert!(turned_away >= 10, "only {turned_away} of 60 turned away: {statuses:?}");
+    std::thread::sleep(Duration::from_millis(1_100));
+    assert_eq!(https("/api/jobs", Some(&token))?, 200, "a valid token from a limited address gets in");
     Ok(())
 }
 

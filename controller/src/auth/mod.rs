@@ -210,10 +210,30 @@ impl Authenticator {
         &self.policy
     }
 
-    /// The door this authenticator reports refused calls to, for the listener to consult at
+    /// The door this authenticator reports refused calls to, for the listeners to consult at
     /// accept.
     pub fn door(&self) -> Arc<door::Door> {
         self.door.clone()
+    }
+
+    /// The same authenticator under another policy (the HTTP listener off loopback, where every
+    /// call needs a token): one door, one audit budget, one set of known tokens.
+    pub fn with_policy(&self, policy: Policy) -> Authenticator {
+        Authenticator { policy, ..self.clone() }
+    }
+
+    /// A call from `peer` was refused for want of a valid credential: the door counts it, and
+    /// the log says once when the address becomes limited.
+    pub fn note_refused(&self, peer: std::net::IpAddr, at_ms: i64) {
+        if self.door.refused(peer, at_ms) == door::Verdict::NowLimited {
+            tracing::warn!(
+                address = %peer,
+                burst = door::REFUSALS_BURST,
+                "an address keeps calling without a valid credential: its new connections are limited to {}/s until it stops for {} s",
+                door::ACCEPTS_PER_SEC_WHEN_LIMITED,
+                door::LIMITED_FOR_MS / 1000
+            );
+        }
     }
 
     /// Creates the demo's local admin when this policy lets tokenless calls in.
@@ -343,16 +363,8 @@ impl Authenticator {
         peer: Option<std::net::SocketAddr>,
         at_ms: i64,
     ) {
-        if let Some(peer) = peer
-            && self.door.refused(peer.ip(), at_ms) == door::Verdict::NowLimited
-        {
-            tracing::warn!(
-                address = %peer.ip(),
-                burst = door::REFUSALS_BURST,
-                "an address keeps calling without a valid credential: its new connections are limited to {}/s until it stops for {} s",
-                door::ACCEPTS_PER_SEC_WHEN_LIMITED,
-                door::LIMITED_FOR_MS / 1000
-            );
+        if let Some(peer) = peer {
+            self.note_refused(peer.ip(), at_ms);
         }
         let (write, suppressed) = {
             let mut budget = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
