@@ -27,7 +27,7 @@ use anyhow::Context;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use trainyard_proto::v1::jobs_client::JobsClient;
 use trainyard_proto::v1::{ListJobsRequest, LogsRequest};
-use trainyard_tests::flood::{flood, median};
+use trainyard_tests::flood::{flood, median, process_cpu_s as cpu_secs};
 use trainyard_tests::{Cluster, run_account};
 
 const PER_RANK: i64 = 50_000;
@@ -158,16 +158,6 @@ fn attack(
         }
     });
     (stop, counts)
-}
-
-/// CPU seconds (user + system) `pid` has used so far.
-fn cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit_once(") ").map_or(vec![], |(_, rest)| rest.split(' ').collect());
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    (ticks(11) + ticks(12)) / hz
 }
 
 /// CPU seconds of the controller, the agents and this process (the attacker) so far.
