@@ -393,6 +393,7 @@ impl Session<'_> {
                 return Ok(());
             }
             let bytes: usize = receipts.iter().map(|r| r.body.len()).sum();
+            crate::logs::receipts_sent(bytes);
             let m = crate::metrics::metrics();
             m.receipts_relayed.inc_by(receipts.len() as u64);
             m.receipt_bytes_relayed.inc_by(bytes as u64);
