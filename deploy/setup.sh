@@ -16,7 +16,7 @@ need cargo "Install the Rust toolchain (https://rustup.rs), then run this script
 need python3 "Install Python 3 (e.g. apt-get install python3); the example rank program needs it."
 
 # PostgreSQL's server binaries: the store suite, the end-to-end tests on PostgreSQL and the
-# PostgreSQL benches start throwaway servers of their own (controller/src/store/pg_server.rs).
+# PostgreSQL benches start throwaway servers of their own (testkit/src/pg_server.rs).
 # A controller pointed at an existing PostgreSQL needs none of this.
 if ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null && ! command -v initdb >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -11,10 +11,10 @@ use trainyard_controller::config::ControllerConfig;
 use trainyard_controller::core::Controller;
 use trainyard_controller::domain::{AgentState, GpuInfo, Inventory, NumaNodeInfo, PreflightLevel};
 use trainyard_controller::spec::{Engine, JobSpec, Resources};
-use trainyard_controller::store::pg_server::{Durability, TempPostgres};
 use trainyard_controller::store::{
     AgentRecord, Allocation, NewReceipt, RankId, RankObserved, RankState, SqliteStore, Store,
 };
+use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
 const NODES: u32 = 8;
 const GPUS: u32 = 8;

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use sqlx::Row;
-use trainyard_controller::store::pg_server::{Durability, TempPostgres};
+use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
 pub mod flood;
 pub mod raw_insert;

@@ -21,7 +21,6 @@
 //! backend nobody runs rots: every method is one transaction, and every implementation runs the
 //! same test suite.
 
-pub mod pg_server;
 pub mod postgres;
 mod rows;
 pub mod sqlite;

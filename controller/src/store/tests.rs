@@ -5,13 +5,13 @@ use trainyard_proto::v1::{PreflightCheck, PreflightReport};
 
 use crate::domain::{GpuInfo, Inventory, PreflightLevel};
 use crate::spec::{Engine, JobSpec, Resources};
-use crate::store::pg_server::{Durability, TempPostgres};
 use crate::store::{
     AgentRecord, AgentState, Allocation, AuthStore, FleetStore, JobState, JobStore, NewReceipt,
     PreflightRecord, PreflightStore, RankId, RankObserved, RankState, ReceiptStore, SeriesStore, Store,
     StoreError,
 };
 use crate::store::{PostgresStore, SqliteStore};
+use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
 /// Opens a backend's store; `open` called twice opens the same database (restart tests).
 pub trait Harness: Sized {

@@ -1,0 +1,8 @@
+//! What the test suites and benches start around the code under test; never linked into a
+//! binary that ships (the controller takes it as a dev-dependency only).
+//!
+//! # Layout
+//! - [`pg_server`]: a throwaway PostgreSQL server on loopback ([`pg_server::TempPostgres`]),
+//!   which the store's test suite, the end-to-end harness and the PostgreSQL benches run on.
+
+pub mod pg_server;
