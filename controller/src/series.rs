@@ -24,10 +24,6 @@ pub const MAX_BUCKETS: u32 = 4_000;
 /// took a lower position may still be committing, and the watermark must not pass it.
 pub const SETTLE_MS: i64 = 2_000;
 
-/// Held by every fold (`SeriesStore::roll_up_steps`): folds past one watermark must not
-/// overlap. One controller process folds; the lock is per process.
-pub static FOLDING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 /// A plotted metric of step receipts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Metric {

@@ -771,11 +771,13 @@ macro_rules! series_queries {
             async fn roll_up_steps(&self, job: JobId, settled_before_ms: i64, max_rows: u32) -> Result<u64> {
                 use $crate::series::{StepPoint, fold};
                 let id = int(job)?;
-                // One fold at a time in this process (the page asks for four series at once):
-                // two folds past the same watermark would count the same receipts twice.
-                let _one = $crate::series::FOLDING.lock().await;
                 // Read outside the write lock (receipts keep arriving meanwhile), fold, then
-                // merge and write in one short transaction that moves the watermark.
+                // merge and write in one short transaction that first moves the watermark from
+                // where this fold read it. Folds may run at once (the page asks for four series,
+                // the job's end folds, a controller group has several processes): the one that
+                // finds the watermark moved wrote nothing and reads again from there, so every
+                // receipt is counted once without a lock.
+                loop {
                 let (from, to, points, read) = self.run("roll_up_read", $($read)* async |c| {
                     let t = "receipts";
                     let wm: i64 = sqlx::query_scalar("SELECT position FROM step_rollup_progress WHERE job_id = $1")
@@ -816,7 +818,27 @@ macro_rules! series_queries {
                     return Ok(0);
                 }
                 let folded = fold(&points);
-                self.run("roll_up_write", $($write)* async |c| {
+                let claimed = self.run("roll_up_write", $($write)* async |c| {
+                    let moved = if from == 0 {
+                        sqlx::query(
+                            "INSERT INTO step_rollup_progress (job_id, position) VALUES ($1, $2) \
+                             ON CONFLICT (job_id) DO NOTHING",
+                        )
+                        .bind(id)
+                        .bind(to)
+                        .execute(&mut *c)
+                        .await?
+                    } else {
+                        sqlx::query("UPDATE step_rollup_progress SET position = $2 WHERE job_id = $1 AND position = $3")
+                            .bind(id)
+                            .bind(to)
+                            .bind(from)
+                            .execute(&mut *c)
+                            .await?
+                    };
+                    if moved.rows_affected() == 0 {
+                        return Ok(false);
+                    }
                     // A retried transaction starts again from the fold.
                     let mut folded = folded.clone();
                     let mut groups: std::collections::BTreeMap<(u32, i64, u32), (i64, i64)> = Default::default();
@@ -869,18 +891,13 @@ macro_rules! series_queries {
                         }
                         q.execute(&mut *c).await?;
                     }
-                    sqlx::query(
-                        "INSERT INTO step_rollup_progress (job_id, position) VALUES ($1, $2) \
-                         ON CONFLICT (job_id) DO UPDATE SET position = excluded.position",
-                    )
-                    .bind(id)
-                    .bind(to)
-                    .execute(&mut *c)
-                    .await?;
-                    Ok(())
+                    Ok(true)
                 })
                 .await?;
-                Ok(read)
+                if claimed {
+                    return Ok(read);
+                }
+                }
             }
 
             async fn rollup_extent(&self, job: JobId, attempt: u32) -> Result<Option<(i64, i64, u32)>> {

@@ -43,6 +43,7 @@ macro_rules! store_suite {
             submit_keys_are_unique,
             attempt_facts_and_outcomes,
             step_rollups_fold_each_receipt_once,
+            concurrent_folds_count_each_receipt_once,
             users_tokens_owners_and_audit,
         );
     };
@@ -620,6 +621,33 @@ pub mod suite {
             44 + 20,
             "steps 256..299 and 301..320"
         );
+    }
+
+    /// Folds that run at once (the web view's four series, the job's end, a second controller)
+    /// count every receipt once: a fold that finds the watermark moved reads again from there.
+    pub async fn concurrent_folds_count_each_receipt_once(h: &impl Harness) {
+        use crate::series::Metric;
+        let s = h.open().await;
+        let j = s.create_job(&spec("plot", 4), None, "submitted", 1).await.unwrap();
+        let mut batch = Vec::new();
+        for rank in 0..4 {
+            batch.extend(receipts(RankId { job_id: j.id, attempt: 0, rank }, 0, 500));
+        }
+        s.insert_receipts(&batch, 10).await.unwrap();
+        let fold_all = async |s: &_| {
+            let mut folded = 0;
+            loop {
+                let n = SeriesStore::roll_up_steps(s, j.id, 10, 37).await.unwrap();
+                folded += n;
+                if n == 0 {
+                    return folded;
+                }
+            }
+        };
+        let (a, b, c, d) = tokio::join!(fold_all(&s), fold_all(&s), fold_all(&s), fold_all(&s));
+        assert_eq!(a + b + c + d, 2_000, "each receipt folded by exactly one of them");
+        let coarse = s.rollup_rows(j.id, 0, Metric::StepMs, 1024, 0, 0).await.unwrap();
+        assert_eq!(coarse.iter().map(|r| r.aggs[0].n).sum::<i64>(), 2_000, "every step once");
     }
 
     pub async fn users_tokens_owners_and_audit(h: &impl Harness) {
