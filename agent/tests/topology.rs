@@ -134,6 +134,57 @@ fn malformed_input_names_the_line() {
     refused(&with(1, &lines[1].replace("96-143\t0", "96-143\tzero")), 2, "NUMA Affinity");
 }
 
+/// As operators paste it: the prompt and command above the matrix, the next prompt and other
+/// output after it, and what a copy leaves of the header's escape codes.
+#[test]
+fn a_paste_with_prompts_other_output_and_escape_residue_reads_as_the_matrix() {
+    let clean = fixture("h200-sxm.txt");
+    let want = parse(&clean).unwrap();
+    let residue = clean.replace('\u{1b}', "");
+    assert!(residue.contains("[4mGPU0"), "the fixture's header is underlined");
+    let caret = clean.replace('\u{1b}', "^[");
+    for header in [&residue, &caret] {
+        let pasted = format!(
+            "ops@gpu-node-17:~$ nvidia-smi topo -m\n{header}\nops@gpu-node-17:~$ nvidia-smi -L\n\
+             GPU 0: NVIDIA H200 (UUID: GPU-0d7c)\nops@gpu-node-17:~$\n"
+        );
+        assert_eq!(parse(&pasted).unwrap(), want);
+    }
+    // Output between the GPU rows and the legend is passed over too; the legend still names NICs.
+    let lines: Vec<&str> = clean.lines().collect();
+    let mut spliced = lines[..9].to_vec();
+    spliced.push("(the NIC rows were cut from this paste)");
+    spliced.extend(&lines[9..]);
+    let t = parse(&spliced.join("\n")).unwrap();
+    assert_eq!(t.gpus, want.gpus);
+    assert_eq!(
+        t.nics.iter().map(|n| n.name.clone()).collect::<Vec<_>>(),
+        ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
+    );
+}
+
+#[test]
+fn errors_in_a_pasted_matrix_name_the_line_of_the_paste() {
+    let good = fixture("h100-nvl.txt");
+    let matrix: Vec<&str> = good.lines().collect();
+    // Two prompt lines above the matrix: its line i is line i + 2 of the paste.
+    let paste = |matrix: &[&str]| format!("$ ssh gpu-node-3\n$ nvidia-smi topo -m\n{}\n", matrix.join("\n"));
+    let with = |i: usize, new: &str| {
+        let mut m = matrix.clone();
+        m[i] = new;
+        paste(&m)
+    };
+    refused(&with(3, &matrix[3].replace("NV12", "NV??")), 4 + 2, "\"NV??\" is not a link code");
+    // A paste cut off after GPU5, with the next prompt after it.
+    let mut cut = matrix[..7].to_vec();
+    cut.push("$ exit");
+    refused(&paste(&cut), 8 + 2, "only 6 GPU rows come before this line");
+    // A line that reads as a row of the matrix but names no column is refused, not passed over.
+    let mut stray = matrix[..9].to_vec();
+    stray.push("mlx5_9\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS");
+    refused(&paste(&stray), 10 + 2, "not a column");
+}
+
 /// Captured on a 1-GPU H100 virtual machine (driver 580): the header has a `GPU NUMA ID`
 /// column, the GPU row has one more cell than the header (an empty one before `N/A`), and the
 /// header is wrapped in underline escape codes.

@@ -2,7 +2,14 @@
 //! (`GPU#`, then NICs as `NIC#` or, from older drivers, `mlx5_#`), `CPU Affinity`,
 //! `NUMA Affinity` and, from newer drivers, `GPU NUMA ID`; one row per GPU, then per NIC; the
 //! legend and the NIC legend. Tabs or spaces both work (terminals and chat tools turn tabs into
-//! spaces), and the underline escape codes a terminal prints around the header are dropped.
+//! spaces), and the underline escape codes a terminal prints around the header are dropped, as
+//! is what a copy leaves of them (`^[[4m`, or `[4m` without its escape byte).
+//!
+//! Pastes carry more than the matrix: the shell prompt and the command above it, the next
+//! prompt or other output after it. The header is the first line with GPU columns and
+//! `CPU Affinity`; what comes before it is passed over. The matrix ends at the legend, or at the
+//! first line after the GPU rows that is no row of link codes. Only a matrix that cannot be read
+//! is an error, and the error names its line in the pasted text.
 
 use std::collections::BTreeMap;
 
@@ -20,22 +27,47 @@ fn err(line: usize, message: impl Into<String>) -> ParseError {
     ParseError { line, message: message.into() }
 }
 
-/// Strips ANSI escape sequences such as `ESC[4m` and `ESC[0m`.
+/// Strips ANSI escape sequences such as `ESC[4m` and `ESC[0m`, the same shown as `^[[4m`, and
+/// the `[4m`, `[0m` or `[1;32m` a copy leaves when it dropped the escape byte.
 fn strip_ansi(line: &str) -> String {
     let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
+    let mut rest = line;
+    while let Some(c) = rest.chars().next() {
+        if let Some(after) = rest.strip_prefix('\u{1b}').or_else(|| rest.strip_prefix("^[")) {
+            // An escape sequence runs to its first letter.
+            rest = after.find(|c: char| c.is_ascii_alphabetic()).map_or("", |i| &after[i + 1..]);
+            continue;
         }
+        if let Some(after) = rest.strip_prefix('[') {
+            let params = after.find(|c: char| !(c.is_ascii_digit() || c == ';')).unwrap_or(after.len());
+            if after[params..].starts_with('m') {
+                rest = &after[params + 1..];
+                continue;
+            }
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
     }
     out
+}
+
+/// Where the header is: the first line with GPU columns and `CPU Affinity`; failing that (so
+/// that its error names it), the first line that starts with a GPU column, or the first line.
+fn header_index(lines: &[(usize, String)]) -> Option<usize> {
+    let tokens = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    let full = lines.iter().position(|(_, l)| {
+        let t = tokens(l);
+        t.iter().any(|t| gpu_label(t).is_some()) && t.windows(2).any(|w| w[0] == "CPU" && w[1] == "Affinity")
+    });
+    let starts_with_gpu =
+        || lines.iter().position(|(_, l)| tokens(l).first().is_some_and(|t| gpu_label(t).is_some()));
+    full.or_else(starts_with_gpu).or_else(|| lines.iter().position(|(_, l)| !l.trim().is_empty()))
+}
+
+/// Whether a line after the GPU rows still belongs to the matrix: a label, then `width` link
+/// codes.
+fn looks_like_row(tokens: &[&str], width: usize) -> bool {
+    tokens.len() > width && tokens[1..=width].iter().all(|c| c.parse::<Link>().is_ok())
 }
 
 fn gpu_label(token: &str) -> Option<u32> {
@@ -50,10 +82,11 @@ struct Header {
 /// Parses the text of `nvidia-smi topo -m` into a [`Topology`].
 pub fn parse(text: &str) -> Result<Topology, ParseError> {
     let lines: Vec<(usize, String)> = text.lines().enumerate().map(|(i, l)| (i + 1, strip_ansi(l))).collect();
-    let mut rest = lines.iter().filter(|(_, l)| !l.trim().is_empty());
-    let Some((header_line, header_text)) = rest.next() else {
+    let Some(at) = header_index(&lines) else {
         return Err(err(lines.len().max(1), "no header row: the text is empty"));
     };
+    let (header_line, header_text) = &lines[at];
+    let rest = lines[at + 1..].iter().filter(|(_, l)| !l.trim().is_empty());
     let header = parse_header(*header_line, header_text)?;
     let n = header.gpus;
     let width = n + header.nics.len();
@@ -65,6 +98,7 @@ pub fn parse(text: &str) -> Result<Topology, ParseError> {
     // Where the matrix ended: the legend's line, or the last line when there is no legend.
     let mut matrix_end = lines.len();
     let mut in_legend = false;
+    let mut after_matrix = false;
     for (number, text) in rest {
         let number = *number;
         let trimmed = text.trim();
@@ -86,6 +120,25 @@ pub fn parse(text: &str) -> Result<Topology, ParseError> {
         }
         let tokens: Vec<&str> = trimmed.split_whitespace().collect();
         let label = tokens[0];
+        let nic_label = header.nics.iter().any(|name| name == label);
+        if after_matrix || (gpus.len() == n && !nic_label && !looks_like_row(&tokens, width)) {
+            // Other output after the matrix (the next prompt, another command): passed over,
+            // but a legend further down still names the NICs.
+            if !after_matrix {
+                matrix_end = number;
+            }
+            after_matrix = true;
+            continue;
+        }
+        if gpu_label(label).is_none() && !nic_label && !looks_like_row(&tokens, width) {
+            return Err(err(
+                number,
+                format!(
+                    "the header lists {n} GPUs but only {} GPU rows come before this line, which is no row of the matrix",
+                    gpus.len()
+                ),
+            ));
+        }
         if tokens.len() < 1 + width {
             return Err(err(
                 number,
