@@ -128,7 +128,11 @@ pub struct Authenticator {
     store: Arc<dyn Store>,
     policy: Policy,
     refusals: Arc<std::sync::Mutex<RefusalBudget>>,
-    known: Arc<tokio::sync::Mutex<KnownTokens>>,
+    known: Arc<std::sync::Mutex<KnownTokens>>,
+    /// Set while one caller reloads the known set (outside the lock above); callers that miss
+    /// meanwhile wait for `reloaded`.
+    reloading: Arc<std::sync::atomic::AtomicBool>,
+    reloaded: Arc<tokio::sync::Notify>,
     door: Arc<door::Door>,
 }
 
@@ -198,7 +202,9 @@ impl Authenticator {
             policy,
             refusals: Arc::new(std::sync::Mutex::new(budget)),
             door: Arc::default(),
-            known: Arc::new(tokio::sync::Mutex::new(KnownTokens {
+            reloading: Arc::default(),
+            reloaded: Arc::default(),
+            known: Arc::new(std::sync::Mutex::new(KnownTokens {
                 hashes: Default::default(),
                 loaded_at: None,
                 lookups: RefusalBudget::new(UNKNOWN_TOKEN_LOOKUPS_PER_SEC, UNKNOWN_TOKEN_LOOKUPS_PER_SEC),
@@ -306,19 +312,49 @@ impl Authenticator {
 
     /// Whether a token with this hash may be in the store: in the known set; or in it after a
     /// reload (at most once per [`KNOWN_TOKENS_REFRESH`]); or, between reloads, worth a lookup
-    /// while fewer than [`UNKNOWN_TOKEN_LOOKUPS_PER_SEC`] were. The lock is a Tokio one:
-    /// callers that miss together wait for one reload instead of each running their own.
+    /// while fewer than [`UNKNOWN_TOKEN_LOOKUPS_PER_SEC`] were. No lock is held across the
+    /// reload's query: a token in the set never waits; of the callers that miss a stale set, one
+    /// reloads and the others wait for it, then look again.
     async fn may_exist(&self, hash: &str, now_ms: i64) -> Result<bool, StoreError> {
-        let mut known = self.known.lock().await;
-        if known.hashes.contains(hash) {
-            return Ok(true);
+        use std::sync::atomic::Ordering;
+        loop {
+            {
+                let mut known = self.known();
+                if known.hashes.contains(hash) {
+                    return Ok(true);
+                }
+                if known.loaded_at.is_some_and(|at| at.elapsed() < KNOWN_TOKENS_REFRESH) {
+                    return Ok(known.lookups.take(now_ms));
+                }
+            }
+            let reloaded = self.reloaded.notified();
+            tokio::pin!(reloaded);
+            reloaded.as_mut().enable();
+            if self.reloading.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                reloaded.await;
+                continue;
+            }
+            /// Ends the reload however it ends (an error, or the call being dropped): clears the
+            /// flag and wakes the callers waiting for it.
+            struct Reloading<'a>(&'a Authenticator);
+            impl Drop for Reloading<'_> {
+                fn drop(&mut self) {
+                    self.0.reloading.store(false, Ordering::Release);
+                    self.0.reloaded.notify_waiters();
+                }
+            }
+            let _reloading = Reloading(self);
+            let hashes: std::collections::HashSet<String> =
+                self.store.token_hashes().await?.into_iter().collect();
+            let mut known = self.known();
+            known.hashes = hashes;
+            known.loaded_at = Some(std::time::Instant::now());
+            return Ok(known.hashes.contains(hash));
         }
-        if known.loaded_at.is_some_and(|at| at.elapsed() < KNOWN_TOKENS_REFRESH) {
-            return Ok(known.lookups.take(now_ms));
-        }
-        known.hashes = self.store.token_hashes().await?.into_iter().collect();
-        known.loaded_at = Some(std::time::Instant::now());
-        Ok(known.hashes.contains(hash))
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, KnownTokens> {
+        self.known.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Writes one audit row; a failure is logged, never returned: the action already happened
@@ -498,6 +534,33 @@ mod tests {
         store.add_token("ann", &token_hash(&token), &token_prefix(&token), 1, None).await.unwrap();
         let caller = auth.user(Some(&format!("Bearer {token}")), 2).await.expect("a new token works");
         assert_eq!(caller.name, "ann");
+    }
+
+    /// Many callers with valid tokens at once on a cold set (a controller just started): one
+    /// reloads the set, the others wait for it rather than spend the lookups of unknown tokens.
+    #[tokio::test]
+    async fn many_valid_tokens_at_once_on_a_cold_set_all_get_in() {
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let user = UserRecord {
+            name: "ann".into(),
+            admin: false,
+            unix_user: None,
+            created_at_ms: 0,
+            disabled_at_ms: None,
+        };
+        store.add_user(&user).await.unwrap();
+        let token = new_token().unwrap();
+        store.add_token("ann", &token_hash(&token), &token_prefix(&token), 1, None).await.unwrap();
+        let auth = Authenticator::new(store, Policy::secure(0));
+        let header = format!("Bearer {token}");
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..3 * UNKNOWN_TOKEN_LOOKUPS_PER_SEC as usize {
+            let (auth, header) = (auth.clone(), header.clone());
+            calls.spawn(async move { auth.user(Some(&header), 2).await });
+        }
+        while let Some(result) = calls.join_next().await {
+            assert_eq!(result.unwrap().expect("a valid token gets in").name, "ann");
+        }
     }
 
     #[tokio::test]
