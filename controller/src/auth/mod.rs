@@ -514,12 +514,9 @@ mod tests {
         );
     }
 
-    /// The set of known token hashes never keeps a new token out: one made right after the set
-    /// was read works at once (looked up while lookups of unknown tokens are few).
-    #[tokio::test]
-    async fn a_token_made_a_moment_ago_works_at_once() {
+    /// An in-memory store with one user, `ann`, and no tokens.
+    async fn store_with_ann() -> Arc<dyn Store> {
         let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
-        let auth = Authenticator::new(store.clone(), Policy::secure(0));
         let user = UserRecord {
             name: "ann".into(),
             admin: false,
@@ -528,6 +525,15 @@ mod tests {
             disabled_at_ms: None,
         };
         store.add_user(&user).await.unwrap();
+        store
+    }
+
+    /// The set of known token hashes never keeps a new token out: one made right after the set
+    /// was read works at once (looked up while lookups of unknown tokens are few).
+    #[tokio::test]
+    async fn a_token_made_a_moment_ago_works_at_once() {
+        let store = store_with_ann().await;
+        let auth = Authenticator::new(store.clone(), Policy::secure(0));
         let unknown = format!("Bearer {}", new_token().unwrap());
         assert!(auth.user(Some(&unknown), 0).await.is_err(), "reads the set");
         let token = new_token().unwrap();
@@ -540,15 +546,7 @@ mod tests {
     /// reloads the set, the others wait for it rather than spend the lookups of unknown tokens.
     #[tokio::test]
     async fn many_valid_tokens_at_once_on_a_cold_set_all_get_in() {
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
-        let user = UserRecord {
-            name: "ann".into(),
-            admin: false,
-            unix_user: None,
-            created_at_ms: 0,
-            disabled_at_ms: None,
-        };
-        store.add_user(&user).await.unwrap();
+        let store = store_with_ann().await;
         let token = new_token().unwrap();
         store.add_token("ann", &token_hash(&token), &token_prefix(&token), 1, None).await.unwrap();
         let auth = Authenticator::new(store, Policy::secure(0));
