@@ -5,7 +5,6 @@
 //! - [`address`]: the address this host advertises for `MASTER_ADDR`, detected from its
 //!   connection to the controller.
 //! - [`config`]: [`AgentConfig`], the plain settings struct the binary builds from its flags.
-//! - [`host`]: the [`host::HostProbe`] seam and the JSON host-description file behind it.
 //! - [`layout`]: where things live under the data directory (run directories, state files).
 //! - [`pinning`]: binds a rank to its planned CPUs and NUMA memory node, reads back the binding.
 //! - [`procfs`]: the few `/proc` and signal helpers the launcher needs (liveness, start times).
@@ -16,7 +15,9 @@
 //! - [`tail`]: the receipts tailer: lines to receipts, acknowledged positions, rewinds.
 //! - [`connection`]: one stream to the controller: hello, then the select loop.
 //! - [`logs`]: a rank's stdout/stderr for `ctl logs`, read from its run directory in chunks.
-//! - [`preflight`]: the node checks (topology, NUMA, host, NVML, CUDA, NCCL) and their report.
+//! - [`preflight`]: the node checks (topology, NUMA, host, NVML, CUDA, NCCL) and their report,
+//!   with [`preflight::host::HostProbe`], the seam around the hardware, and the JSON
+//!   host-description file behind it.
 //! - [`topology`]: the node's GPU/NUMA/NIC model, its interconnect class, `nvidia-smi topo -m`
 //!   rendering and parsing.
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
@@ -26,7 +27,6 @@ pub mod address;
 pub mod config;
 pub mod connection;
 pub mod env;
-pub mod host;
 pub mod launcher;
 pub mod layout;
 pub mod logs;

@@ -19,9 +19,9 @@ use trainyard_proto::v1::agents_client::AgentsClient;
 
 use crate::config::AgentConfig;
 use crate::connection::{self, Ended, Identity};
-use crate::host::{HostFile, HostProbe};
 use crate::launcher::Launcher;
 use crate::layout::Layout;
+use crate::preflight::host::{HostFile, HostProbe};
 use crate::preflight::nvml::NvmlProbe;
 use crate::preflight::runner::Runner;
 use crate::preflight::{Level, failure_reason};
@@ -31,7 +31,7 @@ fn probe(config: &AgentConfig) -> anyhow::Result<Arc<dyn HostProbe>> {
     match &config.host_file {
         Some(path) => Ok(Arc::new(HostFile::load(path)?)),
         None => {
-            let hostname = crate::host::hostname();
+            let hostname = crate::preflight::host::hostname();
             let probe = NvmlProbe::new(hostname).map_err(|why| {
                 anyhow::anyhow!("no --host-file, and NVML cannot describe this host: {why}")
             })?;

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
-use trainyard_agent::host::HostFile;
+use trainyard_agent::preflight::host::HostFile;
 use trainyard_agent::topology::{parse, render};
 
 fn fixture(dir: &str, name: &str) -> String {

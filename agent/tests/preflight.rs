@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use trainyard_agent::host::{HostFile, HostProbe};
+use trainyard_agent::preflight::host::{HostFile, HostProbe};
 use trainyard_agent::preflight::{self, HostFacts, Level, Request};
 use trainyard_proto::v1::PreflightReport;
 

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use trainyard_controller::config::ControllerConfig;
 use trainyard_controller::core::Controller;
-use trainyard_controller::domain::{AgentState, GpuInfo, Inventory, NumaNodeInfo, PreflightLevel};
-use trainyard_controller::spec::{Engine, JobSpec, Resources};
-use trainyard_controller::store::{
+use trainyard_model::domain::{AgentState, GpuInfo, Inventory, NumaNodeInfo, PreflightLevel};
+use trainyard_model::spec::{Engine, JobSpec, Resources};
+use trainyard_store::{
     AgentRecord, Allocation, NewReceipt, RankId, RankObserved, RankState, SqliteStore, Store,
 };
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
@@ -34,7 +34,7 @@ fn main() -> anyhow::Result<()> {
         if only.as_deref().is_none_or(|b| b == "postgres") {
             let server = TempPostgres::start(Durability::Relaxed).map_err(anyhow::Error::msg)?;
             let url = server.create_database().map_err(anyhow::Error::msg)?;
-            bench("postgres", trainyard_controller::store::open(&url).await?).await?;
+            bench("postgres", trainyard_store::open(&url).await?).await?;
         }
         Ok(())
     })
@@ -145,7 +145,7 @@ fn receipt(job_id: u64, rank: u32, step: u64) -> NewReceipt {
         fwd_bwd + 62.0,
         fwd_bwd
     );
-    let checked = trainyard_controller::receipts::check("step", &body).expect("a JSON object");
+    let checked = trainyard_model::receipts::check("step", &body).expect("a JSON object");
     NewReceipt {
         id: RankId { job_id, attempt: 0, rank },
         seq: step + 1,

@@ -27,7 +27,7 @@ use tokio_rustls::server::TlsStream;
 use crate::auth::{AuthError, Authenticator};
 use crate::core::Controller;
 use crate::metrics::{CONTENT_TYPE, metrics};
-use crate::server::TlsFiles;
+use crate::tls::TlsFiles;
 
 /// How the HTTP listener is exposed, decided from its address and the flags.
 #[derive(Debug, Clone, Default)]

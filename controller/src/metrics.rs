@@ -12,8 +12,8 @@
 //! | `trainyard_receipts_unknown_job_total` | counter | receipts of jobs this controller does not know: neither stored nor acknowledged (the agent keeps them) |
 //! | `trainyard_receipts_flagged_total` | counter | receipts stored flagged: they break schema v1 |
 //! | `trainyard_receipt_batch_seconds` | histogram | a receipt batch from arrival to committed |
-//! | `trainyard_store_operation_seconds{op}` | histogram | every store transaction, retries included |
-//! | `trainyard_store_errors_total{op}` | counter | store operations that failed |
+//! | `trainyard_store_operation_seconds{op}` | histogram | every store transaction, retries included (`trainyard_store::metrics`) |
+//! | `trainyard_store_errors_total{op}` | counter | store operations that failed (`trainyard_store::metrics`) |
 //! | `trainyard_schedule_pass_seconds` | histogram | one scheduling pass |
 //! | `trainyard_connections_turned_away_total` | counter | new gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential |
 //!
@@ -21,7 +21,6 @@
 //! them without passing a handle around; the gauges are set from the core when scraped.
 
 use std::sync::OnceLock;
-use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -33,11 +32,6 @@ use prometheus_client::registry::Registry;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabel {
     pub state: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OpLabel {
-    pub op: &'static str,
 }
 
 /// 0.25 ms to ~8 s, doubling: store transactions and receipt batches.
@@ -56,8 +50,6 @@ pub struct Metrics {
     pub receipts_unknown_job: Counter,
     pub receipts_flagged: Counter,
     pub receipt_batch: Histogram,
-    pub store_operation: Family<OpLabel, Histogram, fn() -> Histogram>,
-    pub store_errors: Family<OpLabel, Counter>,
     pub schedule_pass: Histogram,
     pub connections_turned_away: Counter,
 }
@@ -81,8 +73,6 @@ impl Metrics {
             receipts_unknown_job: Counter::default(),
             receipts_flagged: Counter::default(),
             receipt_batch: latency(),
-            store_operation: Family::new_with_constructor(latency),
-            store_errors: Family::default(),
             schedule_pass: Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
             connections_turned_away: Counter::default(),
             registry: Registry::default(),
@@ -116,12 +106,7 @@ impl Metrics {
             "A receipt batch from arrival to committed",
             m.receipt_batch.clone(),
         );
-        registry.register(
-            "store_operation_seconds",
-            "Store transactions, retries included",
-            m.store_operation.clone(),
-        );
-        registry.register("store_errors", "Store operations that failed", m.store_errors.clone());
+        trainyard_store::metrics::metrics().register(&mut registry);
         registry.register("schedule_pass_seconds", "One scheduling pass", m.schedule_pass.clone());
         registry.register(
             "connections_turned_away",
@@ -129,14 +114,6 @@ impl Metrics {
             m.connections_turned_away.clone(),
         );
         Metrics { registry, ..m }
-    }
-
-    /// Records one store operation's duration and outcome.
-    pub fn store_op(&self, op: &'static str, took: Duration, ok: bool) {
-        self.store_operation.get_or_create(&OpLabel { op }).observe(took.as_secs_f64());
-        if !ok {
-            self.store_errors.get_or_create(&OpLabel { op }).inc();
-        }
     }
 
     /// The metrics in the OpenMetrics text format.

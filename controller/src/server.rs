@@ -2,12 +2,10 @@
 //! mini-redis. `main` passes ctrl-c/SIGTERM; tests bind port 0 and pass anything.
 
 use std::future::Future;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -20,6 +18,7 @@ use crate::auth::{Authenticator, Policy};
 use crate::core::Controller;
 use crate::http::{Exposure, Peer, TlsListener};
 use crate::service::{AgentsService, JobsService};
+use crate::tls::TlsFiles;
 
 /// Requests (streams included) one gRPC connection may have in flight; more wait.
 pub const MAX_CONCURRENT_REQUESTS_PER_CONNECTION: usize = 256;
@@ -29,33 +28,6 @@ pub const MAX_HEADER_BYTES: u32 = 16 << 10;
 /// a call does on purpose (`ctl preflight --run`, 2 minutes). Streams are not cut by it: it
 /// bounds the time to a stream's first response only.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(150);
-
-/// The files of the controller's TLS: its certificate and key, and the CA whose certificates
-/// agents present (`init-pki` writes all three).
-#[derive(Debug, Clone)]
-pub struct TlsFiles {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-    pub client_ca: PathBuf,
-}
-
-impl TlsFiles {
-    /// The three files `init-pki` writes into `dir`: server.pem, server.key, ca.pem.
-    pub fn in_dir(dir: &std::path::Path) -> Self {
-        TlsFiles { cert: dir.join("server.pem"), key: dir.join("server.key"), client_ca: dir.join("ca.pem") }
-    }
-
-    /// Reads the files into tonic's server configuration. Client certificates are optional at
-    /// the TLS layer because `ctl` has none; the `Agents` service refuses a stream without one.
-    pub fn load(&self) -> anyhow::Result<ServerTlsConfig> {
-        let read = |p: &PathBuf, what: &str| {
-            std::fs::read(p).with_context(|| format!("read the {what} {}", p.display()))
-        };
-        let identity = Identity::from_pem(read(&self.cert, "certificate")?, read(&self.key, "key")?);
-        let ca = Certificate::from_pem(read(&self.client_ca, "client CA")?);
-        Ok(ServerTlsConfig::new().identity(identity).client_ca_root(ca).client_auth_optional(true))
-    }
-}
 
 /// How the gRPC listener is secured: TLS (none on the loopback demo) and who must prove what.
 #[derive(Debug, Clone)]

@@ -5,8 +5,8 @@
 
 use proptest::prelude::*;
 use prost::Message;
-use trainyard_controller::receipts::check;
-use trainyard_controller::spec;
+use trainyard_model::receipts::check;
+use trainyard_model::spec;
 use trainyard_proto::v1::{
     AgentMessage, CancelRequest, CompareRequest, ControllerMessage, DiagnoseRequest, GetJobRequest, JobSpec,
     ListJobsRequest, LogsRequest, NodesRequest, PreflightRequest, SubmitRequest, WatchRequest,

@@ -289,7 +289,7 @@ mod tests {
     }
 
     /// The controller costs a built-in job's collectives from the preset alone
-    /// (`trainyard_controller::cost::gpt_params`); it must list the parameters this model has.
+    /// (`trainyard_placement::cost::gpt_params`); it must list the parameters this model has.
     #[test]
     fn the_controller_knows_the_parameters_of_every_preset() {
         for (preset, vocab) in [("d2", 256), ("d5", 1000)] {
@@ -303,7 +303,7 @@ mod tests {
                 })
                 .collect();
             let depth = cfg.depth as u64;
-            assert_eq!(ours, trainyard_controller::cost::gpt_params(depth, vocab as u64), "{preset}");
+            assert_eq!(ours, trainyard_placement::cost::gpt_params(depth, vocab as u64), "{preset}");
         }
     }
 

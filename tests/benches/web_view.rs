@@ -16,9 +16,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use trainyard_controller::receipts;
-use trainyard_controller::spec::{Engine, JobSpec, Resources};
-use trainyard_controller::store::{JobStore, NewReceipt, RankId, ReceiptStore, SeriesStore, SqliteStore};
+use trainyard_model::receipts;
+use trainyard_model::spec::{Engine, JobSpec, Resources};
+use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SeriesStore, SqliteStore};
 use trainyard_tests::{bin, chromium, http_with, repo_root};
 
 const RANKS: u32 = 64;
@@ -70,7 +70,7 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
             source_dir: String::new(),
         },
         env: Default::default(),
-        preflight: trainyard_controller::store::PreflightLevel::None,
+        preflight: trainyard_store::PreflightLevel::None,
         max_restarts: 0,
         resume: false,
         priority: 0,

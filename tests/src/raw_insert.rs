@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use sqlx::{AssertSqlSafe, Row, SqlitePool};
-use trainyard_controller::store::SqliteStore;
+use trainyard_store::SqliteStore;
 
 use crate::Cluster;
 

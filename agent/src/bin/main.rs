@@ -256,7 +256,7 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
     let agent_id = match (&cli.agent_id, probe.inventory()) {
         (Some(id), _) => id.clone(),
         (None, Ok(inventory)) => inventory.hostname,
-        (None, Err(_)) => trainyard_agent::host::hostname(),
+        (None, Err(_)) => trainyard_agent::preflight::host::hostname(),
     };
     let facts = probe.host_facts().unwrap_or_else(HostFacts::gather);
     let job_env = Default::default();
@@ -368,12 +368,12 @@ fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
 }
 
 /// The host file when one is given, NVML otherwise; the error says why neither can be used.
-fn host_probe(cli: &Cli) -> Result<Box<dyn trainyard_agent::host::HostProbe>, String> {
-    use trainyard_agent::host::HostFile;
+fn host_probe(cli: &Cli) -> Result<Box<dyn trainyard_agent::preflight::host::HostProbe>, String> {
+    use trainyard_agent::preflight::host::HostFile;
     use trainyard_agent::preflight::nvml::NvmlProbe;
     match &cli.host_file {
         Some(path) => HostFile::load(path).map(|f| Box::new(f) as _).map_err(|e| e.to_string()),
-        None => NvmlProbe::new(trainyard_agent::host::hostname())
+        None => NvmlProbe::new(trainyard_agent::preflight::host::hostname())
             .map(|p| Box::new(p) as _)
             .map_err(|why| format!("no --host-file and {why}")),
     }

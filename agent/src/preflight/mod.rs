@@ -6,6 +6,7 @@
 //! from fixtures without a GPU. A library that is missing makes its check `skipped` with the
 //! reason, never `pass`.
 //!
+//! - [`host`]: [`HostProbe`], the seam around the hardware, and the JSON host-description file.
 //! - [`facts`]: [`HostFacts`], the non-GPU state of the host (NUMA balancing, /dev/shm, env, NICs).
 //! - [`checks`]: the pure checks over topology, facts and probe results.
 //! - [`nvml`]: the NVML probe (inventory and GPU health), loaded at run time.
@@ -17,6 +18,7 @@
 pub mod checks;
 pub mod cuda;
 pub mod facts;
+pub mod host;
 pub mod nccl;
 pub mod nvml;
 pub mod runner;
@@ -29,8 +31,8 @@ use std::str::FromStr;
 pub use facts::HostFacts;
 use trainyard_proto::v1::{PreflightCheck, PreflightReport};
 
-use crate::host::HostProbe;
 use crate::topology::{self, Topology};
+use host::HostProbe;
 
 /// How much the preflight does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -14,7 +14,7 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 use trainyard_proto::v1::{Gpu, HostInventory, NumaNode};
 
-use crate::host::HostProbe;
+use crate::preflight::host::HostProbe;
 use crate::topology::Link;
 
 /// What `skipped` says when the library is absent.

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use trainyard_proto::v1::PreflightReport;
 
 use super::{HostFacts, Level, Request};
-use crate::host::HostProbe;
 use crate::layout::write_atomic;
+use crate::preflight::host::HostProbe;
 
 /// Runs preflights for one agent; cheap to clone.
 #[derive(Clone)]

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use crate::store::{AuditEntry, JobOwner, Store, StoreError, UserRecord};
+use trainyard_store::{AuditEntry, JobOwner, Store, StoreError, UserRecord};
 
 /// The user a tokenless call acts as in the loopback demo.
 pub const LOCAL_ADMIN: &str = "local";
@@ -453,7 +453,7 @@ pub fn owner_for_submit(caller: &Caller, policy: &Policy, priority: i32) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::SqliteStore;
+    use trainyard_store::SqliteStore;
 
     #[test]
     fn tokens_are_random_prefixed_and_hashed() {

@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{Context, bail};
 use clap::Subcommand;
 use trainyard_controller::auth::{self, pki};
-use trainyard_controller::store::{AuditEntry, Store, StoreError, UserRecord};
+use trainyard_store::{AuditEntry, Store, StoreError, UserRecord};
 
 use super::{Cli, Command};
 

@@ -11,9 +11,10 @@ use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 use trainyard_controller::auth::Policy;
 use trainyard_controller::http::Exposure;
-use trainyard_controller::server::{Security, TlsFiles};
-use trainyard_controller::store::{self, SqliteStore};
+use trainyard_controller::server::Security;
+use trainyard_controller::tls::TlsFiles;
 use trainyard_controller::{Controller, ControllerConfig, server};
+use trainyard_store::SqliteStore;
 
 mod admin;
 
@@ -231,9 +232,11 @@ fn http_exposure(cli: &Cli, bound: SocketAddr, security: &Security) -> anyhow::R
 }
 
 /// Opens the store the flags name (--db, else the SQLite file in --data-dir).
-async fn open_store(cli: &Cli) -> anyhow::Result<Arc<dyn store::Store>> {
+async fn open_store(cli: &Cli) -> anyhow::Result<Arc<dyn trainyard_store::Store>> {
     Ok(match &cli.db {
-        Some(url) => store::open(url).await.with_context(|| format!("open the database {}", redact(url)))?,
+        Some(url) => {
+            trainyard_store::open(url).await.with_context(|| format!("open the database {}", redact(url)))?
+        }
         None => {
             std::fs::create_dir_all(&cli.data_dir)
                 .with_context(|| format!("create the data directory {}", cli.data_dir.display()))?;

@@ -10,8 +10,8 @@ use trainyard_proto::v1::{
 };
 
 use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, rank_done};
-use crate::receipts;
-use crate::store::{
+use trainyard_model::receipts;
+use trainyard_store::{
     AgentRecord, AgentState, JobState, NewReceipt, PreflightRecord, RankId, RankObserved, RankState,
 };
 

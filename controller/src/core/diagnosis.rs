@@ -1,15 +1,17 @@
-//! `Diagnose` and `Compare`: gather what [`crate::diagnose`] reads (an attempt's step receipts
+//! `Diagnose` and `Compare`: gather what [`trainyard_analysis::diagnose`] reads (an attempt's step receipts
 //! and allocations from the store, the nodes' inventories and newest preflight reports from
 //! memory, the cost model's prediction for the placement) and run it.
 
 use std::collections::BTreeMap;
 
 use super::{Controller, ControllerError, Result};
-use crate::diagnose::compare::{self, Comparison, Distribution, PROVENANCE_KEYS, PlacedNode, Side};
-use crate::diagnose::goodput::{self, Goodput};
-use crate::diagnose::{self, Diagnosis, Input, NodeFacts, StepSample, stragglers};
-use crate::domain::CheckStatus;
-use crate::store::{Allocation, JobId, JobRecord};
+use trainyard_analysis::diagnose::compare::{
+    self, Comparison, Distribution, PROVENANCE_KEYS, PlacedNode, Side,
+};
+use trainyard_analysis::diagnose::goodput::{self, Goodput};
+use trainyard_analysis::diagnose::{self, Diagnosis, Input, NodeFacts, StepSample, stragglers};
+use trainyard_model::domain::CheckStatus;
+use trainyard_store::{Allocation, JobId, JobRecord};
 
 /// What one attempt's diagnosis reads.
 struct Evidence {
@@ -41,16 +43,17 @@ impl Controller {
     /// Diagnoses `attempt` of a job (default: its current attempt).
     /// Folds the ended job's last step receipts into its plot rollups, once they settled.
     async fn roll_up(&self, job_id: JobId) {
-        tokio::time::sleep(std::time::Duration::from_millis(crate::series::SETTLE_MS as u64)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(trainyard_analysis::series::SETTLE_MS as u64))
+            .await;
         if let Err(e) = self.fold_steps(job_id).await {
             tracing::warn!(job_id, error = %e, "could not fold the job's step receipts for its plots");
         }
     }
 
     /// Folds every settled step receipt of the job into its plot rollups
-    /// ([`crate::series`]), in passes of [`FOLD_PASS`] receipts.
+    /// ([`trainyard_analysis::series`]), in passes of [`FOLD_PASS`] receipts.
     pub async fn fold_steps(&self, job_id: JobId) -> Result<()> {
-        let settled = self.now_ms() - crate::series::SETTLE_MS;
+        let settled = self.now_ms() - trainyard_analysis::series::SETTLE_MS;
         while self.store.roll_up_steps(job_id, settled, FOLD_PASS).await? == u64::from(FOLD_PASS) {}
         Ok(())
     }

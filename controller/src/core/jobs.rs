@@ -10,9 +10,9 @@ use trainyard_proto::v1::{
 };
 
 use super::{ActiveJob, Controller, ControllerError, Core, Result, rank_done};
-use crate::scheduler::{self, GpuView, NodeView, Request};
-use crate::spec::{self, JobSpec};
-use crate::store::{Allocation, JobId, JobOwner, JobRecord, JobState, StoreError};
+use trainyard_model::spec::{self, JobSpec};
+use trainyard_placement::scheduler::{self, GpuView, NodeView, Request};
+use trainyard_store::{Allocation, JobId, JobOwner, JobRecord, JobState, StoreError};
 
 /// How long a cancel waits for the reconciler to store it before telling the caller so.
 const CANCEL_STORE_WAIT: Duration = Duration::from_secs(30);

@@ -7,7 +7,7 @@ use trainyard_proto::v1::{RankKey, RankReport, controller_message::Msg};
 
 use super::*;
 use crate::core::test_support::{connect, controller, spec, store};
-use crate::store::{Allocation, JobState, RankId, RankObserved};
+use trainyard_store::{Allocation, JobState, RankId, RankObserved};
 
 fn report(job_id: u64, attempt: u32, rank: u32, state: &str, exit_code: i32) -> RankReport {
     RankReport {
@@ -38,7 +38,7 @@ async fn a_placement_recorded_before_a_crash_is_launched_when_the_agent_returns(
             local_rank: rank,
             planned_cpus: String::new(),
             planned_mems: String::new(),
-            observed: RankObserved { state: crate::store::RankState::Planned, ..Default::default() },
+            observed: RankObserved { state: trainyard_store::RankState::Planned, ..Default::default() },
         })
         .collect();
     store.schedule(job, 0, &allocs, "placed", 2).await.expect("schedule");
@@ -150,7 +150,7 @@ async fn cancelling_a_pending_job_ends_it_at_once() {
 /// is placed once the store takes writes again. Nobody's request fails.
 #[tokio::test]
 async fn a_placement_the_store_refuses_fails_no_other_request() {
-    let sqlite = crate::store::SqliteStore::open_in_memory().await.expect("open store");
+    let sqlite = trainyard_store::SqliteStore::open_in_memory().await.expect("open store");
     sqlx::query(
         "CREATE TRIGGER refuse_job_1 BEFORE INSERT ON allocations WHEN NEW.job_id = 1 \
          BEGIN SELECT RAISE(ABORT, 'disk full'); END",
@@ -210,14 +210,14 @@ async fn a_user_may_have_so_many_pending_jobs_and_no_more() {
     let config = crate::config::ControllerConfig { max_pending_per_user: 3, ..Default::default() };
     let c = Controller::start(store.clone(), config).await.expect("start");
     let _agent = connect(&c, "node-a", 8, None).await;
-    let alice = crate::store::JobOwner { user: "alice".into(), run_as: "alice".into() };
+    let alice = trainyard_store::JobOwner { user: "alice".into(), run_as: "alice".into() };
     for _ in 0..3 {
         c.submit_as(spec(8), None, &alice).await.expect("at the cap");
     }
     let refused = c.submit_as(spec(8), None, &alice).await.expect_err("one over the cap");
     assert!(matches!(refused, ControllerError::TooMany(_)), "{refused}");
     assert!(refused.to_string().contains("(3)"), "{refused}");
-    let bob = crate::store::JobOwner { user: "bob".into(), run_as: "bob".into() };
+    let bob = trainyard_store::JobOwner { user: "bob".into(), run_as: "bob".into() };
     c.submit_as(spec(8), None, &bob).await.expect("bob has his own cap");
 }
 

@@ -15,7 +15,7 @@ use trainyard_proto::v1::controller_message::Msg;
 use trainyard_proto::v1::{ControllerMessage, LogCredit, LogData, ReadLogs, StopLogs};
 
 use super::{Controller, ControllerError, Result};
-use crate::store::JobId;
+use trainyard_store::JobId;
 
 /// Pieces of up to 64 KiB buffered per request (1 MiB): twice the agent's credit window.
 pub const BUFFER: usize = 2 * trainyard_proto::limits::LOG_CREDIT_PIECES as usize;

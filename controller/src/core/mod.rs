@@ -51,8 +51,8 @@ use tokio::time::Instant;
 use trainyard_proto::v1::ControllerMessage;
 
 use crate::config::ControllerConfig;
-use crate::spec::SpecError;
-use crate::store::{AgentRecord, Allocation, JobId, JobRecord, RankState, Store, StoreError};
+use trainyard_model::spec::SpecError;
+use trainyard_store::{AgentRecord, Allocation, JobId, JobRecord, RankState, Store, StoreError};
 
 /// Errors an operator or agent request can end in; mapped to `tonic::Status` in
 /// `crate::service::to_status`.
@@ -145,7 +145,7 @@ struct AgentEntry {
     /// When the link went away (or the controller started without one).
     disconnected_since: Option<Instant>,
     /// The agent's latest preflight report (from its hello or a re-run), if any.
-    preflight: Option<crate::store::PreflightRecord>,
+    preflight: Option<trainyard_store::PreflightRecord>,
     /// Its stream is open but it has sent nothing for `unresponsive_after`: no new work.
     unresponsive: bool,
 }

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use trainyard_proto::v1::{NodeInfo, RunPreflight, controller_message::Msg};
 
-use crate::domain::Inventory;
+use trainyard_model::domain::Inventory;
 
 use super::{AgentEntry, Controller, ControllerError, Core, Result, rank_done};
-use crate::domain::{PreflightLevel, Verdict};
-use crate::store::{AgentState, PreflightRecord};
+use trainyard_model::domain::{PreflightLevel, Verdict};
+use trainyard_store::{AgentState, PreflightRecord};
 
 /// Levels an operator may ask an agent to run.
 pub const PREFLIGHT_RUN_LEVELS: [PreflightLevel; 3] =
@@ -59,7 +59,7 @@ impl Controller {
     }
 
     /// The inventory a node reported in its last hello (GPUs, NUMA nodes, link matrix).
-    pub fn node_inventory(&self, agent_id: &str) -> Option<crate::domain::Inventory> {
+    pub fn node_inventory(&self, agent_id: &str) -> Option<trainyard_model::domain::Inventory> {
         self.lock().agents.get(agent_id).map(|e| e.record.inventory.clone())
     }
 
@@ -82,7 +82,7 @@ impl Controller {
         if !PreflightLevel::parse(level).is_some_and(|l| PREFLIGHT_RUN_LEVELS.contains(&l)) {
             return Err(ControllerError::BadRequest(format!(
                 "run level {level:?} is not one of {}",
-                crate::domain::words(&PREFLIGHT_RUN_LEVELS)
+                trainyard_model::domain::words(&PREFLIGHT_RUN_LEVELS)
             )));
         }
         // Subscribed before the request goes out, so a fast answer is not missed.

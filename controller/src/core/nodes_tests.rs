@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 use trainyard_proto::PROTOCOL_VERSION;
 use trainyard_proto::v1::{Hello, PreflightCheck, PreflightReport, controller_message::Msg};
 
-use crate::domain::Inventory;
+use trainyard_model::domain::Inventory;
 
 use super::*;
 use crate::core::test_support::{connect, controller, inventory, spec, store};
@@ -194,10 +194,10 @@ fn numa_layout_counts_gpus_per_node() {
 
 #[test]
 fn reasons_name_failing_checks_or_the_state() {
-    let record = |r: PreflightReport| crate::store::PreflightRecord::try_from(r).expect("known words");
+    let record = |r: PreflightReport| trainyard_store::PreflightRecord::try_from(r).expect("known words");
     let bad = record(report("h", 1, &[("host.shm", "")]));
     assert_eq!(unschedulable_reason(Some(&bad), "connected"), "host.shm");
-    let no_checks = crate::store::PreflightRecord { checks: vec![], ..bad };
+    let no_checks = trainyard_store::PreflightRecord { checks: vec![], ..bad };
     assert_eq!(unschedulable_reason(Some(&no_checks), "connected"), "preflight verdict fail");
     assert_eq!(unschedulable_reason(None, "leaving"), "agent is leaving");
     assert_eq!(unschedulable_reason(None, "disconnected"), "agent is not connected");
@@ -238,6 +238,9 @@ async fn a_silent_agent_is_unresponsive_and_gets_no_work_until_it_speaks() {
     assert_eq!(quiet.launched_jobs(), [job], "the waiting job goes there once it speaks");
     let stored = store.snapshot().await.expect("snapshot");
     assert!(
-        stored.agents.iter().any(|a| a.agent_id == "quiet" && a.state == crate::store::AgentState::Connected)
+        stored
+            .agents
+            .iter()
+            .any(|a| a.agent_id == "quiet" && a.state == trainyard_store::AgentState::Connected)
     );
 }

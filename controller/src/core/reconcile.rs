@@ -6,10 +6,10 @@
 //! for that job only: it stays dirty and the next pass (at most 500 ms later) tries again.
 
 use super::{ActiveJob, Controller, Core, Result, rank_done, rank_failure};
-use crate::cost;
-use crate::scheduler::{self, NodeView, Placement};
-use crate::spec::JobSpec;
-use crate::store::{Allocation, JobId, JobState, RankId, RankObserved, RankState};
+use trainyard_model::spec::JobSpec;
+use trainyard_placement::cost;
+use trainyard_placement::scheduler::{self, NodeView, Placement};
+use trainyard_store::{Allocation, JobId, JobState, RankId, RankObserved, RankState};
 
 /// What a job needs next.
 #[derive(Debug, Clone, PartialEq)]
@@ -288,7 +288,7 @@ fn plan(core: &Core, placement: Placement, views: &[NodeView], now_ms: i64) -> O
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::JobRecord;
+    use trainyard_store::JobRecord;
 
     fn job(state: JobState, ranks: &[(RankState, Option<i32>)], max_restarts: u32) -> ActiveJob {
         let spec =

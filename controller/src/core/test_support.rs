@@ -12,7 +12,7 @@ use trainyard_proto::v1::{
 
 use super::Controller;
 use crate::config::ControllerConfig;
-use crate::store::{SqliteStore, Store};
+use trainyard_store::{SqliteStore, Store};
 
 pub(super) async fn store() -> Arc<dyn Store> {
     Arc::new(SqliteStore::open_in_memory().await.expect("open store"))

@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use trainyard_proto::v1::{Job, JobEvent, RankStatus};
 
 use super::{Controller, ControllerError, Core, Result};
-use crate::cost;
-use crate::scheduler::LinkMatrix;
-use crate::spec::JobSpec;
-use crate::store::{Allocation, JobId, JobRecord, JobState};
+use trainyard_model::spec::JobSpec;
+use trainyard_placement::cost;
+use trainyard_placement::scheduler::LinkMatrix;
+use trainyard_store::{Allocation, JobId, JobRecord, JobState};
 
 impl Controller {
     /// One job with its ranks (current attempt), events and receipt count.
@@ -90,7 +90,7 @@ impl Controller {
         }
         if record.state == JobState::Running {
             let progress = self.store.step_progress(id, attempt).await?;
-            if let Some(stall) = crate::diagnose::stall::stall(&progress, self.now_ms()) {
+            if let Some(stall) = trainyard_analysis::diagnose::stall::stall(&progress, self.now_ms()) {
                 warnings.push(stall.describe());
             }
         }
@@ -157,7 +157,7 @@ pub(super) fn predicted_comm_ms(core: &Core, allocations: &[Allocation], spec: &
     for a in allocations {
         by_agent.entry(a.agent_id.as_str()).or_default().push(a.gpu_index);
     }
-    let mut worst = crate::scheduler::LinkClass::Local;
+    let mut worst = trainyard_placement::scheduler::LinkClass::Local;
     for (agent, gpus) in &by_agent {
         let Some(entry) = core.agents.get(*agent) else { return 0.0 };
         let inv = &entry.record.inventory;

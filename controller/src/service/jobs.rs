@@ -23,7 +23,7 @@ use trainyard_proto::limits;
 use super::{auth_status, to_status};
 use crate::auth::{self, Authenticator, Caller};
 use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
-use crate::store::{JobState, RankState, StoreError};
+use trainyard_store::{JobState, RankState, StoreError};
 
 /// Pieces a logs client reads between two grants of credit to its agent.
 const CREDIT_EVERY: u32 = 4;
@@ -142,7 +142,7 @@ impl JobsService {
     }
 }
 
-fn owner_name(owner: &crate::store::JobOwner) -> &str {
+fn owner_name(owner: &trainyard_store::JobOwner) -> &str {
     if owner.user.is_empty() { "no user (stored before users existed)" } else { &owner.user }
 }
 
@@ -410,7 +410,7 @@ impl Watcher {
 }
 
 /// The wire form of a diagnosis.
-fn diagnosis_message(job_id: u64, d: &crate::diagnose::Diagnosis) -> Diagnosis {
+fn diagnosis_message(job_id: u64, d: &trainyard_analysis::diagnose::Diagnosis) -> Diagnosis {
     use trainyard_proto::v1 as pb;
     let agent_of = |rank: u32| {
         d.nodes.iter().find(|n| n.ranks.contains(&rank)).map(|n| n.agent_id.clone()).unwrap_or_default()
@@ -475,8 +475,8 @@ fn diagnosis_message(job_id: u64, d: &crate::diagnose::Diagnosis) -> Diagnosis {
 }
 
 /// The wire form of a comparison.
-fn comparison_message(c: &crate::diagnose::compare::Comparison) -> Comparison {
-    use crate::diagnose::compare::{Diff, Distribution, Side};
+fn comparison_message(c: &trainyard_analysis::diagnose::compare::Comparison) -> Comparison {
+    use trainyard_analysis::diagnose::compare::{Diff, Distribution, Side};
     use trainyard_proto::v1 as pb;
     let dist = |d: &Option<Distribution>| {
         d.map(|d| pb::Distribution { n: d.n as u64, p10: d.p10, p50: d.p50, p90: d.p90 })

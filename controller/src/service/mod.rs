@@ -11,7 +11,7 @@ pub use jobs::{JobsService, MAX_STREAMS_PER_USER};
 
 use crate::auth::AuthError;
 use crate::core::ControllerError;
-use crate::store::StoreError;
+use trainyard_store::StoreError;
 
 /// The one place where controller errors become gRPC statuses.
 pub fn to_status(e: ControllerError) -> tonic::Status {

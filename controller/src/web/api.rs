@@ -11,11 +11,11 @@ use serde_json::{Value, json};
 use super::{Query, Reject, Web, WebState, error, int_param, job_id, query_pairs, reject, store_error};
 use crate::auth::Caller;
 use crate::core::LogEvent;
-use crate::diagnose::Diagnosis;
-use crate::diagnose::compare::{Comparison, Distribution, Side};
-use crate::series::{self, Metric};
-use crate::spec::Engine;
-use crate::store::JobRecord;
+use trainyard_analysis::diagnose::Diagnosis;
+use trainyard_analysis::diagnose::compare::{Comparison, Distribution, Side};
+use trainyard_analysis::series::{self, Metric};
+use trainyard_model::spec::Engine;
+use trainyard_store::JobRecord;
 
 /// Lines of rank 0's log the job page shows.
 const LOG_TAIL_LINES: u32 = 40;
@@ -368,7 +368,7 @@ pub(super) async fn nodes(state: WebState, headers: HeaderMap) -> Response {
         let failing: Vec<Value> = report.as_ref().map_or_else(Vec::new, |r| {
             r.checks
                 .iter()
-                .filter(|c| c.status != crate::store::CheckStatus::Pass)
+                .filter(|c| c.status != trainyard_store::CheckStatus::Pass)
                 .map(|c| {
                     json!({"id": c.id, "status": c.status.to_string(), "detail": format!("measured {}; expected {}", c.measured, c.expected), "remedy": c.remedy})
                 })
@@ -430,7 +430,7 @@ fn comparison_json(c: &Comparison) -> Value {
             "diagnosis": diagnosis_json(&s.diagnosis),
         })
     };
-    let diffs = |d: &[crate::diagnose::compare::Diff]| {
+    let diffs = |d: &[trainyard_analysis::diagnose::compare::Diff]| {
         d.iter().map(|d| json!({"name": d.name, "a": d.a, "b": d.b})).collect::<Vec<_>>()
     };
     json!({

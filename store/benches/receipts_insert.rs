@@ -1,4 +1,4 @@
-//! Receipt ingest rate of the SQLite store: `cargo bench -p trainyard-controller --bench
+//! Receipt ingest rate of the SQLite store: `cargo bench -p trainyard-store --bench
 //! receipts_insert`. Inserts `TOTAL` receipts of about 300 bytes in batches of `BATCH` (one
 //! transaction each, as the agent stream does) into a store on a temporary file, `REPEATS`
 //! times (a new job each time, so the tables grow as they would in service), and prints the
@@ -6,9 +6,9 @@
 
 use std::time::Instant;
 
-use trainyard_controller::domain::PreflightLevel;
-use trainyard_controller::spec::{Engine, JobSpec, Resources};
-use trainyard_controller::store::{JobStore, NewReceipt, RankId, ReceiptStore, SqliteStore};
+use trainyard_model::domain::PreflightLevel;
+use trainyard_model::spec::{Engine, JobSpec, Resources};
+use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SqliteStore};
 
 const TOTAL: usize = 200_000;
 const BATCH: usize = 2_000;
@@ -94,7 +94,7 @@ fn receipts(job_id: u64, n: usize) -> Vec<NewReceipt> {
                     0.8 + (seq % 5) as f64 * 0.01
                 );
             // As ingest stores it: checked against receipt schema v1, typed fields extracted.
-            let checked = trainyard_controller::receipts::check("step", &body).expect("a JSON object");
+            let checked = trainyard_model::receipts::check("step", &body).expect("a JSON object");
             NewReceipt {
                 id: RankId { job_id, attempt: 0, rank },
                 seq,

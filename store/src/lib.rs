@@ -1,4 +1,17 @@
-//! The controller's durable store.
+//! The controller's durable store: SQLite (embedded default) or PostgreSQL (fleets), behind one
+//! trait per concern.
+//!
+//! # Layout
+//! - this page: the traits ([`JobStore`], [`FleetStore`], [`ReceiptStore`], [`PreflightStore`],
+//!   [`AuthStore`], [`SeriesStore`]), the store's own rows and [`StoreError`].
+//! - [`sqlite`] and [`postgres`]: the two backends.
+//! - `rows`: what both backends share: column lists, conversions, row readers.
+//! - [`metrics`]: the duration and failures of every store operation, for `/metrics`.
+//!
+//! The records the core holds (jobs, allocations, agents, preflight reports) are
+//! [`trainyard_model::records`], re-exported here because every method speaks them; the
+//! analysis types the store reads and writes (step samples, findings, goodput, rollups) are
+//! [`trainyard_analysis`]'s.
 //!
 //! # What we persist
 //! - `jobs`: one row per job with its spec (protobuf bytes plus plain columns an operator
@@ -21,6 +34,7 @@
 //! backend nobody runs rots: every method is one transaction, and every implementation runs the
 //! same test suite.
 
+pub mod metrics;
 pub mod postgres;
 mod rows;
 pub mod sqlite;
@@ -28,16 +42,16 @@ pub mod sqlite;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use trainyard_proto::v1::{PreflightCheck, PreflightReport};
 
-pub use crate::domain::Inventory;
-pub use crate::spec::JobSpec;
+pub use trainyard_model::domain::Inventory;
+pub use trainyard_model::spec::JobSpec;
 
-pub use crate::domain::{
-    AgentState, CheckStatus, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
-};
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
+pub use trainyard_model::domain::{
+    AgentState, CheckStatus, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
+};
+pub use trainyard_model::records::*;
 
 /// Opens the store a `--db` value names: `postgres://` or `postgresql://` URLs open
 /// PostgreSQL, `sqlite:` URLs and plain paths open SQLite. Migrations run on open.
@@ -49,10 +63,8 @@ pub async fn open(url_or_path: &str) -> Result<Arc<dyn Store>> {
     }
 }
 
-/// A job's id, assigned by the store.
-pub type JobId = u64;
-
-/// Errors of the store, mapped to `tonic::Status` in one place (`crate::service::status`).
+/// Errors of the store, mapped to `tonic::Status` in one place (the controller's
+/// `service::status`).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("job {0} not found")]
@@ -77,30 +89,6 @@ pub enum StoreError {
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
-
-/// A row of `jobs`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct JobRecord {
-    pub id: JobId,
-    pub spec: JobSpec,
-    /// Who submitted it, and the Unix account its ranks run as.
-    pub owner: JobOwner,
-    pub state: JobState,
-    pub reason: String,
-    pub attempt: u32,
-    pub created_at_ms: i64,
-    pub updated_at_ms: i64,
-}
-
-/// Who owns a job (`jobs.submitted_by`, `jobs.run_as`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct JobOwner {
-    /// The user who submitted the job; empty for jobs stored before users existed.
-    pub user: String,
-    /// The Unix account the ranks run as; empty: the agent's own account, which the agent
-    /// allows only when it does not run as root (the loopback demo).
-    pub run_as: String,
-}
 
 /// A row of `users`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,70 +129,6 @@ pub struct AuditEntry {
     pub detail: String,
 }
 
-/// A row of `job_events`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct JobEventRecord {
-    pub job_id: JobId,
-    pub at_ms: i64,
-    /// `None` for the event that created the job.
-    pub from_state: Option<JobState>,
-    pub to_state: JobState,
-    /// The job's attempt after the transition.
-    pub attempt: u32,
-    pub reason: String,
-}
-
-/// Identity of one rank of one attempt of a job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RankId {
-    pub job_id: JobId,
-    pub attempt: u32,
-    pub rank: u32,
-}
-
-/// A row of `allocations`: where a rank runs (intent) and what its agent reported (observed).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Allocation {
-    pub id: RankId,
-    pub agent_id: String,
-    pub gpu_index: u32,
-    pub node_rank: u32,
-    pub local_rank: u32,
-    /// The binding the controller planned (kernel CPU list, NUMA memory node); empty when the
-    /// rank runs unpinned.
-    pub planned_cpus: String,
-    pub planned_mems: String,
-    pub observed: RankObserved,
-}
-
-/// What the agent last reported about a rank.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct RankObserved {
-    /// `planned` until the agent reports; then `launching`, `running`, `exited` or `lost`.
-    pub state: RankState,
-    pub pid: Option<u32>,
-    pub exit_code: Option<i32>,
-    pub signal: Option<i32>,
-    pub message: String,
-    pub skipped_lines: u64,
-    pub updated_at_ms: i64,
-    /// What `/proc/<pid>/status` showed after spawn (`Cpus_allowed_list`, `Mems_allowed_list`);
-    /// empty until read.
-    pub effective_cpus: String,
-    pub effective_mems: String,
-}
-
-/// A row of `agents`, with its inventory (also flattened into `gpus`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct AgentRecord {
-    pub agent_id: String,
-    pub address: String,
-    pub agent_version: String,
-    pub inventory: Inventory,
-    pub state: AgentState,
-    pub last_seen_ms: i64,
-}
-
 /// One receipt to store.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewReceipt {
@@ -215,10 +139,10 @@ pub struct NewReceipt {
     pub step: Option<i64>,
     /// The line as the rank wrote it.
     pub body: String,
-    /// Why it breaks receipt schema v1 (`crate::receipts::check`), if it does.
+    /// Why it breaks receipt schema v1 (`trainyard_model::receipts::check`), if it does.
     pub problem: Option<String>,
     /// The typed fields of a step receipt, stored in `step_metrics`.
-    pub metrics: Option<crate::receipts::StepMetrics>,
+    pub metrics: Option<trainyard_model::receipts::StepMetrics>,
 }
 
 /// A stored receipt with its position (monotonic across the store) for `Watch` cursors.
@@ -230,119 +154,6 @@ pub struct StoredReceiptRecord {
     pub kind: String,
     pub step: Option<i64>,
     pub body: String,
-}
-
-/// A preflight report as the controller keeps it: what an agent sent, with every word checked
-/// ([`PreflightRecord::try_from`] names the first one that is not known).
-#[derive(Debug, Clone, PartialEq)]
-pub struct PreflightRecord {
-    /// Assigned by the store (`preflight_reports.id`); 0 before it is stored.
-    pub report_id: u64,
-    pub agent_id: String,
-    /// The agent's own name for it (`<agent_id>-<started_at_ms>`), '' if it gave none.
-    pub local_id: String,
-    pub level: PreflightLevel,
-    pub started_at_ms: i64,
-    pub finished_at_ms: i64,
-    pub verdict: Verdict,
-    /// `None` when the agent could not classify the fabric.
-    pub interconnect_class: Option<InterconnectClass>,
-    pub driver_version: String,
-    pub cuda_version: String,
-    pub nccl_version: String,
-    /// Where the inventory came from: `nvml` or `host-file`.
-    pub source: String,
-    /// The GPU matrix as `nvidia-smi topo -m` prints it.
-    pub topology: String,
-    pub checks: Vec<CheckRecord>,
-}
-
-/// One check of a [`PreflightRecord`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct CheckRecord {
-    pub id: String,
-    pub status: CheckStatus,
-    pub measured: String,
-    pub expected: String,
-    pub remedy: String,
-}
-
-impl PreflightRecord {
-    /// The ids of the failing checks, with what they measured.
-    pub fn failing(&self) -> impl Iterator<Item = &CheckRecord> {
-        self.checks.iter().filter(|c| c.status == CheckStatus::Fail)
-    }
-}
-
-impl TryFrom<PreflightReport> for PreflightRecord {
-    type Error = crate::domain::UnknownWord;
-
-    fn try_from(r: PreflightReport) -> Result<Self, Self::Error> {
-        let checks = r
-            .checks
-            .into_iter()
-            .map(|c| {
-                Ok(CheckRecord {
-                    status: c.status.parse()?,
-                    id: c.id,
-                    measured: c.measured,
-                    expected: c.expected,
-                    remedy: c.remedy,
-                })
-            })
-            .collect::<Result<_, Self::Error>>()?;
-        let class = match r.interconnect_class.as_str() {
-            "" => None,
-            word => Some(word.parse()?),
-        };
-        Ok(PreflightRecord {
-            report_id: r.report_id,
-            agent_id: r.agent_id,
-            local_id: r.local_id,
-            level: r.level.parse()?,
-            started_at_ms: r.started_at_ms,
-            finished_at_ms: r.finished_at_ms,
-            verdict: r.verdict.parse()?,
-            interconnect_class: class,
-            driver_version: r.driver_version,
-            cuda_version: r.cuda_version,
-            nccl_version: r.nccl_version,
-            source: r.source,
-            topology: r.topology,
-            checks,
-        })
-    }
-}
-
-impl From<PreflightRecord> for PreflightReport {
-    fn from(r: PreflightRecord) -> Self {
-        PreflightReport {
-            report_id: r.report_id,
-            agent_id: r.agent_id,
-            local_id: r.local_id,
-            level: r.level.to_string(),
-            started_at_ms: r.started_at_ms,
-            finished_at_ms: r.finished_at_ms,
-            verdict: r.verdict.to_string(),
-            interconnect_class: r.interconnect_class.map(|c| c.to_string()).unwrap_or_default(),
-            driver_version: r.driver_version,
-            cuda_version: r.cuda_version,
-            nccl_version: r.nccl_version,
-            source: r.source,
-            topology: r.topology,
-            checks: r
-                .checks
-                .into_iter()
-                .map(|c| PreflightCheck {
-                    id: c.id,
-                    status: c.status.to_string(),
-                    measured: c.measured,
-                    expected: c.expected,
-                    remedy: c.remedy,
-                })
-                .collect(),
-        }
-    }
 }
 
 /// Everything the controller reloads at start-up.
@@ -465,11 +276,19 @@ pub trait ReceiptStore: Send + Sync {
 
     /// The typed fields of every step receipt of one attempt, by rank and line (what
     /// `ctl diagnose` reads). A receipt without a `step` has step -1.
-    async fn step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<crate::diagnose::StepSample>>;
+    async fn step_samples(
+        &self,
+        job: JobId,
+        attempt: u32,
+    ) -> Result<Vec<trainyard_analysis::diagnose::StepSample>>;
 
     /// Each rank's last step receipt of one attempt (step, stored at) and the step times of
     /// the attempt's latest 200 step receipts: what stall detection reads.
-    async fn step_progress(&self, job: JobId, attempt: u32) -> Result<crate::diagnose::stall::StepProgress>;
+    async fn step_progress(
+        &self,
+        job: JobId,
+        attempt: u32,
+    ) -> Result<trainyard_analysis::diagnose::stall::StepProgress>;
 
     /// The body of the first receipt of `kind` of one attempt, from its lowest rank (rank 0's
     /// launch receipt: the run's provenance); `None` when there is none.
@@ -477,17 +296,20 @@ pub trait ReceiptStore: Send + Sync {
 
     /// What rank 0's step, eval and checkpoint receipts of one attempt say about where its
     /// time went (the event times are left for the caller to fill in).
-    async fn attempt_facts(&self, job: JobId, attempt: u32)
-    -> Result<crate::diagnose::goodput::AttemptFacts>;
+    async fn attempt_facts(
+        &self,
+        job: JobId,
+        attempt: u32,
+    ) -> Result<trainyard_analysis::diagnose::goodput::AttemptFacts>;
 
     /// Stores what the controller concluded about an ended job (`attempt_goodput`, and the
     /// findings of its last attempt's diagnosis in `job_findings`), replacing an earlier record.
     async fn record_outcome(
         &self,
         job: JobId,
-        goodput: &crate::diagnose::goodput::Goodput,
+        goodput: &trainyard_analysis::diagnose::goodput::Goodput,
         attempt: u32,
-        findings: &[crate::diagnose::Finding],
+        findings: &[trainyard_analysis::diagnose::Finding],
         now_ms: i64,
     ) -> Result<()>;
 
@@ -556,7 +378,7 @@ pub trait AuthStore: Send + Sync {
     async fn audit_log(&self, limit: u32) -> Result<Vec<AuditEntry>>;
 }
 
-/// Step rollups for plots ([`crate::series`]); the SQL is written once for both backends
+/// Step rollups for plots ([`trainyard_analysis::series`]); the SQL is written once for both backends
 /// (`rows::series_queries!`).
 #[async_trait]
 pub trait SeriesStore: Send + Sync {
@@ -575,11 +397,11 @@ pub trait SeriesStore: Send + Sync {
         &self,
         job: JobId,
         attempt: u32,
-        metric: crate::series::Metric,
+        metric: trainyard_analysis::series::Metric,
         level: i64,
         from_bucket: i64,
         to_bucket: i64,
-    ) -> Result<Vec<crate::series::RollupRow>>;
+    ) -> Result<Vec<trainyard_analysis::series::RollupRow>>;
 }
 
 /// The controller's store: every concern's trait, implemented by each backend (SQLite,

@@ -1,7 +1,7 @@
 use super::*;
-use crate::domain::{GpuInfo, PreflightLevel, RankState, Verdict};
-use crate::spec::{Engine, Resources};
-use crate::store::{CheckRecord, RankId, RankObserved};
+use trainyard_model::domain::{GpuInfo, PreflightLevel, RankState, Verdict};
+use trainyard_model::records::{CheckRecord, RankId, RankObserved};
+use trainyard_model::spec::{Engine, Resources};
 
 fn spec(env: &[(&str, &str)]) -> JobSpec {
     JobSpec {
@@ -35,7 +35,7 @@ fn node(numa: impl Fn(u32) -> u32, checks: &[(&str, CheckStatus, &str)]) -> Node
             started_at_ms: 0,
             finished_at_ms: 0,
             verdict: Verdict::Pass,
-            interconnect_class: Some(crate::domain::InterconnectClass::Nvswitch),
+            interconnect_class: Some(trainyard_model::domain::InterconnectClass::Nvswitch),
             driver_version: String::new(),
             cuda_version: String::new(),
             nccl_version: String::new(),

@@ -11,7 +11,7 @@
 //! step; on SXM the model predicts ~41 ms (measured optimizer step 57.8 ms, NCCL ~49 ms per GPU),
 //! on PCIe ~290 ms (375 ms), a ratio of ~7x as measured (7.3x).
 
-use crate::scheduler::LinkClass;
+use crate::links::LinkClass;
 
 /// Node egress over the network, as bus bandwidth of collectives beyond one node: one
 /// 400 Gb/s NIC per GPU over a full-bisection fat tree runs them at about node-egress speed.
@@ -139,8 +139,8 @@ pub fn gpt_params(depth: u64, vocab: u64) -> Vec<(Vec<u64>, bool)> {
 /// the updated shard, or one AllReduce under [`SMALL_TENSOR`] elements), and Muon's matrices
 /// stacked by shape (one ReduceScatter and one AllGather per shape). Empty for exec jobs and
 /// presets that do not parse.
-pub fn builtin_step_calls(spec: &crate::spec::JobSpec) -> Vec<(Collective, u64)> {
-    let crate::spec::Engine::Builtin { settings, .. } = &spec.engine else { return Vec::new() };
+pub fn builtin_step_calls(spec: &trainyard_model::spec::JobSpec) -> Vec<(Collective, u64)> {
+    let trainyard_model::spec::Engine::Builtin { settings, .. } = &spec.engine else { return Vec::new() };
     let Some(depth) = spec.builtin_depth().filter(|d| *d > 0) else { return Vec::new() };
     let vocab = settings.get("vocab_size").and_then(|v| v.parse().ok()).unwrap_or(GPT2_VOCAB);
     let mut calls = Vec::new();
@@ -246,7 +246,7 @@ mod tests {
             )),
             ..Default::default()
         };
-        let spec = crate::spec::parse(wire).unwrap();
+        let spec = trainyard_model::spec::parse(wire).unwrap();
         let calls = builtin_step_calls(&spec);
         // d26: width 1664; 26 blocks of 12 d^2, 13 VE gates, embedding, head, 13 value embeddings.
         let d = 1664u64;
@@ -265,7 +265,7 @@ mod tests {
         assert!((20.0..200.0).contains(&ms), "d26 on SXM: {ms} ms");
         assert!(calls_ms(&calls, 8, LinkClass::Pix) > 6.0 * ms, "PCIe ~7x slower");
         let mut exec = spec.clone();
-        exec.engine = crate::spec::Engine::Exec {
+        exec.engine = trainyard_model::spec::Engine::Exec {
             argv: vec!["x".into()],
             workdir: "/".into(),
             source_dir: String::new(),

@@ -49,8 +49,8 @@ impl AttemptFacts {
     }
 
     /// The attempt's placement and end from the job's events (all attempts, in order).
-    pub fn place_in(&mut self, events: &[crate::store::JobEventRecord]) {
-        use crate::domain::JobState;
+    pub fn place_in(&mut self, events: &[trainyard_model::records::JobEventRecord]) {
+        use trainyard_model::domain::JobState;
         let mine = || events.iter().filter(|e| e.attempt == self.attempt);
         self.scheduled_at_ms = mine().find(|e| e.to_state == JobState::Scheduled).map(|e| e.at_ms);
         self.ended_at_ms = mine()

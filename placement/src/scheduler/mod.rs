@@ -34,17 +34,16 @@
 
 mod pinning;
 mod search;
-mod topology;
 
 #[cfg(test)]
 mod tests;
 
+pub use crate::links::{LinkClass, LinkMatrix, SetScore};
 pub use pinning::{CpuPlan, plan_cpus};
-pub use topology::{LinkClass, LinkMatrix, SetScore};
 
 use search::Fleet;
 
-use crate::domain::InterconnectClass;
+use trainyard_model::domain::InterconnectClass;
 
 /// One GPU of a node as the scheduler sees it.
 #[derive(Debug, Clone, PartialEq)]

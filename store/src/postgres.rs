@@ -529,11 +529,19 @@ impl ReceiptStore for PostgresStore {
         .await
     }
 
-    async fn step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<crate::diagnose::StepSample>> {
+    async fn step_samples(
+        &self,
+        job: JobId,
+        attempt: u32,
+    ) -> Result<Vec<trainyard_analysis::diagnose::StepSample>> {
         self.q_step_samples(job, attempt).await
     }
 
-    async fn step_progress(&self, job: JobId, attempt: u32) -> Result<crate::diagnose::stall::StepProgress> {
+    async fn step_progress(
+        &self,
+        job: JobId,
+        attempt: u32,
+    ) -> Result<trainyard_analysis::diagnose::stall::StepProgress> {
         self.q_step_progress(job, attempt).await
     }
 
@@ -545,16 +553,16 @@ impl ReceiptStore for PostgresStore {
         &self,
         job: JobId,
         attempt: u32,
-    ) -> Result<crate::diagnose::goodput::AttemptFacts> {
+    ) -> Result<trainyard_analysis::diagnose::goodput::AttemptFacts> {
         self.q_attempt_facts(job, attempt).await
     }
 
     async fn record_outcome(
         &self,
         job: JobId,
-        goodput: &crate::diagnose::goodput::Goodput,
+        goodput: &trainyard_analysis::diagnose::goodput::Goodput,
         attempt: u32,
-        findings: &[crate::diagnose::Finding],
+        findings: &[trainyard_analysis::diagnose::Finding],
         now_ms: i64,
     ) -> Result<()> {
         self.q_record_outcome(job, goodput, attempt, findings, now_ms).await

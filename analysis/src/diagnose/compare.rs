@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Diagnosis, median};
-use crate::domain::{InterconnectClass, Verdict};
+use trainyard_model::domain::{InterconnectClass, Verdict};
 
 /// Step times within this ratio are the same pace (machines are noisy).
 pub const SAME_PACE: f64 = 1.05;
@@ -184,7 +184,7 @@ pub fn compare(a: Side, b: Side) -> Comparison {
 mod tests {
     use super::*;
     use crate::diagnose::{Finding, Measure};
-    use crate::domain::Cause;
+    use trainyard_model::domain::Cause;
 
     fn side(job_id: u64, p50: f64) -> Side {
         Side {

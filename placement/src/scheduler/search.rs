@@ -13,9 +13,9 @@ use std::collections::BTreeSet;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 
-use super::topology::{LinkClass, LinkMatrix, SetScore, best_set, bits};
 use super::{NodePlacement, NodeView, Placement, Request};
-use crate::domain::InterconnectClass;
+use crate::links::{LinkClass, LinkMatrix, SetScore, best_set, bits};
+use trainyard_model::domain::InterconnectClass;
 
 /// FNV-1a: the pass hashes a few short keys per queued job, where SipHash's DoS resistance
 /// buys nothing (the keys are the operator's own job specs) and costs a third of the pass.

@@ -8,8 +8,8 @@
 
 use prost::Message as _;
 
-use crate::domain::Inventory;
-use crate::spec::{Engine, JobSpec};
+use trainyard_model::domain::Inventory;
+use trainyard_model::spec::{Engine, JobSpec};
 
 use super::{JobId, Result, StoreError};
 
@@ -132,8 +132,8 @@ pub(super) fn fit<T: TryFrom<i64>>(v: i64, table: &'static str, name: &str) -> R
 macro_rules! row_readers {
     ($row:ty, $db:ty) => {
         use sqlx::Row as _;
-        use $crate::store::rows::{corrupt, decode_inventory, decode_spec, fit, report_id_from};
-        use $crate::store::{
+        use $crate::rows::{corrupt, decode_inventory, decode_spec, fit, report_id_from};
+        use $crate::{
             AgentRecord, Allocation, CheckRecord, JobEventRecord, JobRecord, JobState, PreflightRecord,
             RankId, RankObserved, StoredReceiptRecord,
         };
@@ -166,7 +166,7 @@ macro_rules! row_readers {
             Ok(JobRecord {
                 id: num(row, t, "id")?,
                 spec: decode_spec(&spec_pb)?,
-                owner: $crate::store::JobOwner {
+                owner: $crate::JobOwner {
                     user: col(row, t, "submitted_by")?,
                     run_as: col(row, t, "run_as")?,
                 },
@@ -237,9 +237,9 @@ macro_rules! row_readers {
             })
         }
 
-        fn sample_from_row(row: &$row) -> Result<$crate::diagnose::StepSample> {
+        fn sample_from_row(row: &$row) -> Result<trainyard_analysis::diagnose::StepSample> {
             let t = "receipts";
-            Ok($crate::diagnose::StepSample {
+            Ok(trainyard_analysis::diagnose::StepSample {
                 rank: num(row, t, "rank")?,
                 step: col::<Option<i64>>(row, t, "step")?.unwrap_or(-1),
                 step_time_ms: col(row, t, "step_time_ms")?,
@@ -267,7 +267,7 @@ macro_rules! row_readers {
         }
 
         /// A column holding one of a domain enum's words.
-        fn word<T: std::str::FromStr<Err = $crate::domain::UnknownWord>>(
+        fn word<T: std::str::FromStr<Err = trainyard_model::domain::UnknownWord>>(
             row: &$row,
             table: &'static str,
             name: &str,
@@ -341,7 +341,7 @@ pub(super) struct FindingRow<'a> {
     pub remedy: &'a str,
 }
 
-pub(super) fn finding_rows(findings: &[crate::diagnose::Finding]) -> Vec<FindingRow<'_>> {
+pub(super) fn finding_rows(findings: &[trainyard_analysis::diagnose::Finding]) -> Vec<FindingRow<'_>> {
     findings
         .iter()
         .map(|f| FindingRow {
@@ -369,7 +369,7 @@ pub(super) fn finding_rows(findings: &[crate::diagnose::Finding]) -> Vec<Finding
 macro_rules! diagnosis_queries {
     ($store:ty, read: [$($read:tt)*], write: [$($write:tt)*]) => {
         impl $store {
-    async fn q_step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<$crate::diagnose::StepSample>> {
+    async fn q_step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<trainyard_analysis::diagnose::StepSample>> {
         self.run("step_samples", $($read)* async |c| {
             let rows = sqlx::query(
                 "SELECT rank, step, step_time_ms, fwd_bwd_ms, optimizer_ms, tokens_per_s, problem \
@@ -384,7 +384,7 @@ macro_rules! diagnosis_queries {
         .await
     }
 
-    async fn q_step_progress(&self, job: JobId, attempt: u32) -> Result<$crate::diagnose::stall::StepProgress> {
+    async fn q_step_progress(&self, job: JobId, attempt: u32) -> Result<trainyard_analysis::diagnose::stall::StepProgress> {
         self.run("step_progress", $($read)* async |c| {
             let rows = sqlx::query(
                 "SELECT rank, max(step) AS step, max(stored_at_ms) AS at_ms FROM receipts \
@@ -412,7 +412,7 @@ macro_rules! diagnosis_queries {
             .bind(i64::from(attempt))
             .fetch_all(&mut *c)
             .await?;
-            Ok($crate::diagnose::stall::StepProgress {
+            Ok(trainyard_analysis::diagnose::stall::StepProgress {
                 ranks,
                 recent_step_ms: recent_step_ms.into_iter().flatten().collect(),
             })
@@ -439,10 +439,10 @@ macro_rules! diagnosis_queries {
         &self,
         job: JobId,
         attempt: u32,
-    ) -> Result<$crate::diagnose::goodput::AttemptFacts> {
+    ) -> Result<trainyard_analysis::diagnose::goodput::AttemptFacts> {
         self.run("attempt_facts", $($read)* async |c| {
             let t = "receipts";
-            let mut facts = $crate::diagnose::goodput::AttemptFacts { attempt, ..Default::default() };
+            let mut facts = trainyard_analysis::diagnose::goodput::AttemptFacts { attempt, ..Default::default() };
             // The steps are summed where they lie: a long run has one row per step.
             let totals = sqlx::query(
                 "SELECT count(*) AS steps, max(step) AS last_step, coalesce(sum(step_time_ms), 0.0) AS train_ms \
@@ -487,12 +487,12 @@ macro_rules! diagnosis_queries {
     async fn q_record_outcome(
         &self,
         job: JobId,
-        goodput: &$crate::diagnose::goodput::Goodput,
+        goodput: &trainyard_analysis::diagnose::goodput::Goodput,
         attempt: u32,
-        findings: &[$crate::diagnose::Finding],
+        findings: &[trainyard_analysis::diagnose::Finding],
         now_ms: i64,
     ) -> Result<()> {
-        let findings = $crate::store::rows::finding_rows(findings);
+        let findings = $crate::rows::finding_rows(findings);
         self.run("record_outcome", $($write)* async |c| {
             let id = int(job)?;
             sqlx::query("DELETE FROM attempt_goodput WHERE job_id = $1").bind(id).execute(&mut *c).await?;
@@ -544,9 +544,9 @@ pub(super) use diagnosis_queries;
 macro_rules! auth_queries {
     ($store:ty, $row:ty, read: [$($read:tt)*], write: [$($write:tt)*]) => {
 
-        fn user_from_row(row: &$row) -> Result<$crate::store::UserRecord> {
+        fn user_from_row(row: &$row) -> Result<$crate::UserRecord> {
             let t = "users";
-            Ok($crate::store::UserRecord {
+            Ok($crate::UserRecord {
                 name: col(row, t, "name")?,
                 admin: col(row, t, "admin")?,
                 unix_user: col(row, t, "unix_user")?,
@@ -555,9 +555,9 @@ macro_rules! auth_queries {
             })
         }
 
-        fn token_from_row(row: &$row) -> Result<$crate::store::TokenRecord> {
+        fn token_from_row(row: &$row) -> Result<$crate::TokenRecord> {
             let t = "api_tokens";
-            Ok($crate::store::TokenRecord {
+            Ok($crate::TokenRecord {
                 id: col(row, t, "id")?,
                 user_name: col(row, t, "user_name")?,
                 prefix: col(row, t, "prefix")?,
@@ -568,8 +568,8 @@ macro_rules! auth_queries {
         }
 
         #[async_trait::async_trait]
-        impl $crate::store::AuthStore for $store {
-            async fn add_user(&self, user: &$crate::store::UserRecord) -> Result<()> {
+        impl $crate::AuthStore for $store {
+            async fn add_user(&self, user: &$crate::UserRecord) -> Result<()> {
                 self.run("add_user", $($write)* async |c| {
                     sqlx::query("INSERT INTO users (name, admin, unix_user, created_at_ms, disabled_at_ms) VALUES ($1, $2, $3, $4, $5)")
                         .bind(&user.name)
@@ -579,13 +579,13 @@ macro_rules! auth_queries {
                         .bind(user.disabled_at_ms)
                         .execute(&mut *c)
                         .await
-                        .map_err($crate::store::rows::duplicate_or)?;
+                        .map_err($crate::rows::duplicate_or)?;
                     Ok(())
                 })
                 .await
             }
 
-            async fn update_user(&self, user: &$crate::store::UserRecord) -> Result<bool> {
+            async fn update_user(&self, user: &$crate::UserRecord) -> Result<bool> {
                 self.run("update_user", $($write)* async |c| {
                     let done = sqlx::query("UPDATE users SET admin = $2, unix_user = $3, disabled_at_ms = $4 WHERE name = $1")
                         .bind(&user.name)
@@ -599,7 +599,7 @@ macro_rules! auth_queries {
                 .await
             }
 
-            async fn get_user(&self, name: &str) -> Result<Option<$crate::store::UserRecord>> {
+            async fn get_user(&self, name: &str) -> Result<Option<$crate::UserRecord>> {
                 self.run("get_user", $($read)* async |c| {
                     let row = sqlx::query("SELECT name, admin, unix_user, created_at_ms, disabled_at_ms FROM users WHERE name = $1")
                         .bind(name.to_owned())
@@ -610,7 +610,7 @@ macro_rules! auth_queries {
                 .await
             }
 
-            async fn list_users(&self) -> Result<Vec<$crate::store::UserRecord>> {
+            async fn list_users(&self) -> Result<Vec<$crate::UserRecord>> {
                 self.run("list_users", $($read)* async |c| {
                     let rows = sqlx::query("SELECT name, admin, unix_user, created_at_ms, disabled_at_ms FROM users ORDER BY name")
                         .fetch_all(&mut *c)
@@ -637,7 +637,7 @@ macro_rules! auth_queries {
                         .bind(expires_at_ms)
                         .fetch_one(&mut *c)
                         .await
-                        .map_err($crate::store::rows::duplicate_or)
+                        .map_err($crate::rows::duplicate_or)
                 })
                 .await
             }
@@ -655,7 +655,7 @@ macro_rules! auth_queries {
                 .await
             }
 
-            async fn tokens_of(&self, user: &str) -> Result<Vec<$crate::store::TokenRecord>> {
+            async fn tokens_of(&self, user: &str) -> Result<Vec<$crate::TokenRecord>> {
                 self.run("tokens_of", $($read)* async |c| {
                     let rows = sqlx::query("SELECT id, user_name, prefix, created_at_ms, expires_at_ms, revoked_at_ms FROM api_tokens WHERE user_name = $1 ORDER BY id DESC")
                         .bind(user.to_owned())
@@ -669,7 +669,7 @@ macro_rules! auth_queries {
             async fn token_owner(
                 &self,
                 sha256_hex: &str,
-            ) -> Result<Option<($crate::store::TokenRecord, $crate::store::UserRecord)>> {
+            ) -> Result<Option<($crate::TokenRecord, $crate::UserRecord)>> {
                 self.run("token_owner", $($read)* async |c| {
                     let row = sqlx::query(
                         "SELECT t.id, t.user_name, t.prefix, t.created_at_ms, t.expires_at_ms, t.revoked_at_ms, \
@@ -680,7 +680,7 @@ macro_rules! auth_queries {
                     .fetch_optional(&mut *c)
                     .await?;
                     let Some(row) = row else { return Ok(None) };
-                    let user = $crate::store::UserRecord {
+                    let user = $crate::UserRecord {
                         name: col(&row, "users", "name")?,
                         admin: col(&row, "users", "admin")?,
                         unix_user: col(&row, "users", "unix_user")?,
@@ -700,7 +700,7 @@ macro_rules! auth_queries {
                 .await
             }
 
-            async fn audit(&self, entry: &$crate::store::AuditEntry) -> Result<()> {
+            async fn audit(&self, entry: &$crate::AuditEntry) -> Result<()> {
                 self.run("audit", $($write)* async |c| {
                     sqlx::query("INSERT INTO audit_log (at_ms, actor, action, target, outcome, detail) VALUES ($1, $2, $3, $4, $5, $6)")
                         .bind(entry.at_ms)
@@ -716,7 +716,7 @@ macro_rules! auth_queries {
                 .await
             }
 
-            async fn audit_log(&self, limit: u32) -> Result<Vec<$crate::store::AuditEntry>> {
+            async fn audit_log(&self, limit: u32) -> Result<Vec<$crate::AuditEntry>> {
                 self.run("audit_log", $($read)* async |c| {
                     let rows = sqlx::query("SELECT at_ms, actor, action, target, outcome, detail FROM audit_log ORDER BY id DESC LIMIT $1")
                         .bind(i64::from(limit))
@@ -725,7 +725,7 @@ macro_rules! auth_queries {
                     rows.iter()
                         .map(|r| {
                             let t = "audit_log";
-                            Ok($crate::store::AuditEntry {
+                            Ok($crate::AuditEntry {
                                 at_ms: col(r, t, "at_ms")?,
                                 actor: col(r, t, "actor")?,
                                 action: col(r, t, "action")?,
@@ -747,17 +747,17 @@ pub(super) use auth_queries;
 /// ([`crate::series`]), in the same SQL on both. `read` and `write` as in [`diagnosis_queries!`].
 macro_rules! series_queries {
     ($store:ty, $row:ty, read: [$($read:tt)*], write: [$($write:tt)*]) => {
-        fn rollup_from_row(row: &$row, level: i64) -> Result<$crate::series::RollupRow> {
+        fn rollup_from_row(row: &$row, level: i64) -> Result<trainyard_analysis::series::RollupRow> {
             let t = "step_rollups";
-            let agg = |p: &str| -> Result<$crate::series::Agg> {
-                Ok($crate::series::Agg {
+            let agg = |p: &str| -> Result<trainyard_analysis::series::Agg> {
+                Ok(trainyard_analysis::series::Agg {
                     n: col(row, t, &format!("{p}_n"))?,
                     min: col::<Option<f64>>(row, t, &format!("{p}_min"))?.unwrap_or(0.0),
                     max: col::<Option<f64>>(row, t, &format!("{p}_max"))?.unwrap_or(0.0),
                     sum: col::<Option<f64>>(row, t, &format!("{p}_sum"))?.unwrap_or(0.0),
                 })
             };
-            Ok($crate::series::RollupRow {
+            Ok(trainyard_analysis::series::RollupRow {
                 attempt: num(row, t, "attempt")?,
                 level,
                 rank: num(row, t, "rank")?,
@@ -767,9 +767,9 @@ macro_rules! series_queries {
         }
 
         #[async_trait::async_trait]
-        impl $crate::store::SeriesStore for $store {
+        impl $crate::SeriesStore for $store {
             async fn roll_up_steps(&self, job: JobId, settled_before_ms: i64, max_rows: u32) -> Result<u64> {
-                use $crate::series::{StepPoint, fold};
+                use trainyard_analysis::series::{StepPoint, fold};
                 let id = int(job)?;
                 // Read outside the write lock (receipts keep arriving meanwhile), fold, then
                 // merge and write in one short transaction that first moves the watermark from
@@ -903,7 +903,7 @@ macro_rules! series_queries {
             async fn rollup_extent(&self, job: JobId, attempt: u32) -> Result<Option<(i64, i64, u32)>> {
                 self.run("rollup_extent", $($read)* async |c| {
                     // The middle level: few rows, and its buckets bound the steps within 128.
-                    let level = $crate::series::LEVELS[1];
+                    let level = trainyard_analysis::series::LEVELS[1];
                     let row = sqlx::query(
                         "SELECT min(bucket) AS lo, max(bucket) AS hi, count(DISTINCT rank) AS ranks FROM step_rollups \
                          WHERE job_id = $1 AND attempt = $2 AND level = $3",
@@ -927,12 +927,12 @@ macro_rules! series_queries {
                 &self,
                 job: JobId,
                 attempt: u32,
-                metric: $crate::series::Metric,
+                metric: trainyard_analysis::series::Metric,
                 level: i64,
                 from_bucket: i64,
                 to_bucket: i64,
-            ) -> Result<Vec<$crate::series::RollupRow>> {
-                use $crate::series::Metric;
+            ) -> Result<Vec<trainyard_analysis::series::RollupRow>> {
+                use trainyard_analysis::series::Metric;
                 // One metric's four columns, read by position: a plot of 64 ranks reads 50,000 rows.
                 let sql = match metric {
                     Metric::StepMs => "SELECT attempt, rank, bucket, step_ms_n, step_ms_min, step_ms_max, step_ms_sum FROM step_rollups \
@@ -961,9 +961,9 @@ macro_rules! series_queries {
                                 Ok(v.unwrap_or(0.0))
                             };
                             let n: i64 = r.try_get(3).map_err(|e| corrupt(t, format!("column n: {e}")))?;
-                            let mut aggs = [$crate::series::Agg::default(); 4];
-                            aggs[metric as usize] = $crate::series::Agg { n, min: at(4)?, max: at(5)?, sum: at(6)? };
-                            Ok($crate::series::RollupRow {
+                            let mut aggs = [trainyard_analysis::series::Agg::default(); 4];
+                            aggs[metric as usize] = trainyard_analysis::series::Agg { n, min: at(4)?, max: at(5)?, sum: at(6)? };
+                            Ok(trainyard_analysis::series::RollupRow {
                                 attempt: fit(r.try_get::<i64, _>(0).map_err(|e| corrupt(t, format!("attempt: {e}")))?, t, "attempt")?,
                                 level,
                                 rank: fit(r.try_get::<i64, _>(1).map_err(|e| corrupt(t, format!("rank: {e}")))?, t, "rank")?,

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use trainyard_proto::v1::{Gpu, HostInventory, NumaNode};
 
-use crate::preflight::facts::HostFacts;
-use crate::preflight::{cuda, nccl, nvml};
+use super::facts::HostFacts;
+use super::{cuda, nccl, nvml};
 
 /// Source of the host's inventory, and the hardware calls of the preflight.
 pub trait HostProbe: Send + Sync {

@@ -4,13 +4,13 @@
 //! `scheduler::schedule` pass: every queued job placed, backfilled or given its waiting reason.
 //! Prints the median time per decision; the target (docs/architecture.md) is under 10 ms.
 //!
-//! Run: `cargo bench -p trainyard-controller --bench schedule` (add `--profile dev` for a
+//! Run: `cargo bench -p trainyard-placement --bench schedule` (add `--profile dev` for a
 //! quicker build).
 
 use std::time::{Duration, Instant};
 
-use trainyard_controller::domain::InterconnectClass;
-use trainyard_controller::scheduler::{GpuView, NodeView, Request, schedule};
+use trainyard_model::domain::InterconnectClass;
+use trainyard_placement::scheduler::{GpuView, NodeView, Request, schedule};
 
 /// A small deterministic generator (no dependency, same fleet every run).
 struct Lcg(u64);

@@ -22,10 +22,10 @@ pub mod stragglers;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::domain::{Cause, CheckStatus, Inventory};
-use crate::spec::JobSpec;
-use crate::store::{Allocation, PreflightRecord};
 pub use stragglers::{RankScore, StragglerPolicy, median, score_ranks};
+use trainyard_model::domain::{Cause, CheckStatus, Inventory};
+use trainyard_model::records::{Allocation, PreflightRecord};
+use trainyard_model::spec::JobSpec;
 
 /// A node this much slower than the job's fastest node is slow.
 pub const SLOW_NODE_RATIO: f64 = 1.25;

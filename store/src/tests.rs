@@ -3,14 +3,14 @@
 
 use trainyard_proto::v1::{PreflightCheck, PreflightReport};
 
-use crate::domain::{GpuInfo, Inventory, PreflightLevel};
-use crate::spec::{Engine, JobSpec, Resources};
-use crate::store::{
+use crate::{
     AgentRecord, AgentState, Allocation, AuthStore, FleetStore, JobState, JobStore, NewReceipt,
     PreflightRecord, PreflightStore, RankId, RankObserved, RankState, ReceiptStore, SeriesStore, Store,
     StoreError,
 };
-use crate::store::{PostgresStore, SqliteStore};
+use crate::{PostgresStore, SqliteStore};
+use trainyard_model::domain::{GpuInfo, Inventory, PreflightLevel};
+use trainyard_model::spec::{Engine, JobSpec, Resources};
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
 /// Opens a backend's store; `open` called twice opens the same database (restart tests).
@@ -225,7 +225,7 @@ pub mod fixtures {
 
     /// A receipt as ingest would store it (checked against schema v1).
     pub fn receipt(id: RankId, seq: u64, kind: &str, step: Option<i64>, body: &str) -> NewReceipt {
-        let checked = crate::receipts::check(kind, body).expect("a JSON object");
+        let checked = trainyard_model::receipts::check(kind, body).expect("a JSON object");
         NewReceipt {
             id,
             seq,
@@ -256,7 +256,7 @@ pub mod suite {
         assert_eq!(s.get_job(c.id + 100).await.unwrap(), None);
 
         s.transition(b.id, JobState::Pending, JobState::Cancelled, 0, "ctl cancel", 4_000).await.unwrap();
-        let ids = |v: Vec<crate::store::JobRecord>| v.into_iter().map(|j| j.id).collect::<Vec<_>>();
+        let ids = |v: Vec<crate::JobRecord>| v.into_iter().map(|j| j.id).collect::<Vec<_>>();
         assert_eq!(ids(s.list_jobs(false, None, 10).await.unwrap()), vec![c.id, b.id, a.id]);
         assert_eq!(ids(s.list_jobs(true, None, 10).await.unwrap()), vec![c.id, a.id]);
         assert_eq!(ids(s.list_jobs(false, None, 2).await.unwrap()), vec![c.id, b.id]);
@@ -502,7 +502,7 @@ pub mod suite {
     }
 
     pub async fn attempt_facts_and_outcomes(h: &impl Harness) {
-        use crate::diagnose::goodput::{AttemptGoodput, Goodput};
+        use trainyard_analysis::diagnose::goodput::{AttemptGoodput, Goodput};
         let s = h.open().await;
         let j = s.create_job(&spec("g", 2), None, "submitted", 1).await.unwrap();
         let id = |rank| RankId { job_id: j.id, attempt: 0, rank };
@@ -536,12 +536,16 @@ pub mod suite {
             attempts: vec![attempt.clone(), AttemptGoodput { attempt: 1, ..attempt }],
             ..Default::default()
         };
-        let finding = crate::diagnose::Finding {
-            cause: crate::domain::Cause::ShmDisabled,
+        let finding = trainyard_analysis::diagnose::Finding {
+            cause: trainyard_model::domain::Cause::ShmDisabled,
             summary: "off".into(),
             nodes: vec!["a".into()],
             ranks: vec![0, 1],
-            evidence: vec![crate::diagnose::Measure { name: "x".into(), value: 2.5, unit: "ms" }],
+            evidence: vec![trainyard_analysis::diagnose::Measure {
+                name: "x".into(),
+                value: 2.5,
+                unit: "ms",
+            }],
             expected_cost: "",
             remedy: "fix".into(),
         };
@@ -574,7 +578,7 @@ pub mod suite {
     }
 
     pub async fn step_rollups_fold_each_receipt_once(h: &impl Harness) {
-        use crate::series::Metric;
+        use trainyard_analysis::series::Metric;
         let s = h.open().await;
         let j = s.create_job(&spec("plot", 2), None, "submitted", 1).await.unwrap();
         let r0 = RankId { job_id: j.id, attempt: 0, rank: 0 };
@@ -626,7 +630,7 @@ pub mod suite {
     /// Folds that run at once (the web view's four series, the job's end, a second controller)
     /// count every receipt once: a fold that finds the watermark moved reads again from there.
     pub async fn concurrent_folds_count_each_receipt_once(h: &impl Harness) {
-        use crate::series::Metric;
+        use trainyard_analysis::series::Metric;
         let s = h.open().await;
         let j = s.create_job(&spec("plot", 4), None, "submitted", 1).await.unwrap();
         let mut batch = Vec::new();
@@ -651,7 +655,7 @@ pub mod suite {
     }
 
     pub async fn users_tokens_owners_and_audit(h: &impl Harness) {
-        use crate::store::{AuditEntry, JobOwner, UserRecord};
+        use crate::{AuditEntry, JobOwner, UserRecord};
         let s = h.open().await;
         let alice = UserRecord {
             name: "alice".into(),

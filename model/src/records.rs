@@ -1,0 +1,214 @@
+//! The records of jobs, ranks, agents and preflight reports that the core keeps in memory, the
+//! store persists and the analysis reads. The store owns the rows these are read from and
+//! written to; these are the values every layer passes around.
+
+use trainyard_proto::v1::{PreflightCheck, PreflightReport};
+
+use crate::domain::{
+    AgentState, CheckStatus, InterconnectClass, Inventory, JobState, PreflightLevel, RankState, Verdict,
+};
+use crate::spec::JobSpec;
+
+/// A job's id, assigned by the store.
+pub type JobId = u64;
+
+/// A row of `jobs`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobRecord {
+    pub id: JobId,
+    pub spec: JobSpec,
+    /// Who submitted it, and the Unix account its ranks run as.
+    pub owner: JobOwner,
+    pub state: JobState,
+    pub reason: String,
+    pub attempt: u32,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+/// Who owns a job (`jobs.submitted_by`, `jobs.run_as`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobOwner {
+    /// The user who submitted the job; empty for jobs stored before users existed.
+    pub user: String,
+    /// The Unix account the ranks run as; empty: the agent's own account, which the agent
+    /// allows only when it does not run as root (the loopback demo).
+    pub run_as: String,
+}
+
+/// A row of `job_events`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobEventRecord {
+    pub job_id: JobId,
+    pub at_ms: i64,
+    /// `None` for the event that created the job.
+    pub from_state: Option<JobState>,
+    pub to_state: JobState,
+    /// The job's attempt after the transition.
+    pub attempt: u32,
+    pub reason: String,
+}
+
+/// Identity of one rank of one attempt of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RankId {
+    pub job_id: JobId,
+    pub attempt: u32,
+    pub rank: u32,
+}
+
+/// A row of `allocations`: where a rank runs (intent) and what its agent reported (observed).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Allocation {
+    pub id: RankId,
+    pub agent_id: String,
+    pub gpu_index: u32,
+    pub node_rank: u32,
+    pub local_rank: u32,
+    /// The binding the controller planned (kernel CPU list, NUMA memory node); empty when the
+    /// rank runs unpinned.
+    pub planned_cpus: String,
+    pub planned_mems: String,
+    pub observed: RankObserved,
+}
+
+/// What the agent last reported about a rank.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RankObserved {
+    /// `planned` until the agent reports; then `launching`, `running`, `exited` or `lost`.
+    pub state: RankState,
+    pub pid: Option<u32>,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub message: String,
+    pub skipped_lines: u64,
+    pub updated_at_ms: i64,
+    /// What `/proc/<pid>/status` showed after spawn (`Cpus_allowed_list`, `Mems_allowed_list`);
+    /// empty until read.
+    pub effective_cpus: String,
+    pub effective_mems: String,
+}
+
+/// A row of `agents`, with its inventory (also flattened into `gpus`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentRecord {
+    pub agent_id: String,
+    pub address: String,
+    pub agent_version: String,
+    pub inventory: Inventory,
+    pub state: AgentState,
+    pub last_seen_ms: i64,
+}
+
+/// A preflight report as the controller keeps it: what an agent sent, with every word checked
+/// ([`PreflightRecord::try_from`] names the first one that is not known).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreflightRecord {
+    /// Assigned by the store (`preflight_reports.id`); 0 before it is stored.
+    pub report_id: u64,
+    pub agent_id: String,
+    /// The agent's own name for it (`<agent_id>-<started_at_ms>`), '' if it gave none.
+    pub local_id: String,
+    pub level: PreflightLevel,
+    pub started_at_ms: i64,
+    pub finished_at_ms: i64,
+    pub verdict: Verdict,
+    /// `None` when the agent could not classify the fabric.
+    pub interconnect_class: Option<InterconnectClass>,
+    pub driver_version: String,
+    pub cuda_version: String,
+    pub nccl_version: String,
+    /// Where the inventory came from: `nvml` or `host-file`.
+    pub source: String,
+    /// The GPU matrix as `nvidia-smi topo -m` prints it.
+    pub topology: String,
+    pub checks: Vec<CheckRecord>,
+}
+
+/// One check of a [`PreflightRecord`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckRecord {
+    pub id: String,
+    pub status: CheckStatus,
+    pub measured: String,
+    pub expected: String,
+    pub remedy: String,
+}
+
+impl PreflightRecord {
+    /// The ids of the failing checks, with what they measured.
+    pub fn failing(&self) -> impl Iterator<Item = &CheckRecord> {
+        self.checks.iter().filter(|c| c.status == CheckStatus::Fail)
+    }
+}
+
+impl TryFrom<PreflightReport> for PreflightRecord {
+    type Error = crate::domain::UnknownWord;
+
+    fn try_from(r: PreflightReport) -> Result<Self, Self::Error> {
+        let checks = r
+            .checks
+            .into_iter()
+            .map(|c| {
+                Ok(CheckRecord {
+                    status: c.status.parse()?,
+                    id: c.id,
+                    measured: c.measured,
+                    expected: c.expected,
+                    remedy: c.remedy,
+                })
+            })
+            .collect::<Result<_, Self::Error>>()?;
+        let class = match r.interconnect_class.as_str() {
+            "" => None,
+            word => Some(word.parse()?),
+        };
+        Ok(PreflightRecord {
+            report_id: r.report_id,
+            agent_id: r.agent_id,
+            local_id: r.local_id,
+            level: r.level.parse()?,
+            started_at_ms: r.started_at_ms,
+            finished_at_ms: r.finished_at_ms,
+            verdict: r.verdict.parse()?,
+            interconnect_class: class,
+            driver_version: r.driver_version,
+            cuda_version: r.cuda_version,
+            nccl_version: r.nccl_version,
+            source: r.source,
+            topology: r.topology,
+            checks,
+        })
+    }
+}
+
+impl From<PreflightRecord> for PreflightReport {
+    fn from(r: PreflightRecord) -> Self {
+        PreflightReport {
+            report_id: r.report_id,
+            agent_id: r.agent_id,
+            local_id: r.local_id,
+            level: r.level.to_string(),
+            started_at_ms: r.started_at_ms,
+            finished_at_ms: r.finished_at_ms,
+            verdict: r.verdict.to_string(),
+            interconnect_class: r.interconnect_class.map(|c| c.to_string()).unwrap_or_default(),
+            driver_version: r.driver_version,
+            cuda_version: r.cuda_version,
+            nccl_version: r.nccl_version,
+            source: r.source,
+            topology: r.topology,
+            checks: r
+                .checks
+                .into_iter()
+                .map(|c| PreflightCheck {
+                    id: c.id,
+                    status: c.status.to_string(),
+                    measured: c.measured,
+                    expected: c.expected,
+                    remedy: c.remedy,
+                })
+                .collect(),
+        }
+    }
+}

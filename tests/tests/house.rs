@@ -1,0 +1,164 @@
+//! The rules of the house that cargo cannot enforce (docs/architecture.md, "Rules of the
+//! house"):
+//! - inside every crate, the top-level modules import one another without a circle: a circle
+//!   means two modules that cannot be understood, tested or moved apart;
+//! - the pure crates (`trainyard-model`, `trainyard-placement`, `trainyard-analysis`) depend on
+//!   no database, runtime, network or HTTP crate;
+//!
+//! The module graph is read from the source: an edge `a -> b` for every `crate::b` path
+//! outside comments in the files of module `a`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+/// The workspace's member folders, read from the root Cargo.toml.
+fn members() -> Vec<String> {
+    let text = std::fs::read_to_string(root().join("Cargo.toml")).expect("read Cargo.toml");
+    let line = text.lines().find(|l| l.trim_start().starts_with("members")).expect("a members line");
+    line.split('"').skip(1).step_by(2).map(str::to_owned).collect()
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The top-level module a file under `src` belongs to; `None` for the crate roots and binaries.
+fn module_of(src: &Path, file: &Path) -> Option<String> {
+    let rel = file.strip_prefix(src).ok()?;
+    let first = rel.components().next()?.as_os_str().to_str()?;
+    if matches!(first, "lib.rs" | "main.rs" | "bin") {
+        return None;
+    }
+    Some(first.trim_end_matches(".rs").to_owned())
+}
+
+/// The code of a line, without its `//` comment (string literals holding `//` are rare
+/// enough in `crate::` lines not to matter).
+fn code(line: &str) -> &str {
+    line.split("//").next().unwrap_or("")
+}
+
+/// `module -> modules it names through crate::`, for one crate's `src`.
+fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let modules: BTreeSet<String> = files.iter().filter_map(|f| module_of(src, f)).collect();
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in &files {
+        let Some(from) = module_of(src, file) else { continue };
+        let text = std::fs::read_to_string(file).expect("read a source file");
+        let edges = graph.entry(from.clone()).or_default();
+        for line in text.lines().map(code) {
+            for (i, _) in line.match_indices("crate::") {
+                let preceded_by_ident = line[..i]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$');
+                if preceded_by_ident {
+                    continue;
+                }
+                let rest = &line[i + "crate::".len()..];
+                let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                if name != from && modules.contains(&name) {
+                    edges.insert(name);
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A circle in `graph`, as the modules along it, if there is one.
+fn find_circle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut circle = path[at..].to_vec();
+            circle.push(node.to_owned());
+            return Some(circle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(circle) = visit(next, graph, path, done) {
+                return Some(circle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph.keys().find_map(|start| visit(start, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn no_crate_has_a_circle_between_its_modules() {
+    let mut circles = Vec::new();
+    for member in members() {
+        let src = root().join(&member).join("src");
+        if let Some(circle) = find_circle(&module_graph(&src)) {
+            circles.push(format!("{member}: {}", circle.join(" -> ")));
+        }
+    }
+    assert!(circles.is_empty(), "modules that import each other in a circle:\n{}", circles.join("\n"));
+}
+
+#[test]
+fn the_circle_finder_finds_a_circle_and_passes_a_tree() {
+    let graph = |edges: &[(&str, &str)]| {
+        let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (a, b) in edges {
+            g.entry((*a).to_owned()).or_default().insert((*b).to_owned());
+        }
+        g
+    };
+    let tree = graph(&[("core", "store"), ("core", "cost"), ("service", "core"), ("cost", "links")]);
+    assert_eq!(find_circle(&tree), None);
+    let circle = graph(&[("core", "store"), ("store", "service"), ("service", "core")]);
+    assert_eq!(find_circle(&circle).expect("a circle").len(), 4);
+    let dir = tempfile::tempdir().expect("a temp dir");
+    std::fs::write(dir.path().join("a.rs"), "use crate::b::X; // crate::c is only named here\n").unwrap();
+    std::fs::write(dir.path().join("b.rs"), "fn f() { trainyard_crate::a(); crate::a::g() }\n").unwrap();
+    std::fs::write(dir.path().join("c.rs"), "\n").unwrap();
+    let g = module_graph(dir.path());
+    assert_eq!(g["a"], BTreeSet::from(["b".to_owned()]));
+    assert_eq!(g["b"], BTreeSet::from(["a".to_owned()]));
+    assert!(find_circle(&g).is_some());
+}
+
+/// Crates a pure crate must not depend on: they do I/O (database, runtime, network, HTTP).
+const IO_CRATES: &[&str] =
+    &["sqlx", "tokio", "tonic", "axum", "hyper", "reqwest", "tokio-rustls", "tch", "nvml-wrapper", "cudarc"];
+
+#[test]
+fn pure_crates_depend_on_no_io_crate() {
+    for member in ["model", "placement", "analysis"] {
+        let manifest =
+            std::fs::read_to_string(root().join(member).join("Cargo.toml")).expect("read a manifest");
+        let deps = manifest.split("[dependencies]").nth(1).unwrap_or("");
+        let deps = deps.split("\n[").next().unwrap_or("");
+        for line in deps.lines() {
+            let name = line.split(['=', '.']).next().unwrap_or("").trim();
+            assert!(!IO_CRATES.contains(&name), "{member} is a pure crate but depends on {name}");
+        }
+    }
+}
