@@ -12,7 +12,7 @@ use trainyard_controller::core::Controller;
 use trainyard_model::domain::{AgentState, GpuInfo, Inventory, NumaNodeInfo, PreflightLevel};
 use trainyard_model::spec::{Engine, JobSpec, Resources};
 use trainyard_store::{
-    AgentRecord, Allocation, NewReceipt, RankId, RankObserved, RankState, SqliteStore, Store,
+    AgentRecord, Allocation, NewReceipt, RankId, RankObserved, RankState, SqlStore, Store,
 };
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
@@ -28,7 +28,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         let dir = tempfile::tempdir()?;
         if only.as_deref().is_none_or(|b| b == "sqlite") {
-            let store = Arc::new(SqliteStore::open_file(&dir.path().join("bench.db")).await?);
+            let store = Arc::new(SqlStore::open_sqlite_file(&dir.path().join("bench.db")).await?);
             bench("sqlite", store).await?;
         }
         if only.as_deref().is_none_or(|b| b == "postgres") {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use trainyard_model::domain::PreflightLevel;
 use trainyard_model::spec::{Engine, JobSpec, Resources};
-use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SqliteStore};
+use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SqlStore};
 
 const TOTAL: usize = 200_000;
 const BATCH: usize = 2_000;
@@ -30,7 +30,7 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let store = SqliteStore::open_file(&dir.path().join("bench.db")).await?;
+    let store = SqlStore::open_sqlite_file(&dir.path().join("bench.db")).await?;
     let mut rates = Vec::with_capacity(repeats);
     for repeat in 0..repeats {
         let spec = JobSpec {

@@ -2,10 +2,17 @@
 //! trait per concern.
 //!
 //! # Layout
-//! - this page: the traits ([`JobStore`], [`FleetStore`], [`ReceiptStore`], [`PreflightStore`],
-//!   [`AuthStore`], [`SeriesStore`]), the store's own rows and [`StoreError`].
-//! - [`sqlite`] and [`postgres`]: the two backends.
-//! - `rows`: what both backends share: column lists, conversions, row readers.
+//! - this page: the traits, one per concern ([`JobStore`], [`FleetStore`], [`ReceiptStore`],
+//!   [`DiagnosisStore`], [`PreflightStore`], [`AuthStore`], [`SeriesStore`]), the store's own
+//!   rows and [`StoreError`].
+//! - `db`: [`SqlStore`], the one implementation, on either database, and the one helper
+//!   every operation goes through (a span, a transaction, metrics).
+//! - `jobs`, `fleet`, `receipts`, `diagnosis`, `preflight`, `auth`, `series`: each trait's
+//!   implementation with its SQL, written once for both databases.
+//! - `sql`: the seam between those queries and the two drivers: a connection, a query, a row.
+//! - `sqlite` and `postgres`: what is each database's own: opening it, running a transaction
+//!   (SQLite's writer queue, PostgreSQL's retries), and the receipt batch in its fastest form.
+//! - `rows`: row readers and column conversions.
 //! - [`metrics`]: the duration and failures of every store operation, for `/metrics`.
 //!
 //! The records the core holds (jobs, allocations, agents, preflight reports) are
@@ -30,14 +37,25 @@
 //! view the scheduler works on. Both are rebuilt at start-up from these tables plus the
 //! agents' hellos.
 //!
-//! The trait is narrow on purpose, because every implementation must be exercised by CI and a
-//! backend nobody runs rots: every method is one transaction, and every implementation runs the
-//! same test suite.
+//! The traits are narrow on purpose, because a backend nobody runs rots: every method is one
+//! transaction, there is one implementation, and its test suite runs every test on both
+//! databases.
 
+mod auth;
+mod db;
+mod diagnosis;
+mod fleet;
+mod jobs;
 pub mod metrics;
-pub mod postgres;
+mod postgres;
+mod preflight;
+mod receipts;
 mod rows;
-pub mod sqlite;
+mod series;
+mod sql;
+mod sqlite;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 
@@ -46,8 +64,7 @@ use async_trait::async_trait;
 pub use trainyard_model::domain::Inventory;
 pub use trainyard_model::spec::JobSpec;
 
-pub use postgres::PostgresStore;
-pub use sqlite::SqliteStore;
+pub use db::SqlStore;
 pub use trainyard_model::domain::{
     AgentState, CheckStatus, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
 };
@@ -56,11 +73,7 @@ pub use trainyard_model::records::*;
 /// Opens the store a `--db` value names: `postgres://` or `postgresql://` URLs open
 /// PostgreSQL, `sqlite:` URLs and plain paths open SQLite. Migrations run on open.
 pub async fn open(url_or_path: &str) -> Result<Arc<dyn Store>> {
-    if url_or_path.starts_with("postgres://") || url_or_path.starts_with("postgresql://") {
-        Ok(Arc::new(PostgresStore::open(url_or_path).await?))
-    } else {
-        Ok(Arc::new(SqliteStore::open(url_or_path).await?))
-    }
+    Ok(Arc::new(SqlStore::open(url_or_path).await?))
 }
 
 /// Errors of the store, mapped to `tonic::Status` in one place (the controller's
@@ -89,6 +102,11 @@ pub enum StoreError {
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// A row of `table` that does not read as its record, with what is wrong.
+pub(crate) fn corrupt(table: &'static str, detail: impl Into<String>) -> StoreError {
+    StoreError::Corrupt { table, detail: detail.into() }
+}
 
 /// A row of `users`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -273,7 +291,12 @@ pub trait ReceiptStore: Send + Sync {
     /// How many of a job's receipts break receipt schema v1 (stored, flagged), with the
     /// problem of the newest one.
     async fn receipt_problems(&self, job: JobId) -> Result<(u64, Option<String>)>;
+}
 
+/// What diagnosis, goodput and stall detection read out of the receipts, and the outcome the
+/// controller records when a job ends. Every method is one transaction.
+#[async_trait]
+pub trait DiagnosisStore: Send + Sync {
     /// The typed fields of every step receipt of one attempt, by rank and line (what
     /// `ctl diagnose` reads). A receipt without a `step` has step -1.
     async fn step_samples(
@@ -333,8 +356,7 @@ pub trait PreflightStore: Send + Sync {
     async fn latest_preflights(&self) -> Result<Vec<PreflightRecord>>;
 }
 
-/// Users, their API tokens, and the audit log. Every method is one transaction; the SQL is
-/// written once for both backends (`rows::auth_queries!`).
+/// Users, their API tokens, and the audit log. Every method is one transaction.
 #[async_trait]
 pub trait AuthStore: Send + Sync {
     /// Adds a user; [`StoreError::Duplicate`] when the name is taken.
@@ -378,8 +400,7 @@ pub trait AuthStore: Send + Sync {
     async fn audit_log(&self, limit: u32) -> Result<Vec<AuditEntry>>;
 }
 
-/// Step rollups for plots ([`trainyard_analysis::series`]); the SQL is written once for both backends
-/// (`rows::series_queries!`).
+/// Step rollups for plots ([`trainyard_analysis::series`]).
 #[async_trait]
 pub trait SeriesStore: Send + Sync {
     /// Folds the job's receipts stored after its watermark into `step_rollups`: at most
@@ -404,14 +425,21 @@ pub trait SeriesStore: Send + Sync {
     ) -> Result<Vec<trainyard_analysis::series::RollupRow>>;
 }
 
-/// The controller's store: every concern's trait, implemented by each backend (SQLite,
-/// PostgreSQL) and exercised by one test suite.
+/// The controller's store: every concern's trait, implemented by [`SqlStore`] on both
+/// databases and exercised by one test suite.
 pub trait Store:
-    JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + SeriesStore + 'static
+    JobStore + FleetStore + ReceiptStore + DiagnosisStore + PreflightStore + AuthStore + SeriesStore + 'static
 {
 }
 
-impl<T: JobStore + FleetStore + ReceiptStore + PreflightStore + AuthStore + SeriesStore + 'static> Store
-    for T
+impl<T> Store for T where
+    T: JobStore
+        + FleetStore
+        + ReceiptStore
+        + DiagnosisStore
+        + PreflightStore
+        + AuthStore
+        + SeriesStore
+        + 'static
 {
 }

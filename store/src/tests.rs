@@ -8,7 +8,7 @@ use crate::{
     PreflightRecord, PreflightStore, RankId, RankObserved, RankState, ReceiptStore, SeriesStore, Store,
     StoreError,
 };
-use crate::{PostgresStore, SqliteStore};
+use crate::{DiagnosisStore, SqlStore};
 use trainyard_model::domain::{GpuInfo, Inventory, PreflightLevel};
 use trainyard_model::spec::{Engine, JobSpec, Resources};
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
@@ -64,12 +64,12 @@ pub struct SqliteHarness {
 }
 
 impl Harness for SqliteHarness {
-    type S = SqliteStore;
+    type S = SqlStore;
     async fn new() -> Self {
         SqliteHarness { dir: tempfile::tempdir().expect("create temp dir") }
     }
-    async fn open(&self) -> SqliteStore {
-        SqliteStore::open_file(&self.dir.path().join("trainyard.db")).await.expect("open store")
+    async fn open(&self) -> SqlStore {
+        SqlStore::open_sqlite_file(&self.dir.path().join("trainyard.db")).await.expect("open store")
     }
 }
 
@@ -86,13 +86,13 @@ pub fn pg_server() -> &'static TempPostgres {
 }
 
 impl Harness for PgHarness {
-    type S = PostgresStore;
+    type S = SqlStore;
     async fn new() -> Self {
         let url = tokio::task::spawn_blocking(|| pg_server().create_database()).await.unwrap();
         PgHarness { url: url.unwrap_or_else(|e| panic!("{e}")) }
     }
-    async fn open(&self) -> PostgresStore {
-        PostgresStore::open(&self.url).await.expect("open store")
+    async fn open(&self) -> SqlStore {
+        SqlStore::open_postgres(&self.url).await.expect("open store")
     }
 }
 
@@ -853,7 +853,7 @@ async fn sqlite_views_return_sensible_rows() {
         "SELECT job_id, rank, last_step, receipt_count, last_receipt_at_ms FROM job_progress \
          ORDER BY rank",
     )
-    .fetch_all(s.pool())
+    .fetch_all(s.sqlite_pool().unwrap())
     .await
     .unwrap();
     let id = j.id as i64;
@@ -864,7 +864,7 @@ async fn sqlite_views_return_sensible_rows() {
          mean_tokens_per_s FROM step_time_summary WHERE job_id = ?",
     )
     .bind(id)
-    .fetch_one(s.pool())
+    .fetch_one(s.sqlite_pool().unwrap())
     .await
     .unwrap();
     assert_eq!((n, min, max), (20, 100.0, 109.0));
@@ -876,16 +876,16 @@ async fn sqlite_views_return_sensible_rows() {
 async fn sqlite_open_url_and_in_memory() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("by-url.db").display());
-    let s = SqliteStore::open(&url).await.unwrap();
+    let s = SqlStore::open_sqlite(&url).await.unwrap();
     s.create_job(&fixtures::spec("u", 1), None, "submitted", 1).await.unwrap();
-    let mode: String = sqlx::query_scalar("PRAGMA journal_mode").fetch_one(s.pool()).await.unwrap();
+    let mode: String =
+        sqlx::query_scalar("PRAGMA journal_mode").fetch_one(s.sqlite_pool().unwrap()).await.unwrap();
     assert_eq!(mode, "wal");
-    let sync: i64 = sqlx::query_scalar("PRAGMA synchronous").fetch_one(s.pool()).await.unwrap();
+    let sync: i64 =
+        sqlx::query_scalar("PRAGMA synchronous").fetch_one(s.sqlite_pool().unwrap()).await.unwrap();
     assert_eq!(sync, 2, "synchronous=FULL");
 
-    for m in
-        [SqliteStore::open_in_memory().await.unwrap(), SqliteStore::open("sqlite::memory:").await.unwrap()]
-    {
+    for m in [SqlStore::sqlite_in_memory().await.unwrap(), SqlStore::open("sqlite::memory:").await.unwrap()] {
         let j = m.create_job(&fixtures::spec("m", 1), None, "submitted", 1).await.unwrap();
         assert_eq!(m.list_jobs(false, None, 10).await.unwrap()[0].id, j.id);
         assert_eq!(m.get_job(j.id).await.unwrap().map(|r| r.id), Some(j.id));
@@ -912,7 +912,7 @@ async fn postgres_views_return_sensible_rows() {
     let rows: Vec<ProgressRow> = sqlx::query_as(
         "SELECT job_id, rank, last_step, receipt_count, last_receipt_at_ms FROM job_progress ORDER BY rank",
     )
-    .fetch_all(s.pool())
+    .fetch_all(s.postgres_pool().unwrap())
     .await
     .unwrap();
     let id = j.id as i64;
@@ -923,13 +923,13 @@ async fn postgres_views_return_sensible_rows() {
          mean_tokens_per_s FROM step_time_summary WHERE job_id = $1",
     )
     .bind(id)
-    .fetch_one(s.pool())
+    .fetch_one(s.postgres_pool().unwrap())
     .await
     .unwrap();
     assert_eq!((n, min, max), (21, 100.0, 109.0), "the non-number counts as a step without a time");
     let (flagged,): (i64,) = sqlx::query_as("SELECT flagged FROM receipt_problems WHERE job_id = $1")
         .bind(id)
-        .fetch_one(s.pool())
+        .fetch_one(s.postgres_pool().unwrap())
         .await
         .unwrap();
     assert_eq!(flagged, 1);
@@ -978,7 +978,7 @@ async fn postgres_store_survives_a_server_restart() {
     let mut server =
         tokio::task::spawn_blocking(|| TempPostgres::start(Durability::Relaxed).unwrap()).await.unwrap();
     let url = server.url("postgres");
-    let s = PostgresStore::open(&url).await.unwrap();
+    let s = SqlStore::open_postgres(&url).await.unwrap();
     let j = s.create_job(&spec("restart", 1), None, "submitted", 1).await.unwrap();
     let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
     s.insert_receipts(&receipts(id, 0, 10), 1).await.unwrap();

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use trainyard_model::receipts;
 use trainyard_model::spec::{Engine, JobSpec, Resources};
-use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SeriesStore, SqliteStore};
+use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SeriesStore, SqlStore};
 use trainyard_tests::{bin, chromium, http_with, repo_root};
 
 const RANKS: u32 = 64;
@@ -60,7 +60,7 @@ fn step_receipt(rank: u32, step: i64) -> NewReceipt {
 
 async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let store = SqliteStore::open_file(&dir.join("trainyard.db")).await?;
+    let store = SqlStore::open_sqlite_file(&dir.join("trainyard.db")).await?;
     let spec = JobSpec {
         name: "d26-64gpu".into(),
         resources: Resources { gpus: RANKS, gpus_per_node: 8, ..Default::default() },

@@ -2,7 +2,7 @@
 //! sqlx loop, with nothing of trainyard around it.
 //!
 //! The loop is pinned so its rate means the same thing on every machine: a fresh SQLite file on
-//! the same disk as the cluster's, created by [`SqliteStore::open_file`] (so the store's own
+//! the same disk as the cluster's, created by [`SqlStore::open_sqlite_file`] (so the store's own
 //! PRAGMAs, WAL and `synchronous=FULL`, and the receipts table with its key and indexes), and
 //! the rows of a job the cluster stored, copied back in with multi-row `INSERT`s, 1,000 rows per
 //! transaction. `trainyard / raw` then says how much of what SQLite and the disk allow the
@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use sqlx::{AssertSqlSafe, Row, SqlitePool};
-use trainyard_store::SqliteStore;
+use trainyard_store::SqlStore;
 
 use crate::Cluster;
 
@@ -60,9 +60,9 @@ pub fn raw_insert_rate(c: &Cluster, job: u64, dir: &Path) -> Result<f64> {
     rt.block_on(async {
         let rows = read_rows(c, job).await.context("read the job's receipts back")?;
         let path = dir.join("raw-insert.db");
-        let store = SqliteStore::open_file(&path).await.context("create the raw loop's database")?;
-        let rate = insert_all(store.pool(), &rows).await;
-        store.pool().close().await;
+        let store = SqlStore::open_sqlite_file(&path).await.context("create the raw loop's database")?;
+        let rate = insert_all(store.sqlite_pool().expect("a SQLite store"), &rows).await;
+        store.sqlite_pool().expect("a SQLite store").close().await;
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
         }

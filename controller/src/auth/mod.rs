@@ -453,7 +453,7 @@ pub fn owner_for_submit(caller: &Caller, policy: &Policy, priority: i32) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use trainyard_store::SqliteStore;
+    use trainyard_store::SqlStore;
 
     #[test]
     fn tokens_are_random_prefixed_and_hashed() {
@@ -494,7 +494,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_flood_of_refusals_writes_a_bounded_number_of_rows_and_says_how_many_it_left_out() {
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let store: Arc<dyn Store> = Arc::new(SqlStore::sqlite_in_memory().await.unwrap());
         let auth = Authenticator::new(store.clone(), Policy::secure(0));
         let huge = "x".repeat(4 << 20);
         for i in 0..1_000 {
@@ -516,7 +516,7 @@ mod tests {
 
     /// An in-memory store with one user, `ann`, and no tokens.
     async fn store_with_ann() -> Arc<dyn Store> {
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let store: Arc<dyn Store> = Arc::new(SqlStore::sqlite_in_memory().await.unwrap());
         let user = UserRecord {
             name: "ann".into(),
             admin: false,
@@ -563,7 +563,7 @@ mod tests {
 
     #[tokio::test]
     async fn what_cannot_be_a_token_is_refused_without_a_lookup() {
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let store: Arc<dyn Store> = Arc::new(SqlStore::sqlite_in_memory().await.unwrap());
         let auth = Authenticator::new(store, Policy::secure(0));
         for bad in ["Bearer nope".to_string(), format!("Bearer tyt_{}", "0".repeat(200))] {
             let e = auth.user(Some(&bad), 0).await.unwrap_err();
@@ -599,7 +599,7 @@ mod tests {
 
     #[tokio::test]
     async fn tokens_authenticate_until_revoked_or_expired() {
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().await.unwrap());
+        let store: Arc<dyn Store> = Arc::new(SqlStore::sqlite_in_memory().await.unwrap());
         let auth = Authenticator::new(store.clone(), Policy::secure(0));
         let user = UserRecord {
             name: "alice".into(),

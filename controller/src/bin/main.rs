@@ -14,7 +14,7 @@ use trainyard_controller::http::Exposure;
 use trainyard_controller::server::Security;
 use trainyard_controller::tls::TlsFiles;
 use trainyard_controller::{Controller, ControllerConfig, server};
-use trainyard_store::SqliteStore;
+use trainyard_store::SqlStore;
 
 mod admin;
 
@@ -242,7 +242,7 @@ async fn open_store(cli: &Cli) -> anyhow::Result<Arc<dyn trainyard_store::Store>
                 .with_context(|| format!("create the data directory {}", cli.data_dir.display()))?;
             let path = cli.data_dir.join("trainyard.db");
             Arc::new(
-                SqliteStore::open_file(&path)
+                SqlStore::open_sqlite_file(&path)
                     .await
                     .with_context(|| format!("open the database {}", path.display()))?,
             )

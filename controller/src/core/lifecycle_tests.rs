@@ -150,12 +150,12 @@ async fn cancelling_a_pending_job_ends_it_at_once() {
 /// is placed once the store takes writes again. Nobody's request fails.
 #[tokio::test]
 async fn a_placement_the_store_refuses_fails_no_other_request() {
-    let sqlite = trainyard_store::SqliteStore::open_in_memory().await.expect("open store");
+    let sqlite = trainyard_store::SqlStore::sqlite_in_memory().await.expect("open store");
     sqlx::query(
         "CREATE TRIGGER refuse_job_1 BEFORE INSERT ON allocations WHEN NEW.job_id = 1 \
          BEGIN SELECT RAISE(ABORT, 'disk full'); END",
     )
-    .execute(sqlite.pool())
+    .execute(sqlite.sqlite_pool().expect("a SQLite store"))
     .await
     .expect("trigger");
     let store: Arc<dyn Store> = Arc::new(sqlite.clone());
@@ -174,7 +174,10 @@ async fn a_placement_the_store_refuses_fails_no_other_request() {
     assert_eq!(agent.launched_jobs(), vec![a]);
     assert_eq!(state_of(&c, a).await.0, "launching");
 
-    sqlx::query("DROP TRIGGER refuse_job_1").execute(sqlite.pool()).await.expect("drop trigger");
+    sqlx::query("DROP TRIGGER refuse_job_1")
+        .execute(sqlite.sqlite_pool().expect("a SQLite store"))
+        .await
+        .expect("drop trigger");
     c.reconcile().await;
     assert_eq!(agent.launched_jobs(), vec![b], "B is placed on the next pass");
 }

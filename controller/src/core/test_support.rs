@@ -12,10 +12,10 @@ use trainyard_proto::v1::{
 
 use super::Controller;
 use crate::config::ControllerConfig;
-use trainyard_store::{SqliteStore, Store};
+use trainyard_store::{SqlStore, Store};
 
 pub(super) async fn store() -> Arc<dyn Store> {
-    Arc::new(SqliteStore::open_in_memory().await.expect("open store"))
+    Arc::new(SqlStore::sqlite_in_memory().await.expect("open store"))
 }
 
 pub(super) async fn controller(store: &Arc<dyn Store>) -> Arc<Controller> {

@@ -1,0 +1,121 @@
+//! [`SqlStore`]: the store on either database, and the one helper every operation goes
+//! through.
+
+use std::path::Path;
+
+use sqlx::{PgPool, SqlitePool};
+use tracing::Instrument;
+
+use crate::Result;
+use crate::postgres::Postgres;
+use crate::sql::Conn;
+use crate::sqlite::{Mode, Sqlite};
+
+/// The controller's store on SQLite (the embedded default) or PostgreSQL (fleets). Every
+/// query is written once for both (`jobs`, `fleet`, `receipts`, `preflight`, `auth`,
+/// `series`); what differs between the two is in `sqlite` and `postgres`.
+///
+/// # What we persist
+/// See the [crate documentation](crate); the schema with a comment on every column is in
+/// `migrations/sqlite/` and `migrations/postgres/`, and `docs/schema.md` explains it to
+/// operators.
+#[derive(Debug, Clone)]
+pub struct SqlStore {
+    backend: Backend,
+}
+
+#[derive(Debug, Clone)]
+enum Backend {
+    Sqlite(Sqlite),
+    Postgres(Postgres),
+}
+
+impl SqlStore {
+    /// Opens the store a `--db` value names: `postgres://` or `postgresql://` URLs open
+    /// PostgreSQL, `sqlite:` URLs and plain paths open SQLite. Migrations run on open.
+    pub async fn open(url_or_path: &str) -> Result<Self> {
+        if url_or_path.starts_with("postgres://") || url_or_path.starts_with("postgresql://") {
+            Self::open_postgres(url_or_path).await
+        } else {
+            Self::open_sqlite(url_or_path).await
+        }
+    }
+
+    /// SQLite at a `sqlite://...` URL (options in the URL are kept, ours are applied on top) or
+    /// a plain file path.
+    pub async fn open_sqlite(url_or_path: &str) -> Result<Self> {
+        Ok(SqlStore { backend: Backend::Sqlite(Sqlite::open(url_or_path).await?) })
+    }
+
+    /// SQLite in the file at `path`, created if missing.
+    pub async fn open_sqlite_file(path: &Path) -> Result<Self> {
+        Ok(SqlStore { backend: Backend::Sqlite(Sqlite::open_file(path).await?) })
+    }
+
+    /// A private in-memory SQLite database, for tests.
+    pub async fn sqlite_in_memory() -> Result<Self> {
+        Ok(SqlStore { backend: Backend::Sqlite(Sqlite::open_in_memory().await?) })
+    }
+
+    /// PostgreSQL at a `postgres://` URL; the database must exist.
+    pub async fn open_postgres(url: &str) -> Result<Self> {
+        Ok(SqlStore { backend: Backend::Postgres(Postgres::open(url).await?) })
+    }
+
+    /// The SQLite pool, for read-only SQL that is not part of the store's contract (operator
+    /// views, tests); `None` on PostgreSQL. Writes go through the traits.
+    pub fn sqlite_pool(&self) -> Option<&SqlitePool> {
+        match &self.backend {
+            Backend::Sqlite(s) => Some(&s.pool),
+            Backend::Postgres(_) => None,
+        }
+    }
+
+    /// The PostgreSQL pool, likewise; `None` on SQLite.
+    pub fn postgres_pool(&self) -> Option<&PgPool> {
+        match &self.backend {
+            Backend::Postgres(p) => Some(&p.pool),
+            Backend::Sqlite(_) => None,
+        }
+    }
+
+    /// Runs `body` in one read transaction.
+    pub(crate) async fn read<T>(
+        &self,
+        op: &'static str,
+        body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
+    ) -> Result<T> {
+        self.run(op, Mode::Read, body).await
+    }
+
+    /// Runs `body` in one write transaction.
+    pub(crate) async fn write<T>(
+        &self,
+        op: &'static str,
+        body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
+    ) -> Result<T> {
+        self.run(op, Mode::Write, body).await
+    }
+
+    /// The one helper every operation goes through: a span with the operation's label, one
+    /// transaction (tried again on PostgreSQL when it failed transiently), and the operation's
+    /// duration and outcome in the store's metrics.
+    async fn run<T>(
+        &self,
+        op: &'static str,
+        mode: Mode,
+        body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
+    ) -> Result<T> {
+        let started = std::time::Instant::now();
+        let result = match &self.backend {
+            Backend::Sqlite(s) => {
+                s.transaction(mode, body).instrument(tracing::debug_span!("store", op)).await
+            }
+            Backend::Postgres(p) => {
+                p.transaction(op, body).instrument(tracing::debug_span!("store", op)).await
+            }
+        };
+        crate::metrics::metrics().store_op(op, started.elapsed(), result.is_ok());
+        result
+    }
+}
