@@ -32,9 +32,9 @@ use crate::config::AgentConfig;
 use crate::launcher::Launcher;
 use crate::layout::RankId;
 use crate::preflight::runner::{Runner, write_report};
-use crate::preflight::{Level, failure_reason};
-use crate::state::Phase;
+use crate::preflight::{self, failure_reason};
 use crate::tail::Budget;
+use trainyard_proto::words::RankState;
 
 /// How long the agent waits for `HelloAck`.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -170,8 +170,8 @@ impl Session<'_> {
                 continue;
             }
             let mut report = rank.record.report(rank.tailer.acked().skipped);
-            if rank.record.phase.is_final() && !rank.tailer.fully_acked() {
-                report.state = Phase::Running.as_str().to_string();
+            if rank.record.phase.is_done() && !rank.tailer.fully_acked() {
+                report.state = RankState::Running.as_str().to_string();
             }
             self.reported.insert(rank.record.id, report.clone());
             ranks.push(report);
@@ -246,7 +246,7 @@ impl Session<'_> {
                 info!(job_id = forget.job_id, attempt = forget.attempt, "forget ranks once acknowledged");
                 self.launcher.forget(forget.job_id, forget.attempt);
             }
-            Some(In::RunPreflight(request)) => match request.level.parse::<Level>() {
+            Some(In::RunPreflight(request)) => match preflight::runnable_level(&request.level) {
                 Ok(level) => {
                     info!(level = level.as_str(), "preflight requested by the controller");
                     let (runner, tx) = (self.preflight.clone(), self.tx.clone());
@@ -301,7 +301,7 @@ impl Session<'_> {
                 .get(RankId { job_id: launch.job_id, attempt: launch.attempt, rank: a.rank })
                 .is_some()
         });
-        let level = match Level::for_job(&spec.preflight) {
+        let level = match preflight::level_for_job(&spec.preflight) {
             Ok(Some(level)) if !known => level,
             Ok(_) => {
                 self.launcher.set_preflight_report(self.preflight.latest().map(|r| r.local_id));
@@ -379,7 +379,7 @@ impl Session<'_> {
             let mut receipts = Vec::new();
             for rank in self.launcher.ranks_mut() {
                 let id = rank.record.id;
-                let ended = rank.record.phase.is_final();
+                let ended = rank.record.phase.is_done();
                 match rank.tailer.poll(&mut receipts, &mut budget, ended) {
                     Ok(true) if ended => {
                         self.drained.insert(id);
@@ -412,7 +412,7 @@ impl Session<'_> {
         let mut updates = Vec::new();
         for rank in self.launcher.ranks() {
             let id = rank.record.id;
-            if rank.record.phase.is_final() && !self.drained.contains(&id) {
+            if rank.record.phase.is_done() && !self.drained.contains(&id) {
                 continue;
             }
             let report = rank.record.report(rank.tailer.skipped_lines());

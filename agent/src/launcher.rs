@@ -28,9 +28,10 @@ use crate::layout::{
 };
 use crate::pinning;
 use crate::procfs;
-use crate::state::{self, Phase, RankRecord};
+use crate::state::{self, RankRecord};
 use crate::supervise::{ExitFile, SHIM_PATH, SPAWN_FAILED_EXIT_CODE, read_pid_file};
 use crate::tail::{Position, Tailer};
+use trainyard_proto::words::RankState;
 
 /// A rank the agent knows: its durable record and the tailer of its receipts.
 #[derive(Debug)]
@@ -96,7 +97,7 @@ impl Launcher {
         let records = state::load_all(&self.layout)?;
         let count = records.len();
         for mut record in records {
-            if record.phase == Phase::Launching && record.shim_pid.is_none() {
+            if record.phase == RankState::Launching && record.shim_pid.is_none() {
                 find_unrecorded_shim(&mut record);
                 if let Err(e) = record.save(&self.layout) {
                     warn!(rank_id = %record.id, error = %e, "failed to write rank state file");
@@ -192,7 +193,7 @@ impl Launcher {
         let taken: std::collections::BTreeSet<u16> = self
             .ranks
             .values()
-            .filter(|r| !matches!(r.record.phase, Phase::Exited | Phase::Lost))
+            .filter(|r| !matches!(r.record.phase, RankState::Exited | RankState::Lost))
             .map(|r| r.record.master_port)
             .collect();
         for _ in 0..32 {
@@ -259,7 +260,7 @@ impl Launcher {
             node_rank: launch.node_rank,
             gpu_index: assignment.gpu_index,
             files: files.clone(),
-            phase: Phase::Launching,
+            phase: RankState::Launching,
             shim_pid: None,
             shim_start_time: None,
             pid: None,
@@ -273,7 +274,7 @@ impl Launcher {
             master_port: u16::try_from(launch.master_port).unwrap_or(0),
         };
         if let Some(reason) = refusal {
-            record.phase = Phase::Lost;
+            record.phase = RankState::Lost;
             record.message = reason.to_string();
             return Ok(record);
         }
@@ -292,7 +293,7 @@ impl Launcher {
             }
             Err(message) => {
                 warn!(rank_id = %id, %message, "rank could not be started");
-                record.phase = Phase::Exited;
+                record.phase = RankState::Exited;
                 record.exit_code = Some(SPAWN_FAILED_EXIT_CODE);
                 record.message = message;
             }
@@ -409,7 +410,7 @@ impl Launcher {
     pub fn poll_exits(&mut self) -> Vec<RankId> {
         let mut changed = Vec::new();
         for rank in self.ranks.values_mut() {
-            if !rank.record.phase.is_final() && observe(&mut rank.record) {
+            if !rank.record.phase.is_done() && observe(&mut rank.record) {
                 if let Err(e) = rank.record.save(&self.layout) {
                     warn!(rank_id = %rank.record.id, error = %e, "failed to write rank state file");
                 }
@@ -424,7 +425,7 @@ impl Launcher {
     pub fn cancel(&mut self, job_id: u64, attempt: u32, grace: Duration, reason: &str) {
         for rank in self.ranks.values_mut() {
             let r = &mut rank.record;
-            if r.id.job_id != job_id || r.id.attempt != attempt || r.phase.is_final() {
+            if r.id.job_id != job_id || r.id.attempt != attempt || r.phase.is_done() {
                 continue;
             }
             info!(rank_id = %r.id, grace_ms = grace.as_millis() as u64, reason, "cancelling rank");
@@ -455,7 +456,7 @@ impl Launcher {
         if due {
             self.acks_persisted_at = std::time::Instant::now();
         }
-        for rank in self.ranks.values_mut().filter(|r| due || r.record.phase.is_final()) {
+        for rank in self.ranks.values_mut().filter(|r| due || r.record.phase.is_done()) {
             if rank.tailer.take_acked_dirty() {
                 rank.record.acked = rank.tailer.acked();
                 if let Err(e) = rank.record.save(&self.layout) {
@@ -471,7 +472,7 @@ impl Launcher {
         let done: Vec<RankId> = self
             .ranks
             .values()
-            .filter(|r| r.record.forget && r.record.phase.is_final() && r.tailer.fully_acked())
+            .filter(|r| r.record.forget && r.record.phase.is_done() && r.tailer.fully_acked())
             .map(|r| r.record.id)
             .collect();
         for id in &done {
@@ -542,7 +543,7 @@ fn find_unrecorded_shim(record: &mut RankRecord) {
         record.shim_start_time = Some(stat.start_time);
     } else if !record.files.exit.exists() {
         warn!(rank_id = %record.id, "the agent stopped while starting this rank; it was not started");
-        record.phase = Phase::Lost;
+        record.phase = RankState::Lost;
         record.message = "the agent stopped while starting this rank; it was not started".to_string();
     }
 }
@@ -570,7 +571,7 @@ fn observe(record: &mut RankRecord) -> bool {
         && let Some(pid) = read_pid_file(&record.files.pid)
     {
         record.pid = Some(pid);
-        record.phase = Phase::Running;
+        record.phase = RankState::Running;
         // The shim writes the pid once the rank has exec'd, so its binding is final now.
         match pinning::read_effective(pid) {
             Ok(e) => {
@@ -587,7 +588,7 @@ fn observe(record: &mut RankRecord) -> bool {
     if record.files.exit.exists() {
         match ExitFile::read(&record.files.exit) {
             Ok(exit) => {
-                record.phase = Phase::Exited;
+                record.phase = RankState::Exited;
                 record.exit_code = exit.exit_code;
                 record.signal = exit.signal;
                 if let Some(error) = exit.error {
@@ -595,7 +596,7 @@ fn observe(record: &mut RankRecord) -> bool {
                 }
             }
             Err(e) => {
-                record.phase = Phase::Lost;
+                record.phase = RankState::Lost;
                 record.message = format!("unreadable exit.json: {e:#}");
             }
         }
@@ -603,7 +604,7 @@ fn observe(record: &mut RankRecord) -> bool {
         return true;
     }
     if !shim_alive {
-        record.phase = Phase::Lost;
+        record.phase = RankState::Lost;
         record.message = "supervisor vanished".to_string();
         warn!(rank_id = %record.id, "supervisor vanished without an exit status; killing the rank's group");
         if let Some(pid) = record.pid {

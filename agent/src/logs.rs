@@ -20,6 +20,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use trainyard_proto::v1::agent_message::Msg as Out;
 use trainyard_proto::v1::{AgentMessage, LogData, ReadLogs};
+use trainyard_proto::words::LogStream;
 
 /// Bytes per `LogData` message.
 pub use trainyard_proto::limits::MAX_LOG_CHUNK_BYTES as CHUNK;
@@ -149,12 +150,12 @@ async fn stream(
         )));
     }
     let mut offsets = [0u64; 2];
-    let streams = [("stdout", &files.stdout), ("stderr", &files.stderr)];
+    let streams = [(LogStream::Stdout, &files.stdout), (LogStream::Stderr, &files.stderr)];
     for (k, (name, path)) in streams.iter().enumerate() {
         offsets[k] = tail_start(path, request.tail_lines)
             .await
             .map_err(|e| Failed(format!("{}: {e}", path.display())))?;
-        offsets[k] = send_from(request.request_id, name, path, offsets[k], tx, credit).await?;
+        offsets[k] = send_from(request.request_id, *name, path, offsets[k], tx, credit).await?;
     }
     if !request.follow {
         return Ok(());
@@ -163,7 +164,7 @@ async fn stream(
         // Read once more after the rank ended, so its last lines are not lost.
         let ended = files.exit.exists();
         for (k, (name, path)) in streams.iter().enumerate() {
-            offsets[k] = send_from(request.request_id, name, path, offsets[k], tx, credit).await?;
+            offsets[k] = send_from(request.request_id, *name, path, offsets[k], tx, credit).await?;
         }
         if ended {
             return Ok(());
@@ -176,7 +177,7 @@ async fn stream(
 /// that does not exist (yet) sends nothing.
 async fn send_from(
     request_id: u64,
-    stream: &str,
+    stream: LogStream,
     path: &PathBuf,
     mut offset: u64,
     tx: &mpsc::Sender<AgentMessage>,
@@ -270,8 +271,8 @@ mod tests {
             if d.done {
                 return (String::from_utf8(out).unwrap(), String::from_utf8(err).unwrap(), d.error);
             }
-            match d.stream.as_str() {
-                "stdout" => out.extend(d.data),
+            match d.stream().expect("a known stream") {
+                Some(LogStream::Stdout) => out.extend(d.data),
                 _ => err.extend(d.data),
             }
         }

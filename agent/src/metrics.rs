@@ -25,7 +25,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::launcher::Launcher;
-use crate::state::Phase;
+use trainyard_proto::words::RankState;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PhaseLabel {
@@ -93,7 +93,7 @@ impl Metrics {
 
     /// Sets the gauges from the ranks the launcher holds.
     pub fn observe(&self, launcher: &Launcher, unacked_batches: usize) {
-        for phase in [Phase::Launching, Phase::Running, Phase::Exited, Phase::Lost] {
+        for phase in [RankState::Launching, RankState::Running, RankState::Exited, RankState::Lost] {
             let n = launcher.ranks().filter(|r| r.record.phase == phase).count();
             self.ranks.get_or_create(&PhaseLabel { phase: phase.as_str() }).set(n as i64);
         }

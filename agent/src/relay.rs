@@ -21,10 +21,11 @@ use crate::config::AgentConfig;
 use crate::connection::{self, Ended, Identity};
 use crate::launcher::Launcher;
 use crate::layout::Layout;
+use crate::preflight::failure_reason;
 use crate::preflight::host::{HostFile, HostProbe};
 use crate::preflight::nvml::NvmlProbe;
 use crate::preflight::runner::Runner;
-use crate::preflight::{Level, failure_reason};
+use trainyard_proto::words::PreflightLevel;
 
 /// The host description: the host file when one is given, else NVML on a real GPU host.
 fn probe(config: &AgentConfig) -> anyhow::Result<Arc<dyn HostProbe>> {
@@ -72,7 +73,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     crate::pinning::reserve_cpus(&mut inventory, config.reserve_cpus);
     let agent_id = config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone());
     let preflight = Runner::new(&agent_id, host);
-    let report = preflight.run(Level::Quick, BTreeMap::new()).await;
+    let report = preflight.run(PreflightLevel::Quick, BTreeMap::new()).await;
     match failure_reason(&report) {
         Some(reason) => {
             warn!(local_id = %report.local_id, %reason, "start-up preflight failed; the controller will not schedule here")

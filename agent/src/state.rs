@@ -13,38 +13,10 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use trainyard_proto::v1::RankReport;
+use trainyard_proto::words::RankState;
 
 use crate::layout::{Layout, RankFiles, RankId, write_atomic};
 use crate::tail::Position;
-
-/// Where a rank is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Phase {
-    /// The shim was started; the rank's pid is not known yet.
-    Launching,
-    Running,
-    /// The rank ended and its exit status is known (or it never started: see `message`).
-    Exited,
-    /// The shim vanished without writing `exit.json`: the status is unknowable.
-    Lost,
-}
-
-impl Phase {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Phase::Launching => "launching",
-            Phase::Running => "running",
-            Phase::Exited => "exited",
-            Phase::Lost => "lost",
-        }
-    }
-
-    /// Exited or lost: nothing more will happen to the rank.
-    pub fn is_final(self) -> bool {
-        matches!(self, Phase::Exited | Phase::Lost)
-    }
-}
 
 /// The durable state of one rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,7 +26,11 @@ pub struct RankRecord {
     pub node_rank: u32,
     pub gpu_index: u32,
     pub files: RankFiles,
-    pub phase: Phase,
+    /// Where the rank is in its life: `launching` (the shim was started, the rank's pid is
+    /// not known yet), `running`, `exited` (its status is known, or it never started: see
+    /// `message`) or `lost` (the shim vanished without writing `exit.json`). Never `planned`:
+    /// that is the controller's word for a rank no agent has reported on.
+    pub phase: RankState,
     pub shim_pid: Option<u32>,
     pub shim_start_time: Option<u64>,
     /// The rank's pid, which is also its process group id.

@@ -7,11 +7,11 @@ use std::time::Duration;
 use trainyard_agent::launcher::Launcher;
 use trainyard_agent::layout::{Layout, RankId};
 use trainyard_agent::procfs;
-use trainyard_agent::state::Phase;
 use trainyard_agent::supervise::ExitFile;
 use trainyard_proto::v1::{
     ExecEngine, Gpu, HostInventory, JobSpec, Launch, NumaNode, RankAssignment, job_spec,
 };
+use trainyard_proto::words::RankState;
 
 fn inventory() -> HostInventory {
     let gpu = |index: u32| Gpu { index, uuid: format!("GPU-{index}"), numa_node: 0, ..Default::default() };
@@ -76,7 +76,7 @@ impl Harness {
     }
 
     /// Polls until `done` holds for the rank, or fails after 10 s.
-    async fn wait_for(&mut self, id: RankId, what: &str, done: impl Fn(Phase, Option<u32>) -> bool) {
+    async fn wait_for(&mut self, id: RankId, what: &str, done: impl Fn(RankState, Option<u32>) -> bool) {
         for _ in 0..200 {
             self.launcher.poll_exits();
             let r = &self.launcher.get(id).expect("rank is known").record;
@@ -116,7 +116,7 @@ async fn rank_gets_its_environment_and_exit_status() {
     let ids = h.launcher.launch(&launch(1, 2, &h.workdir(), &["sh", "-c", script], &overlay));
     assert_eq!(ids, vec![id(1, 0), id(1, 1)]);
     for rank in 0..2 {
-        h.wait_for(id(1, rank), "exited", |p, _| p == Phase::Exited).await;
+        h.wait_for(id(1, rank), "exited", |p, _| p == RankState::Exited).await;
         let r = &h.launcher.get(id(1, rank)).unwrap().record;
         assert_eq!((r.exit_code, r.signal), (Some(3), None));
         let exit = ExitFile::read(&r.files.exit).unwrap();
@@ -169,7 +169,7 @@ async fn a_job_on_part_of_the_host_sees_its_gpus_only() {
     let mut l = launch(9, 1, &h.workdir(), &["sh", "-c", r#"env > "env-part.txt""#], &[]);
     l.ranks[0].gpu_index = 1;
     h.launcher.launch(&l);
-    h.wait_for(id(9, 0), "exited", |p, _| p == Phase::Exited).await;
+    h.wait_for(id(9, 0), "exited", |p, _| p == RankState::Exited).await;
     let env = std::fs::read_to_string(h.workdir().join("env-part.txt")).unwrap();
     for line in ["CUDA_VISIBLE_DEVICES=1", "LOCAL_RANK=0", "TRAINYARD_GPU=1", "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
     {
@@ -187,7 +187,7 @@ async fn launch_is_idempotent() {
     let mut h = Harness::new();
     let l = launch(2, 1, &h.workdir(), &["sleep", "30"], &[]);
     h.launcher.launch(&l);
-    h.wait_for(id(2, 0), "running", |p, _| p == Phase::Running).await;
+    h.wait_for(id(2, 0), "running", |p, _| p == RankState::Running).await;
     let first = h.launcher.get(id(2, 0)).unwrap().record.clone();
     h.launcher.launch(&l);
     assert_eq!(h.launcher.get(id(2, 0)).unwrap().record.shim_pid, first.shim_pid);
@@ -196,13 +196,13 @@ async fn launch_is_idempotent() {
 
 async fn cancel_and_check_group_gone(h: &mut Harness, job: u64, argv: &[&str], grace_ms: u64, signal: i32) {
     h.launcher.launch(&launch(job, 1, &h.workdir(), argv, &[]));
-    h.wait_for(id(job, 0), "running", |p, _| p == Phase::Running).await;
+    h.wait_for(id(job, 0), "running", |p, _| p == RankState::Running).await;
     let pid = h.launcher.get(id(job, 0)).unwrap().record.pid.unwrap();
     // Let the script start its background child in the same group.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(procfs::group_has_live_member(pid));
     h.launcher.cancel(job, 1, Duration::from_millis(grace_ms), "test");
-    h.wait_for(id(job, 0), "exited", |p, _| p == Phase::Exited).await;
+    h.wait_for(id(job, 0), "exited", |p, _| p == RankState::Exited).await;
     let r = &h.launcher.get(id(job, 0)).unwrap().record;
     assert_eq!(r.signal, Some(signal));
     assert_eq!(r.message, "cancelled: test");
@@ -240,16 +240,16 @@ async fn spawn_failures_become_exited_ranks_with_a_message() {
     let mut h = Harness::new();
     // The shim checks the program and the workdir (as the rank's user) and says why it failed.
     h.launcher.launch(&launch(5, 1, &h.workdir(), &["no-such-program-trainyard"], &[]));
-    h.wait_for(id(5, 0), "exited", |p, _| p == Phase::Exited).await;
+    h.wait_for(id(5, 0), "exited", |p, _| p == RankState::Exited).await;
     let r = &h.launcher.get(id(5, 0)).unwrap().record;
-    assert_eq!((r.phase, r.exit_code), (Phase::Exited, Some(127)));
+    assert_eq!((r.phase, r.exit_code), (RankState::Exited, Some(127)));
     assert!(r.message.contains("not found"), "{}", r.message);
     assert!(h.launcher.layout().state_file(id(5, 0)).exists());
 
     h.launcher.launch(&launch(6, 1, &h.dir.path().join("missing"), &["sh", "-c", "true"], &[]));
-    h.wait_for(id(6, 0), "exited", |p, _| p == Phase::Exited).await;
+    h.wait_for(id(6, 0), "exited", |p, _| p == RankState::Exited).await;
     let r = &h.launcher.get(id(6, 0)).unwrap().record;
-    assert_eq!((r.phase, r.exit_code), (Phase::Exited, Some(127)));
+    assert_eq!((r.phase, r.exit_code), (RankState::Exited, Some(127)));
     assert!(r.message.contains("workdir"), "{}", r.message);
 }
 
@@ -262,7 +262,7 @@ async fn the_shim_gets_a_clean_environment_and_run_files_are_private() {
     let overlay =
         [("LD_PRELOAD", "/nonexistent/trainyard-test.so"), ("GCONV_PATH", "/tmp/x"), ("FOO", "bar")];
     h.launcher.launch(&launch(11, 1, &h.workdir(), &["sleep", "30"], &overlay));
-    h.wait_for(id(11, 0), "running", |p, pid| p == Phase::Running && pid.is_some()).await;
+    h.wait_for(id(11, 0), "running", |p, pid| p == RankState::Running && pid.is_some()).await;
     let r = h.launcher.get(id(11, 0)).unwrap().record.clone();
     let shim = std::fs::read(format!("/proc/{}/environ", r.shim_pid.unwrap())).unwrap();
     let shim: Vec<&[u8]> = shim.split(|b| *b == 0).filter(|v| !v.is_empty()).collect();
@@ -294,7 +294,7 @@ async fn the_shim_gets_a_clean_environment_and_run_files_are_private() {
 async fn a_torn_state_file_is_an_error_naming_it() {
     let mut h = Harness::new();
     h.launcher.launch(&launch(12, 1, &h.workdir(), &["true"], &[]));
-    h.wait_for(id(12, 0), "exited", |p, _| p == Phase::Exited).await;
+    h.wait_for(id(12, 0), "exited", |p, _| p == RankState::Exited).await;
     let path = h.launcher.layout().state_file(id(12, 0));
     let whole = std::fs::read(&path).unwrap();
     std::fs::write(&path, &whole[..whole.len() / 2]).unwrap();
@@ -309,29 +309,29 @@ async fn a_torn_state_file_is_an_error_naming_it() {
 async fn restarted_launcher_adopts_ranks_and_sees_their_exit() {
     let mut h = Harness::new();
     h.launcher.launch(&launch(7, 1, &h.workdir(), &["sh", "-c", "sleep 0.5; exit 4"], &[]));
-    h.wait_for(id(7, 0), "running", |p, _| p == Phase::Running).await;
+    h.wait_for(id(7, 0), "running", |p, _| p == RankState::Running).await;
     let mut adopted = Harness::launcher_over(h.dir.path());
     assert_eq!(adopted.adopt().unwrap(), 1);
     for _ in 0..100 {
         adopted.poll_exits();
-        if adopted.get(id(7, 0)).unwrap().record.phase.is_final() {
+        if adopted.get(id(7, 0)).unwrap().record.phase.is_done() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let r = &adopted.get(id(7, 0)).unwrap().record;
-    assert_eq!((r.phase, r.exit_code), (Phase::Exited, Some(4)));
+    assert_eq!((r.phase, r.exit_code), (RankState::Exited, Some(4)));
 }
 
 #[tokio::test]
 async fn vanished_supervisor_makes_the_rank_lost_and_kills_its_group() {
     let mut h = Harness::new();
     h.launcher.launch(&launch(8, 1, &h.workdir(), &["sleep", "1000"], &[]));
-    h.wait_for(id(8, 0), "running", |p, _| p == Phase::Running).await;
+    h.wait_for(id(8, 0), "running", |p, _| p == RankState::Running).await;
     let r = h.launcher.get(id(8, 0)).unwrap().record.clone();
     let (shim, pid) = (r.shim_pid.unwrap(), r.pid.unwrap());
     assert!(procfs::killpg(shim, libc::SIGKILL).unwrap());
-    h.wait_for(id(8, 0), "lost", |p, _| p == Phase::Lost).await;
+    h.wait_for(id(8, 0), "lost", |p, _| p == RankState::Lost).await;
     assert_eq!(h.launcher.get(id(8, 0)).unwrap().record.message, "supervisor vanished");
     for _ in 0..40 {
         if !procfs::group_has_live_member(pid) {

@@ -5,15 +5,16 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use trainyard_agent::preflight::host::{HostFile, HostProbe};
-use trainyard_agent::preflight::{self, HostFacts, Level, Request};
+use trainyard_agent::preflight::{self, HostFacts, Request};
 use trainyard_proto::v1::PreflightReport;
+use trainyard_proto::words::PreflightLevel;
 
 fn fixture(name: &str) -> HostFile {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hosts").join(name);
     HostFile::load(&path).unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn run_with(name: &str, level: Level, job_env: &[(&str, &str)]) -> PreflightReport {
+fn run_with(name: &str, level: PreflightLevel, job_env: &[(&str, &str)]) -> PreflightReport {
     let host = fixture(name);
     let facts = host.host_facts().expect("fixtures carry a host section");
     let job_env: BTreeMap<String, String> =
@@ -22,7 +23,7 @@ fn run_with(name: &str, level: Level, job_env: &[(&str, &str)]) -> PreflightRepo
 }
 
 fn run(name: &str) -> PreflightReport {
-    run_with(name, Level::Quick, &[])
+    run_with(name, PreflightLevel::Quick, &[])
 }
 
 /// Every check's status by id.
@@ -136,7 +137,7 @@ fn numa_balancing_on_a_two_node_machine_fails() {
 
 #[test]
 fn nccl_shm_disable_in_the_job_environment_fails_the_launch() {
-    let r = run_with("h100-sxm-1numa.json", Level::Quick, &[("NCCL_SHM_DISABLE", "1")]);
+    let r = run_with("h100-sxm-1numa.json", PreflightLevel::Quick, &[("NCCL_SHM_DISABLE", "1")]);
     assert_report(&r, "nvswitch", "fail", &[("env.nccl_shm_disable", "fail")]);
     assert_eq!(
         preflight::failure_reason(&r).unwrap(),
@@ -149,13 +150,13 @@ fn nccl_shm_disable_in_the_job_environment_fails_the_launch() {
 
 #[test]
 fn cuda_device_max_connections_1_warns() {
-    let r = run_with("h200-sxm.json", Level::Quick, &[("CUDA_DEVICE_MAX_CONNECTIONS", "1")]);
+    let r = run_with("h200-sxm.json", PreflightLevel::Quick, &[("CUDA_DEVICE_MAX_CONNECTIONS", "1")]);
     assert_report(&r, "nvswitch", "warn", &[("env.cuda_device_max_connections", "warn")]);
 }
 
 #[test]
 fn standard_level_adds_the_nccl_sweep_which_says_why_it_is_skipped() {
-    let r = run_with("h100-sxm-1numa.json", Level::Standard, &[]);
+    let r = run_with("h100-sxm-1numa.json", PreflightLevel::Standard, &[]);
     let nccl = check(&r, "nccl.busbw");
     assert_eq!(nccl.status, "skipped");
     // In a test harness the sweep cannot start the agent binary; without NCCL it says so first.
@@ -167,7 +168,7 @@ fn standard_level_adds_the_nccl_sweep_which_says_why_it_is_skipped() {
     );
     assert_eq!(r.verdict, "pass");
     // A node whose CUDA check failed does not get an NCCL sweep.
-    let r = run_with("cuda-fails-gpu3.json", Level::Full, &[]);
+    let r = run_with("cuda-fails-gpu3.json", PreflightLevel::Full, &[]);
     assert_eq!(check(&r, "nccl.busbw").measured, "skipped: CUDA check failed on this node");
 }
 
@@ -192,7 +193,7 @@ fn host_file_without_sections_uses_this_machine_and_does_not_fail_it() {
     assert!(host.host_facts().is_none());
     let facts = HostFacts::gather();
     let r = preflight::run(
-        &Request { level: Level::Quick, agent_id: "ci", job_env: &BTreeMap::new() },
+        &Request { level: PreflightLevel::Quick, agent_id: "ci", job_env: &BTreeMap::new() },
         &host,
         &facts,
     );

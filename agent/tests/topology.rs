@@ -3,7 +3,8 @@
 
 use std::path::PathBuf;
 
-use trainyard_agent::topology::{Class, Link, Topology, compare, explain, parse, render};
+use trainyard_agent::topology::{Link, Topology, compare, explain, parse, render};
+use trainyard_proto::words::InterconnectClass;
 
 fn fixture(name: &str) -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/topo").join(name);
@@ -18,7 +19,7 @@ fn parsed(name: &str) -> Topology {
 fn h100_sxm_on_one_numa_node() {
     let t = parsed("h100-sxm-1numa.txt");
     assert_eq!(t.gpus.len(), 8);
-    assert_eq!(t.class(), Class::NvSwitch);
+    assert_eq!(t.class(), InterconnectClass::Nvswitch);
     assert!(
         t.links
             .iter()
@@ -34,7 +35,7 @@ fn h100_sxm_on_one_numa_node() {
 #[test]
 fn h100_sxm_split_over_two_numa_nodes_with_nics() {
     let t = parsed("h100-sxm-2numa.txt");
-    assert_eq!(t.class(), Class::NvSwitch);
+    assert_eq!(t.class(), InterconnectClass::Nvswitch);
     assert_eq!(t.numa_layout(), "0:4 1:4");
     assert_eq!(t.gpus[5].cpus, "56-111,168-223");
     assert_eq!(t.numa_nodes.len(), 2);
@@ -48,7 +49,7 @@ fn h100_sxm_split_over_two_numa_nodes_with_nics() {
 #[test]
 fn h100_nvl_is_nvlink_pairs() {
     let t = parsed("h100-nvl.txt");
-    assert_eq!(t.class(), Class::NvlinkPairs);
+    assert_eq!(t.class(), InterconnectClass::NvlinkPairs);
     assert_eq!(t.links[4][5], Link::Nv(12));
     assert_eq!(t.links[0][2], Link::Node);
     assert_eq!(t.links[0][7], Link::Sys);
@@ -57,7 +58,7 @@ fn h100_nvl_is_nvlink_pairs() {
 #[test]
 fn h100_pcie_is_pcie() {
     let t = parsed("h100-pcie.txt");
-    assert_eq!(t.class(), Class::Pcie);
+    assert_eq!(t.class(), InterconnectClass::Pcie);
     assert_eq!(t.links[6][7], Link::Pxb);
     assert_eq!(t.numa_layout(), "0:4 1:4");
 }
@@ -65,7 +66,7 @@ fn h100_pcie_is_pcie() {
 #[test]
 fn h200_sxm_with_terminal_escape_codes() {
     let t = parsed("h200-sxm.txt");
-    assert_eq!(t.class(), Class::NvSwitch);
+    assert_eq!(t.class(), InterconnectClass::Nvswitch);
     assert_eq!(t.nics.len(), 4);
     assert_eq!(t.nics[1].to_gpus[3], Link::Pxb);
     assert_eq!(t.gpus[7].numa_node, Some(1));

@@ -10,6 +10,7 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
+use trainyard_proto::typed::Words;
 use trainyard_proto::v1::jobs_client::JobsClient;
 
 /// A connected Jobs client that remembers the address, for the error messages.
@@ -97,6 +98,15 @@ impl Controller {
     /// Turns a failed call into one actionable line. `job` is the id the call was about, if any.
     pub fn error(&self, status: Status, job: Option<u64>) -> anyhow::Error {
         describe(&self.url, &status, job)
+    }
+
+    /// Checks every word (state, verdict, level, status, class, cause, stream) of a reply,
+    /// where it arrives: a word this ctl does not know is one line naming it, not a silent
+    /// string printed or compared as if it were known.
+    pub fn words<T: Words + ?Sized>(&self, reply: &T) -> anyhow::Result<()> {
+        reply.check_words().map_err(|e| {
+            anyhow!("the controller at {} sent an {e}: is this ctl older than the controller?", self.url)
+        })
     }
 
     /// Turns a failed call about a node into one actionable line.

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use trainyard_proto::v1::{NodeInfo, PreflightReport};
 
 use crate::render::{Table, age, timestamp};
+use trainyard_proto::words::{CheckStatus, NodeState};
 
 /// The fleet table: one row per node, the reason a node is left alone in the last column.
 pub fn node_table(nodes: &[NodeInfo], now_ms: i64) -> String {
@@ -23,7 +24,7 @@ pub fn node_table(nodes: &[NodeInfo], now_ms: i64) -> String {
             dash(&n.numa_layout),
             dash(&n.verdict),
             if n.preflight_report_id == 0 { "-".into() } else { n.preflight_report_id.to_string() },
-            if n.state == "connected" { "now".into() } else { age(now_ms, n.last_seen_ms) },
+            if n.state() == Ok(NodeState::Connected) { "now".into() } else { age(now_ms, n.last_seen_ms) },
             n.verdict_reason.clone(),
         ]);
     }
@@ -71,10 +72,10 @@ pub fn preflight_report(r: &PreflightReport) -> String {
 
 /// "verdict fail: 2 failing (cuda.init.gpu3, host.shm), 1 warning, 12 passed, 1 skipped".
 fn summary(r: &PreflightReport) -> String {
-    let with = |status: &str| -> Vec<&str> {
-        r.checks.iter().filter(|c| c.status == status).map(|c| c.id.as_str()).collect()
+    let with = |status: CheckStatus| -> Vec<&str> {
+        r.checks.iter().filter(|c| c.status() == Ok(status)).map(|c| c.id.as_str()).collect()
     };
-    let (fail, warn) = (with("fail"), with("warn"));
+    let (fail, warn) = (with(CheckStatus::Fail), with(CheckStatus::Warn));
     let mut parts = Vec::new();
     if !fail.is_empty() {
         parts.push(format!("{} failing ({})", fail.len(), fail.join(", ")));
@@ -83,8 +84,8 @@ fn summary(r: &PreflightReport) -> String {
         let s = if warn.len() == 1 { "" } else { "s" };
         parts.push(format!("{} warning{s} ({})", warn.len(), warn.join(", ")));
     }
-    parts.push(format!("{} passed", with("pass").len()));
-    let skipped = with("skipped").len();
+    parts.push(format!("{} passed", with(CheckStatus::Pass).len()));
+    let skipped = with(CheckStatus::Skipped).len();
     if skipped > 0 {
         parts.push(format!("{skipped} skipped"));
     }

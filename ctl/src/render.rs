@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 
 use trainyard_proto::v1::{Job, RankStatus, StoredReceipt};
+use trainyard_proto::words::{RankState, ReceiptKind};
 
 /// A table whose columns are padded to their widest cell.
 pub struct Table {
@@ -102,8 +103,8 @@ pub fn now_ms() -> i64 {
 
 /// Ranks of the current attempt that are running, and that have exited or been lost.
 pub fn rank_counts(ranks: &[RankStatus]) -> (usize, usize) {
-    let running = ranks.iter().filter(|r| r.state == "running").count();
-    let done = ranks.iter().filter(|r| matches!(r.state.as_str(), "exited" | "lost")).count();
+    let running = ranks.iter().filter(|r| r.state() == Ok(RankState::Running)).count();
+    let done = ranks.iter().filter(|r| r.state().is_ok_and(RankState::is_done)).count();
     (running, done)
 }
 
@@ -215,7 +216,7 @@ fn binding(planned: &str, effective: &str) -> String {
 
 /// "0", "1", "signal 15" or "-" while the rank has not exited.
 pub fn exit_text(r: &RankStatus) -> String {
-    if r.state != "exited" {
+    if r.state() != Ok(RankState::Exited) {
         "-".into()
     } else if r.signal != 0 {
         format!("signal {}", r.signal)
@@ -230,13 +231,14 @@ pub fn receipt_line(r: &StoredReceipt) -> String {
     let Ok(serde_json::Value::Object(body)) = serde_json::from_str(&r.body) else {
         return line.trim_end().to_string();
     };
-    let keys: &[&str] = match r.kind.as_str() {
-        "step" => &["step", "loss", "lr", "tokens_per_s", "step_time_ms"],
-        "exit" => &["code", "signal", "reason"],
-        "checkpoint" => &["step", "bytes", "duration_ms", "path"],
-        "eval" => &["step", "loss"],
-        "launch" => &["hostname", "pid"],
-        _ => &["step"],
+    // A kind outside schema v1 is a receipt the store kept flagged: shown with its step.
+    let keys: &[&str] = match ReceiptKind::parse(&r.kind) {
+        Some(ReceiptKind::Step) => &["step", "loss", "lr", "tokens_per_s", "step_time_ms"],
+        Some(ReceiptKind::Exit) => &["code", "signal", "reason"],
+        Some(ReceiptKind::Checkpoint) => &["step", "bytes", "duration_ms", "path"],
+        Some(ReceiptKind::Eval) => &["step", "loss"],
+        Some(ReceiptKind::Launch) => &["hostname", "pid"],
+        Some(ReceiptKind::Goodput) | None => &["step"],
     };
     for key in keys {
         if let Some(v) = body.get(*key) {

@@ -16,6 +16,8 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::domain::ReceiptKind;
+
 /// The receipt schema version this controller reads.
 pub const SCHEMA_VERSION: u64 = 1;
 
@@ -82,7 +84,8 @@ pub fn check(kind: &str, body: &str) -> Result<Checked, NotAnObject> {
         Some(v) if v.as_u64() == Some(SCHEMA_VERSION) => {}
         Some(v) => problems.push(format!("schema {v} is not one this controller reads ({SCHEMA_VERSION})")),
     }
-    let metrics = (kind == "step").then(|| step_metrics(&raw, &mut problems));
+    let metrics =
+        (ReceiptKind::parse(kind) == Some(ReceiptKind::Step)).then(|| step_metrics(&raw, &mut problems));
     Ok(Checked { metrics, problem: problems.into_text() })
 }
 

@@ -146,12 +146,13 @@ impl TryFrom<PreflightReport> for PreflightRecord {
     type Error = crate::domain::UnknownWord;
 
     fn try_from(r: PreflightReport) -> Result<Self, Self::Error> {
+        let (level, verdict, interconnect_class) = (r.level()?, r.verdict()?, r.interconnect_class()?);
         let checks = r
             .checks
             .into_iter()
             .map(|c| {
                 Ok(CheckRecord {
-                    status: c.status.parse()?,
+                    status: c.status()?,
                     id: c.id,
                     measured: c.measured,
                     expected: c.expected,
@@ -159,19 +160,15 @@ impl TryFrom<PreflightReport> for PreflightRecord {
                 })
             })
             .collect::<Result<_, Self::Error>>()?;
-        let class = match r.interconnect_class.as_str() {
-            "" => None,
-            word => Some(word.parse()?),
-        };
         Ok(PreflightRecord {
             report_id: r.report_id,
             agent_id: r.agent_id,
             local_id: r.local_id,
-            level: r.level.parse()?,
+            level,
             started_at_ms: r.started_at_ms,
             finished_at_ms: r.finished_at_ms,
-            verdict: r.verdict.parse()?,
-            interconnect_class: class,
+            verdict,
+            interconnect_class,
             driver_version: r.driver_version,
             cuda_version: r.cuda_version,
             nccl_version: r.nccl_version,

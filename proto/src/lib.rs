@@ -2,10 +2,14 @@
 //! contract defines beyond its messages ([`contract`]) and the bounds on every size a peer
 //! controls ([`limits`]), so both ends share one definition.
 //!
-//! `trainyard.proto` is the source of truth; see its comments for field meanings.
+//! `trainyard.proto` is the source of truth; see its comments for field meanings. The words a
+//! message carries (states, verdicts, levels, statuses, classes, causes, streams) are defined
+//! once in [`words`] and read through the typed accessors of [`typed`].
 
 pub mod contract;
 pub mod limits;
+pub mod typed;
+pub mod words;
 
 /// Version of the agent protocol. An agent whose hello carries another number is refused
 /// with `FailedPrecondition`, and the agent refuses a controller that answers with another.

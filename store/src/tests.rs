@@ -806,7 +806,10 @@ pub mod suite {
         // Words the schema does not know never reach the store: the record refuses them.
         let bogus = PreflightReport { verdict: "great".into(), ..preflight_pb("sxm-c", 1, 2, "pass") };
         let refused = PreflightRecord::try_from(bogus).unwrap_err();
-        assert_eq!(refused.to_string(), "unknown preflight verdict \"great\"");
+        assert_eq!(
+            refused.to_string(),
+            "unknown preflight verdict \"great\" (expected one of pass, warn, fail)"
+        );
         assert!(PreflightRecord::try_from(preflight_pb("sxm-c", 2, 2, "maybe")).is_err());
         assert_eq!(s.latest_preflight("sxm-c").await.unwrap(), None);
     }

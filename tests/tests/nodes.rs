@@ -187,6 +187,28 @@ fn failing_node_gets_no_work_and_ctl_says_why() -> anyhow::Result<()> {
     assert!(second_report > first_report, "{json}");
     assert_eq!(c.node(BAD)?["preflight_report_id"], second_report);
 
+    // An agent of another protocol version is refused at its hello, with both versions named.
+    let refused = rt.block_on(async {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let hello = Hello {
+            protocol_version: PROTOCOL_VERSION - 1,
+            agent_id: "old-agent".into(),
+            ..Default::default()
+        };
+        tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await?;
+        let channel = tonic::transport::Endpoint::from_shared(c.url())?.connect().await?;
+        anyhow::Ok(AgentsClient::new(channel).connect(ReceiverStream::new(rx)).await)
+    })?;
+    let status = refused.err().context("an agent of an older protocol was let in")?;
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    let old = PROTOCOL_VERSION - 1;
+    assert!(
+        status
+            .message()
+            .contains(&format!("agent old-agent speaks {old}, this controller speaks {PROTOCOL_VERSION}")),
+        "{status:?}"
+    );
+
     // Asking about a node nobody knows, or one that has not reported yet, is one clear line.
     let out = c.ctl(&["preflight", "sxm-nowhere"])?;
     assert!(!out.status.success());

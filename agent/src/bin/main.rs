@@ -9,6 +9,7 @@ use trainyard_agent::AgentConfig;
 use trainyard_agent::config::TlsFiles;
 use trainyard_agent::pinning::Binding;
 use trainyard_agent::supervise::{SuperviseArgs, SwitchUser, supervise};
+use trainyard_proto::words::Verdict;
 
 #[derive(Debug, Parser)]
 #[command(name = "trainyard-agent", version, about = "trainyard's host agent")]
@@ -239,13 +240,13 @@ fn main() -> ExitCode {
 
 /// `trainyard-agent preflight`: exit 0 on pass or warn, 1 on fail, 2 when it cannot run.
 fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
-    use trainyard_agent::preflight::{self, HostFacts, Level, Request};
+    use trainyard_agent::preflight::{self, HostFacts, Request};
 
     let usage = |message: String| {
         eprintln!("trainyard-agent preflight: {message}");
         ExitCode::from(2)
     };
-    let level: Level = match level.parse() {
+    let level = match preflight::runnable_level(level) {
         Ok(level) => level,
         Err(e) => return usage(e),
     };
@@ -279,7 +280,7 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
             println!("{}", serde_json::to_string_pretty(&json).unwrap_or_default())
         }
     }
-    if report.verdict == "fail" { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+    if report.verdict() == Ok(Verdict::Fail) { ExitCode::FAILURE } else { ExitCode::SUCCESS }
 }
 
 fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {

@@ -6,8 +6,11 @@ use std::collections::BTreeMap;
 use trainyard_proto::v1::HostInventory;
 
 use super::facts::HostFacts;
-use super::{Check, Status, cuda, nccl, nvml};
-use crate::topology::{Class, Topology};
+use trainyard_proto::words::CheckStatus;
+
+use super::{Check, cuda, nccl, nvml};
+use crate::topology::{self, Topology};
+use trainyard_proto::words::InterconnectClass;
 
 /// `/dev/shm` below this fails: Docker's 64 MiB default makes NCCL die creating its segments
 /// ("Error while creating shared memory segment") with 8 ranks.
@@ -24,14 +27,14 @@ const SHM_COST: &str = "NCCL_SHM_DISABLE=1 made an NVL node 3.2x slower per step
     its optimizer step 13.7x";
 
 /// The GPU model's expected class, when the model name says it.
-fn expected_class(model: &str) -> Option<Class> {
+fn expected_class(model: &str) -> Option<InterconnectClass> {
     let m = model.to_ascii_uppercase();
     if m.contains("NVL") {
-        Some(Class::NvlinkPairs)
+        Some(InterconnectClass::NvlinkPairs)
     } else if m.contains("PCIE") {
-        Some(Class::Pcie)
+        Some(InterconnectClass::Pcie)
     } else if m.contains("SXM") || m.contains("HBM3") || m.contains("H200") {
-        Some(Class::NvSwitch)
+        Some(InterconnectClass::Nvswitch)
     } else {
         None
     }
@@ -43,27 +46,27 @@ pub fn topology(inventory: &HostInventory, topo: &Topology) -> Vec<Check> {
     let model = inventory.gpus.first().map(|g| g.model.as_str()).unwrap_or("");
     let worst = topo.links.iter().flatten().max().map(|l| l.to_string()).unwrap_or_default();
     let measured = format!("{class} ({} GPUs, worst GPU-GPU path {worst})", topo.gpus.len());
-    let floor = format!("{:.0} GB/s busbw at 1 GiB", class.busbw_floor_gbps(1 << 30));
+    let floor = format!("{:.0} GB/s busbw at 1 GiB", topology::busbw_floor_gbps(class, 1 << 30));
     if topo.gpus.len() < 2 {
         let measured = format!("{class} ({} GPU: no GPU-GPU path)", topo.gpus.len());
         return vec![Check::new(
             "topology.class",
-            Status::Pass,
+            CheckStatus::Pass,
             measured,
             "any class: nothing to compare on one GPU",
         )];
     }
     let check = match expected_class(model) {
-        Some(want) if want != class => Check::new("topology.class", Status::Fail, measured, format!("{want} for {model}"))
+        Some(want) if want != class => Check::new("topology.class", CheckStatus::Fail, measured, format!("{want} for {model}"))
             .remedy(format!(
                 "the matrix does not show the fabric of {model}: a {worst} where {want} links were expected means \
                  a link, bridge or NVSwitch is down (check `nvidia-smi nvlink -s`, fabricmanager); PCIe-only \
                  traffic made NCCL 7.3x slower than NVSwitch in the field reports; any tuning before this is fixed is noise"
             )),
-        Some(want) => Check::new("topology.class", Status::Pass, measured, format!("{want} for {model}; floor {floor}")),
-        None if class == Class::Mixed => Check::new("topology.class", Status::Warn, measured, "nvswitch, nvlink-pairs or pcie")
+        Some(want) => Check::new("topology.class", CheckStatus::Pass, measured, format!("{want} for {model}; floor {floor}")),
+        None if class == InterconnectClass::Mixed => Check::new("topology.class", CheckStatus::Warn, measured, "nvswitch, nvlink-pairs or pcie")
             .remedy("some GPU pairs are on NVLink and some are not: a link is likely down (`nvidia-smi nvlink -s`)"),
-        None => Check::new("topology.class", Status::Pass, measured, format!("a known class; floor {floor}")),
+        None => Check::new("topology.class", CheckStatus::Pass, measured, format!("a known class; floor {floor}")),
     };
     vec![check]
 }
@@ -73,7 +76,7 @@ pub fn numa(topo: &Topology, facts: &HostFacts) -> Vec<Check> {
     let per_node = topo.gpus_per_numa_node();
     let n = topo.gpus.len();
     let split = if per_node.len() > 1 {
-        Check::new("numa.split", Status::Warn, format!("GPUs on NUMA nodes {}", topo.numa_layout()), format!("all {n} GPUs on one NUMA node"))
+        Check::new("numa.split", CheckStatus::Warn, format!("GPUs on NUMA nodes {}", topo.numa_layout()), format!("all {n} GPUs on one NUMA node"))
             .remedy(format!(
                 "{NUMA_COST} (NCCL's CPU proxy threads starved; pthread_cond_signal calls 4,000 -> 1.58 million per \
                  10 steps): keep a job's GPUs on one NUMA node where possible and pin each rank to its GPU's node \
@@ -88,7 +91,7 @@ pub fn numa(topo: &Topology, facts: &HostFacts) -> Vec<Check> {
     } else {
         Check::new(
             "numa.split",
-            Status::Pass,
+            CheckStatus::Pass,
             format!("GPUs on NUMA nodes {}", topo.numa_layout()),
             format!("all {n} GPUs on one NUMA node"),
         )
@@ -100,10 +103,10 @@ pub fn numa(topo: &Topology, facts: &HostFacts) -> Vec<Check> {
             "/proc/sys/kernel/numa_balancing absent (kernel without automatic NUMA balancing: nothing to turn off)",
             "0",
         ),
-        Some(0) => Check::new("numa.balancing", Status::Pass, "0", "0"),
+        Some(0) => Check::new("numa.balancing", CheckStatus::Pass, "0", "0"),
         Some(v) => Check::new(
             "numa.balancing",
-            if multi_node { Status::Fail } else { Status::Warn },
+            if multi_node { CheckStatus::Fail } else { CheckStatus::Warn },
             v.to_string(),
             "0",
         )
@@ -127,7 +130,8 @@ pub fn numa(topo: &Topology, facts: &HostFacts) -> Vec<Check> {
             format!("at least {MIN_CPUS_PER_GPU}"),
         ),
         Some((per_gpu, node, cpus, gpus)) => {
-            let status = if per_gpu < MIN_CPUS_PER_GPU as f64 { Status::Warn } else { Status::Pass };
+            let status =
+                if per_gpu < MIN_CPUS_PER_GPU as f64 { CheckStatus::Warn } else { CheckStatus::Pass };
             Check::new(
                 "numa.cpus_per_gpu",
                 status,
@@ -158,14 +162,16 @@ pub fn host(facts: &HostFacts, job_env: &BTreeMap<String, String>) -> Vec<Check>
          or `--shm-size=16g` for a container). Do not work around it with NCCL_SHM_DISABLE=1: {SHM_COST}"
     );
     let shm = match facts.dev_shm_bytes {
-        None => Check::new("host.shm", Status::Fail, "/dev/shm not mounted", shm_expected).remedy(shm_remedy),
+        None => {
+            Check::new("host.shm", CheckStatus::Fail, "/dev/shm not mounted", shm_expected).remedy(shm_remedy)
+        }
         Some(b) => {
             let status = if b < SHM_FAIL_BYTES {
-                Status::Fail
+                CheckStatus::Fail
             } else if b < SHM_WARN_BYTES {
-                Status::Warn
+                CheckStatus::Warn
             } else {
-                Status::Pass
+                CheckStatus::Pass
             };
             Check::new("host.shm", status, format!("{} MiB", b >> 20), shm_expected).remedy_if_bad(shm_remedy)
         }
@@ -176,7 +182,7 @@ pub fn host(facts: &HostFacts, job_env: &BTreeMap<String, String>) -> Vec<Check>
         job_env,
         "NCCL_SHM_DISABLE",
         "env.nccl_shm_disable",
-        Status::Fail,
+        CheckStatus::Fail,
         &format!("unset NCCL_SHM_DISABLE (fix /dev/shm instead): {SHM_COST} as traffic fell back to sockets"),
     ));
     checks.push(env_check(
@@ -184,17 +190,17 @@ pub fn host(facts: &HostFacts, job_env: &BTreeMap<String, String>) -> Vec<Check>
         job_env,
         "NCCL_P2P_DISABLE",
         "env.nccl_p2p_disable",
-        Status::Fail,
+        CheckStatus::Fail,
         "unset NCCL_P2P_DISABLE: it routes GPU-GPU traffic through host memory instead of NVLink/PCIe P2P, \
          the same kind of fallback that made SHM-disabled runs 3.2x slower per step",
     ));
     let cdmc = resolve_env(facts, job_env, "CUDA_DEVICE_MAX_CONNECTIONS");
     checks.push(match cdmc {
         Some((value, from)) if value.trim() == "1" => Check::new(
-            "env.cuda_device_max_connections", Status::Warn, format!("CUDA_DEVICE_MAX_CONNECTIONS=1 ({from})"), "unset (default 8)",
+            "env.cuda_device_max_connections", CheckStatus::Warn, format!("CUDA_DEVICE_MAX_CONNECTIONS=1 ({from})"), "unset (default 8)",
         ).remedy("CUDA_DEVICE_MAX_CONNECTIONS=1 serialises the all_gather / reduce_scatter overlap with compute; leave it unset unless the platform forces it, and then record it"),
-        Some((value, from)) => Check::new("env.cuda_device_max_connections", Status::Pass, format!("CUDA_DEVICE_MAX_CONNECTIONS={value} ({from})"), "unset (default 8)"),
-        None => Check::new("env.cuda_device_max_connections", Status::Pass, "unset", "unset (default 8)"),
+        Some((value, from)) => Check::new("env.cuda_device_max_connections", CheckStatus::Pass, format!("CUDA_DEVICE_MAX_CONNECTIONS={value} ({from})"), "unset (default 8)"),
+        None => Check::new("env.cuda_device_max_connections", CheckStatus::Pass, "unset", "unset (default 8)"),
     });
     checks.push(nic_locality(facts));
     checks
@@ -219,7 +225,7 @@ fn env_check(
     job_env: &BTreeMap<String, String>,
     name: &str,
     id: &str,
-    bad: Status,
+    bad: CheckStatus,
     remedy: &str,
 ) -> Check {
     match resolve_env(facts, job_env, name) {
@@ -227,9 +233,9 @@ fn env_check(
             Check::new(id, bad, format!("{name}={value} ({from})"), "unset").remedy(remedy)
         }
         Some((value, from)) => {
-            Check::new(id, Status::Pass, format!("{name}={value} ({from}): not disabling"), "unset")
+            Check::new(id, CheckStatus::Pass, format!("{name}={value} ({from}): not disabling"), "unset")
         }
-        None => Check::new(id, Status::Pass, "unset", "unset"),
+        None => Check::new(id, CheckStatus::Pass, "unset", "unset"),
     }
 }
 
@@ -254,7 +260,7 @@ fn nic_locality(facts: &HostFacts) -> Check {
             }
         })
         .collect();
-    Check::new("host.nic_locality", Status::Pass, list.join(" "), expected)
+    Check::new("host.nic_locality", CheckStatus::Pass, list.join(" "), expected)
 }
 
 /// `nvml` and per GPU `nvml.ecc.gpuN`, `nvml.remap.gpuN`, `nvml.pcie.gpuN`, `nvml.throttle.gpuN`.
@@ -271,31 +277,31 @@ pub fn nvml(health: &Result<nvml::Health, String>) -> Vec<Check> {
     };
     let mut checks = vec![Check::new(
         "nvml",
-        Status::Pass,
+        CheckStatus::Pass,
         format!("driver {}, CUDA {}, {} GPUs", health.driver_version, health.cuda_version, health.gpus.len()),
         "NVML readable",
     )];
     for g in &health.gpus {
         let i = g.index;
         let ecc = match (g.ecc_enabled, g.ecc_uncorrected) {
-            (_, Some(errors)) if errors > 0 => Check::new(format!("nvml.ecc.gpu{i}"), Status::Fail, format!("{errors} uncorrected ECC errors"), "0")
+            (_, Some(errors)) if errors > 0 => Check::new(format!("nvml.ecc.gpu{i}"), CheckStatus::Fail, format!("{errors} uncorrected ECC errors"), "0")
                 .remedy("uncorrected ECC errors corrupt training silently: drain the node, reset the GPU (`nvidia-smi -r`) and have it serviced if they return"),
-            (Some(false), _) => Check::new(format!("nvml.ecc.gpu{i}"), Status::Warn, "ECC disabled", "ECC enabled, 0 uncorrected")
+            (Some(false), _) => Check::new(format!("nvml.ecc.gpu{i}"), CheckStatus::Warn, "ECC disabled", "ECC enabled, 0 uncorrected")
                 .remedy("enable ECC (`nvidia-smi -e 1`, then reboot)"),
             (None, None) => Check::skipped(format!("nvml.ecc.gpu{i}"), "ECC not reported by this GPU", "ECC enabled, 0 uncorrected"),
-            _ => Check::new(format!("nvml.ecc.gpu{i}"), Status::Pass, "ECC enabled, 0 uncorrected", "ECC enabled, 0 uncorrected"),
+            _ => Check::new(format!("nvml.ecc.gpu{i}"), CheckStatus::Pass, "ECC enabled, 0 uncorrected", "ECC enabled, 0 uncorrected"),
         };
         let remap = match (g.remap_pending, g.remap_failed) {
             (_, Some(true)) => Check::new(
                 format!("nvml.remap.gpu{i}"),
-                Status::Fail,
+                CheckStatus::Fail,
                 "row remapping failed",
                 "no pending or failed remapping",
             )
             .remedy("the GPU ran out of spare rows: it needs service (RMA)"),
             (Some(true), _) => Check::new(
                 format!("nvml.remap.gpu{i}"),
-                Status::Warn,
+                CheckStatus::Warn,
                 "row remapping pending",
                 "no pending or failed remapping",
             )
@@ -307,18 +313,18 @@ pub fn nvml(health: &Result<nvml::Health, String>) -> Vec<Check> {
             ),
             _ => Check::new(
                 format!("nvml.remap.gpu{i}"),
-                Status::Pass,
+                CheckStatus::Pass,
                 "none pending, none failed",
                 "no pending or failed remapping",
             ),
         };
         let pcie = match (g.pcie_width, g.pcie_gen) {
             ((Some(cur), Some(max)), link_gen) if cur < max => Check::new(
-                format!("nvml.pcie.gpu{i}"), Status::Warn,
+                format!("nvml.pcie.gpu{i}"), CheckStatus::Warn,
                 format!("x{cur} of x{max}, gen {} of {}", opt(link_gen.0), opt(link_gen.1)), format!("x{max}"),
             ).remedy("the PCIe link trained narrower than the slot: reseat the GPU or riser; host transfers and PCIe collectives run at a fraction"),
             ((Some(cur), Some(max)), link_gen) => Check::new(
-                format!("nvml.pcie.gpu{i}"), Status::Pass,
+                format!("nvml.pcie.gpu{i}"), CheckStatus::Pass,
                 format!("x{cur} of x{max}, gen {} of {} (gen drops at idle)", opt(link_gen.0), opt(link_gen.1)), format!("x{max}"),
             ),
             _ => Check::skipped(format!("nvml.pcie.gpu{i}"), "PCIe link not reported", "full link width"),
@@ -326,12 +332,12 @@ pub fn nvml(health: &Result<nvml::Health, String>) -> Vec<Check> {
         let throttle = if g.throttle.is_empty() {
             Check::new(
                 format!("nvml.throttle.gpu{i}"),
-                Status::Pass,
+                CheckStatus::Pass,
                 format!("none (power limit {} W)", opt(g.power_limit_w)),
                 "no power or thermal slowdown",
             )
         } else {
-            Check::new(format!("nvml.throttle.gpu{i}"), Status::Warn, g.throttle.join(","), "no power or thermal slowdown")
+            Check::new(format!("nvml.throttle.gpu{i}"), CheckStatus::Warn, g.throttle.join(","), "no power or thermal slowdown")
                 .remedy("clocks are held down by power or temperature: check cooling, PSU and the power limit (`nvidia-smi -q -d PERFORMANCE,POWER`)")
         };
         checks.extend([ecc, remap, pcie, throttle]);
@@ -357,25 +363,25 @@ pub fn cuda(outcome: &cuda::Outcome, n: usize) -> Vec<Check> {
     match outcome {
         cuda::Outcome::Skipped(why) => vec![Check::skipped("cuda.init", why, expected)],
         cuda::Outcome::InitFailed(e) => {
-            vec![Check::new("cuda.init", Status::Fail, e.clone(), expected).remedy(remedy)]
+            vec![Check::new("cuda.init", CheckStatus::Fail, e.clone(), expected).remedy(remedy)]
         }
         cuda::Outcome::Ran { cuda_version, devices, gpus, .. } => {
             let mut checks = Vec::with_capacity(n + 1);
             let head = format!("CUDA driver {cuda_version}, {devices} devices");
             checks.push(if *devices < n {
-                Check::new("cuda.init", Status::Fail, head, format!("{n} devices")).remedy(remedy)
+                Check::new("cuda.init", CheckStatus::Fail, head, format!("{n} devices")).remedy(remedy)
             } else {
-                Check::new("cuda.init", Status::Pass, head, format!("{n} devices"))
+                Check::new("cuda.init", CheckStatus::Pass, head, format!("{n} devices"))
             });
             for (i, result) in gpus.iter().enumerate() {
                 checks.push(match result {
                     Ok(()) => Check::new(
                         format!("cuda.init.gpu{i}"),
-                        Status::Pass,
+                        CheckStatus::Pass,
                         "context, allocation, copy ok",
                         expected,
                     ),
-                    Err(e) => Check::new(format!("cuda.init.gpu{i}"), Status::Fail, e.clone(), expected)
+                    Err(e) => Check::new(format!("cuda.init.gpu{i}"), CheckStatus::Fail, e.clone(), expected)
                         .remedy(remedy),
                 });
             }
@@ -385,13 +391,17 @@ pub fn cuda(outcome: &cuda::Outcome, n: usize) -> Vec<Check> {
 }
 
 /// One row per size (`nccl.allreduce.<bytes>`) and `nccl.busbw` against the class floor.
-pub fn nccl(outcome: &nccl::Outcome, class: Class, n: usize) -> Vec<Check> {
+pub fn nccl(outcome: &nccl::Outcome, class: InterconnectClass, n: usize) -> Vec<Check> {
     let expected_for = |bytes: u64| {
-        format!("busbw >= {:.0} GB/s at {} ({class})", class.busbw_floor_gbps(bytes), human_bytes(bytes))
+        format!(
+            "busbw >= {:.0} GB/s at {} ({class})",
+            topology::busbw_floor_gbps(class, bytes),
+            human_bytes(bytes)
+        )
     };
     match outcome {
         nccl::Outcome::Skipped(why) => vec![Check::skipped("nccl.busbw", why, "all_reduce busbw at the class floor")],
-        nccl::Outcome::Failed(e) => vec![Check::new("nccl.busbw", Status::Fail, e.clone(), "all_reduce over all GPUs completes")
+        nccl::Outcome::Failed(e) => vec![Check::new("nccl.busbw", CheckStatus::Fail, e.clone(), "all_reduce over all GPUs completes")
             .remedy("NCCL could not run over this node's GPUs: rerun with NCCL_DEBUG=INFO to see the transport that failed")],
         nccl::Outcome::Ran { version, results } => {
             let mut checks: Vec<Check> = results
@@ -400,7 +410,7 @@ pub fn nccl(outcome: &nccl::Outcome, class: Class, n: usize) -> Vec<Check> {
                     let busbw = if n < 2 { "busbw n/a (1 GPU)".to_string() } else { format!("busbw {:.1} GB/s", r.busbw_gbps) };
                     Check::new(
                         format!("nccl.allreduce.{}", r.bytes),
-                        Status::Pass,
+                        CheckStatus::Pass,
                         format!("{}: {:.1} us, algbw {:.1} GB/s, {busbw}", human_bytes(r.bytes), r.time_us, r.algbw_gbps),
                         format!("recorded (NCCL {version}, {n} GPUs)"),
                     )
@@ -425,13 +435,13 @@ pub fn nccl(outcome: &nccl::Outcome, class: Class, n: usize) -> Vec<Check> {
                 ));
                 return checks;
             }
-            let floor = class.busbw_floor_gbps(last.bytes);
+            let floor = topology::busbw_floor_gbps(class, last.bytes);
             let status = if last.busbw_gbps >= floor {
-                Status::Pass
+                CheckStatus::Pass
             } else if last.busbw_gbps >= floor / 2.0 {
-                Status::Warn
+                CheckStatus::Warn
             } else {
-                Status::Fail
+                CheckStatus::Fail
             };
             checks.push(
                 Check::new("nccl.busbw", status, format!("{:.1} GB/s at {}", last.busbw_gbps, human_bytes(last.bytes)), expected_for(last.bytes))
@@ -473,20 +483,20 @@ mod tests {
                 results: vec![SizeResult::new(bytes, 8, bytes as f64 / (algbw * 1e9) * 1e6)],
             }
         };
-        let status = |o: &Outcome| nccl(o, Class::NvSwitch, 8).last().unwrap().status;
-        assert_eq!(status(&ran(380.0)), Status::Pass);
-        assert_eq!(status(&ran(250.0)), Status::Warn);
-        assert_eq!(status(&ran(100.0)), Status::Fail);
-        let rows = nccl(&ran(380.0), Class::NvSwitch, 8);
+        let status = |o: &Outcome| nccl(o, InterconnectClass::Nvswitch, 8).last().unwrap().status;
+        assert_eq!(status(&ran(380.0)), CheckStatus::Pass);
+        assert_eq!(status(&ran(250.0)), CheckStatus::Warn);
+        assert_eq!(status(&ran(100.0)), CheckStatus::Fail);
+        let rows = nccl(&ran(380.0), InterconnectClass::Nvswitch, 8);
         assert_eq!(rows[0].id, "nccl.allreduce.1073741824");
         assert!(rows[1].measured.starts_with("380.0 GB/s at 1 GiB"), "{}", rows[1].measured);
-        assert_eq!(nccl(&Outcome::Skipped("x".into()), Class::Pcie, 8)[0].measured, "skipped: x");
+        assert_eq!(nccl(&Outcome::Skipped("x".into()), InterconnectClass::Pcie, 8)[0].measured, "skipped: x");
         // One GPU: the sweep's rows are recorded, busbw is skipped with the reason, never a pass.
         let one = Outcome::Ran { version: "2.28.9".into(), results: vec![SizeResult::new(1 << 20, 1, 20.0)] };
-        let rows = nccl(&one, Class::Pcie, 1);
-        assert_eq!(rows[0].status, Status::Pass);
+        let rows = nccl(&one, InterconnectClass::Pcie, 1);
+        assert_eq!(rows[0].status, CheckStatus::Pass);
         assert!(rows[0].measured.contains("busbw n/a (1 GPU)"), "{}", rows[0].measured);
-        assert_eq!(rows[1].status, Status::Skipped);
+        assert_eq!(rows[1].status, CheckStatus::Skipped);
         assert!(rows[1].measured.starts_with("skipped: 1 GPU: NCCL 2.28.9 ran"), "{}", rows[1].measured);
     }
 
@@ -498,13 +508,13 @@ mod tests {
         };
         let checks = host(&facts, &BTreeMap::new());
         let p2p = checks.iter().find(|c| c.id == "env.nccl_p2p_disable").unwrap();
-        assert_eq!(p2p.status, Status::Pass);
+        assert_eq!(p2p.status, CheckStatus::Pass);
         let job = [("NCCL_P2P_DISABLE".to_string(), "1".to_string())].into();
         let checks = host(&facts, &job);
         let p2p = checks.iter().find(|c| c.id == "env.nccl_p2p_disable").unwrap();
         assert_eq!(
             (p2p.status, p2p.measured.as_str()),
-            (Status::Fail, "NCCL_P2P_DISABLE=1 (job environment)")
+            (CheckStatus::Fail, "NCCL_P2P_DISABLE=1 (job environment)")
         );
     }
 }

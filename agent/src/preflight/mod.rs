@@ -25,96 +25,44 @@ pub mod runner;
 pub mod table;
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 
 pub use facts::HostFacts;
 use trainyard_proto::v1::{PreflightCheck, PreflightReport};
+use trainyard_proto::words::{CheckStatus, PreflightLevel, UnknownWord, Verdict};
 
 use crate::topology::{self, Topology};
 use host::HostProbe;
 
-/// How much the preflight does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Level {
-    /// Inventory, topology, host checks, NVML health, CUDA init: seconds.
-    Quick,
-    /// Quick plus an NCCL all_reduce sweep up to 256 MiB.
-    Standard,
-    /// Quick plus an NCCL all_reduce sweep up to 1 GiB, where busbw peaks.
-    Full,
+/// The all_reduce message sizes of the NCCL sweep at `level`: none for `quick`; up to 256 MiB
+/// for `standard`; up to 1 GiB, where busbw peaks, for `full`.
+pub fn sweep_sizes(level: PreflightLevel) -> Vec<u64> {
+    let max: u64 = match level {
+        PreflightLevel::None | PreflightLevel::Quick => return Vec::new(),
+        PreflightLevel::Standard => 256 << 20,
+        PreflightLevel::Full => 1 << 30,
+    };
+    // 1 MiB, 4 MiB, ... by factors of 4, ending exactly at the level's maximum.
+    let mut sizes: Vec<u64> =
+        std::iter::successors(Some(1u64 << 20), |s| Some(s * 4)).take_while(|s| *s < max).collect();
+    sizes.push(max);
+    sizes
 }
 
-impl Level {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Level::Quick => "quick",
-            Level::Standard => "standard",
-            Level::Full => "full",
+/// The level a job spec asks for before launch: `None` for `none` or empty (no preflight).
+pub fn level_for_job(spec_level: &str) -> Result<Option<PreflightLevel>, UnknownWord> {
+    match spec_level.trim() {
+        "" => Ok(None),
+        word => word.parse().map(|level| Some(level).filter(|l| *l != PreflightLevel::None)),
+    }
+}
+
+/// A level a preflight can run at, from its word: `quick`, `standard` or `full`.
+pub fn runnable_level(word: &str) -> Result<PreflightLevel, String> {
+    match word.parse::<PreflightLevel>().map_err(|e| e.to_string())? {
+        PreflightLevel::None => {
+            Err("preflight level \"none\" runs no check: use quick, standard or full".into())
         }
-    }
-
-    /// The all_reduce message sizes of the NCCL sweep (none for `quick`).
-    pub fn sweep_sizes(self) -> Vec<u64> {
-        let max: u64 = match self {
-            Level::Quick => return Vec::new(),
-            Level::Standard => 256 << 20,
-            Level::Full => 1 << 30,
-        };
-        // 1 MiB, 4 MiB, ... by factors of 4, ending exactly at the level's maximum.
-        let mut sizes: Vec<u64> =
-            std::iter::successors(Some(1u64 << 20), |s| Some(s * 4)).take_while(|s| *s < max).collect();
-        sizes.push(max);
-        sizes
-    }
-
-    /// The level a job spec asks for: `None` for "none" or empty (no preflight before launch).
-    pub fn for_job(spec_level: &str) -> Result<Option<Level>, String> {
-        match spec_level.trim() {
-            "" | "none" => Ok(None),
-            other => other.parse().map(Some),
-        }
-    }
-}
-
-impl FromStr for Level {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "quick" => Ok(Level::Quick),
-            "standard" => Ok(Level::Standard),
-            "full" => Ok(Level::Full),
-            other => Err(format!("unknown preflight level {other:?} (quick, standard, full)")),
-        }
-    }
-}
-
-/// A check's outcome; the order is best to worst, and a report's verdict is the worst.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Status {
-    /// The check could not run (a library or a fact is missing); counts as pass in the
-    /// verdict, and says why in `measured`.
-    Skipped,
-    Pass,
-    Warn,
-    Fail,
-}
-
-impl Status {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Status::Skipped => "skipped",
-            Status::Pass => "pass",
-            Status::Warn => "warn",
-            Status::Fail => "fail",
-        }
-    }
-}
-
-impl fmt::Display for Status {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        level => Ok(level),
     }
 }
 
@@ -122,7 +70,7 @@ impl fmt::Display for Status {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Check {
     pub id: String,
-    pub status: Status,
+    pub status: CheckStatus,
     pub measured: String,
     pub expected: String,
     pub remedy: String,
@@ -131,7 +79,7 @@ pub struct Check {
 impl Check {
     pub fn new(
         id: impl Into<String>,
-        status: Status,
+        status: CheckStatus,
         measured: impl Into<String>,
         expected: impl Into<String>,
     ) -> Self {
@@ -146,7 +94,7 @@ impl Check {
 
     /// A skipped check: `measured` reads `skipped: <why>`.
     pub fn skipped(id: impl Into<String>, why: &str, expected: impl Into<String>) -> Self {
-        Self::new(id, Status::Skipped, format!("skipped: {why}"), expected)
+        Self::new(id, CheckStatus::Skipped, format!("skipped: {why}"), expected)
     }
 
     pub fn remedy(mut self, remedy: impl Into<String>) -> Self {
@@ -156,7 +104,7 @@ impl Check {
 
     /// The remedy only when the check did not pass.
     pub fn remedy_if_bad(self, remedy: impl Into<String>) -> Self {
-        if matches!(self.status, Status::Warn | Status::Fail) { self.remedy(remedy) } else { self }
+        if matches!(self.status, CheckStatus::Warn | CheckStatus::Fail) { self.remedy(remedy) } else { self }
     }
 
     fn into_proto(self) -> PreflightCheck {
@@ -173,19 +121,24 @@ impl Check {
 /// What a preflight is asked to do.
 #[derive(Debug, Clone)]
 pub struct Request<'a> {
-    pub level: Level,
+    pub level: PreflightLevel,
     pub agent_id: &'a str,
     /// The job's environment overlay (empty outside a launch): checked with the agent's own.
     pub job_env: &'a BTreeMap<String, String>,
 }
 
-/// The worst status of `checks`, skipped counting as pass.
-pub fn verdict(checks: &[Check]) -> Status {
-    checks
-        .iter()
-        .map(|c| if c.status == Status::Skipped { Status::Pass } else { c.status })
-        .max()
-        .unwrap_or(Status::Pass)
+/// The report's verdict: the worst status of `checks`, skipped counting as pass.
+pub fn verdict(checks: &[Check]) -> Verdict {
+    let severity = |status| match status {
+        CheckStatus::Fail => 2,
+        CheckStatus::Warn => 1,
+        CheckStatus::Pass | CheckStatus::Skipped => 0,
+    };
+    match checks.iter().map(|c| severity(c.status)).max() {
+        Some(2) => Verdict::Fail,
+        Some(1) => Verdict::Warn,
+        _ => Verdict::Pass,
+    }
 }
 
 /// Runs the preflight: gathers through `probe`, decides with [`checks`]. Blocking (NVML, CUDA
@@ -209,7 +162,7 @@ pub fn run(request: &Request<'_>, probe: &dyn HostProbe, facts: &HostFacts) -> P
         Ok(pair) => pair,
         Err(e) => {
             all.push(
-                Check::new("inventory", Status::Fail, e, "the host's GPUs, links and NUMA nodes")
+                Check::new("inventory", CheckStatus::Fail, e, "the host's GPUs, links and NUMA nodes")
                     .remedy("fix the host description (or the driver, for NVML) and run the preflight again"),
             );
             return finish(report, all);
@@ -238,9 +191,9 @@ pub fn run(request: &Request<'_>, probe: &dyn HostProbe, facts: &HostFacts) -> P
         }
     }
     let cuda_checks = checks::cuda(&cuda, n);
-    let cuda_failed = verdict(&cuda_checks) == Status::Fail;
+    let cuda_failed = verdict(&cuda_checks) == Verdict::Fail;
     all.extend(cuda_checks);
-    let sizes = request.level.sweep_sizes();
+    let sizes = sweep_sizes(request.level);
     if !sizes.is_empty() {
         // A node whose CUDA init failed fails now: NCCL on it would only hang or fail again.
         let sweep = if cuda_failed {
@@ -269,7 +222,7 @@ pub fn failure_reason(report: &PreflightReport) -> Option<String> {
     report
         .checks
         .iter()
-        .find(|c| c.status == Status::Fail.as_str())
+        .find(|c| c.status() == Ok(CheckStatus::Fail))
         .map(|c| format!("preflight failed: {}: {} (expected {})", c.id, c.measured, c.expected))
 }
 
@@ -306,23 +259,29 @@ mod tests {
 
     #[test]
     fn levels_and_sweeps() {
-        assert!(Level::Quick.sweep_sizes().is_empty());
-        let standard = Level::Standard.sweep_sizes();
+        assert!(sweep_sizes(PreflightLevel::Quick).is_empty());
+        let standard = sweep_sizes(PreflightLevel::Standard);
         assert_eq!(standard.first(), Some(&(1 << 20)));
         assert_eq!(standard.last(), Some(&(256 << 20)));
-        assert_eq!(Level::Full.sweep_sizes().last(), Some(&(1 << 30)));
-        assert_eq!(Level::for_job("none"), Ok(None));
-        assert_eq!(Level::for_job(""), Ok(None));
-        assert_eq!(Level::for_job("full"), Ok(Some(Level::Full)));
-        assert!(Level::for_job("fast").is_err());
+        assert_eq!(sweep_sizes(PreflightLevel::Full).last(), Some(&(1 << 30)));
+        assert_eq!(level_for_job("none"), Ok(None));
+        assert_eq!(level_for_job(""), Ok(None));
+        assert_eq!(level_for_job("full"), Ok(Some(PreflightLevel::Full)));
+        assert!(level_for_job("fast").is_err());
+        assert_eq!(runnable_level("standard"), Ok(PreflightLevel::Standard));
+        assert!(runnable_level("none").unwrap_err().contains("runs no check"));
+        assert!(runnable_level("fast").unwrap_err().contains("expected one of none, quick, standard, full"));
     }
 
     #[test]
     fn verdict_is_the_worst_and_skipped_counts_as_pass() {
         let c = |s| Check::new("x", s, "", "");
-        assert_eq!(verdict(&[]), Status::Pass);
-        assert_eq!(verdict(&[c(Status::Skipped)]), Status::Pass);
-        assert_eq!(verdict(&[c(Status::Pass), c(Status::Warn), c(Status::Skipped)]), Status::Warn);
-        assert_eq!(verdict(&[c(Status::Fail), c(Status::Warn)]), Status::Fail);
+        assert_eq!(verdict(&[]), Verdict::Pass);
+        assert_eq!(verdict(&[c(CheckStatus::Skipped)]), Verdict::Pass);
+        assert_eq!(
+            verdict(&[c(CheckStatus::Pass), c(CheckStatus::Warn), c(CheckStatus::Skipped)]),
+            Verdict::Warn
+        );
+        assert_eq!(verdict(&[c(CheckStatus::Fail), c(CheckStatus::Warn)]), Verdict::Fail);
     }
 }

@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use trainyard_proto::v1::PreflightReport;
 
-use super::{HostFacts, Level, Request};
+use trainyard_proto::words::{CheckStatus, PreflightLevel, Verdict};
+
+use super::{HostFacts, Request};
 use crate::layout::write_atomic;
 use crate::preflight::host::HostProbe;
 
@@ -36,7 +38,7 @@ impl Runner {
 
     /// Runs a preflight at `level` with the job's environment overlay `job_env` (empty outside a
     /// launch) on a blocking thread, and remembers the report as the latest.
-    pub async fn run(&self, level: Level, job_env: BTreeMap<String, String>) -> PreflightReport {
+    pub async fn run(&self, level: PreflightLevel, job_env: BTreeMap<String, String>) -> PreflightReport {
         let (agent_id, probe) = (self.agent_id.clone(), self.probe.clone());
         let report = tokio::task::spawn_blocking(move || {
             let facts = probe.host_facts().unwrap_or_else(HostFacts::gather);
@@ -55,7 +57,7 @@ impl Runner {
 }
 
 /// A report that fails the node because the preflight itself panicked.
-fn panicked(agent_id: &str, level: Level, error: &str) -> PreflightReport {
+fn panicked(agent_id: &str, level: PreflightLevel, error: &str) -> PreflightReport {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64);
@@ -64,11 +66,11 @@ fn panicked(agent_id: &str, level: Level, error: &str) -> PreflightReport {
         level: level.as_str().to_string(),
         started_at_ms: now,
         finished_at_ms: now,
-        verdict: "fail".into(),
+        verdict: Verdict::Fail.to_string(),
         local_id: format!("{agent_id}-{now}"),
         checks: vec![trainyard_proto::v1::PreflightCheck {
             id: "preflight".into(),
-            status: "fail".into(),
+            status: CheckStatus::Fail.to_string(),
             measured: format!("the preflight crashed: {error}"),
             expected: "the preflight completes".into(),
             remedy: "run `trainyard-agent preflight` on the node to see the failure".into(),

@@ -7,7 +7,9 @@ use std::fmt::Write;
 
 use trainyard_proto::contract::cpulist;
 
-use super::{Class, Link, Topology};
+use trainyard_proto::words::InterconnectClass;
+
+use super::{Link, Topology};
 
 /// The class, the NUMA layout per GPU, the NICs, and what each means for a training job.
 pub fn explain(t: &Topology) -> String {
@@ -65,22 +67,22 @@ pub fn explain(t: &Topology) -> String {
     out
 }
 
-fn class_meaning(class: Class, n: usize) -> String {
+fn class_meaning(class: InterconnectClass, n: usize) -> String {
     if n < 2 {
         return "one GPU: no GPU-to-GPU traffic, so the interconnect does not limit a single-GPU job".into();
     }
     match class {
-        Class::NvSwitch => "every GPU pair on NVLink through NVSwitch (NV18 on H100/H200 SXM): ~450 GB/s per GPU and \
+        InterconnectClass::Nvswitch => "every GPU pair on NVLink through NVSwitch (NV18 on H100/H200 SXM): ~450 GB/s per GPU and \
              direction; NCCL all_reduce reaches ~370-410 GB/s bus bandwidth at ~1 GB. nanochat d26 on 8 such GPUs: \
              702 ms per step, 8.2 % of it communication"
             .into(),
-        Class::NvlinkPairs => "NVLink inside GPU pairs only (H100 NVL: 300 GB/s in a pair), PCIe between pairs: \
+        InterconnectClass::NvlinkPairs => "NVLink inside GPU pairs only (H100 NVL: 300 GB/s in a pair), PCIe between pairs: \
              nanochat d26 ran 2031 ms per step against 702 ms on NVSwitch (2.9x), its NCCL kernel time 7.7x"
             .into(),
-        Class::Pcie => "no NVLink: every collective crosses PCIe (~64 GB/s per GPU): nanochat d26 ran 1412 ms per \
+        InterconnectClass::Pcie => "no NVLink: every collective crosses PCIe (~64 GB/s per GPU): nanochat d26 ran 1412 ms per \
              step against 702 ms on NVSwitch (2.0x), its NCCL kernel time 7.3x"
             .into(),
-        Class::Mixed => "some GPU pairs on NVLink and some not (or unequal link counts): on a node built as SXM a \
+        InterconnectClass::Mixed => "some GPU pairs on NVLink and some not (or unequal link counts): on a node built as SXM a \
              link or an NVSwitch is down; ring collectives run at the slowest hop, ~7x slower than NVSwitch \
              (check `nvidia-smi nvlink -s` and the fabric manager)"
             .into(),

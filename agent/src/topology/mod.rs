@@ -11,13 +11,13 @@ mod parse;
 mod render;
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 pub use explain::{compare, explain};
 pub use link::Link;
 pub use parse::{ParseError, parse};
 pub use render::render;
 use trainyard_proto::v1::HostInventory;
+use trainyard_proto::words::InterconnectClass;
 
 use trainyard_proto::contract::cpulist;
 
@@ -106,8 +106,8 @@ impl Topology {
     }
 
     /// The interconnect class that the GPU-GPU links make.
-    pub fn class(&self) -> Class {
-        Class::of(&self.links)
+    pub fn class(&self) -> InterconnectClass {
+        classify(&self.links)
     }
 
     /// GPUs per NUMA node, in node order; GPUs without a NUMA node are left out.
@@ -141,81 +141,55 @@ impl Topology {
 /// NVLink4 links per H100/H200 SXM GPU (`NV18`).
 const FULL_NVLINK4: u32 = 18;
 
-/// The node's interconnect class, from the GPU-GPU links.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Class {
-    /// Every GPU pair on NVLink with the same (full) link count: `NV18` everywhere on H100/H200
-    /// SXM, which only an NVSwitch fabric gives 8 GPUs.
-    NvSwitch,
-    /// NVLink only inside pairs (H100 NVL: `NV12` in a pair), PCIe between pairs.
-    NvlinkPairs,
-    /// No NVLink at all (H100 PCIe).
-    Pcie,
-    /// Anything else: some pairs on NVLink, some not, or unequal counts. On a node that should
-    /// be `nvswitch` this means a link or a switch is down.
-    Mixed,
+/// Classifies an n x n link matrix. A single GPU has no GPU-GPU path: `pcie`.
+pub fn classify(links: &[Vec<Link>]) -> InterconnectClass {
+    let n = links.len();
+    let pairs: Vec<Link> =
+        (0..n).flat_map(|i| (i + 1..n).map(move |j| (i, j))).map(|(i, j)| links[i][j]).collect();
+    let nv_counts: Vec<u32> = pairs.iter().filter_map(|l| l.nvlinks()).collect();
+    if nv_counts.is_empty() {
+        return InterconnectClass::Pcie;
+    }
+    let all_nv_equal = nv_counts.len() == pairs.len() && nv_counts.iter().all(|&c| c == nv_counts[0]);
+    // Two GPUs with all 18 NVLink4 links to each other are a slice of an NVSwitch node
+    // (a 2-GPU VM of an 8xH100 SXM host): an NVL bridge gives a pair 12.
+    if all_nv_equal && (n > 2 || nv_counts[0] >= FULL_NVLINK4) {
+        return InterconnectClass::Nvswitch;
+    }
+    // Pairs: every GPU has exactly one NVLink peer.
+    let one_peer_each =
+        (0..n).all(|i| (0..n).filter(|&j| j != i && links[i][j].nvlinks().is_some()).count() == 1);
+    if one_peer_each { InterconnectClass::NvlinkPairs } else { InterconnectClass::Mixed }
 }
 
-impl Class {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Class::NvSwitch => "nvswitch",
-            Class::NvlinkPairs => "nvlink-pairs",
-            Class::Pcie => "pcie",
-            Class::Mixed => "mixed",
-        }
+/// Expected all_reduce bus bandwidth (GB/s) at 1 GiB on a healthy 8-GPU node of `class`.
+///
+/// NVSwitch: the field reports (docs/field-notes.md §1) measure ~370-410 GB/s busbw at ~1 GB
+/// on 8xH100 SXM; we expect the low end, 370. PCIe and NVL: the same reports measured 7.3x
+/// (PCIe) and 7.7x (NVL) the NCCL kernel time of SXM for the same traffic (28.5 s and 30.1 s
+/// vs 3.9 s per 10 steps), matching the ~7x link-bandwidth ratio (450 vs 64 GB/s per GPU),
+/// hence 370/7.3 ≈ 50 and 370/7.7 ≈ 48. Mixed: a ring runs at its slowest hop, so PCIe's
+/// figure.
+pub fn expected_busbw_gbps(class: InterconnectClass) -> f64 {
+    match class {
+        InterconnectClass::Nvswitch => 370.0,
+        InterconnectClass::Pcie | InterconnectClass::Mixed => 50.0,
+        InterconnectClass::NvlinkPairs => 48.0,
     }
+}
 
-    /// Classifies an n x n link matrix. A single GPU has no GPU-GPU path: `pcie`.
-    pub fn of(links: &[Vec<Link>]) -> Class {
-        let n = links.len();
-        let pairs: Vec<Link> =
-            (0..n).flat_map(|i| (i + 1..n).map(move |j| (i, j))).map(|(i, j)| links[i][j]).collect();
-        let nv_counts: Vec<u32> = pairs.iter().filter_map(|l| l.nvlinks()).collect();
-        if nv_counts.is_empty() {
-            return Class::Pcie;
-        }
-        let all_nv_equal = nv_counts.len() == pairs.len() && nv_counts.iter().all(|&c| c == nv_counts[0]);
-        // Two GPUs with all 18 NVLink4 links to each other are a slice of an NVSwitch node
-        // (a 2-GPU VM of an 8xH100 SXM host): an NVL bridge gives a pair 12.
-        if all_nv_equal && (n > 2 || nv_counts[0] >= FULL_NVLINK4) {
-            return Class::NvSwitch;
-        }
-        // Pairs: every GPU has exactly one NVLink peer.
-        let one_peer_each =
-            (0..n).all(|i| (0..n).filter(|&j| j != i && links[i][j].nvlinks().is_some()).count() == 1);
-        if one_peer_each { Class::NvlinkPairs } else { Class::Mixed }
-    }
-
-    /// Expected all_reduce bus bandwidth (GB/s) at 1 GiB on a healthy 8-GPU node of this class.
-    ///
-    /// NVSwitch: the field reports (docs/field-notes.md §1) measure ~370-410 GB/s busbw at ~1 GB
-    /// on 8xH100 SXM; we expect the low end, 370. PCIe and NVL: the same reports measured 7.3x
-    /// (PCIe) and 7.7x (NVL) the NCCL kernel time of SXM for the same traffic (28.5 s and 30.1 s
-    /// vs 3.9 s per 10 steps), matching the ~7x link-bandwidth ratio (450 vs 64 GB/s per GPU),
-    /// hence 370/7.3 ≈ 50 and 370/7.7 ≈ 48. Mixed: a ring runs at its slowest hop, so PCIe's
-    /// figure.
-    pub fn expected_busbw_gbps(self) -> f64 {
-        match self {
-            Class::NvSwitch => 370.0,
-            Class::Pcie | Class::Mixed => 50.0,
-            Class::NvlinkPairs => 48.0,
-        }
-    }
-
-    /// The busbw floor (GB/s) the largest message of a sweep up to `bytes` must reach.
-    ///
-    /// 85 % of the expectation: a healthy node varies by a few percent run to run, while the
-    /// faults this is for cost far more (a NUMA split 1.8x the step time, SHM disabled 3.2x, a
-    /// node falling back from NVLink to PCIe ~7x), so a 15 % margin separates the two. Below
-    /// 1 GiB, NCCL does not reach its peak: the field reports (docs/field-notes.md §1) measure
-    /// ~150 GB/s at 58 MB against ~370 at 1 GB on NVSwitch, so the floor scales log-linearly
-    /// between those two points (the same shape for every class, which is conservative for PCIe,
-    /// whose curve flattens earlier).
-    pub fn busbw_floor_gbps(self, bytes: u64) -> f64 {
-        const MARGIN: f64 = 0.85;
-        self.expected_busbw_gbps() * MARGIN * size_efficiency(bytes)
-    }
+/// The busbw floor (GB/s) the largest message of a sweep up to `bytes` must reach.
+///
+/// 85 % of the expectation: a healthy node varies by a few percent run to run, while the
+/// faults this is for cost far more (a NUMA split 1.8x the step time, SHM disabled 3.2x, a
+/// node falling back from NVLink to PCIe ~7x), so a 15 % margin separates the two. Below
+/// 1 GiB, NCCL does not reach its peak: the field reports (docs/field-notes.md §1) measure
+/// ~150 GB/s at 58 MB against ~370 at 1 GB on NVSwitch, so the floor scales log-linearly
+/// between those two points (the same shape for every class, which is conservative for PCIe,
+/// whose curve flattens earlier).
+pub fn busbw_floor_gbps(class: InterconnectClass, bytes: u64) -> f64 {
+    const MARGIN: f64 = 0.85;
+    expected_busbw_gbps(class) * MARGIN * size_efficiency(bytes)
 }
 
 /// Fraction of the 1 GiB bus bandwidth an all_reduce of `bytes` reaches (docs/field-notes.md §1:
@@ -230,12 +204,6 @@ pub fn size_efficiency(bytes: u64) -> f64 {
     SMALL_FRACTION + t * (1.0 - SMALL_FRACTION)
 }
 
-impl fmt::Display for Class {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,31 +216,37 @@ mod tests {
 
     #[test]
     fn classes() {
-        assert_eq!(Class::of(&matrix(8, |_, _| "NV18")), Class::NvSwitch);
+        assert_eq!(classify(&matrix(8, |_, _| "NV18")), InterconnectClass::Nvswitch);
         assert_eq!(
-            Class::of(&matrix(8, |i, j| if i / 2 == j / 2 { "NV12" } else { "SYS" })),
-            Class::NvlinkPairs
+            classify(&matrix(8, |i, j| if i / 2 == j / 2 { "NV12" } else { "SYS" })),
+            InterconnectClass::NvlinkPairs
         );
-        assert_eq!(Class::of(&matrix(8, |i, j| if i / 4 == j / 4 { "NODE" } else { "SYS" })), Class::Pcie);
+        assert_eq!(
+            classify(&matrix(8, |i, j| if i / 4 == j / 4 { "NODE" } else { "SYS" })),
+            InterconnectClass::Pcie
+        );
         // One pair down to 16 links: not the fabric that was paid for.
         assert_eq!(
-            Class::of(&matrix(8, |i, j| if (i, j) == (2, 5) || (i, j) == (5, 2) { "NV16" } else { "NV18" })),
-            Class::Mixed
+            classify(&matrix(8, |i, j| if (i, j) == (2, 5) || (i, j) == (5, 2) { "NV16" } else { "NV18" })),
+            InterconnectClass::Mixed
         );
-        assert_eq!(Class::of(&matrix(8, |i, j| if i == 7 || j == 7 { "SYS" } else { "NV18" })), Class::Mixed);
-        assert_eq!(Class::of(&matrix(1, |_, _| "X")), Class::Pcie);
-        assert_eq!(Class::of(&matrix(2, |_, _| "NV12")), Class::NvlinkPairs);
-        assert_eq!(Class::of(&matrix(2, |_, _| "NV18")), Class::NvSwitch);
+        assert_eq!(
+            classify(&matrix(8, |i, j| if i == 7 || j == 7 { "SYS" } else { "NV18" })),
+            InterconnectClass::Mixed
+        );
+        assert_eq!(classify(&matrix(1, |_, _| "X")), InterconnectClass::Pcie);
+        assert_eq!(classify(&matrix(2, |_, _| "NV12")), InterconnectClass::NvlinkPairs);
+        assert_eq!(classify(&matrix(2, |_, _| "NV18")), InterconnectClass::Nvswitch);
     }
 
     #[test]
     fn floors_scale_with_message_size() {
         let gib = 1u64 << 30;
-        assert!((Class::NvSwitch.busbw_floor_gbps(gib) - 314.5).abs() < 0.1);
-        let at_256 = Class::NvSwitch.busbw_floor_gbps(256 << 20);
+        assert!((busbw_floor_gbps(InterconnectClass::Nvswitch, gib) - 314.5).abs() < 0.1);
+        let at_256 = busbw_floor_gbps(InterconnectClass::Nvswitch, 256 << 20);
         assert!(at_256 > 200.0 && at_256 < 260.0, "{at_256}");
         assert!((size_efficiency(58_000_000) - 150.0 / 370.0).abs() < 1e-9);
         assert_eq!(size_efficiency(4 << 30), 1.0);
-        assert!(Class::Pcie.busbw_floor_gbps(gib) < 45.0);
+        assert!(busbw_floor_gbps(InterconnectClass::Pcie, gib) < 45.0);
     }
 }

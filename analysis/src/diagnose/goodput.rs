@@ -14,6 +14,8 @@
 //! Between attempts, **restart** is the time from one attempt's end to the next one's
 //! placement. Goodput is training less lost, over the job's wall time.
 
+use trainyard_model::domain::ReceiptKind;
+
 /// What the events and rank 0's receipts say about one attempt.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct AttemptFacts {
@@ -41,9 +43,9 @@ impl AttemptFacts {
             .and_then(|v| v.get("duration_ms").and_then(serde_json::Value::as_f64))
             .filter(|t| t.is_finite() && *t >= 0.0)
             .unwrap_or(0.0);
-        match kind {
-            "eval" => self.eval_ms += ms,
-            "checkpoint" => self.checkpoint_ms += ms,
+        match ReceiptKind::parse(kind) {
+            Some(ReceiptKind::Eval) => self.eval_ms += ms,
+            Some(ReceiptKind::Checkpoint) => self.checkpoint_ms += ms,
             _ => {}
         }
     }

@@ -217,9 +217,18 @@ impl Controller {
     /// done with is answered with a stop or a forget instead.
     async fn observe(&self, agent_id: &str, report: &RankReport) -> Result<()> {
         let Some(id) = report.key.map(rank_id) else { return Ok(()) };
-        let state = match report.state.parse::<RankState>() {
-            Ok(RankState::Planned) | Err(_) => {
-                tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, state = %report.state, "ignoring a rank report with a state agents do not send");
+        let state = match report.state() {
+            Ok(RankState::Planned) => {
+                tracing::warn!(
+                    agent_id,
+                    job_id = id.job_id,
+                    rank = id.rank,
+                    "ignoring a rank report of state planned, which agents do not send"
+                );
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, error = %e, "ignoring a rank report");
                 return Ok(());
             }
             Ok(state) => state,

@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use tokio::sync::mpsc;
 use trainyard_proto::v1::controller_message::Msg;
 use trainyard_proto::v1::{ControllerMessage, LogCredit, LogData, ReadLogs, StopLogs};
+use trainyard_proto::words::LogStream;
 
 use super::{Controller, ControllerError, Result};
 use trainyard_store::JobId;
@@ -26,7 +27,7 @@ const SLOW_CLIENT_NOTICE: std::time::Duration = std::time::Duration::from_secs(3
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogEvent {
     Chunk {
-        stream: String,
+        stream: LogStream,
         data: Vec<u8>,
     },
     /// The request ended with this error (the agent could not read the files, or went away).
@@ -113,10 +114,12 @@ impl Controller {
         let request_id = data.request_id;
         let tx = self.log_waiters().get(&request_id).filter(|w| w.agent_id == agent_id).map(|w| w.tx.clone());
         let Some(tx) = tx else { return };
-        let event = match (data.done, data.error.is_empty()) {
-            (true, true) => None,
-            (true, false) => Some(LogEvent::Failed(data.error)),
-            (false, _) => Some(LogEvent::Chunk { stream: data.stream, data: data.data }),
+        let event = match (data.done, data.error.is_empty(), data.stream()) {
+            (true, true, _) => None,
+            (true, false, _) => Some(LogEvent::Failed(data.error)),
+            (false, _, Ok(Some(stream))) => Some(LogEvent::Chunk { stream, data: data.data }),
+            (false, _, Ok(None)) => Some(LogEvent::Failed("the agent sent logs of no stream".into())),
+            (false, _, Err(e)) => Some(LogEvent::Failed(format!("the agent sent logs of an {e}"))),
         };
         // Never awaited: this runs on the agent's stream.
         let delivered = match event {

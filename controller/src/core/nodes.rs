@@ -12,7 +12,7 @@ use trainyard_proto::v1::{NodeInfo, RunPreflight, controller_message::Msg};
 use trainyard_model::domain::Inventory;
 
 use super::{AgentEntry, Controller, ControllerError, Core, Result, rank_done};
-use trainyard_model::domain::{PreflightLevel, Verdict};
+use trainyard_model::domain::{NodeState, PreflightLevel, Verdict};
 use trainyard_store::{AgentState, PreflightRecord};
 
 /// Levels an operator may ask an agent to run.
@@ -29,13 +29,13 @@ impl AgentEntry {
         self.preflight.as_ref().is_some_and(|r| r.verdict == Verdict::Fail)
     }
 
-    /// `connected`, `unresponsive`, `leaving` or `disconnected`, as the fleet table shows it.
-    fn state(&self) -> &'static str {
+    /// The node's state as the fleet table shows it.
+    fn state(&self) -> NodeState {
         match (self.link.is_some(), self.leaving || self.record.state == AgentState::Leaving) {
-            (true, false) if self.unresponsive => "unresponsive",
-            (true, false) => "connected",
-            (_, true) => "leaving",
-            (false, false) => "disconnected",
+            (true, false) if self.unresponsive => NodeState::Unresponsive,
+            (true, false) => NodeState::Connected,
+            (_, true) => NodeState::Leaving,
+            (false, false) => NodeState::Disconnected,
         }
     }
 }
@@ -211,7 +211,7 @@ pub fn numa_layout(inv: &Inventory) -> String {
 
 /// Why the scheduler leaves a node alone, or "" when it does not: the failing checks with what
 /// they measured, else the agent's state.
-pub fn unschedulable_reason(report: Option<&PreflightRecord>, state: &str) -> String {
+pub fn unschedulable_reason(report: Option<&PreflightRecord>, state: NodeState) -> String {
     let failing: Vec<String> =
         report
             .filter(|r| r.verdict == Verdict::Fail)
@@ -226,12 +226,12 @@ pub fn unschedulable_reason(report: Option<&PreflightRecord>, state: &str) -> St
     match (report.is_some_and(|r| r.verdict == Verdict::Fail), state) {
         (true, _) if failing.is_empty() => "preflight verdict fail".to_string(),
         (true, _) => failing.join("; "),
-        (false, "connected") => String::new(),
-        (false, "leaving") => "agent is leaving".to_string(),
-        (false, "unresponsive") => {
+        (false, NodeState::Connected) => String::new(),
+        (false, NodeState::Leaving) => "agent is leaving".to_string(),
+        (false, NodeState::Unresponsive) => {
             "agent is unresponsive: its stream is open but its heartbeats stopped".to_string()
         }
-        (false, _) => "agent is not connected".to_string(),
+        (false, NodeState::Disconnected) => "agent is not connected".to_string(),
     }
 }
 

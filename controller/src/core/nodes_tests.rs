@@ -196,12 +196,12 @@ fn numa_layout_counts_gpus_per_node() {
 fn reasons_name_failing_checks_or_the_state() {
     let record = |r: PreflightReport| trainyard_store::PreflightRecord::try_from(r).expect("known words");
     let bad = record(report("h", 1, &[("host.shm", "")]));
-    assert_eq!(unschedulable_reason(Some(&bad), "connected"), "host.shm");
+    assert_eq!(unschedulable_reason(Some(&bad), NodeState::Connected), "host.shm");
     let no_checks = trainyard_store::PreflightRecord { checks: vec![], ..bad };
-    assert_eq!(unschedulable_reason(Some(&no_checks), "connected"), "preflight verdict fail");
-    assert_eq!(unschedulable_reason(None, "leaving"), "agent is leaving");
-    assert_eq!(unschedulable_reason(None, "disconnected"), "agent is not connected");
-    assert_eq!(unschedulable_reason(Some(&record(report("h", 1, &[]))), "connected"), "");
+    assert_eq!(unschedulable_reason(Some(&no_checks), NodeState::Connected), "preflight verdict fail");
+    assert_eq!(unschedulable_reason(None, NodeState::Leaving), "agent is leaving");
+    assert_eq!(unschedulable_reason(None, NodeState::Disconnected), "agent is not connected");
+    assert_eq!(unschedulable_reason(Some(&record(report("h", 1, &[]))), NodeState::Connected), "");
 }
 
 /// An agent whose stream stays open but sends nothing is `unresponsive` after

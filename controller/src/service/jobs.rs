@@ -304,7 +304,7 @@ impl Jobs for JobsService {
                     if taken == CREDIT_EVERY {
                         reading.controller.log_credit(request_id, std::mem::take(&mut taken));
                     }
-                    Ok(LogChunk { stream, data })
+                    Ok(LogChunk { stream: stream.to_string(), data })
                 }
                 LogEvent::Failed(why) => Err(Status::unavailable(why)),
             }

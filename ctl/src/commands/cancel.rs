@@ -7,6 +7,7 @@ use trainyard_proto::v1::{CancelRequest, GetJobRequest, Job, RankStatus};
 
 use super::is_terminal;
 use crate::client::Controller;
+use trainyard_proto::words::{JobState, RankState};
 
 const POLL_EVERY: Duration = Duration::from_millis(200);
 const GIVE_UP_AFTER: Duration = Duration::from_secs(60);
@@ -17,15 +18,16 @@ pub async fn run(ctl: &mut Controller, job_id: u64) -> anyhow::Result<()> {
         Ok(r) => r.into_inner().job.unwrap_or_default(),
         Err(status) => return Err(ctl.error(status, Some(job_id))),
     };
+    ctl.words(&job)?;
     let deadline = Instant::now() + GIVE_UP_AFTER;
     loop {
         let alive = alive_ranks(&job);
         if alive.is_empty() {
             let stopped = job.ranks.len();
-            let state = job.state.as_str();
-            if is_terminal(state) && state != "cancelled" {
+            let state = job.state();
+            if is_terminal(state.clone()) && state != Ok(JobState::Cancelled) {
                 // Cancelling a job that had already ended changes nothing; say so.
-                println!("job {job_id} had already {state}; {stopped} ranks stopped");
+                println!("job {job_id} had already {}; {stopped} ranks stopped", job.state);
             } else {
                 println!("cancelled job {job_id}; {stopped} ranks stopped");
             }
@@ -44,17 +46,18 @@ pub async fn run(ctl: &mut Controller, job_id: u64) -> anyhow::Result<()> {
             Ok(r) => r.into_inner(),
             Err(status) => return Err(ctl.error(status, Some(job_id))),
         };
+        ctl.words(&job)?;
     }
 }
 
 /// Ranks that may still have a process: not exited or lost. A rank still `planned` once the
 /// job is over was never started, so it has nothing to stop.
 fn alive_ranks(job: &Job) -> Vec<&RankStatus> {
-    let over = is_terminal(&job.state);
+    let over = is_terminal(job.state());
     job.ranks
         .iter()
-        .filter(|r| !matches!(r.state.as_str(), "exited" | "lost"))
-        .filter(|r| !(over && r.state == "planned"))
+        .filter(|r| !r.state().is_ok_and(RankState::is_done))
+        .filter(|r| !(over && r.state() == Ok(RankState::Planned)))
         .collect()
 }
 

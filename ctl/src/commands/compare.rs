@@ -16,6 +16,7 @@ pub async fn run(ctl: &mut Controller, a: u64, b: u64, json: bool) -> anyhow::Re
         Ok(r) => r.into_inner(),
         Err(status) => return Err(ctl.error(status, None)),
     };
+    ctl.words(&c)?;
     if json { print_out(&to_json(&ComparisonJson::from(&c))?) } else { print_out(&text(&c)) }
 }
 

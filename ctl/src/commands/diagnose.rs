@@ -12,6 +12,7 @@ pub async fn run(ctl: &mut Controller, job_id: u64, attempt: Option<u32>, json: 
         Ok(r) => r.into_inner(),
         Err(status) => return Err(ctl.error(status, Some(job_id))),
     };
+    ctl.words(&d)?;
     if json { print_out(&to_json(&DiagnosisJson::from(&d))?) } else { print_out(&text(&d)) }
 }
 

@@ -7,6 +7,7 @@ use std::io::Write;
 use trainyard_proto::v1::LogsRequest;
 
 use crate::client::Controller;
+use trainyard_proto::words::LogStream;
 
 pub async fn run(
     ctl: &mut Controller,
@@ -23,7 +24,8 @@ pub async fn run(
     loop {
         match stream.message().await {
             Ok(Some(chunk)) => {
-                let written = if chunk.stream == "stderr" {
+                ctl.words(&chunk)?;
+                let written = if chunk.stream() == Ok(LogStream::Stderr) {
                     std::io::stderr().write_all(&chunk.data)
                 } else {
                     std::io::stdout().write_all(&chunk.data).and_then(|()| std::io::stdout().flush())

@@ -10,9 +10,11 @@ pub mod status;
 pub mod submit;
 pub mod watch;
 
-/// States a job does not leave.
-pub fn is_terminal(state: &str) -> bool {
-    matches!(state, "succeeded" | "failed" | "cancelled")
+use trainyard_proto::words::{JobState, UnknownWord};
+
+/// A job in a state it does not leave (its words checked where the reply arrived).
+pub fn is_terminal(state: Result<JobState, UnknownWord>) -> bool {
+    state.is_ok_and(JobState::is_terminal)
 }
 
 #[cfg(test)]

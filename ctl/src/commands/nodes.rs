@@ -12,6 +12,7 @@ pub async fn run(ctl: &mut Controller, json: bool) -> anyhow::Result<()> {
         Ok(r) => r.into_inner().nodes,
         Err(status) => return Err(ctl.error(status, None)),
     };
+    ctl.words(nodes.as_slice())?;
     if json {
         let nodes: Vec<NodeJson> = nodes.iter().map(NodeJson::from).collect();
         print_out(&to_json(&nodes)?)

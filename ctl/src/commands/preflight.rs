@@ -24,6 +24,7 @@ pub async fn run(
         Ok(r) => r.into_inner(),
         Err(status) => return Err(ctl.node_error(status)),
     };
+    ctl.words(&report)?;
     if json {
         print_out(&to_json(&PreflightJson::from(&report))?)
     } else {

@@ -18,6 +18,7 @@ async fn one(ctl: &mut Controller, job_id: u64, json: bool) -> anyhow::Result<()
         Ok(r) => r.into_inner(),
         Err(status) => return Err(ctl.error(status, Some(job_id))),
     };
+    ctl.words(&job)?;
     if json {
         print_out(&to_json(&JobJson::from(&job))?)
     } else {
@@ -31,6 +32,7 @@ async fn list(ctl: &mut Controller, json: bool) -> anyhow::Result<()> {
         Ok(r) => r.into_inner().jobs,
         Err(status) => return Err(ctl.error(status, None)),
     };
+    ctl.words(jobs.as_slice())?;
     if json {
         let jobs: Vec<JobJson> = jobs.iter().map(JobJson::from).collect();
         print_out(&to_json(&jobs)?)

@@ -9,6 +9,7 @@ use trainyard_proto::v1::{GetJobRequest, JobSpec, SubmitRequest, watch_event::Ev
 use super::watch::stream_events;
 use crate::client::Controller;
 use crate::progress::Progress;
+use trainyard_proto::words::JobState;
 
 /// How often `--follow` prints a progress line at most.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
@@ -99,11 +100,10 @@ async fn follow_job(ctl: &mut Controller, job_id: u64) -> anyhow::Result<()> {
         Ok(r) => r.into_inner(),
         Err(status) => return Err(ctl.error(status, Some(job_id))),
     };
-    match job.state.as_str() {
-        "succeeded" => {
-            eprintln!("job {job_id} succeeded: {} receipts", job.receipts);
-            Ok(())
-        }
-        state => bail!("job {job_id} {state}: {}", job.reason),
+    ctl.words(&job)?;
+    if job.state() == Ok(JobState::Succeeded) {
+        eprintln!("job {job_id} succeeded: {} receipts", job.receipts);
+        return Ok(());
     }
+    bail!("job {job_id} {}: {}", job.state, job.reason)
 }

@@ -25,7 +25,12 @@ struct Fake {
 #[tonic::async_trait]
 impl Jobs for Fake {
     async fn nodes(&self, _: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
-        let node = NodeInfo { agent_id: "node-a".into(), verdict: "fail".into(), ..Default::default() };
+        let node = NodeInfo {
+            agent_id: "node-a".into(),
+            state: "connected".into(),
+            verdict: "fail".into(),
+            ..Default::default()
+        };
         Ok(Response::new(NodesResponse { nodes: vec![node] }))
     }
 
@@ -34,7 +39,13 @@ impl Jobs for Fake {
         let r = r.into_inner();
         match (r.agent_id.as_str(), r.run_level.as_str()) {
             ("node-a", "") => {
-                Ok(Response::new(PreflightReport { agent_id: r.agent_id, ..Default::default() }))
+                let (level, verdict) = ("quick".into(), "pass".into());
+                Ok(Response::new(PreflightReport {
+                    agent_id: r.agent_id,
+                    level,
+                    verdict,
+                    ..Default::default()
+                }))
             }
             ("node-a", _) => Err(Status::failed_precondition(
                 "node node-a is not connected, so it cannot run a preflight now",

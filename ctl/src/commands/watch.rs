@@ -70,13 +70,16 @@ pub async fn stream_events(
             stream.message().await
         };
         let event = match next {
-            Ok(Some(msg)) => msg.event,
+            Ok(Some(msg)) => {
+                ctl.words(&msg)?;
+                msg.event
+            }
             Ok(None) => return Ok(()),
             Err(status) => return Err(ctl.error(status, Some(job_id))),
         };
         let Some(event) = event else { continue };
         if let Event::State(s) = &event {
-            ended |= is_terminal(&s.state);
+            ended |= is_terminal(s.state());
         }
         if on(&event).is_break() {
             return Ok(());
