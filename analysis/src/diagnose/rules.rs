@@ -1,0 +1,363 @@
+//! The rules of the diagnosis, one function each, in the order their findings are listed (the
+//! crate's `diagnose` page names them). Each reads the [`Scene`]: the input, the diagnosis so far
+//! (paces, scores, cost prediction) and what several rules share.
+
+use std::collections::BTreeSet;
+
+use trainyard_model::domain::{Cause, CheckStatus};
+use trainyard_model::records::Allocation;
+
+use super::{
+    DEFAULT_DEVICE_MAX_CONNECTIONS, Diagnosis, FALLBACK_RATIO, Finding, Input, Measure, NodeSummary,
+    RankScore, SLOW_NODE_RATIO, bad, cost_of, env_on, measure, median, node_check, same_cpus,
+};
+
+/// What the rules read.
+struct Scene<'a> {
+    input: &'a Input<'a>,
+    d: &'a Diagnosis,
+    /// The fastest node's median step (or forward-backward) time.
+    fastest_ms: f64,
+    /// Nodes at least [`SLOW_NODE_RATIO`] slower than the fastest.
+    slow_nodes: Vec<&'a NodeSummary>,
+    all_nodes: Vec<String>,
+    all_ranks: Vec<u32>,
+}
+
+/// Every finding of the rules, most specific first.
+pub(super) fn findings(input: &Input<'_>, d: &Diagnosis) -> Vec<Finding> {
+    let scene = Scene {
+        input,
+        d,
+        fastest_ms: d.nodes.iter().filter_map(|n| n.median_ms).fold(f64::INFINITY, f64::min),
+        slow_nodes: d.nodes.iter().filter(|n| n.vs_fastest.is_some_and(|r| r >= SLOW_NODE_RATIO)).collect(),
+        all_nodes: d.nodes.iter().map(|n| n.agent_id.clone()).collect(),
+        all_ranks: input.allocations.iter().map(|a| a.id.rank).collect(),
+    };
+    let mut out = numa_split(&scene);
+    out.extend(binding_refused(&scene));
+    out.extend(cpu_starved(&scene));
+    out.extend(shm_disabled(&scene));
+    out.extend(p2p_disabled(&scene));
+    out.extend(device_max_connections(&scene));
+    let transport_off = out.iter().any(|f| matches!(f.cause, Cause::ShmDisabled | Cause::P2pDisabled));
+    if !transport_off {
+        out.extend(fabric_fallback(&scene));
+    }
+    let stragglers = unexplained_stragglers(&scene, &out);
+    out.extend(stragglers);
+    out
+}
+
+impl Scene<'_> {
+    /// How a slow node compares with the fastest.
+    fn pace(&self, n: &NodeSummary) -> Vec<Measure> {
+        let metric = &self.d.metric;
+        vec![
+            measure(format!("median {metric} on {}", n.agent_id), n.median_ms.unwrap_or(0.0), "ms"),
+            measure(format!("median {metric} on the fastest node"), self.fastest_ms, "ms"),
+            measure("slowdown", n.vs_fastest.unwrap_or(1.0), "x"),
+        ]
+    }
+
+    /// The measured optimizer step against the cost model's prediction.
+    fn comm_evidence(&self) -> Vec<Measure> {
+        let d = self.d;
+        let mut e = Vec::new();
+        if let Some(opt) = d.measured_optimizer_ms {
+            e.push(measure("median optimizer step (collectives included)", opt, "ms"));
+            if d.predicted_comm_ms > 0.0 {
+                e.push(measure("collectives predicted for the placement", d.predicted_comm_ms, "ms"));
+                e.push(measure("measured over predicted", opt / d.predicted_comm_ms, "x"));
+            }
+            if let Some(step) = d.median_step_ms.filter(|s| *s > 0.0) {
+                e.push(measure("optimizer share of the step", opt / step, "fraction"));
+            }
+        }
+        e
+    }
+
+    /// A finding about the whole job (every node, every rank) with its cause's cost.
+    fn job_wide(
+        &self,
+        cause: (Cause, &'static str),
+        summary: String,
+        evidence: Vec<Measure>,
+        remedy: &str,
+    ) -> Finding {
+        Finding {
+            cause: cause.0,
+            summary,
+            nodes: self.all_nodes.clone(),
+            ranks: self.all_ranks.clone(),
+            evidence,
+            expected_cost: cause.1,
+            remedy: remedy.into(),
+        }
+    }
+}
+
+/// `numa.split`: a slow node whose GPUs of this job sit on more than one NUMA node.
+fn numa_split(s: &Scene<'_>) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for n in &s.slow_nodes {
+        let numa_nodes = n.numa_layout.split(' ').filter(|p| !p.starts_with("?:")).count();
+        if numa_nodes < 2 {
+            continue;
+        }
+        let mut evidence = s.pace(n);
+        evidence.push(measure("NUMA nodes under the job's GPUs", numa_nodes as f64, ""));
+        out.push(Finding {
+            cause: Cause::NumaSplit,
+            summary: format!(
+                "{} runs {:.2}x slower than the fastest node; the job's GPUs there sit on NUMA nodes {}",
+                n.agent_id,
+                n.vs_fastest.unwrap_or(1.0),
+                n.numa_layout
+            ),
+            nodes: vec![n.agent_id.clone()],
+            ranks: n.ranks.clone(),
+            evidence,
+            expected_cost: cost_of::NUMA_SPLIT,
+            remedy: format!(
+                "keep each rank bound to its GPU's NUMA node{} and prefer nodes whose GPUs share one NUMA node \
+                 (`ctl preflight {}` shows numa.split); on a VM, ask for a shape that exposes the real NUMA layout",
+                if s.input.spec.disable_pinning { " (this job set disable_pinning: turn it off)" } else { "" },
+                n.agent_id
+            ),
+        });
+    }
+    out
+}
+
+/// `numa.binding_refused`: ranks whose binding read back from `/proc` differs from the plan.
+fn binding_refused(s: &Scene<'_>) -> Option<Finding> {
+    let refused: Vec<&Allocation> = s
+        .input
+        .allocations
+        .iter()
+        .filter(|a| !a.planned_cpus.is_empty() && !a.observed.effective_cpus.is_empty())
+        .filter(|a| {
+            !same_cpus(&a.planned_cpus, &a.observed.effective_cpus)
+                || (!a.planned_mems.is_empty() && a.planned_mems != a.observed.effective_mems)
+        })
+        .collect();
+    let first = refused.first()?;
+    let nodes: BTreeSet<String> = refused.iter().map(|a| a.agent_id.clone()).collect();
+    Some(Finding {
+        cause: Cause::NumaBindingRefused,
+        summary: format!(
+            "{} rank(s) do not run on the CPUs and memory planned for them (rank {}: planned CPUs {} memory {}, got CPUs {} memory {})",
+            refused.len(),
+            first.id.rank,
+            first.planned_cpus,
+            first.planned_mems,
+            first.observed.effective_cpus,
+            first.observed.effective_mems
+        ),
+        nodes: nodes.into_iter().collect(),
+        ranks: refused.iter().map(|a| a.id.rank).collect(),
+        evidence: vec![measure("ranks with another binding than planned", refused.len() as f64, "")],
+        expected_cost: cost_of::BINDING,
+        remedy:
+            "check the agent's log for the binding error (cgroup cpuset limits, a container without those \
+                 CPUs, numactl missing); the agent must be allowed every CPU of the node"
+                .into(),
+    })
+}
+
+/// `cpu.starved`: a slow node whose preflight found too few CPUs per GPU.
+fn cpu_starved(s: &Scene<'_>) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for n in &s.slow_nodes {
+        let Some(check) = node_check(s.input, &n.agent_id, "numa.cpus_per_gpu").filter(|c| bad(c.1)) else {
+            continue;
+        };
+        let mut evidence = s.pace(n);
+        evidence.push(measure(format!("numa.cpus_per_gpu: {}", check.0), 0.0, ""));
+        out.push(Finding {
+            cause: Cause::CpuStarved,
+            summary: format!(
+                "{} runs {:.2}x slower and its preflight found {}",
+                n.agent_id,
+                n.vs_fastest.unwrap_or(1.0),
+                check.0
+            ),
+            nodes: vec![n.agent_id.clone()],
+            ranks: n.ranks.clone(),
+            evidence,
+            expected_cost: cost_of::CPU,
+            remedy: "use a machine shape with at least 4 logical CPUs per GPU on each GPU's NUMA node, or run fewer \
+                     ranks there"
+                .into(),
+        });
+    }
+    out
+}
+
+/// `shm.disabled`: the overlay turns NCCL's shared memory off, or a node has no usable
+/// `/dev/shm`.
+fn shm_disabled(s: &Scene<'_>) -> Option<Finding> {
+    let shm_env = env_on(s.input.spec, "NCCL_SHM_DISABLE");
+    let shm_nodes: Vec<String> = s
+        .all_nodes
+        .iter()
+        .filter(|n| node_check(s.input, n, "host.shm").is_some_and(|c| c.1 == CheckStatus::Fail))
+        .cloned()
+        .collect();
+    let (summary, nodes) = match shm_env {
+        Some(v) => (
+            format!("the job's env sets NCCL_SHM_DISABLE={v}: NCCL moves intra-node traffic over sockets"),
+            s.all_nodes.clone(),
+        ),
+        None if !shm_nodes.is_empty() => (
+            format!("{} has no usable /dev/shm (preflight host.shm failed)", shm_nodes.join(", ")),
+            shm_nodes,
+        ),
+        None => return None,
+    };
+    let mut evidence = s.comm_evidence();
+    evidence.push(measure("nodes affected", nodes.len() as f64, ""));
+    Some(Finding {
+        nodes,
+        ..s.job_wide(
+            (Cause::ShmDisabled, cost_of::SHM),
+            summary,
+            evidence,
+            "repair /dev/shm (mount it, at least 1 GiB; in containers --shm-size or --ipc=host) and drop \
+             NCCL_SHM_DISABLE from the job's env",
+        )
+    })
+}
+
+/// `p2p.disabled`: the overlay turns NCCL's peer-to-peer transport off.
+fn p2p_disabled(s: &Scene<'_>) -> Option<Finding> {
+    let v = env_on(s.input.spec, "NCCL_P2P_DISABLE")?;
+    Some(s.job_wide(
+        (Cause::P2pDisabled, cost_of::P2P),
+        format!("the job's env sets NCCL_P2P_DISABLE={v}: GPU-GPU traffic goes through host memory"),
+        s.comm_evidence(),
+        "drop NCCL_P2P_DISABLE from the job's env; if P2P fails on the node, check the IOMMU/ACS settings \
+         and `nvidia-smi topo -m` instead",
+    ))
+}
+
+/// `cuda_device_max_connections`: the overlay sets it under the default of 8.
+fn device_max_connections(s: &Scene<'_>) -> Option<Finding> {
+    let v = s.input.spec.env.get("CUDA_DEVICE_MAX_CONNECTIONS")?;
+    let n = v.trim().parse::<u32>().ok().filter(|n| *n < DEFAULT_DEVICE_MAX_CONNECTIONS)?;
+    let mut evidence = s.comm_evidence();
+    evidence.push(measure("CUDA_DEVICE_MAX_CONNECTIONS", f64::from(n), ""));
+    Some(s.job_wide(
+        (Cause::CudaDeviceMaxConnections, cost_of::CONNECTIONS),
+        format!(
+            "the job's env sets CUDA_DEVICE_MAX_CONNECTIONS={v} (default {DEFAULT_DEVICE_MAX_CONNECTIONS})"
+        ),
+        evidence,
+        "leave CUDA_DEVICE_MAX_CONNECTIONS unset unless the framework needs 1 (Megatron's sequence \
+         parallelism); record why when a platform imposes it",
+    ))
+}
+
+/// `fabric.fallback`: the measured optimizer step is at least [`FALLBACK_RATIO`] times what the
+/// cost model predicts for the placement's links (with no transport turned off).
+fn fabric_fallback(s: &Scene<'_>) -> Option<Finding> {
+    let d = s.d;
+    let opt = d
+        .measured_optimizer_ms
+        .filter(|opt| d.predicted_comm_ms > 0.0 && *opt >= FALLBACK_RATIO * d.predicted_comm_ms)?;
+    let classes: Vec<String> = s
+        .all_nodes
+        .iter()
+        .map(|n| {
+            let class =
+                s.input.nodes.get(n).and_then(|f| f.preflight.as_ref()).and_then(|p| p.interconnect_class);
+            format!("{n}: {}", class.map_or("unknown", |c| c.as_str()))
+        })
+        .collect();
+    Some(s.job_wide(
+        (Cause::FabricFallback, cost_of::FABRIC),
+        format!(
+            "the optimizer step takes {opt:.1} ms, {:.1}x the {:.1} ms the cost model predicts for this placement's links ({})",
+            opt / d.predicted_comm_ms,
+            d.predicted_comm_ms,
+            classes.join(", ")
+        ),
+        s.comm_evidence(),
+        "run `ctl preflight NODE --run full` on the job's nodes: topology.class and nccl.busbw show a \
+         link, NVSwitch or NIC that fell back; NCCL_DEBUG=INFO names the transport in use",
+    ))
+}
+
+/// `straggler.unexplained`: stragglers on nodes, and ranks, no finding so far places.
+fn unexplained_stragglers(s: &Scene<'_>, so_far: &[Finding]) -> Option<Finding> {
+    let (all_nodes, all_ranks) = (&s.all_nodes, &s.all_ranks);
+    // Stragglers a finding already places (their node or the rank itself) are explained.
+    let explained_nodes: BTreeSet<&str> = so_far
+        .iter()
+        .filter(|f| f.nodes.len() < all_nodes.len() || all_nodes.len() == 1)
+        .flat_map(|f| f.nodes.iter().map(String::as_str))
+        .collect();
+    let explained_ranks: BTreeSet<u32> = so_far
+        .iter()
+        .filter(|f| f.ranks.len() < all_ranks.len())
+        .flat_map(|f| f.ranks.iter().copied())
+        .collect();
+    let node_of = |rank: u32| {
+        s.input.allocations.iter().find(|a| a.id.rank == rank).map(|a| a.agent_id.as_str()).unwrap_or("")
+    };
+    let unexplained: Vec<&RankScore> = s
+        .d
+        .ranks
+        .iter()
+        .filter(|r| {
+            r.straggler && !explained_ranks.contains(&r.rank) && !explained_nodes.contains(node_of(r.rank))
+        })
+        .collect();
+    if unexplained.is_empty() {
+        return None;
+    }
+    let nodes: BTreeSet<String> = unexplained.iter().map(|r| node_of(r.rank).to_string()).collect();
+    let names: Vec<String> = unexplained
+        .iter()
+        .map(|r| {
+            format!(
+                "rank {} on {} ({:.0}% slower)",
+                r.rank,
+                node_of(r.rank),
+                (1.0 / r.relative - 1.0) * 100.0
+            )
+        })
+        .collect();
+    Some(Finding {
+        cause: Cause::StragglerUnexplained,
+        summary: format!(
+            "{} persistently slower than the job's median, and nothing on its node explains it",
+            names.join(", ")
+        ),
+        nodes: nodes.into_iter().collect(),
+        ranks: unexplained.iter().map(|r| r.rank).collect(),
+        evidence: straggler_evidence(s.d, &unexplained),
+        expected_cost: cost_of::STRAGGLER,
+        remedy:
+            "look at that GPU: `nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE` for throttling, ECC and row \
+                 remapping; run `ctl preflight NODE --run full`; drain the node if it persists"
+                .into(),
+    })
+}
+
+/// The job's median and each unexplained straggler's median, score and slow windows.
+fn straggler_evidence(d: &Diagnosis, unexplained: &[&RankScore]) -> Vec<Measure> {
+    let job_median = median(&mut d.ranks.iter().map(|r| r.median_ms).collect::<Vec<f64>>());
+    let mut evidence = vec![measure(format!("job median {}", d.metric), job_median, "ms")];
+    for r in unexplained {
+        evidence.push(measure(format!("rank {} median {}", r.rank, d.metric), r.median_ms, "ms"));
+        evidence.push(measure(format!("rank {} relative score", r.rank), r.relative, ""));
+        evidence.push(measure(
+            format!("rank {} slow windows (of {})", r.rank, r.windows),
+            r.slow_windows as f64,
+            "",
+        ));
+    }
+    evidence
+}
