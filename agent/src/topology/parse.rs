@@ -79,6 +79,15 @@ struct Header {
     nics: Vec<String>,
 }
 
+/// The matrix rows read so far.
+#[derive(Default)]
+struct Rows {
+    gpus: Vec<GpuNode>,
+    links: Vec<Vec<Link>>,
+    gpu_to_nic: Vec<Vec<Link>>,
+    nic_rows: BTreeMap<usize, Vec<Link>>,
+}
+
 /// Parses the text of `nvidia-smi topo -m` into a [`Topology`].
 pub fn parse(text: &str) -> Result<Topology, ParseError> {
     let lines: Vec<(usize, String)> = text.lines().enumerate().map(|(i, l)| (i + 1, strip_ansi(l))).collect();
@@ -86,66 +95,73 @@ pub fn parse(text: &str) -> Result<Topology, ParseError> {
         return Err(err(lines.len().max(1), "no header row: the text is empty"));
     };
     let (header_line, header_text) = &lines[at];
-    let rest = lines[at + 1..].iter().filter(|(_, l)| !l.trim().is_empty());
     let header = parse_header(*header_line, header_text)?;
-    let n = header.gpus;
-    let width = n + header.nics.len();
-    let mut gpus: Vec<GpuNode> = Vec::with_capacity(n);
-    let mut links: Vec<Vec<Link>> = Vec::with_capacity(n);
-    let mut gpu_to_nic: Vec<Vec<Link>> = Vec::with_capacity(n);
-    let mut nic_rows: BTreeMap<usize, Vec<Link>> = BTreeMap::new();
+    let (n, width) = (header.gpus, header.gpus + header.nics.len());
+    let mut rows = Rows::default();
     let mut legend_names: BTreeMap<String, String> = BTreeMap::new();
     // Where the matrix ended: the legend's line, or the last line when there is no legend.
     let mut matrix_end = lines.len();
-    let mut in_legend = false;
-    let mut after_matrix = false;
-    for (number, text) in rest {
-        let number = *number;
-        let trimmed = text.trim();
+    let (mut in_legend, mut after_matrix) = (false, false);
+    for (number, text) in lines[at + 1..].iter().filter(|(_, l)| !l.trim().is_empty()) {
+        let (number, trimmed) = (*number, text.trim());
         if trimmed.ends_with("Legend:") {
             if !in_legend {
                 matrix_end = number;
             }
             in_legend = true;
-            continue;
-        }
-        if in_legend {
+        } else if in_legend {
             if let Some((label, name)) = trimmed.split_once(':')
                 && label.starts_with("NIC")
                 && !label.contains(' ')
             {
                 legend_names.insert(label.to_string(), name.trim().to_string());
             }
-            continue;
-        }
-        let tokens: Vec<&str> = trimmed.split_whitespace().collect();
-        let label = tokens[0];
-        let nic_label = header.nics.iter().any(|name| name == label);
-        if after_matrix || (gpus.len() == n && !nic_label && !looks_like_row(&tokens, width)) {
-            // Other output after the matrix (the next prompt, another command): passed over,
-            // but a legend further down still names the NICs.
-            if !after_matrix {
-                matrix_end = number;
+        } else {
+            let tokens: Vec<&str> = trimmed.split_whitespace().collect();
+            let nic_label = header.nics.iter().any(|name| name == tokens[0]);
+            if after_matrix || (rows.gpus.len() == n && !nic_label && !looks_like_row(&tokens, width)) {
+                // Other output after the matrix (the next prompt, another command): passed
+                // over, but a legend further down still names the NICs.
+                if !after_matrix {
+                    matrix_end = number;
+                }
+                after_matrix = true;
+            } else {
+                rows.add(&header, number, &tokens)?;
             }
-            after_matrix = true;
-            continue;
         }
-        if gpu_label(label).is_none() && !nic_label && !looks_like_row(&tokens, width) {
+    }
+    if rows.gpus.len() != n {
+        return Err(err(
+            matrix_end,
+            format!("the header lists {n} GPUs but {} GPU rows follow", rows.gpus.len()),
+        ));
+    }
+    check_matrix(&rows.links, &lines)?;
+    let nics = nics(&header, &legend_names, &rows);
+    let numa_nodes = numa_nodes_of(&rows.gpus);
+    Ok(Topology { gpus: rows.gpus, links: rows.links, numa_nodes, nics })
+}
+
+impl Rows {
+    /// Adds the matrix row on line `number`: a GPU row (in order) or a NIC row.
+    fn add(&mut self, header: &Header, number: usize, tokens: &[&str]) -> Result<(), ParseError> {
+        let (n, width, label) = (header.gpus, header.gpus + header.nics.len(), tokens[0]);
+        let nic_label = header.nics.iter().any(|name| name == label);
+        if gpu_label(label).is_none() && !nic_label && !looks_like_row(tokens, width) {
+            let gpus = self.gpus.len();
             return Err(err(
                 number,
                 format!(
-                    "the header lists {n} GPUs but only {} GPU rows come before this line, which is no row of the matrix",
-                    gpus.len()
+                    "the header lists {n} GPUs but only {gpus} GPU rows come before this line, which is no row of the matrix"
                 ),
             ));
         }
         if tokens.len() < 1 + width {
+            let cells = tokens.len() - 1;
             return Err(err(
                 number,
-                format!(
-                    "row {label} has {} cells, expected {width} (one per header column)",
-                    tokens.len() - 1
-                ),
+                format!("row {label} has {cells} cells, expected {width} (one per header column)"),
             ));
         }
         let cells: Vec<Link> = tokens[1..=width]
@@ -156,40 +172,41 @@ pub fn parse(text: &str) -> Result<Topology, ParseError> {
             })
             .collect::<Result<_, _>>()?;
         if let Some(index) = gpu_label(label) {
-            if index as usize != gpus.len() {
-                return Err(err(number, format!("row {label} out of order: expected GPU{}", gpus.len())));
+            if index as usize != self.gpus.len() {
+                return Err(err(
+                    number,
+                    format!("row {label} out of order: expected GPU{}", self.gpus.len()),
+                ));
             }
             if index as usize >= n {
                 return Err(err(number, format!("row {label} has no column in the header ({n} GPUs)")));
             }
-            let extra = &tokens[1 + width..];
-            gpus.push(gpu_row(number, index, extra)?);
-            links.push(cells[..n].to_vec());
-            gpu_to_nic.push(cells[n..].to_vec());
+            self.gpus.push(gpu_row(number, index, &tokens[1 + width..])?);
+            self.links.push(cells[..n].to_vec());
+            self.gpu_to_nic.push(cells[n..].to_vec());
         } else if let Some(k) = header.nics.iter().position(|name| name == label) {
-            nic_rows.insert(k, cells);
+            self.nic_rows.insert(k, cells);
         } else {
             return Err(err(number, format!("row label {label:?} is not a column of the header")));
         }
+        Ok(())
     }
-    if gpus.len() != n {
-        return Err(err(matrix_end, format!("the header lists {n} GPUs but {} GPU rows follow", gpus.len())));
-    }
-    check_matrix(&links, &lines)?;
-    let nics = header
+}
+
+/// The header's NICs, named by the legend where it names them.
+fn nics(header: &Header, legend_names: &BTreeMap<String, String>, rows: &Rows) -> Vec<Nic> {
+    header
         .nics
         .iter()
         .enumerate()
         .map(|(k, label)| {
             let name = legend_names.get(label).cloned().unwrap_or_else(|| label.clone());
             // The GPU rows' NIC columns; NIC rows repeat them and may be missing from a paste.
-            let to_gpus: Vec<Link> = gpu_to_nic.iter().map(|row| row[k]).collect();
-            let to_nics = nic_rows.get(&k).map(|row| row[n..].to_vec()).unwrap_or_default();
+            let to_gpus: Vec<Link> = rows.gpu_to_nic.iter().map(|row| row[k]).collect();
+            let to_nics = rows.nic_rows.get(&k).map(|row| row[header.gpus..].to_vec()).unwrap_or_default();
             Nic { name, to_gpus, to_nics }
         })
-        .collect();
-    let numa_nodes = numa_nodes_of(&gpus);
-    Ok(Topology { gpus, links, numa_nodes, nics })
+        .collect()
 }
 
 fn parse_header(line: usize, text: &str) -> Result<Header, ParseError> {

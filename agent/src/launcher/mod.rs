@@ -6,6 +6,9 @@
 //! polls: `exit.json` present means exited, shim gone without it means lost. Every change is
 //! written to the rank's state file before anyone is told about it.
 //!
+//! - `engines`: what a launch runs (the engine's argv) and `launch.json`.
+//! - `watch`: reading what a rank's shim left, and terminating a rank's process group.
+//!
 //! The launcher is owned by the connection task and used without locks: nothing here awaits,
 //! and the work per call is a few small file operations.
 
@@ -16,9 +19,14 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use serde_json::json;
 use tracing::{info, warn};
-use trainyard_proto::v1::{ExecEngine, HostInventory, Launch, RankAssignment, job_spec};
+use trainyard_proto::v1::{HostInventory, Launch, RankAssignment};
+
+mod engines;
+mod watch;
+
+use engines::{exec_engine, launch_json};
+use watch::{find_unrecorded_shim, observe, terminate};
 
 use crate::account::{self, RunAs};
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
@@ -26,10 +34,9 @@ use crate::layout::{
     Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RUN_FILE_MODE, RankId, STATE_DIR_MODE, make_dir,
     write_durable, write_private,
 };
-use crate::pinning;
 use crate::procfs;
 use crate::state::{self, RankRecord};
-use crate::supervise::{ExitFile, SHIM_PATH, SPAWN_FAILED_EXIT_CODE, read_pid_file};
+use crate::supervise::{SHIM_PATH, SPAWN_FAILED_EXIT_CODE};
 use crate::tail::{Position, Tailer};
 use trainyard_proto::words::RankState;
 
@@ -495,59 +502,6 @@ fn owner(run_as: &Result<RunAs, String>) -> Option<Owner> {
     }
 }
 
-fn exec_engine(launch: &Launch) -> Result<ExecEngine, String> {
-    match launch.spec.as_ref().and_then(|s| s.engine.as_ref()) {
-        Some(job_spec::Engine::Exec(exec)) if !exec.argv.is_empty() => Ok(exec.clone()),
-        Some(job_spec::Engine::Exec(_)) => Err("launch refused: exec engine with an empty argv".into()),
-        Some(job_spec::Engine::Builtin(b)) => builtin_engine(b),
-        None => Err("launch refused: the job spec has no engine".into()),
-    }
-}
-
-/// The built-in engine: the `trainyard-engine` binary next to this agent's binary, run in the
-/// data directory with the job's preset, data and settings (`key = value` -> `--key value`).
-fn builtin_engine(b: &trainyard_proto::v1::BuiltinEngine) -> Result<ExecEngine, String> {
-    let me = std::env::current_exe().map_err(|e| format!("launch refused: own path: {e}"))?;
-    let engine = me.with_file_name("trainyard-engine");
-    if !engine.is_file() {
-        return Err(format!("launch refused: builtin engine {} not found", engine.display()));
-    }
-    let mut argv = vec![
-        engine.display().to_string(),
-        "train".to_string(),
-        "--preset".to_string(),
-        b.preset.clone(),
-        "--data".to_string(),
-        b.data.clone(),
-    ];
-    let mut settings: Vec<_> = b.settings.iter().collect();
-    settings.sort();
-    for (k, v) in settings {
-        argv.push(format!("--{}", k.replace('_', "-")));
-        if !(v == "true" && matches!(k.as_str(), "resume")) {
-            argv.push(v.clone());
-        }
-    }
-    Ok(ExecEngine { argv, workdir: b.data.clone(), source_dir: String::new() })
-}
-
-/// Looks at one unfinished rank; returns whether its record changed.
-/// For a rank recorded as launching with no shim (the agent stopped between recording it and
-/// recording its shim): adopts the shim if one runs for it, else marks the rank lost, since it
-/// was never started (or its shim is gone without a trace) and must not be started twice.
-fn find_unrecorded_shim(record: &mut RankRecord) {
-    let found = procfs::find_by_argument("--status-file", record.files.exit.as_os_str());
-    if let Some((pid, stat)) = found.into_iter().next() {
-        info!(rank_id = %record.id, shim_pid = pid, "found the shim of a rank the agent had not recorded as started");
-        record.shim_pid = Some(pid);
-        record.shim_start_time = Some(stat.start_time);
-    } else if !record.files.exit.exists() {
-        warn!(rank_id = %record.id, "the agent stopped while starting this rank; it was not started");
-        record.phase = RankState::Lost;
-        record.message = "the agent stopped while starting this rank; it was not started".to_string();
-    }
-}
-
 /// Test hook: with `TRAINYARD_AGENT_FAILPOINT=<name>` the agent dies (SIGKILL-like, no cleanup)
 /// when it reaches failpoint `name`. The end-to-end tests kill the agent at the exact moments
 /// between recording a rank and spawning it this way; unset in production, it costs one
@@ -557,140 +511,4 @@ fn failpoint(name: &str) {
         warn!(failpoint = name, "failpoint reached; the agent dies here");
         std::process::abort();
     }
-}
-
-fn observe(record: &mut RankRecord) -> bool {
-    // Liveness first: the shim writes exit.json before it exits, so a shim seen gone before
-    // exit.json is looked for really left without writing it.
-    let shim_alive = match (record.shim_pid, record.shim_start_time) {
-        (Some(pid), Some(start)) => procfs::is_same_live_process(pid, start),
-        _ => false,
-    };
-    let mut changed = false;
-    if record.pid.is_none()
-        && let Some(pid) = read_pid_file(&record.files.pid)
-    {
-        record.pid = Some(pid);
-        record.phase = RankState::Running;
-        // The shim writes the pid once the rank has exec'd, so its binding is final now.
-        match pinning::read_effective(pid) {
-            Ok(e) => {
-                if !e.cpus.is_empty() {
-                    info!(rank_id = %record.id, pid, cpus = %e.cpus, mems = %e.mems, "rank binding read back");
-                }
-                record.effective_cpus = e.cpus;
-                record.effective_mems = e.mems;
-            }
-            Err(e) => warn!(rank_id = %record.id, pid, error = %e, "cannot read the rank's binding"),
-        }
-        changed = true;
-    }
-    if record.files.exit.exists() {
-        match ExitFile::read(&record.files.exit) {
-            Ok(exit) => {
-                record.phase = RankState::Exited;
-                record.exit_code = exit.exit_code;
-                record.signal = exit.signal;
-                if let Some(error) = exit.error {
-                    record.message = error;
-                }
-            }
-            Err(e) => {
-                record.phase = RankState::Lost;
-                record.message = format!("unreadable exit.json: {e:#}");
-            }
-        }
-        info!(rank_id = %record.id, exit_code = ?record.exit_code, signal = ?record.signal, "rank ended");
-        return true;
-    }
-    if !shim_alive {
-        record.phase = RankState::Lost;
-        record.message = "supervisor vanished".to_string();
-        warn!(rank_id = %record.id, "supervisor vanished without an exit status; killing the rank's group");
-        if let Some(pid) = record.pid {
-            let _ = procfs::killpg(pid, libc::SIGKILL);
-        }
-        return true;
-    }
-    changed
-}
-
-/// Terminates one rank's process group: SIGTERM, then SIGKILL after `grace` if any member lives.
-async fn terminate(id: RankId, known_pid: Option<u32>, pid_file: PathBuf, grace: Duration) {
-    let mut pid = known_pid;
-    // The shim writes the pid right after starting the rank; wait briefly for a fresh launch.
-    for _ in 0..100 {
-        if pid.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        pid = read_pid_file(&pid_file);
-    }
-    let Some(pid) = pid else {
-        warn!(rank_id = %id, "cannot cancel: the rank's pid never appeared");
-        return;
-    };
-    if let Err(e) = procfs::killpg(pid, libc::SIGTERM) {
-        warn!(rank_id = %id, pid, error = %e, "SIGTERM failed");
-    }
-    let deadline = tokio::time::Instant::now() + grace;
-    while tokio::time::Instant::now() < deadline {
-        if !procfs::group_has_live_member(pid) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50).min(grace)).await;
-    }
-    if procfs::group_has_live_member(pid) {
-        warn!(rank_id = %id, pid, "rank outlived its grace period; sending SIGKILL");
-        if let Err(e) = procfs::killpg(pid, libc::SIGKILL) {
-            warn!(rank_id = %id, pid, error = %e, "SIGKILL failed");
-        }
-    }
-}
-
-/// `launch.json`: the launch as received, plus the rank map (rank, GPU, NUMA node, CPUs, files).
-fn launch_json(launch: &Launch, inventory: &HostInventory, layout: &Layout) -> serde_json::Value {
-    let spec = launch.spec.clone().unwrap_or_default();
-    let engine = match &spec.engine {
-        Some(job_spec::Engine::Exec(e)) => {
-            json!({"exec": {"argv": e.argv, "workdir": e.workdir, "source_dir": e.source_dir}})
-        }
-        Some(job_spec::Engine::Builtin(b)) => {
-            json!({"builtin": {"preset": b.preset, "data": b.data, "settings": b.settings}})
-        }
-        None => serde_json::Value::Null,
-    };
-    let ranks: Vec<_> = launch
-        .ranks
-        .iter()
-        .map(|a| {
-            let gpu = inventory.gpus.iter().find(|g| g.index == a.gpu_index);
-            let numa = gpu.map(|g| g.numa_node);
-            let cpus =
-                numa.and_then(|n| inventory.numa_nodes.iter().find(|x| i64::from(x.id) == i64::from(n)));
-            let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: a.rank };
-            json!({
-                "rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu_index,
-                "gpu_uuid": gpu.map(|g| g.uuid.clone()), "gpu_pci_bus_id": gpu.map(|g| g.pci_bus_id.clone()),
-                "cuda_device": format!("cuda:{}", a.local_rank), "numa_node": numa,
-                "cpus": cpus.map(|n| n.cpus.clone()), "dir": layout.rank_dir(id),
-                "planned_cpus": a.cpus, "planned_mems": (!a.cpus.is_empty() && a.numa_node >= 0).then_some(a.numa_node),
-            })
-        })
-        .collect();
-    let resources = spec.resources.unwrap_or_default();
-    json!({
-        "job_id": launch.job_id, "attempt": launch.attempt, "world_size": launch.world_size,
-        "node_rank": launch.node_rank, "local_world_size": launch.local_world_size,
-        "master_addr": launch.master_addr, "master_port": launch.master_port,
-        "cuda_visible_devices": crate::env::visible_devices(launch, &inventory.gpus),
-        "spec": {
-            "name": spec.name, "engine": engine, "env": spec.env, "preflight": spec.preflight,
-            "priority": spec.priority,
-            "resources": {"gpus": resources.gpus, "gpus_per_node": resources.gpus_per_node,
-                "gpu_model": resources.gpu_model, "min_gpu_memory_mib": resources.min_gpu_memory_mib,
-                "interconnect": resources.interconnect},
-        },
-        "ranks": ranks,
-    })
 }

@@ -1,0 +1,120 @@
+//! How the launcher follows a rank it started: reading what its shim left (pid file,
+//! `exit.json`), finding a shim it had not recorded, and terminating a rank's process group.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tracing::{info, warn};
+use trainyard_proto::words::RankState;
+
+use crate::layout::RankId;
+use crate::pinning;
+use crate::procfs;
+use crate::state::RankRecord;
+use crate::supervise::{ExitFile, read_pid_file};
+
+/// For a rank recorded as launching with no shim (the agent stopped between recording it and
+/// recording its shim): adopts the shim if one runs for it, else marks the rank lost, since it
+/// was never started (or its shim is gone without a trace) and must not be started twice.
+pub(super) fn find_unrecorded_shim(record: &mut RankRecord) {
+    let found = procfs::find_by_argument("--status-file", record.files.exit.as_os_str());
+    if let Some((pid, stat)) = found.into_iter().next() {
+        info!(rank_id = %record.id, shim_pid = pid, "found the shim of a rank the agent had not recorded as started");
+        record.shim_pid = Some(pid);
+        record.shim_start_time = Some(stat.start_time);
+    } else if !record.files.exit.exists() {
+        warn!(rank_id = %record.id, "the agent stopped while starting this rank; it was not started");
+        record.phase = RankState::Lost;
+        record.message = "the agent stopped while starting this rank; it was not started".to_string();
+    }
+}
+
+/// Looks at one unfinished rank; returns whether its record changed.
+pub(super) fn observe(record: &mut RankRecord) -> bool {
+    // Liveness first: the shim writes exit.json before it exits, so a shim seen gone before
+    // exit.json is looked for really left without writing it.
+    let shim_alive = match (record.shim_pid, record.shim_start_time) {
+        (Some(pid), Some(start)) => procfs::is_same_live_process(pid, start),
+        _ => false,
+    };
+    let mut changed = false;
+    if record.pid.is_none()
+        && let Some(pid) = read_pid_file(&record.files.pid)
+    {
+        record.pid = Some(pid);
+        record.phase = RankState::Running;
+        // The shim writes the pid once the rank has exec'd, so its binding is final now.
+        match pinning::read_effective(pid) {
+            Ok(e) => {
+                if !e.cpus.is_empty() {
+                    info!(rank_id = %record.id, pid, cpus = %e.cpus, mems = %e.mems, "rank binding read back");
+                }
+                record.effective_cpus = e.cpus;
+                record.effective_mems = e.mems;
+            }
+            Err(e) => warn!(rank_id = %record.id, pid, error = %e, "cannot read the rank's binding"),
+        }
+        changed = true;
+    }
+    if record.files.exit.exists() {
+        match ExitFile::read(&record.files.exit) {
+            Ok(exit) => {
+                record.phase = RankState::Exited;
+                record.exit_code = exit.exit_code;
+                record.signal = exit.signal;
+                if let Some(error) = exit.error {
+                    record.message = error;
+                }
+            }
+            Err(e) => {
+                record.phase = RankState::Lost;
+                record.message = format!("unreadable exit.json: {e:#}");
+            }
+        }
+        info!(rank_id = %record.id, exit_code = ?record.exit_code, signal = ?record.signal, "rank ended");
+        return true;
+    }
+    if !shim_alive {
+        record.phase = RankState::Lost;
+        record.message = "supervisor vanished".to_string();
+        warn!(rank_id = %record.id, "supervisor vanished without an exit status; killing the rank's group");
+        if let Some(pid) = record.pid {
+            let _ = procfs::killpg(pid, libc::SIGKILL);
+        }
+        return true;
+    }
+    changed
+}
+
+/// Terminates one rank's process group: SIGTERM, then SIGKILL after `grace` if any member lives.
+pub(super) async fn terminate(id: RankId, known_pid: Option<u32>, pid_file: PathBuf, grace: Duration) {
+    let mut pid = known_pid;
+    // The shim writes the pid right after starting the rank; wait briefly for a fresh launch.
+    for _ in 0..100 {
+        if pid.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        pid = read_pid_file(&pid_file);
+    }
+    let Some(pid) = pid else {
+        warn!(rank_id = %id, "cannot cancel: the rank's pid never appeared");
+        return;
+    };
+    if let Err(e) = procfs::killpg(pid, libc::SIGTERM) {
+        warn!(rank_id = %id, pid, error = %e, "SIGTERM failed");
+    }
+    let deadline = tokio::time::Instant::now() + grace;
+    while tokio::time::Instant::now() < deadline {
+        if !procfs::group_has_live_member(pid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50).min(grace)).await;
+    }
+    if procfs::group_has_live_member(pid) {
+        warn!(rank_id = %id, pid, "rank outlived its grace period; sending SIGKILL");
+        if let Err(e) = procfs::killpg(pid, libc::SIGKILL) {
+            warn!(rank_id = %id, pid, error = %e, "SIGKILL failed");
+        }
+    }
+}
