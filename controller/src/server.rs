@@ -54,7 +54,7 @@ pub async fn run(
     security: Security,
     shutdown: impl Future,
 ) -> anyhow::Result<()> {
-    let auth = Authenticator::new(controller.store().clone(), security.policy.clone());
+    let auth = controller.authenticator(security.policy.clone());
     auth.ensure_local_admin(controller.now_ms()).await.context("create the local admin user")?;
     let (door, clock) = (auth.door(), controller.clone());
     let mut builder = tonic::transport::Server::builder();

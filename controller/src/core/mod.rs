@@ -23,6 +23,8 @@
 //! - `jobs`: submit, cancel, and the messages that start and stop ranks.
 //! - `agents`: hellos, disconnects, rank reports and the reaper of vanished agents.
 //! - `view`: the read side (`Get`, `List`), served from the store.
+//! - `reads`: the read model of the outer layers (records, events, allocations, rollups,
+//!   receipts): nothing outside the core holds the store.
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
@@ -30,6 +32,7 @@ mod diagnosis;
 pub use agents::MAX_BATCH;
 mod jobs;
 mod logs;
+mod reads;
 mod reconcile;
 pub use logs::LogEvent;
 mod nodes;
@@ -223,8 +226,10 @@ impl Controller {
         }))
     }
 
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.store
+    /// The authenticator over this controller's store: the auth service is the one part
+    /// outside the core that reads users and tokens and writes the audit log.
+    pub fn authenticator(&self, policy: crate::auth::Policy) -> crate::auth::Authenticator {
+        crate::auth::Authenticator::new(self.store.clone(), policy)
     }
 
     pub fn config(&self) -> &ControllerConfig {

@@ -23,7 +23,7 @@ use trainyard_proto::limits;
 use super::{auth_status, to_status};
 use crate::auth::{self, Authenticator, Caller};
 use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
-use trainyard_store::{JobState, RankState, StoreError};
+use trainyard_store::{JobState, RankState};
 
 /// Pieces a logs client reads between two grants of credit to its agent.
 const CREDIT_EVERY: u32 = 4;
@@ -121,8 +121,7 @@ impl JobsService {
     }
 
     async fn check_job(&self, caller: &Caller, action: &str, job_id: u64) -> Result<(), Status> {
-        let store = self.controller.store();
-        let job = store.get_job(job_id).await.map_err(|e| to_status(e.into()))?;
+        let job = self.controller.job_record(job_id).await.map_err(to_status)?;
         let job = job.ok_or_else(|| to_status(ControllerError::JobNotFound(job_id)))?;
         if caller.may_access(&job.owner) {
             return Ok(());
@@ -322,7 +321,7 @@ impl Jobs for JobsService {
         let shutdown = self.shutdown.clone();
         tokio::spawn(async move {
             if let Err(e) = watcher.run(&tx, shutdown).await {
-                let _ = tx.send(Err(to_status(e.into()))).await;
+                let _ = tx.send(Err(to_status(e))).await;
             }
         });
         let events = tokio_stream::StreamExt::map(ReceiverStream::new(rx), move |event| {
@@ -343,16 +342,16 @@ struct Watcher {
 type Sink = mpsc::Sender<Result<WatchEvent, Status>>;
 
 impl Watcher {
-    async fn run(mut self, tx: &Sink, shutdown: CancellationToken) -> Result<(), StoreError> {
+    async fn run(mut self, tx: &Sink, shutdown: CancellationToken) -> Result<(), ControllerError> {
         let mut changes = self.controller.subscribe();
         let mut last_state: Option<JobState> = None;
         loop {
             changes.borrow_and_update();
             // Read the job before the receipts: if it has ended here, every receipt its ranks
             // wrote is already stored (agents report an exit only after sending its receipts).
-            let store = self.controller.store().clone();
-            let Some(job) = store.get_job(self.job_id).await? else { return Ok(()) };
-            let ranks_done = store
+            let Some(job) = self.controller.job_record(self.job_id).await? else { return Ok(()) };
+            let ranks_done = self
+                .controller
                 .allocations(self.job_id, job.attempt)
                 .await?
                 .iter()
@@ -384,9 +383,9 @@ impl Watcher {
     }
 
     /// Sends every stored receipt past the cursor; false when the client went away.
-    async fn drain(&mut self, tx: &Sink) -> Result<bool, StoreError> {
+    async fn drain(&mut self, tx: &Sink) -> Result<bool, ControllerError> {
         loop {
-            let rows = self.controller.store().receipts_after(self.job_id, self.cursor, WATCH_PAGE).await?;
+            let rows = self.controller.receipts_after(self.job_id, self.cursor, WATCH_PAGE).await?;
             let full = rows.len() == WATCH_PAGE as usize;
             for r in rows {
                 self.cursor = r.position;

@@ -43,7 +43,7 @@ impl Web {
     /// The job, if `caller` may see it: 404 when unknown, 403 when it is someone else's.
     async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Reject> {
         let id = job_id(raw)?;
-        let job = self.controller.store().get_job(id).await.map_err(|e| store_error(e.into()))?;
+        let job = self.controller.job_record(id).await.map_err(store_error)?;
         let job = job.ok_or_else(|| reject(StatusCode::NOT_FOUND, format!("job {id} not found")))?;
         if !caller.may_access(&job.owner) {
             return Err(reject(
@@ -63,17 +63,16 @@ pub(super) async fn jobs(state: WebState, headers: HeaderMap, query: Query) -> R
     let limit = tri!(int_param(&pairs, "limit", 1, 1_000)).unwrap_or(200) as u32;
     let active = pairs.iter().any(|(k, v)| k == "active" && v == "1");
     let only = (!caller.admin).then_some(caller.name.as_str());
-    let store = web.controller.store();
     // Straight from the store, without `ctl status`'s per-job receipt counts: cheap on jobs of
     // millions of receipts.
-    let listed = tri!(store.list_jobs(active, only, limit).await.map_err(|e| store_error(e.into())));
+    let listed = tri!(web.controller.job_records(active, only, limit).await.map_err(store_error));
     let mut jobs = Vec::with_capacity(listed.len());
     for j in &listed {
         let (goodput, facts) = match web.controller.goodput_and_facts(j.id).await {
             Ok((g, f)) => (g.goodput, Some(f)),
             Err(_) => (None, None),
         };
-        let allocations = store.allocations(j.id, j.attempt).await.unwrap_or_default();
+        let allocations = web.controller.allocations(j.id, j.attempt).await.unwrap_or_default();
         let nodes: std::collections::BTreeSet<&str> =
             allocations.iter().map(|a| a.agent_id.as_str()).collect();
         jobs.push(json!({
@@ -115,9 +114,8 @@ pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<Str
     let caller = tri!(web.caller(&headers).await);
     let record = tri!(web.job_for(&caller, &raw).await);
     let id = record.id;
-    let store = web.controller.store();
-    let allocations = tri!(store.allocations(id, record.attempt).await.map_err(|e| store_error(e.into())));
-    let events = tri!(store.job_events(id).await.map_err(|e| store_error(e.into())));
+    let allocations = tri!(web.controller.allocations(id, record.attempt).await.map_err(store_error));
+    let events = tri!(web.controller.job_events(id).await.map_err(store_error));
     let (goodput, facts) = match web.controller.goodput_and_facts(id).await {
         Ok((g, f)) => (Some(g), Some(f)),
         Err(_) => (None, None),
@@ -140,7 +138,8 @@ pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<Str
         })
     });
     // Rank 0's steps times the ranks bound the step receipts without counting them.
-    let folded_ranks = store.rollup_extent(id, record.attempt).await.ok().flatten().map_or(0, |e| e.2);
+    let folded_ranks =
+        web.controller.rollup_extent(id, record.attempt).await.ok().flatten().map_or(0, |e| e.2);
     let ranks = allocations.len().max(folded_ranks as usize).max(1) as u64;
     let steps_stored = facts.as_ref().map_or(0, |f| f.steps) * ranks;
     let diagnosis = if steps_stored > LIVE_DIAGNOSIS_MAX_RECEIPTS {
@@ -300,8 +299,7 @@ pub(super) async fn series(
         tri!(int_param(&pairs, "attempt", 0, i64::from(record.attempt))).map_or(record.attempt, |a| a as u32);
     // Folds what arrived since the last request, so the plots are current.
     tri!(web.controller.fold_steps(record.id).await.map_err(store_error));
-    let store = web.controller.store();
-    let extent = tri!(store.rollup_extent(record.id, attempt).await.map_err(|e| store_error(e.into())));
+    let extent = tri!(web.controller.rollup_extent(record.id, attempt).await.map_err(store_error));
     let empty = json!({"metric": metric.as_str(), "unit": metric.unit(), "from": from, "to": to, "bucket_steps": 0, "ranks": []});
     let Some((first, last, ranks)) = extent else { return ok(empty) };
     let (from, to) = (from.unwrap_or(first), to.unwrap_or(last).min(last));
@@ -309,11 +307,12 @@ pub(super) async fn series(
         return ok(empty);
     }
     let level = series::choose_level(to - from + 1, i64::from(ranks), buckets);
+    let buckets_read = (from / level, to / level);
     let rows = tri!(
-        store
-            .rollup_rows(record.id, attempt, metric, level, from / level, to / level)
+        web.controller
+            .rollup_rows(record.id, attempt, metric, level, buckets_read)
             .await
-            .map_err(|e| store_error(e.into()))
+            .map_err(store_error)
     );
     let mut by_rank: std::collections::BTreeMap<u32, Vec<&series::RollupRow>> = Default::default();
     for r in &rows {
