@@ -4,19 +4,25 @@
 #   a 16-rank job of examples/rank.py, its status, and its receipts read straight from SQL.
 # Everything it starts is stopped when it exits. Each run keeps its files in demo-data/<time>/.
 #
-#   ./deploy/demo.sh       the 16-rank job of examples/rank.py
-#   ./deploy/demo.sh gpt   a built-in engine job instead: a d4 GPT trained on the corpus shipped
-#                          in engine/corpus, one CPU rank on each node (ZeRO-2 over TCP)
+#   ./deploy/demo.sh          the 16-rank job of examples/rank.py
+#   ./deploy/demo.sh gpt      a built-in engine job instead: a d4 GPT trained on the corpus
+#                             shipped in engine/corpus, one CPU rank on each node (ZeRO-2 over TCP)
+#   ./deploy/demo.sh --keep   (with either) leaves the cluster running after the job until
+#                             Ctrl-C, to open the web view, `ctl diagnose` and the tables
 set -euo pipefail
 
-MODE="${1:-ranks}"
-case "$MODE" in
-    ranks | gpt) ;;
-    *)
-        echo "usage: $0 [gpt]" >&2
-        exit 2
-        ;;
-esac
+MODE=ranks
+KEEP=0
+for arg in "$@"; do
+    case "$arg" in
+        gpt) MODE=gpt ;;
+        --keep) KEEP=1 ;;
+        *)
+            echo "usage: $0 [gpt] [--keep]" >&2
+            exit 2
+            ;;
+    esac
+done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -87,7 +93,13 @@ if [[ ! -s "$DATA/controller.addr" ]]; then
 fi
 URL="http://$(cat "$DATA/controller.addr")"
 export TRAINYARD_CONTROLLER="$URL"
+for _ in $(seq 100); do
+    [[ -s "$DATA/controller.http" ]] && break
+    sleep 0.1
+done
+WEB="http://$(cat "$DATA/controller.http" 2>/dev/null)/"
 echo "controller listening at $URL; database $DATA/controller/trainyard.db"
+echo "web view at $WEB (jobs, plots, diagnosis, nodes)"
 
 # The demo's jobs belong to the local admin, who has no Unix account mapping: an agent running
 # as root refuses such launches unless told that this is a single-user box (docs/security.md).
@@ -215,6 +227,19 @@ echo "    \"SELECT step, json_extract(body,'\$.loss') FROM receipts WHERE job_id
 
 if ((follow_rc != 0)); then
     echo "job $JOB did not succeed; logs: $DATA/*.log, rank output: $DATA/node-*/runs/job-$JOB/" >&2
-    exit "$follow_rc"
+    if ((KEEP == 0)); then
+        exit "$follow_rc"
+    fi
 fi
-say "Demo done: job $JOB succeeded"
+if ((follow_rc == 0)); then
+    say "Demo done: job $JOB succeeded"
+fi
+say "Open the web view: $WEB (job $JOB: ${WEB}jobs/$JOB)"
+echo "  ctl diagnose $JOB, ctl status $JOB, ctl nodes, ctl logs $JOB --rank 0 (TRAINYARD_CONTROLLER=$URL)"
+if ((KEEP == 1)); then
+    say "The cluster keeps running (--keep); press Ctrl-C to stop it"
+    # Submit more jobs meanwhile: "$CTL" submit "$DATA/demo-job.toml".
+    while true; do
+        sleep 1
+    done
+fi
