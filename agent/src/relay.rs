@@ -72,16 +72,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     let mut inventory = host.inventory()?;
     crate::pinning::reserve_cpus(&mut inventory, config.reserve_cpus);
     let agent_id = config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone());
-    let preflight = Runner::new(&agent_id, host);
-    let report = preflight.run(PreflightLevel::Quick, BTreeMap::new()).await;
-    match failure_reason(&report) {
-        Some(reason) => {
-            warn!(local_id = %report.local_id, %reason, "start-up preflight failed; the controller will not schedule here")
-        }
-        None => {
-            info!(local_id = %report.local_id, verdict = %report.verdict, class = %report.interconnect_class, "start-up preflight")
-        }
-    }
+    let preflight = start_up_preflight(&agent_id, host).await;
     let mut identity = Identity {
         agent_id,
         address: config.address.clone().unwrap_or_else(|| "127.0.0.1".into()),
@@ -102,17 +93,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     }
     let adopted = launcher.adopt().context("read rank state files")?;
     info!(agent_id = %identity.agent_id, adopted, controller = %config.controller, "agent started");
-    let mut endpoint = Endpoint::from_shared(config.controller.clone())
-        .with_context(|| format!("parse controller URL {:?}", config.controller))?
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true);
-    match &config.tls {
-        Some(files) => endpoint = endpoint.tls_config(client_tls(files)?).context("configure TLS")?,
-        None if config.controller.starts_with("https://") => {
-            anyhow::bail!("the controller URL {} is https but no --tls-dir was given", config.controller)
-        }
-        None => {}
-    }
+    let endpoint = endpoint(&config)?;
 
     tokio::pin!(shutdown);
     let mut backoff = Backoff::default();
@@ -159,6 +140,37 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
             _ = &mut shutdown => return Ok(()),
             _ = tokio::time::sleep(delay) => {}
         }
+    }
+}
+
+/// Runs the quick preflight the agent starts with, and logs its verdict.
+async fn start_up_preflight(agent_id: &str, host: Arc<dyn HostProbe>) -> Runner {
+    let preflight = Runner::new(agent_id, host);
+    let report = preflight.run(PreflightLevel::Quick, BTreeMap::new()).await;
+    match failure_reason(&report) {
+        Some(reason) => {
+            warn!(local_id = %report.local_id, %reason, "start-up preflight failed; the controller will not schedule here")
+        }
+        None => {
+            info!(local_id = %report.local_id, verdict = %report.verdict, class = %report.interconnect_class, "start-up preflight")
+        }
+    }
+    preflight
+}
+
+/// The controller's endpoint, with TLS when the agent has its files (an `https` URL without
+/// them is an error).
+fn endpoint(config: &AgentConfig) -> anyhow::Result<Endpoint> {
+    let endpoint = Endpoint::from_shared(config.controller.clone())
+        .with_context(|| format!("parse controller URL {:?}", config.controller))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true);
+    match &config.tls {
+        Some(files) => endpoint.tls_config(client_tls(files)?).context("configure TLS"),
+        None if config.controller.starts_with("https://") => {
+            anyhow::bail!("the controller URL {} is https but no --tls-dir was given", config.controller)
+        }
+        None => Ok(endpoint),
     }
 }
 

@@ -7,14 +7,13 @@
 //! written to the rank's state file before anyone is told about it.
 //!
 //! - `engines`: what a launch runs (the engine's argv) and `launch.json`.
+//! - `shim`: the shim's command: the rank's output files, the user switch, the binding, the start.
 //! - `watch`: reading what a rank's shim left, and terminating a rank's process group.
 //!
 //! The launcher is owned by the connection task and used without locks: nothing here awaits,
 //! and the work per call is a few small file operations.
 
 use std::collections::BTreeMap;
-use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -23,6 +22,7 @@ use tracing::{info, warn};
 use trainyard_proto::v1::{HostInventory, Launch, RankAssignment};
 
 mod engines;
+mod shim;
 mod watch;
 
 use engines::{exec_engine, launch_json};
@@ -31,10 +31,9 @@ use watch::{find_unrecorded_shim, observe, terminate};
 use crate::account::{self, RunAs};
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::layout::{
-    Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RUN_FILE_MODE, RankId, STATE_DIR_MODE, make_dir,
-    write_durable, write_private,
+    Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankId, STATE_DIR_MODE, make_dir, write_durable,
+    write_private,
 };
-use crate::procfs;
 use crate::state::{self, RankRecord};
 use crate::supervise::{SHIM_PATH, SPAWN_FAILED_EXIT_CODE};
 use crate::tail::{Position, Tailer};
@@ -344,43 +343,12 @@ impl Launcher {
         command.env_clear().env("PATH", SHIM_PATH).current_dir("/");
         command.arg("supervise").arg("--status-file").arg(&files.exit).arg("--pid-file").arg(&files.pid);
         command.arg("--env-file").arg(files.env()).arg("--workdir").arg(&exec.workdir);
-        let open = |p: &Path| {
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .mode(RUN_FILE_MODE)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(p)
-                .map_err(|e| format!("cannot open {}: {e}", p.display()))
-        };
-        let (stdout, stderr) = (open(&files.stdout)?, open(&files.stderr)?);
+        let (stdout, stderr) = (shim::open_output(&files.stdout)?, shim::open_output(&files.stderr)?);
         if let RunAs::Switch(user) = run_as {
-            let receipts = open(&files.receipts)?;
-            for (file, path) in
-                [(&stdout, &files.stdout), (&stderr, &files.stderr), (&receipts, &files.receipts)]
-            {
-                std::os::unix::fs::fchown(file, Some(user.uid), Some(user.gid))
-                    .map_err(|e| format!("cannot give {} to {}: {e}", path.display(), user.name))?;
-            }
-            let groups: Vec<String> = user.groups.iter().map(u32::to_string).collect();
-            command.args(["--uid", &user.uid.to_string(), "--gid", &user.gid.to_string()]);
-            command.arg("--groups").arg(groups.join(","));
-            for (name, value) in [("USER", &user.name), ("LOGNAME", &user.name), ("HOME", &user.home)] {
-                env.insert(name.to_string(), value.clone());
-            }
+            shim::switch_user(&mut command, &mut env, user, &files, [&stdout, &stderr])?;
             info!(rank_id = %id, user = %user.name, uid = user.uid, "rank runs as its job's user");
         }
-        // The planned binding: applied by the shim to the rank between fork and exec, and told to
-        // the rank (TRAINYARD_CPUS / TRAINYARD_MEMS) so its launch receipt can record it.
-        if !assignment.cpus.is_empty() {
-            command.arg("--cpus").arg(&assignment.cpus);
-            env.insert("TRAINYARD_CPUS".into(), assignment.cpus.clone());
-        }
-        if assignment.numa_node >= 0 && !assignment.cpus.is_empty() {
-            let node = assignment.numa_node.to_string();
-            command.arg("--mem-node").arg(&node);
-            env.insert("TRAINYARD_MEMS".into(), node);
-        }
+        shim::bind(&mut command, &mut env, assignment);
         env.extend(rank.vars);
         if let Some(local_id) = &self.preflight_report {
             env.insert(PREFLIGHT_REPORT.to_string(), local_id.clone());
@@ -390,26 +358,7 @@ impl Launcher {
         write_private(&files.env(), &bytes, PRIVATE_FILE_MODE)
             .map_err(|e| format!("cannot write {}: {e}", files.env().display()))?;
         command.arg("--").args(&exec.argv).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
-        // SAFETY: setsid is async-signal-safe, the only call between fork and exec.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::setsid() == -1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = command
-            .spawn()
-            .map_err(|e| format!("spawn failed: supervisor {}: {e}", self.shim_program.display()))?;
-        let pid = child.id().ok_or("spawn failed: supervisor exited at once")?;
-        let start_time =
-            procfs::stat(pid).map(|s| s.start_time).ok_or("spawn failed: supervisor vanished at once")?;
-        // Reap the shim when it ends, so it never lingers as a zombie of the agent.
-        tokio::spawn(async move {
-            let _ = child.wait().await;
-        });
-        Ok((pid, start_time))
+        shim::start(command, &self.shim_program)
     }
 
     /// Checks every rank that has not ended yet; returns the ids of those that changed (their

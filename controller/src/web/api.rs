@@ -13,9 +13,10 @@ use crate::auth::Caller;
 use crate::core::LogEvent;
 use trainyard_analysis::diagnose::Diagnosis;
 use trainyard_analysis::diagnose::compare::{Comparison, Distribution, Side};
+use trainyard_analysis::diagnose::goodput::Goodput;
 use trainyard_analysis::series::{self, Metric};
 use trainyard_model::spec::Engine;
-use trainyard_store::JobRecord;
+use trainyard_store::{Allocation, JobEventRecord, JobRecord};
 
 /// Lines of rank 0's log the job page shows.
 const LOG_TAIL_LINES: u32 = 40;
@@ -120,69 +121,15 @@ pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<Str
         Ok((g, f)) => (Some(g), Some(f)),
         Err(_) => (None, None),
     };
-    let goodput = goodput.map(|g| {
-        let parts = [
-            ("training", g.train_ms - g.lost_ms),
-            ("startup", g.startup_ms),
-            ("eval", g.eval_ms),
-            ("checkpoint", g.checkpoint_ms),
-            ("restarts", g.restart_ms),
-            ("lost", g.lost_ms),
-            ("other", g.other_ms),
-        ];
-        json!({
-            "fraction": g.goodput,
-            "wall_ms": g.wall_ms,
-            "summary": g.describe(),
-            "parts": parts.iter().filter(|(_, ms)| *ms > 0.0).map(|(name, ms)| json!({"name": name, "ms": ms})).collect::<Vec<_>>(),
-        })
-    });
+    let goodput = goodput.map(|g| goodput_json(&g));
     // Rank 0's steps times the ranks bound the step receipts without counting them.
     let folded_ranks =
         web.controller.rollup_extent(id, record.attempt).await.ok().flatten().map_or(0, |e| e.2);
     let ranks = allocations.len().max(folded_ranks as usize).max(1) as u64;
     let steps_stored = facts.as_ref().map_or(0, |f| f.steps) * ranks;
-    let diagnosis = if steps_stored > LIVE_DIAGNOSIS_MAX_RECEIPTS {
-        json!({
-            "verdict": format!("about {steps_stored} step receipts: too many to diagnose on a page load; run `ctl diagnose {id}`"),
-            "healthy": Value::Null, "stragglers": [], "findings": [],
-        })
-    } else {
-        match web.controller.diagnose(id, None).await {
-            Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => diagnosis_json(&d),
-            _ => Value::Null,
-        }
-    };
-    let ranks: Vec<Value> = allocations
-        .iter()
-        .map(|a| {
-            let o = &a.observed;
-            json!({
-                "rank": a.id.rank,
-                "agent_id": a.agent_id,
-                "gpu_index": a.gpu_index,
-                "numa_node": a.planned_mems.parse::<i64>().ok(),
-                "cpus": if o.effective_cpus.is_empty() { &a.planned_cpus } else { &o.effective_cpus },
-                "state": o.state.to_string(),
-                "pid": o.pid,
-                "exit_code": o.exit_code,
-                "signal": o.signal,
-                "message": o.message,
-            })
-        })
-        .collect();
-    let events: Vec<Value> = events
-        .iter()
-        .map(|e| {
-            json!({
-                "at_ms": e.at_ms,
-                "state": e.to_state.to_string(),
-                "from": e.from_state.map(|s| s.to_string()),
-                "reason": e.reason,
-                "attempt": e.attempt,
-            })
-        })
-        .collect();
+    let diagnosis = live_diagnosis(&web, id, steps_stored).await;
+    let ranks: Vec<Value> = allocations.iter().map(rank_json).collect();
+    let events: Vec<Value> = events.iter().map(event_json).collect();
     let logs = if allocations.is_empty() { Value::Null } else { log_tail(&web, id).await };
     ok(json!({
         "id": id,
@@ -205,6 +152,66 @@ pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<Str
         "logs": logs,
         "metrics": Metric::ALL.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
     }))
+}
+
+/// The goodput of a job as the page draws it: the fraction, and the wall time split into parts.
+fn goodput_json(g: &Goodput) -> Value {
+    let parts = [
+        ("training", g.train_ms - g.lost_ms),
+        ("startup", g.startup_ms),
+        ("eval", g.eval_ms),
+        ("checkpoint", g.checkpoint_ms),
+        ("restarts", g.restart_ms),
+        ("lost", g.lost_ms),
+        ("other", g.other_ms),
+    ];
+    json!({
+        "fraction": g.goodput,
+        "wall_ms": g.wall_ms,
+        "summary": g.describe(),
+        "parts": parts.iter().filter(|(_, ms)| *ms > 0.0).map(|(name, ms)| json!({"name": name, "ms": ms})).collect::<Vec<_>>(),
+    })
+}
+
+/// The diagnosis the page shows: computed now, unless the job has too many step receipts for a
+/// page load; `null` before there is anything to judge.
+async fn live_diagnosis(web: &Web, id: u64, steps_stored: u64) -> Value {
+    if steps_stored > LIVE_DIAGNOSIS_MAX_RECEIPTS {
+        return json!({
+            "verdict": format!("about {steps_stored} step receipts: too many to diagnose on a page load; run `ctl diagnose {id}`"),
+            "healthy": Value::Null, "stragglers": [], "findings": [],
+        });
+    }
+    match web.controller.diagnose(id, None).await {
+        Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => diagnosis_json(&d),
+        _ => Value::Null,
+    }
+}
+
+fn rank_json(a: &Allocation) -> Value {
+    let o = &a.observed;
+    json!({
+        "rank": a.id.rank,
+        "agent_id": a.agent_id,
+        "gpu_index": a.gpu_index,
+        "numa_node": a.planned_mems.parse::<i64>().ok(),
+        "cpus": if o.effective_cpus.is_empty() { &a.planned_cpus } else { &o.effective_cpus },
+        "state": o.state.to_string(),
+        "pid": o.pid,
+        "exit_code": o.exit_code,
+        "signal": o.signal,
+        "message": o.message,
+    })
+}
+
+fn event_json(e: &JobEventRecord) -> Value {
+    json!({
+        "at_ms": e.at_ms,
+        "state": e.to_state.to_string(),
+        "from": e.from_state.map(|s| s.to_string()),
+        "reason": e.reason,
+        "attempt": e.attempt,
+    })
 }
 
 fn spec_summary(job: &JobRecord) -> String {
