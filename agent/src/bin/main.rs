@@ -284,37 +284,14 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
 }
 
 fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
-    use std::io::Read;
     use trainyard_agent::topology::{self, Topology};
 
-    let fail = |message: String| {
-        eprintln!("trainyard-agent topo: {message}");
-        ExitCode::from(2)
-    };
     if let Some(path) = file {
-        let (name, text) = if path.as_os_str() == "-" {
-            let mut text = String::new();
-            if let Err(e) = std::io::stdin().read_to_string(&mut text) {
-                return fail(format!("cannot read standard input: {e}"));
-            }
-            ("standard input".to_string(), text)
-        } else {
-            match std::fs::read_to_string(path) {
-                Ok(text) => (path.display().to_string(), text),
-                Err(e) => return fail(format!("cannot read {}: {e}", path.display())),
-            }
-        };
-        return match topology::parse(&text) {
-            Ok(t) => {
-                print!("{}", topology::explain(&t));
-                ExitCode::SUCCESS
-            }
-            Err(e) => fail(format!("{name}: {e}")),
-        };
+        return explain_pasted(path);
     }
     let probe = match host_probe(cli) {
         Ok(probe) => probe,
-        Err(why) => return fail(format!("no FILE, and {why}")),
+        Err(why) => return topo_failed(format!("no FILE, and {why}")),
     };
     let ours = match probe
         .inventory()
@@ -322,7 +299,7 @@ fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
         .and_then(|inv| Topology::from_inventory(&inv).map_err(|e| e.to_string()))
     {
         Ok(t) => t,
-        Err(e) => return fail(format!("this host's inventory: {e}")),
+        Err(e) => return topo_failed(format!("this host's inventory: {e}")),
     };
     let source = probe.source();
     println!("this host, from {source}:\n{}", topology::render(&ours));
@@ -335,21 +312,51 @@ fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
             println!("\nnvidia-smi topo -m: skipped: nvidia-smi is not on PATH");
             return ExitCode::SUCCESS;
         }
-        Err(e) => return fail(format!("cannot run nvidia-smi topo -m: {e}")),
+        Err(e) => return topo_failed(format!("cannot run nvidia-smi topo -m: {e}")),
         Ok(out) if !out.status.success() => {
-            return fail(format!(
-                "nvidia-smi topo -m exited with {}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            return topo_failed(format!("nvidia-smi topo -m exited with {}: {}", out.status, stderr.trim()));
         }
         Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned(),
     };
-    let theirs = match topology::parse(&smi) {
-        Ok(t) => t,
-        Err(e) => return fail(format!("cannot read the output of nvidia-smi topo -m: {e}")),
+    compare_with_smi(&ours, &smi)
+}
+
+/// `trainyard-agent topo FILE`: what a pasted `nvidia-smi topo -m` (`-` for standard input)
+/// means for training.
+fn explain_pasted(path: &std::path::Path) -> ExitCode {
+    use std::io::Read;
+
+    let (name, text) = if path.as_os_str() == "-" {
+        let mut text = String::new();
+        if let Err(e) = std::io::stdin().read_to_string(&mut text) {
+            return topo_failed(format!("cannot read standard input: {e}"));
+        }
+        ("standard input".to_string(), text)
+    } else {
+        match std::fs::read_to_string(path) {
+            Ok(text) => (path.display().to_string(), text),
+            Err(e) => return topo_failed(format!("cannot read {}: {e}", path.display())),
+        }
     };
-    match topology::compare("NVML", &ours, "nvidia-smi", &theirs).as_slice() {
+    match trainyard_agent::topology::parse(&text) {
+        Ok(t) => {
+            print!("{}", trainyard_agent::topology::explain(&t));
+            ExitCode::SUCCESS
+        }
+        Err(e) => topo_failed(format!("{name}: {e}")),
+    }
+}
+
+/// NVML's matrix against `nvidia-smi topo -m`'s, cell for cell: exit 1 when they disagree.
+fn compare_with_smi(ours: &trainyard_agent::topology::Topology, smi: &str) -> ExitCode {
+    use trainyard_agent::topology;
+
+    let theirs = match topology::parse(smi) {
+        Ok(t) => t,
+        Err(e) => return topo_failed(format!("cannot read the output of nvidia-smi topo -m: {e}")),
+    };
+    match topology::compare("NVML", ours, "nvidia-smi", &theirs).as_slice() {
         [] => {
             println!(
                 "\nNVML and nvidia-smi topo -m agree cell for cell on {} GPU row(s): links, CPU and NUMA affinity",
@@ -366,6 +373,11 @@ fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn topo_failed(message: String) -> ExitCode {
+    eprintln!("trainyard-agent topo: {message}");
+    ExitCode::from(2)
 }
 
 /// The host file when one is given, NVML otherwise; the error says why neither can be used.

@@ -101,29 +101,9 @@ pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
 }
 
 async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
-    let now = now_ms();
     match action {
         UserCommand::Add { name, admin, unix_user, expires_days } => {
-            check_name(name)?;
-            if let Some(account) = unix_user {
-                check_account(account)?;
-            }
-            let user = UserRecord {
-                name: name.clone(),
-                admin: *admin,
-                unix_user: unix_user.clone(),
-                created_at_ms: now,
-                disabled_at_ms: None,
-            };
-            match store.add_user(&user).await {
-                Err(StoreError::Duplicate(_)) => {
-                    bail!("user {name} exists; `user token {name}` prints a new token for them")
-                }
-                other => other.context("store the user")?,
-            }
-            let detail = format!("admin={admin} unix_user={}", unix_user.as_deref().unwrap_or("-"));
-            audit(store, "user.add", name, &detail).await;
-            issue(store, name, *expires_days).await
+            add_user(store, name, *admin, unix_user.as_deref(), *expires_days).await
         }
         UserCommand::Token { name, expires_days } => {
             existing(store, name).await?;
@@ -131,7 +111,7 @@ async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
         }
         UserCommand::Revoke { name, prefix } => {
             existing(store, name).await?;
-            let n = store.revoke_tokens(name, prefix.as_deref(), now).await?;
+            let n = store.revoke_tokens(name, prefix.as_deref(), now_ms()).await?;
             audit(store, "token.revoke", name, &format!("{n} token(s) revoked")).await;
             println!("revoked {n} token(s) of {name}");
             Ok(())
@@ -146,7 +126,7 @@ async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
                 user.admin = *admin;
             }
             if *disable {
-                user.disabled_at_ms = Some(now);
+                user.disabled_at_ms = Some(now_ms());
             }
             if *enable {
                 user.disabled_at_ms = None;
@@ -162,26 +142,60 @@ async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
             println!("{name}: {detail}");
             Ok(())
         }
-        UserCommand::List => {
-            for u in store.list_users().await? {
-                let tokens = store.tokens_of(&u.name).await?;
-                let live: Vec<&str> = tokens
-                    .iter()
-                    .filter(|t| t.revoked_at_ms.is_none() && t.expires_at_ms.is_none_or(|at| at > now))
-                    .map(|t| t.prefix.as_str())
-                    .collect();
-                println!(
-                    "{:<16} admin={:<5} unix_user={:<12} {} tokens: {}",
-                    u.name,
-                    u.admin,
-                    u.unix_user.as_deref().unwrap_or("-"),
-                    if u.disabled_at_ms.is_some() { "DISABLED" } else { "enabled" },
-                    if live.is_empty() { "none".to_string() } else { live.join(", ") }
-                );
-            }
-            Ok(())
-        }
+        UserCommand::List => list_users(store).await,
     }
+}
+
+/// `user add`: a new user, and their first token.
+async fn add_user(
+    store: &dyn Store,
+    name: &str,
+    admin: bool,
+    unix_user: Option<&str>,
+    expires_days: Option<u32>,
+) -> anyhow::Result<()> {
+    check_name(name)?;
+    if let Some(account) = unix_user {
+        check_account(account)?;
+    }
+    let user = UserRecord {
+        name: name.to_string(),
+        admin,
+        unix_user: unix_user.map(str::to_string),
+        created_at_ms: now_ms(),
+        disabled_at_ms: None,
+    };
+    match store.add_user(&user).await {
+        Err(StoreError::Duplicate(_)) => {
+            bail!("user {name} exists; `user token {name}` prints a new token for them")
+        }
+        other => other.context("store the user")?,
+    }
+    let detail = format!("admin={admin} unix_user={}", unix_user.unwrap_or("-"));
+    audit(store, "user.add", name, &detail).await;
+    issue(store, name, expires_days).await
+}
+
+/// `user list`: every user with their live tokens' prefixes.
+async fn list_users(store: &dyn Store) -> anyhow::Result<()> {
+    let now = now_ms();
+    for u in store.list_users().await? {
+        let tokens = store.tokens_of(&u.name).await?;
+        let live: Vec<&str> = tokens
+            .iter()
+            .filter(|t| t.revoked_at_ms.is_none() && t.expires_at_ms.is_none_or(|at| at > now))
+            .map(|t| t.prefix.as_str())
+            .collect();
+        println!(
+            "{:<16} admin={:<5} unix_user={:<12} {} tokens: {}",
+            u.name,
+            u.admin,
+            u.unix_user.as_deref().unwrap_or("-"),
+            if u.disabled_at_ms.is_some() { "DISABLED" } else { "enabled" },
+            if live.is_empty() { "none".to_string() } else { live.join(", ") }
+        );
+    }
+    Ok(())
 }
 
 /// Stores a new token of `name` and prints it: the only time it is ever shown.

@@ -162,58 +162,81 @@ async fn serve(
                 return Ok(());
             }
         };
-        match msg {
-            agent_message::Msg::Receipts(batch) => {
-                if batch.receipts.len() > MAX_BATCH {
-                    tracing::error!(
-                        agent_id,
-                        receipts = batch.receipts.len(),
-                        max = MAX_BATCH,
-                        "batch too large; closing"
-                    );
-                    return Ok(());
-                }
-                let ack = match controller.ingest(agent_id, batch).await {
-                    Ok(ack) => ack,
-                    Err(e @ ControllerError::NotYours(_)) => return refused(agent_id, e),
-                    Err(e) => {
-                        tracing::error!(agent_id, error = %e, "failed to store receipts; closing so the agent resends");
-                        return Ok(());
-                    }
-                };
-                let msg = ControllerMessage { msg: Some(controller_message::Msg::Ack(ack)) };
-                if tx.send(msg).await.is_err() {
-                    return Ok(());
-                }
-            }
-            agent_message::Msg::RankUpdate(update) => {
-                let Some(report) = update.report else { continue };
-                match controller.rank_update(agent_id, &report).await {
-                    Ok(()) => {}
-                    Err(e @ ControllerError::NotYours(_)) => return refused(agent_id, e),
-                    Err(e) => {
-                        tracing::error!(agent_id, error = %e, "failed to apply a rank update; closing so the agent resends");
-                        return Ok(());
-                    }
-                }
-            }
-            agent_message::Msg::Leaving(leaving) => {
-                if let Err(e) = controller.agent_leaving(agent_id, &leaving.reason).await {
-                    tracing::error!(agent_id, error = %e, "failed to record that an agent is leaving");
-                }
-            }
-            // Every message counts as a sign of life (see the top of the loop).
-            agent_message::Msg::Heartbeat(_) => {}
-            agent_message::Msg::LogData(data) => controller.log_data(agent_id, data),
-            agent_message::Msg::Preflight(report) => {
-                if let Err(e) = controller.agent_preflight(agent_id, report).await {
-                    tracing::error!(agent_id, error = %e, "failed to store a preflight report; closing");
-                    return Ok(());
-                }
-            }
-            agent_message::Msg::Hello(_) => {
-                tracing::warn!(agent_id, "second hello on one stream ignored");
-            }
+        match handle(controller, agent_id, msg, &tx).await {
+            Flow::Go => {}
+            Flow::End(result) => return result,
         }
     }
+}
+
+/// Whether the stream goes on after a message.
+enum Flow {
+    Go,
+    /// The stream ends: `Ok` quietly (the agent resends what was not acknowledged), `Err`
+    /// with the status of a refused message.
+    End(Result<(), Status>),
+}
+
+/// Handles one message of an agent's stream.
+async fn handle(
+    controller: &Controller,
+    agent_id: &str,
+    msg: agent_message::Msg,
+    tx: &mpsc::Sender<ControllerMessage>,
+) -> Flow {
+    let quietly = Flow::End(Ok(()));
+    match msg {
+        agent_message::Msg::Receipts(batch) => {
+            if batch.receipts.len() > MAX_BATCH {
+                tracing::error!(
+                    agent_id,
+                    receipts = batch.receipts.len(),
+                    max = MAX_BATCH,
+                    "batch too large; closing"
+                );
+                return quietly;
+            }
+            let ack = match controller.ingest(agent_id, batch).await {
+                Ok(ack) => ack,
+                Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
+                Err(e) => {
+                    tracing::error!(agent_id, error = %e, "failed to store receipts; closing so the agent resends");
+                    return quietly;
+                }
+            };
+            let msg = ControllerMessage { msg: Some(controller_message::Msg::Ack(ack)) };
+            if tx.send(msg).await.is_err() {
+                return quietly;
+            }
+        }
+        agent_message::Msg::RankUpdate(update) => {
+            let Some(report) = update.report else { return Flow::Go };
+            match controller.rank_update(agent_id, &report).await {
+                Ok(()) => {}
+                Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
+                Err(e) => {
+                    tracing::error!(agent_id, error = %e, "failed to apply a rank update; closing so the agent resends");
+                    return quietly;
+                }
+            }
+        }
+        agent_message::Msg::Leaving(leaving) => {
+            if let Err(e) = controller.agent_leaving(agent_id, &leaving.reason).await {
+                tracing::error!(agent_id, error = %e, "failed to record that an agent is leaving");
+            }
+        }
+        // Every message counts as a sign of life (the stream's loop notes it).
+        agent_message::Msg::Heartbeat(_) => {}
+        agent_message::Msg::LogData(data) => controller.log_data(agent_id, data),
+        agent_message::Msg::Preflight(report) => {
+            if let Err(e) = controller.agent_preflight(agent_id, report).await {
+                tracing::error!(agent_id, error = %e, "failed to store a preflight report; closing");
+                return quietly;
+            }
+        }
+        agent_message::Msg::Hello(_) => {
+            tracing::warn!(agent_id, "second hello on one stream ignored");
+        }
+    }
+    Flow::Go
 }
