@@ -199,7 +199,7 @@ mod tests {
         let mut l = launch();
         l.node_count = 2;
         l.spec.as_mut().unwrap().restart =
-            Some(trainyard_proto::v1::RestartPolicy { max_restarts: 3, resume: true });
+            Some(trainyard_proto::v1::RestartPolicy { max_restarts: 3, resume: true, ..Default::default() });
         let env = env_of(&l, &a, &gpus(8));
         let get = |k: &str| env.vars.get(k).map(String::as_str);
         assert_eq!(get("RANK"), Some("11"));
@@ -282,7 +282,7 @@ mod tests {
         let mut l = launch();
         let resume = |l: &Launch| env_of(l, &a, &[]).vars["TRAINYARD_RESUME"].clone();
         l.spec.as_mut().unwrap().restart =
-            Some(trainyard_proto::v1::RestartPolicy { max_restarts: 3, resume: true });
+            Some(trainyard_proto::v1::RestartPolicy { max_restarts: 3, resume: true, ..Default::default() });
         assert_eq!(resume(&l), "1");
         l.attempt = 0;
         assert_eq!(resume(&l), "0", "a first attempt has nothing to resume from");

@@ -91,6 +91,7 @@ async fn fill(store: &dyn Store) -> anyhow::Result<u64> {
             inventory,
             state: AgentState::Disconnected,
             last_seen_ms: 0,
+            cordon: None,
         };
         store.upsert_agent(&agent).await?;
     }
@@ -107,6 +108,8 @@ async fn fill(store: &dyn Store) -> anyhow::Result<u64> {
         preflight: PreflightLevel::None,
         max_restarts: 0,
         resume: false,
+        backoff: Default::default(),
+        hang: Default::default(),
         priority: 0,
         disable_pinning: false,
     };

@@ -7,8 +7,18 @@ use std::time::Duration;
 pub struct ControllerConfig {
     /// Between SIGTERM and SIGKILL when ranks are stopped (cancel, or a failed peer rank).
     pub cancel_grace: Duration,
-    /// How long an agent may stay disconnected before its ranks count as lost.
+    /// How long an agent may stay disconnected, or connected but silent (no heartbeat: a cut
+    /// network, a stopped machine), before its host counts as lost: its ranks are lost, their
+    /// jobs restart elsewhere, and its stream is dropped so that it must say hello again (and
+    /// have the ranks of the old attempt stopped) if it comes back. Agents heartbeat every 2 s.
     pub agent_timeout: Duration,
+    /// After the controller starts (or takes over), how long agents have to reconnect before
+    /// any host-loss or hang clock runs: a restart of the controller never restarts a job.
+    pub reconnect_grace: Duration,
+    /// A node blamed for this many failures (of any jobs) within `blame_window` is cordoned
+    /// fleet-wide until it passes a preflight.
+    pub cordon_after_blames: usize,
+    pub blame_window: Duration,
     /// An agent whose stream stays open but sends nothing (not even a heartbeat) for this long
     /// is `unresponsive`: no new work goes there until it speaks again.
     pub unresponsive_after: Duration,
@@ -25,9 +35,15 @@ impl Default for ControllerConfig {
     fn default() -> Self {
         ControllerConfig {
             cancel_grace: Duration::from_secs(10),
-            agent_timeout: Duration::from_secs(60),
-            // Agents heartbeat every 2 s: 15 s is several missed beats, not a slow network.
-            unresponsive_after: Duration::from_secs(15),
+            // Agents heartbeat every 2 s: 8 s is four missed beats, not a slow network, and well
+            // inside the 10 s target for detecting a lost host (docs/faults.md).
+            agent_timeout: Duration::from_secs(8),
+            reconnect_grace: Duration::from_secs(30),
+            cordon_after_blames: 3,
+            blame_window: Duration::from_secs(3600),
+            // Two missed beats: no new work goes there, and a rank exit elsewhere in its jobs
+            // waits for the host's verdict (a cut network makes peers' collectives fail first).
+            unresponsive_after: Duration::from_secs(5),
             max_pending_per_user: MAX_PENDING_JOBS_PER_USER,
         }
     }
@@ -41,6 +57,17 @@ impl ControllerConfig {
 
     pub fn with_agent_timeout(mut self, timeout: Duration) -> Self {
         self.agent_timeout = timeout;
+        self
+    }
+
+    pub fn with_reconnect_grace(mut self, grace: Duration) -> Self {
+        self.reconnect_grace = grace;
+        self
+    }
+
+    pub fn with_cordon_after(mut self, blames: usize, window: Duration) -> Self {
+        self.cordon_after_blames = blames;
+        self.blame_window = window;
         self
     }
 

@@ -5,6 +5,8 @@
 //! |---|---|---|
 //! | `trainyard_jobs{state}` | gauge | jobs the controller holds (not finished), by state |
 //! | `trainyard_jobs_finished_total{state}` | counter | jobs that reached a final state since start |
+//! | `trainyard_failures_total{kind,blamed}` | counter | failures that ended a job attempt, by kind (`rank_exit`, `host_lost`, `hang`, `preemption`, `drain`) and whether a node was blamed |
+//! | `trainyard_nodes_cordoned` | gauge | nodes that take no new work: cordoned by an operator or after repeated blamed failures |
 //! | `trainyard_agents_connected` | gauge | agents with an open stream |
 //! | `trainyard_agents_known` | gauge | agents ever seen |
 //! | `trainyard_receipts_ingested_total` | counter | receipts stored (replays not counted) |
@@ -34,6 +36,12 @@ pub struct StateLabel {
     pub state: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailureLabel {
+    pub kind: String,
+    pub blamed: String,
+}
+
 /// 0.25 ms to ~8 s, doubling: store transactions and receipt batches.
 fn latency() -> Histogram {
     Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
@@ -43,6 +51,8 @@ pub struct Metrics {
     registry: Registry,
     pub jobs: Family<StateLabel, Gauge>,
     pub jobs_finished: Family<StateLabel, Counter>,
+    pub failures: Family<FailureLabel, Counter>,
+    pub nodes_cordoned: Gauge,
     pub agents_connected: Gauge,
     pub agents_known: Gauge,
     pub receipts_ingested: Counter,
@@ -66,6 +76,8 @@ impl Metrics {
         let m = Metrics {
             jobs: Family::default(),
             jobs_finished: Family::default(),
+            failures: Family::default(),
+            nodes_cordoned: Gauge::default(),
             agents_connected: Gauge::default(),
             agents_known: Gauge::default(),
             receipts_ingested: Counter::default(),
@@ -82,6 +94,16 @@ impl Metrics {
             "jobs_finished",
             "Jobs that reached a final state since start",
             m.jobs_finished.clone(),
+        );
+        registry.register(
+            "failures",
+            "Failures that ended a job attempt, by kind and whether a node was blamed",
+            m.failures.clone(),
+        );
+        registry.register(
+            "nodes_cordoned",
+            "Nodes that take no new work: cordoned by an operator or after repeated blamed failures",
+            m.nodes_cordoned.clone(),
         );
         registry.register("agents_connected", "Agents with an open stream", m.agents_connected.clone());
         registry.register("agents_known", "Agents ever seen", m.agents_known.clone());

@@ -16,7 +16,7 @@ pub fn node_table(nodes: &[NodeInfo], now_ms: i64) -> String {
     for n in nodes {
         t.row(vec![
             n.agent_id.clone(),
-            n.state.clone(),
+            if n.cordon_by.is_empty() { n.state.clone() } else { format!("{}, cordoned", n.state) },
             n.gpus.to_string(),
             n.free_gpus.to_string(),
             dash(n.gpu_model.strip_prefix("NVIDIA ").unwrap_or(&n.gpu_model)),

@@ -125,6 +125,17 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
         output: Format,
     },
+    /// Take a node out of scheduling (admins): running jobs stay, no new work goes there until
+    /// `ctl uncordon`.
+    Cordon {
+        /// The node's agent id (or its hostname, when only one node has it).
+        host: String,
+        /// Why, for the fleet table and the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Put a cordoned node back into scheduling (admins); also lifts a cordon set after failures.
+    Uncordon { host: String },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -182,6 +193,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Preflight { host, run, output } => {
             commands::preflight::run(&mut ctl, &host, run.as_deref(), output == Format::Json).await
         }
+        Command::Cordon { host, reason } => commands::nodes::cordon(&mut ctl, &host, Some(reason)).await,
+        Command::Uncordon { host } => commands::nodes::cordon(&mut ctl, &host, None).await,
     }
 }
 

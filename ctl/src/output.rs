@@ -27,6 +27,8 @@ pub struct JobJson {
     pub spec: Option<SpecJson>,
     pub ranks: Vec<RankJson>,
     pub events: Vec<EventJson>,
+    /// What ended each failed attempt (single-job status only).
+    pub failures: Vec<FailureJson>,
     /// Cost model: predicted collective time per optimizer step (0 = unknown).
     pub predicted_comm_ms: f64,
     /// Mean optimizer time from step receipts (0 = none yet).
@@ -134,6 +136,11 @@ pub enum EngineJson {
 pub struct RestartJson {
     pub max_restarts: u32,
     pub resume: bool,
+    pub backoff_initial_s: f64,
+    pub backoff_factor: f64,
+    pub backoff_cap_s: f64,
+    pub hang_timeout_s: f64,
+    pub hang_factor: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -161,6 +168,35 @@ pub struct EventJson {
     pub from_state: String,
     pub to_state: String,
     pub reason: String,
+}
+
+/// One failure of a job attempt (docs/faults.md).
+#[derive(Debug, Serialize)]
+pub struct FailureJson {
+    pub attempt: u32,
+    pub at_ms: i64,
+    pub kind: String,
+    pub agent_id: String,
+    /// -1 when no rank is known.
+    pub rank: i64,
+    pub evidence: String,
+    pub blamed: bool,
+    pub charged: bool,
+}
+
+impl From<&trainyard_proto::v1::Failure> for FailureJson {
+    fn from(f: &trainyard_proto::v1::Failure) -> Self {
+        FailureJson {
+            attempt: f.attempt,
+            at_ms: f.at_ms,
+            kind: f.kind.clone(),
+            agent_id: f.agent_id.clone(),
+            rank: f.rank,
+            evidence: f.evidence.clone(),
+            blamed: f.blamed,
+            charged: f.charged,
+        }
+    }
 }
 
 /// One receipt as `ctl watch -o json` prints it: where it belongs, and the body as written.
@@ -191,6 +227,10 @@ pub struct NodeJson {
     pub verdict_reason: String,
     pub last_seen_ms: i64,
     pub preflight_report_id: u64,
+    /// "operator" or "failures" while cordoned, "" otherwise.
+    pub cordon_by: String,
+    pub cordon_reason: String,
+    pub cordoned_at_ms: i64,
 }
 
 /// `ctl preflight HOST -o json`: the report with its checks, in the agent's order.
@@ -236,6 +276,9 @@ impl From<&NodeInfo> for NodeJson {
             verdict_reason: n.verdict_reason.clone(),
             last_seen_ms: n.last_seen_ms,
             preflight_report_id: n.preflight_report_id,
+            cordon_by: n.cordon_by.clone(),
+            cordon_reason: n.cordon_reason.clone(),
+            cordoned_at_ms: n.cordoned_at_ms,
         }
     }
 }
@@ -289,6 +332,7 @@ impl From<&Job> for JobJson {
             spec: j.spec.as_ref().map(SpecJson::from),
             ranks: j.ranks.iter().map(RankJson::from).collect(),
             events: j.events.iter().map(EventJson::from).collect(),
+            failures: j.failures.iter().map(FailureJson::from).collect(),
             predicted_comm_ms: j.predicted_comm_ms,
             measured_optimizer_ms: j.measured_optimizer_ms,
             warnings: j.warnings.clone(),
@@ -310,6 +354,11 @@ impl From<&JobSpec> for SpecJson {
         let restart = s.restart.as_ref().map_or_else(RestartJson::default, |r| RestartJson {
             max_restarts: r.max_restarts,
             resume: r.resume,
+            backoff_initial_s: r.backoff_initial_s,
+            backoff_factor: r.backoff_factor,
+            backoff_cap_s: r.backoff_cap_s,
+            hang_timeout_s: r.hang_timeout_s,
+            hang_factor: r.hang_factor,
         });
         SpecJson {
             name: s.name.clone(),

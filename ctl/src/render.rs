@@ -175,6 +175,24 @@ pub fn job_details(j: &Job, now_ms: i64) -> String {
         ]);
     }
     out.push_str(&events.render());
+    if !j.failures.is_empty() {
+        out.push_str("\nfailures:\n");
+        let mut failures =
+            Table::new(&["  TIME", "ATTEMPT", "KIND", "NODE", "RANK", "BLAMED", "CHARGED", "EVIDENCE"]);
+        for f in &j.failures {
+            failures.row(vec![
+                format!("  {}", timestamp(f.at_ms)),
+                f.attempt.to_string(),
+                f.kind.clone(),
+                if f.agent_id.is_empty() { "-".into() } else { f.agent_id.clone() },
+                if f.rank < 0 { "-".into() } else { f.rank.to_string() },
+                if f.blamed { "yes" } else { "no" }.to_string(),
+                if f.charged { "yes" } else { "no" }.to_string(),
+                f.evidence.clone(),
+            ]);
+        }
+        out.push_str(&failures.render());
+    }
     out.push_str("\nranks:\n");
     out.push_str(&rank_table(&j.ranks));
     out

@@ -85,11 +85,33 @@ pub struct RestartFile {
     pub max_restarts: u32,
     #[serde(default = "default_resume")]
     pub resume: bool,
+    /// Seconds before the first restart, its growth per restart, and its cap (0: the
+    /// controller's defaults, 1 s x 2 up to 60 s).
+    #[serde(default)]
+    pub backoff_initial_s: f64,
+    #[serde(default)]
+    pub backoff_factor: f64,
+    #[serde(default)]
+    pub backoff_cap_s: f64,
+    /// No step receipt for max(hang_factor x median step, hang_timeout_s) is a hang (0: the
+    /// defaults, 10 x and 300 s).
+    #[serde(default)]
+    pub hang_timeout_s: f64,
+    #[serde(default)]
+    pub hang_factor: f64,
 }
 
 impl Default for RestartFile {
     fn default() -> Self {
-        RestartFile { max_restarts: 0, resume: default_resume() }
+        RestartFile {
+            max_restarts: 0,
+            resume: default_resume(),
+            backoff_initial_s: 0.0,
+            backoff_factor: 0.0,
+            backoff_cap_s: 0.0,
+            hang_timeout_s: 0.0,
+            hang_factor: 0.0,
+        }
     }
 }
 
@@ -210,6 +232,11 @@ impl SpecFile {
             restart: Some(RestartPolicy {
                 max_restarts: self.restart.max_restarts,
                 resume: self.restart.resume,
+                backoff_initial_s: self.restart.backoff_initial_s,
+                backoff_factor: self.restart.backoff_factor,
+                backoff_cap_s: self.restart.backoff_cap_s,
+                hang_timeout_s: self.restart.hang_timeout_s,
+                hang_factor: self.restart.hang_factor,
             }),
             priority: self.priority,
             disable_pinning: !self.pinning,
@@ -272,7 +299,7 @@ resume = false
             })),
             env: HashMap::from([("NCCL_DEBUG".to_string(), "WARN".to_string())]),
             preflight: "quick".into(),
-            restart: Some(RestartPolicy { max_restarts: 2, resume: false }),
+            restart: Some(RestartPolicy { max_restarts: 2, resume: false, ..Default::default() }),
             priority: 3,
             disable_pinning: false,
         };
@@ -303,7 +330,7 @@ lr = "0.02"
         );
         assert_eq!(spec.priority, 0);
         assert_eq!(spec.preflight, "");
-        assert_eq!(spec.restart, Some(RestartPolicy { max_restarts: 0, resume: true }));
+        assert_eq!(spec.restart, Some(RestartPolicy { max_restarts: 0, resume: true, ..Default::default() }));
         let res = spec.resources.expect("resources");
         assert_eq!((res.gpus_per_node, res.min_gpu_memory_mib), (0, 0));
     }

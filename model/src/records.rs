@@ -5,7 +5,8 @@
 use trainyard_proto::v1::{PreflightCheck, PreflightReport};
 
 use crate::domain::{
-    AgentState, CheckStatus, InterconnectClass, Inventory, JobState, PreflightLevel, RankState, Verdict,
+    AgentState, CheckStatus, FailureKind, InterconnectClass, Inventory, JobState, PreflightLevel, RankState,
+    Verdict,
 };
 use crate::spec::JobSpec;
 
@@ -47,6 +48,37 @@ pub struct JobEventRecord {
     /// The job's attempt after the transition.
     pub attempt: u32,
     pub reason: String,
+}
+
+/// One failure of a job attempt (a row of `failures`): what it was, where, the evidence, and
+/// what it cost the job and the node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailureRecord {
+    pub job_id: JobId,
+    /// The attempt that failed.
+    pub attempt: u32,
+    pub at_ms: i64,
+    pub kind: FailureKind,
+    /// The node it happened on, if one is known.
+    pub agent_id: Option<String>,
+    /// The first rank it was seen on, if any.
+    pub rank: Option<u32>,
+    /// What the detector saw, in words.
+    pub evidence: String,
+    /// The node is held responsible: excluded from this job until it passes a preflight, and
+    /// counted towards a fleet-wide cordon.
+    pub blamed: bool,
+    /// Counts against the job's `max_restarts` (the job's own failures do; the fleet's do not).
+    pub charged: bool,
+}
+
+/// Why a node takes no new work although it is connected.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cordon {
+    /// `operator` (lifted by `ctl uncordon`) or `failures` (lifted by a passing preflight).
+    pub by: String,
+    pub reason: String,
+    pub at_ms: i64,
 }
 
 /// Identity of one rank of one attempt of a job.
@@ -98,6 +130,8 @@ pub struct AgentRecord {
     pub inventory: Inventory,
     pub state: AgentState,
     pub last_seen_ms: i64,
+    /// Set while the node is cordoned (stored in `agents.cordon_*`; a hello leaves it alone).
+    pub cordon: Option<Cordon>,
 }
 
 /// A preflight report as the controller keeps it: what an agent sent, with every word checked

@@ -100,6 +100,7 @@ fn queue(rng: &mut Lcg) -> Vec<Request> {
                 gpu_model: if rng.next().is_multiple_of(8) { "H100".into() } else { String::new() },
                 min_gpu_memory_mib: 0,
                 interconnect: InterconnectClass::parse(interconnect),
+                avoid: Vec::new(),
             }
         })
         .collect()

@@ -209,6 +209,23 @@ string_enum! {
 }
 
 string_enum! {
+    /// What ended a job attempt (docs/faults.md): each has its detector, its recovery, and a
+    /// rule for whether it counts against `max_restarts` and whether it blames a node.
+    pub enum FailureKind ("failure kind") {
+        /// A rank exited non-zero or was killed by a signal: the job's own failure.
+        RankExit = "rank_exit",
+        /// A host's agent vanished, was cut off or came back without its ranks.
+        HostLost = "host_lost",
+        /// Ranks alive but no step receipt for the job's hang timeout.
+        Hang = "hang",
+        /// The node is being taken away (a cloud's preemption notice).
+        Preemption = "preemption",
+        /// An operator drained the node, or a job of higher priority needed its GPUs.
+        Drain = "drain",
+    }
+}
+
+string_enum! {
     /// Which output of a rank a log chunk comes from.
     pub enum LogStream ("log stream") {
         Stdout = "stdout",

@@ -45,6 +45,8 @@ async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
             preflight: PreflightLevel::None,
             max_restarts: 0,
             resume: false,
+            backoff: Default::default(),
+            hang: Default::default(),
             priority: 0,
             disable_pinning: false,
         };

@@ -4,7 +4,7 @@ use async_trait::async_trait;
 
 use crate::rows::{self, ALLOCATION_COLUMNS, JOB_COLUMNS, encode_inventory, int};
 use crate::sql::{multi_row_insert, placeholders};
-use crate::{AgentRecord, AgentState, FleetStore, Result, Snapshot, SqlStore};
+use crate::{AgentRecord, AgentState, Cordon, FleetStore, Result, Snapshot, SqlStore};
 
 /// Columns bound per row of `gpus`.
 const GPU_PARAMS: usize = 7;
@@ -55,6 +55,24 @@ impl FleetStore for SqlStore {
             }
             q.execute().await?;
             Ok(())
+        })
+        .await
+    }
+
+    async fn set_cordon(&self, agent_id: &str, cordon: Option<&Cordon>) -> Result<bool> {
+        self.write("set_cordon", async |c| {
+            let done = c
+                .query(
+                    "UPDATE agents SET cordon_by = $1, cordon_reason = $2, cordoned_at_ms = $3 \
+                     WHERE agent_id = $4",
+                )
+                .bind(cordon.map(|k| k.by.as_str()))
+                .bind(cordon.map(|k| k.reason.as_str()))
+                .bind(cordon.map(|k| k.at_ms))
+                .bind(agent_id)
+                .execute()
+                .await?;
+            Ok(done > 0)
         })
         .await
     }
@@ -110,7 +128,8 @@ impl FleetStore for SqlStore {
                 .await?;
             let agents = c
                 .query(
-                    "SELECT agent_id, address, agent_version, inventory_pb, state, last_seen_ms FROM agents \
+                    "SELECT agent_id, address, agent_version, inventory_pb, state, last_seen_ms, \
+                     cordon_by, cordon_reason, cordoned_at_ms FROM agents \
                      ORDER BY agent_id",
                 )
                 .all()

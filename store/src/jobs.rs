@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use crate::rows::{self, ALLOCATION_COLUMNS, JOB_COLUMNS, duplicate_or, encode_spec, engine_columns, int};
 use crate::sql::{Conn, multi_row_insert};
 use crate::{
-    Allocation, JobEventRecord, JobId, JobOwner, JobRecord, JobSpec, JobState, JobStore, RankId,
-    RankObserved, Result, SqlStore, StoreError,
+    Allocation, FailureRecord, JobEventRecord, JobId, JobOwner, JobRecord, JobSpec, JobState, JobStore,
+    RankId, RankObserved, Result, SqlStore, StoreError,
 };
 
 #[async_trait]
@@ -125,6 +125,41 @@ impl JobStore for SqlStore {
                 .all()
                 .await?;
             found.iter().map(rows::event).collect()
+        })
+        .await
+    }
+
+    async fn fail_attempt(
+        &self,
+        job: JobId,
+        from: JobState,
+        to: JobState,
+        attempt: u32,
+        reason: &str,
+        failure: &FailureRecord,
+    ) -> Result<JobRecord> {
+        self.write("fail_attempt", async |c| {
+            let record = move_job(c, job, from, to, attempt, reason, failure.at_ms).await?;
+            insert_failure(c, failure).await?;
+            Ok(record)
+        })
+        .await
+    }
+
+    async fn failures(&self, job: JobId) -> Result<Vec<FailureRecord>> {
+        self.read("failures", async |c| {
+            let sql = format!("SELECT {FAILURE_COLUMNS} FROM failures WHERE job_id = $1 ORDER BY id");
+            let found = c.query(sql).bind(int(job)?).all().await?;
+            found.iter().map(rows::failure).collect()
+        })
+        .await
+    }
+
+    async fn failures_since(&self, since_ms: i64) -> Result<Vec<FailureRecord>> {
+        self.read("failures_since", async |c| {
+            let sql = format!("SELECT {FAILURE_COLUMNS} FROM failures WHERE at_ms >= $1 ORDER BY id");
+            let found = c.query(sql).bind(since_ms).all().await?;
+            found.iter().map(rows::failure).collect()
         })
         .await
     }
@@ -274,5 +309,27 @@ async fn insert_allocations(
         }
         q.execute().await?;
     }
+    Ok(())
+}
+
+/// Columns of `failures`, read by [`rows::failure`].
+const FAILURE_COLUMNS: &str = "job_id, attempt, at_ms, kind, agent_id, rank, evidence, blamed, charged";
+
+async fn insert_failure(c: &mut Conn<'_>, f: &FailureRecord) -> Result<()> {
+    c.query(
+        "INSERT INTO failures (job_id, attempt, at_ms, kind, agent_id, rank, evidence, blamed, charged) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(int(f.job_id)?)
+    .bind(i64::from(f.attempt))
+    .bind(f.at_ms)
+    .bind(f.kind.as_str())
+    .bind(f.agent_id.as_deref())
+    .bind(f.rank.map(i64::from))
+    .bind(f.evidence.as_str())
+    .bind(f.blamed)
+    .bind(f.charged)
+    .execute()
+    .await?;
     Ok(())
 }

@@ -66,7 +66,7 @@ pub use trainyard_model::spec::JobSpec;
 
 pub use db::SqlStore;
 pub use trainyard_model::domain::{
-    AgentState, CheckStatus, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
+    AgentState, CheckStatus, FailureKind, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
 };
 pub use trainyard_model::records::*;
 
@@ -252,6 +252,25 @@ pub trait JobStore: Send + Sync {
 
     async fn allocations(&self, job: JobId, attempt: u32) -> Result<Vec<Allocation>>;
 
+    /// [`JobStore::transition`] that also records the failure that caused it, in the same
+    /// transaction: a restart is never stored without its cause, nor a cause without its move.
+    #[allow(clippy::too_many_arguments)]
+    async fn fail_attempt(
+        &self,
+        job: JobId,
+        from: JobState,
+        to: JobState,
+        attempt: u32,
+        reason: &str,
+        failure: &FailureRecord,
+    ) -> Result<JobRecord>;
+
+    /// The failures of one job, oldest first.
+    async fn failures(&self, job: JobId) -> Result<Vec<FailureRecord>>;
+
+    /// Every failure detected at or after `since_ms` (rebuilding node blame at start-up).
+    async fn failures_since(&self, since_ms: i64) -> Result<Vec<FailureRecord>>;
+
     /// Records what an agent reported about one rank. Unknown ranks are ignored (returns false).
     async fn observe_rank(&self, id: RankId, observed: &RankObserved) -> Result<bool>;
 }
@@ -267,6 +286,9 @@ pub trait FleetStore: Send + Sync {
     /// Moves `last_seen_ms` of connected agents forward (heartbeats), one transaction for all;
     /// unknown agents are ignored.
     async fn touch_agents(&self, seen: &[(String, i64)]) -> Result<()>;
+
+    /// Cordons a node (`Some`) or lifts its cordon (`None`); false when no such agent is known.
+    async fn set_cordon(&self, agent_id: &str, cordon: Option<&Cordon>) -> Result<bool>;
 
     /// Jobs, allocations and agents to rebuild the in-memory view after a restart.
     async fn snapshot(&self) -> Result<Snapshot>;

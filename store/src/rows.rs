@@ -15,8 +15,8 @@ use trainyard_model::spec::{Engine, JobSpec};
 use crate::corrupt;
 use crate::sql::Row;
 use crate::{
-    AgentRecord, Allocation, CheckRecord, JobEventRecord, JobId, JobOwner, JobRecord, PreflightRecord,
-    RankId, RankObserved, Result, StoreError, StoredReceiptRecord, TokenRecord, UserRecord,
+    AgentRecord, Allocation, CheckRecord, Cordon, FailureRecord, JobEventRecord, JobId, JobOwner, JobRecord,
+    PreflightRecord, RankId, RankObserved, Result, StoreError, StoredReceiptRecord, TokenRecord, UserRecord,
 };
 
 /// Selected columns of `jobs`, read by [`job`].
@@ -156,6 +156,29 @@ pub(crate) fn agent(row: &Row) -> Result<AgentRecord> {
         inventory: decode_inventory(&inventory_pb)?,
         state: row.word(t, "state")?,
         last_seen_ms: row.get(t, "last_seen_ms")?,
+        cordon: match row.get::<Option<String>>(t, "cordon_by")? {
+            None => None,
+            Some(by) => Some(Cordon {
+                by,
+                reason: row.get::<Option<String>>(t, "cordon_reason")?.unwrap_or_default(),
+                at_ms: row.get::<Option<i64>>(t, "cordoned_at_ms")?.unwrap_or_default(),
+            }),
+        },
+    })
+}
+
+pub(crate) fn failure(row: &Row) -> Result<FailureRecord> {
+    let t = "failures";
+    Ok(FailureRecord {
+        job_id: row.num(t, "job_id")?,
+        attempt: row.num(t, "attempt")?,
+        at_ms: row.get(t, "at_ms")?,
+        kind: row.word(t, "kind")?,
+        agent_id: row.get(t, "agent_id")?,
+        rank: row.opt_num(t, "rank")?,
+        evidence: row.get(t, "evidence")?,
+        blamed: row.get(t, "blamed")?,
+        charged: row.get(t, "charged")?,
     })
 }
 

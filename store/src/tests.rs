@@ -4,9 +4,9 @@
 use trainyard_proto::v1::{PreflightCheck, PreflightReport};
 
 use crate::{
-    AgentRecord, AgentState, Allocation, AuthStore, FleetStore, JobState, JobStore, NewReceipt,
-    PreflightRecord, PreflightStore, RankId, RankObserved, RankState, ReceiptStore, SeriesStore, Store,
-    StoreError,
+    AgentRecord, AgentState, Allocation, AuthStore, Cordon, FailureKind, FailureRecord, FleetStore, JobState,
+    JobStore, NewReceipt, PreflightRecord, PreflightStore, RankId, RankObserved, RankState, ReceiptStore,
+    SeriesStore, Store, StoreError,
 };
 use crate::{DiagnosisStore, SqlStore};
 use trainyard_model::domain::{GpuInfo, Inventory, PreflightLevel};
@@ -45,6 +45,8 @@ macro_rules! store_suite {
             step_rollups_fold_each_receipt_once,
             concurrent_folds_count_each_receipt_once,
             users_tokens_owners_and_audit,
+            failures_move_the_job_with_their_cause,
+            cordons_survive_hellos_and_reopen,
         );
     };
     (@each $harness:ty: $($name:ident),+ $(,)?) => {
@@ -123,6 +125,8 @@ pub mod fixtures {
             preflight: PreflightLevel::Quick,
             max_restarts: 0,
             resume: false,
+            backoff: Default::default(),
+            hang: Default::default(),
             priority: 3,
             disable_pinning: false,
         }
@@ -164,6 +168,7 @@ pub mod fixtures {
             },
             state,
             last_seen_ms: now_ms,
+            cordon: None,
         }
     }
 
@@ -399,6 +404,65 @@ pub mod suite {
         assert_eq!(snap.agents[0], AgentRecord { last_seen_ms: 5_000, ..again });
         assert_eq!((snap.agents[1].state, snap.agents[1].last_seen_ms), (AgentState::Leaving, 300));
         assert_eq!(snap.agents[1].inventory.gpus.len(), 4);
+    }
+
+    pub async fn failures_move_the_job_with_their_cause(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("flaky", 2), None, "submitted", 1).await.unwrap();
+        s.transition(j.id, JobState::Pending, JobState::Running, 0, "up", 2).await.unwrap();
+        let lost = FailureRecord {
+            job_id: j.id,
+            attempt: 0,
+            at_ms: 10,
+            kind: FailureKind::HostLost,
+            agent_id: Some("sxm-b".into()),
+            rank: Some(1),
+            evidence: "agent sxm-b sent nothing for 8.0 s".into(),
+            blamed: true,
+            charged: false,
+        };
+        let r = s
+            .fail_attempt(j.id, JobState::Running, JobState::Restarting, 0, "host lost", &lost)
+            .await
+            .unwrap();
+        assert_eq!((r.state, r.updated_at_ms), (JobState::Restarting, 10));
+        // A move that conflicts stores no failure either.
+        let exit = FailureRecord {
+            kind: FailureKind::RankExit,
+            agent_id: None,
+            rank: None,
+            at_ms: 20,
+            blamed: false,
+            charged: true,
+            ..lost.clone()
+        };
+        let conflict = s.fail_attempt(j.id, JobState::Running, JobState::Failed, 0, "exit", &exit).await;
+        assert!(matches!(conflict, Err(StoreError::StateConflict { .. })), "{conflict:?}");
+        s.transition(j.id, JobState::Restarting, JobState::Pending, 1, "again", 21).await.unwrap();
+        s.transition(j.id, JobState::Pending, JobState::Running, 1, "up", 22).await.unwrap();
+        let exit = FailureRecord { attempt: 1, at_ms: 30, ..exit };
+        s.fail_attempt(j.id, JobState::Running, JobState::Failed, 1, "exit", &exit).await.unwrap();
+        assert_eq!(s.failures(j.id).await.unwrap(), vec![lost.clone(), exit.clone()]);
+        assert_eq!(s.failures_since(11).await.unwrap(), vec![exit]);
+        let events = s.job_events(j.id).await.unwrap();
+        assert_eq!(events.iter().filter(|e| e.reason == "host lost").count(), 1);
+    }
+
+    pub async fn cordons_survive_hellos_and_reopen(h: &impl Harness) {
+        let cordon = Cordon { by: "operator".into(), reason: "bad fan".into(), at_ms: 7 };
+        {
+            let s = h.open().await;
+            s.upsert_agent(&agent("sxm-a", 8, AgentState::Connected, 1)).await.unwrap();
+            assert!(s.set_cordon("sxm-a", Some(&cordon)).await.unwrap());
+            assert!(!s.set_cordon("never-seen", Some(&cordon)).await.unwrap());
+            // A hello rewrites the agent's row but not its cordon.
+            s.upsert_agent(&agent("sxm-a", 8, AgentState::Connected, 2)).await.unwrap();
+        }
+        let s = h.open().await;
+        let snap = s.snapshot().await.unwrap();
+        assert_eq!(snap.agents[0].cordon.as_ref(), Some(&cordon));
+        s.set_cordon("sxm-a", None).await.unwrap();
+        assert_eq!(s.snapshot().await.unwrap().agents[0].cordon, None);
     }
 
     pub async fn snapshot_after_reopen(h: &impl Harness) {

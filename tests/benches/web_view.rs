@@ -73,6 +73,8 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
         preflight: trainyard_store::PreflightLevel::None,
         max_restarts: 0,
         resume: false,
+        backoff: Default::default(),
+        hang: Default::default(),
         priority: 0,
         disable_pinning: false,
     };

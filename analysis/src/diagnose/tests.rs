@@ -12,6 +12,8 @@ fn spec(env: &[(&str, &str)]) -> JobSpec {
         preflight: PreflightLevel::None,
         max_restarts: 0,
         resume: false,
+        backoff: Default::default(),
+        hang: Default::default(),
         priority: 0,
         disable_pinning: false,
     }

@@ -79,13 +79,24 @@ struct Cli {
     /// Seconds between SIGTERM and SIGKILL when ranks are stopped.
     #[arg(long, default_value_t = 10)]
     cancel_grace_secs: u64,
-    /// Seconds an agent may stay away before its ranks count as lost.
-    #[arg(long, default_value_t = 60)]
+    /// Seconds an agent may stay disconnected or silent (no heartbeat) before its host counts as
+    /// lost and its jobs restart elsewhere; agents heartbeat every 2 s.
+    #[arg(long, default_value_t = 8)]
     agent_timeout_secs: u64,
     /// Seconds an agent may stay silent (no heartbeat, stream still open) before it counts as
-    /// unresponsive and gets no new work; agents heartbeat every 2 s.
-    #[arg(long, default_value_t = 15)]
+    /// unresponsive and gets no new work.
+    #[arg(long, default_value_t = 5)]
     unresponsive_secs: u64,
+    /// Seconds agents have to reconnect after this controller starts before any host-loss or
+    /// hang clock runs.
+    #[arg(long, default_value_t = 30)]
+    reconnect_grace_secs: u64,
+    /// Blamed failures within --blame-window-secs that cordon a node until it passes a
+    /// preflight (0: never cordon automatically).
+    #[arg(long, default_value_t = 3)]
+    cordon_after_blames: usize,
+    #[arg(long, default_value_t = 3600)]
+    blame_window_secs: u64,
     /// Log format on stderr.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
@@ -97,6 +108,8 @@ impl From<&Cli> for ControllerConfig {
             .with_cancel_grace(Duration::from_secs(cli.cancel_grace_secs))
             .with_agent_timeout(Duration::from_secs(cli.agent_timeout_secs))
             .with_unresponsive_after(Duration::from_secs(cli.unresponsive_secs))
+            .with_reconnect_grace(Duration::from_secs(cli.reconnect_grace_secs))
+            .with_cordon_after(cli.cordon_after_blames, Duration::from_secs(cli.blame_window_secs))
     }
 }
 

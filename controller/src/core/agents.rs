@@ -35,6 +35,8 @@ impl Controller {
             inventory: hello.inventory.clone().unwrap_or_default().into(),
             state: AgentState::Connected,
             last_seen_ms: self.now_ms(),
+            // A hello does not lift a cordon: the entry's is kept below.
+            cordon: None,
         };
         self.store.upsert_agent(&record).await?;
         let preflight = match hello.preflight.clone() {
@@ -60,6 +62,8 @@ impl Controller {
                 return Err(ControllerError::AlreadyConnected(agent_id));
             }
             let previous = core.agents.get(&agent_id).and_then(|e| e.preflight.clone());
+            let mut record = record;
+            record.cordon = core.agents.get(&agent_id).and_then(|e| e.record.cordon.clone());
             let preflight = match (preflight, previous) {
                 (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
                 (new, old) => new.or(old),
@@ -71,9 +75,15 @@ impl Controller {
                 disconnected_since: None,
                 preflight,
                 unresponsive: false,
+                seen_since_start: true,
             };
             self.agent_seen(&agent_id);
+            let report = entry.preflight.clone();
             core.agents.insert(agent_id.clone(), entry);
+            if let Some(report) = report {
+                core.clear_by_preflight(&report);
+            }
+            core.ask_for_clearing(&agent_id);
             let lost = self.resend_missed(&mut core, &agent_id, &reported);
             (conn_id, lost)
         };
@@ -157,9 +167,11 @@ impl Controller {
             if let Some(entry) = core.agents.get_mut(agent_id)
                 && entry.preflight.as_ref().is_none_or(|r| r.report_id <= report.report_id)
             {
-                entry.preflight = Some(report);
+                entry.preflight = Some(report.clone());
+                core.clear_by_preflight(&report);
             }
         }
+        self.store_cordons().await;
         self.bump();
         self.wake();
         Ok(())
@@ -254,6 +266,19 @@ impl Controller {
                 self.answer_unknown(&mut core, agent_id, id, state);
                 return Ok(());
             };
+            // Fenced: the rank was declared lost with its host, and the attempt moves on
+            // without it; the host came back with it still running, so it is stopped.
+            let job = core.jobs.get(&id.job_id).expect("job looked up above");
+            if job.allocations[pos].observed.state == RankState::Lost && !state.is_done() {
+                tracing::warn!(
+                    agent_id,
+                    job_id = id.job_id,
+                    rank = id.rank,
+                    "a rank declared lost is still running on a returning host; stopping it"
+                );
+                self.answer_unknown(&mut core, agent_id, id, state);
+                return Ok(());
+            }
             // The rank-0 agent chose the attempt's MASTER_PORT: the other hosts can launch now.
             let port = u16::try_from(report.master_port).unwrap_or(0);
             let started = matches!(state, RankState::Launching | RankState::Running);
@@ -394,28 +419,59 @@ impl Controller {
         Ok(())
     }
 
-    /// Ranks on agents gone for longer than `agent_timeout` are lost; their jobs fail (or
-    /// restart) instead of waiting forever.
+    /// The reaper (every 500 ms): a host whose agent has been disconnected, or connected but
+    /// silent, for longer than `agent_timeout` is lost. Its ranks are recorded as lost (their
+    /// jobs restart elsewhere) and a silent agent's stream is dropped, so that if it comes back
+    /// it must say hello again and the ranks of the old attempt are stopped (`answer_unknown`).
+    /// Agents the controller has not heard from since it started get `reconnect_grace` first.
     pub(super) async fn reap_vanished_agents(&self) {
         let timeout = self.config.agent_timeout;
-        let lost: Vec<(String, RankId)> = {
-            let core = self.lock();
-            let gone: Vec<&String> = core
-                .agents
-                .values()
-                .filter(|e| e.link.is_none() && e.disconnected_since.is_some_and(|t| t.elapsed() > timeout))
-                .map(|e| &e.record.agent_id)
-                .collect();
+        let grace_over = Instant::now() >= self.started + self.config.reconnect_grace;
+        let now_ms = self.now_ms();
+        let mut dropped = Vec::new();
+        let lost: Vec<(String, RankId, String)> = {
+            let mut core = self.lock();
+            let mut gone: BTreeMap<String, String> = BTreeMap::new();
+            for e in core.agents.values_mut() {
+                if !e.seen_since_start && !grace_over {
+                    continue;
+                }
+                let id = e.record.agent_id.clone();
+                match (&e.link, e.disconnected_since) {
+                    (None, Some(since)) if since.elapsed() > timeout => {
+                        let away = since.elapsed().as_secs_f64();
+                        gone.insert(
+                            id.clone(),
+                            format!("agent {id} disconnected {away:.1} s ago and did not come back"),
+                        );
+                    }
+                    (Some(_), _) if now_ms - e.record.last_seen_ms > timeout.as_millis() as i64 => {
+                        let silent = (now_ms - e.record.last_seen_ms) as f64 / 1000.0;
+                        tracing::error!(agent_id = %id, silent_s = silent, "host lost: its stream is open but it sent nothing; dropping the stream");
+                        e.link = None;
+                        e.disconnected_since = Some(Instant::now());
+                        e.record.state = AgentState::Disconnected;
+                        dropped.push(id.clone());
+                        gone.insert(id.clone(), format!("agent {id} sent nothing for {silent:.1} s (a cut network or a stopped machine)"));
+                    }
+                    _ => {}
+                }
+            }
             core.jobs
                 .values()
                 .flat_map(|job| job.allocations.iter())
-                .filter(|a| gone.contains(&&a.agent_id) && !rank_done(a))
-                .map(|a| (a.agent_id.clone(), a.id))
+                .filter(|a| !rank_done(a))
+                .filter_map(|a| gone.get(&a.agent_id).map(|why| (a.agent_id.clone(), a.id, why.clone())))
                 .collect()
         };
-        for (agent_id, id) in lost {
-            let message = format!("agent {agent_id} unreachable for more than {}s", timeout.as_secs());
-            tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, "rank lost with its agent");
+        for agent_id in dropped {
+            self.fail_logs_of(&agent_id);
+            if let Err(e) = self.store.set_agent_state(&agent_id, AgentState::Disconnected, now_ms).await {
+                tracing::error!(agent_id, error = %e, "failed to record a lost host as disconnected");
+            }
+        }
+        for (agent_id, id, message) in lost {
+            tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, "rank lost with its host");
             if let Err(e) = self.observe(&agent_id, &lost_report(id, &message)).await {
                 tracing::error!(agent_id, job_id = id.job_id, rank = id.rank, error = %e, "failed to record a lost rank; trying again");
             }
@@ -430,6 +486,7 @@ impl Controller {
         let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();
         let mut rows = Vec::with_capacity(batch.receipts.len());
         let (mut not_objects, mut flagged) = (0, 0);
+        let mut news: BTreeMap<(u64, u32), super::faults::StepNews> = BTreeMap::new();
         for r in batch.receipts {
             let Some(id) = r.key.map(rank_id) else { continue };
             let seq = highest.entry(id).or_insert(r.seq);
@@ -441,6 +498,7 @@ impl Controller {
                 continue;
             };
             flagged += usize::from(checked.problem.is_some());
+            super::faults::note_receipt(&mut news, id, &r.kind, &r.body, checked.metrics.as_ref());
             let step = (r.step >= 0).then_some(r.step);
             let (problem, metrics) = (checked.problem, checked.metrics);
             rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body: r.body, problem, metrics });
@@ -470,6 +528,8 @@ impl Controller {
             rows.retain(|r| r.id.job_id != job_id);
             highest.retain(|id, _| id.job_id != job_id);
         }
+        news.retain(|(job_id, _), _| highest.keys().any(|id| id.job_id == *job_id));
+        self.note_steps(news);
         let mut stored = 0;
         if !rows.is_empty() {
             stored = self.store.insert_receipts(&rows, self.now_ms()).await?;

@@ -206,7 +206,13 @@ impl Core {
         }
         self.agents
             .values()
-            .filter(|e| all || (e.link.is_some() && !e.leaving && !e.unresponsive && !e.failing()))
+            .filter(|e| {
+                all || (e.link.is_some()
+                    && !e.leaving
+                    && !e.unresponsive
+                    && !e.failing()
+                    && e.record.cordon.is_none())
+            })
             .map(|e| {
                 let inv = &e.record.inventory;
                 let id = e.record.agent_id.as_str();
@@ -243,6 +249,7 @@ pub(super) fn request_of(job_id: JobId, spec: &JobSpec) -> Request {
         gpu_model: res.gpu_model,
         min_gpu_memory_mib: res.min_gpu_memory_mib,
         interconnect: res.interconnect,
+        avoid: Vec::new(),
     }
 }
 

@@ -22,6 +22,8 @@
 //! - `reconcile`: the reconciler: settling jobs, restarts, the scheduling pass and launches.
 //! - `jobs`: submit, cancel, and the messages that start and stop ranks.
 //! - `agents`: hellos, disconnects, rank reports and the reaper of vanished agents.
+//! - `faults`: what ended an attempt (rank exit, host lost, hang), blame, exclusion, cordons,
+//!   backoff, and the watch on each job's steps that finds hangs.
 //! - `view`: the read side (`Get`, `List`), served from the store.
 //! - `reads`: the read model of the outer layers (records, events, allocations, rollups,
 //!   receipts): nothing outside the core holds the store.
@@ -29,6 +31,9 @@
 
 mod agents;
 mod diagnosis;
+mod faults;
+#[cfg(test)]
+mod faults_tests;
 pub use agents::MAX_BATCH;
 mod jobs;
 mod logs;
@@ -120,6 +125,11 @@ pub struct Controller {
     /// Open `Logs` requests by id (see `logs`), and the last id handed out.
     logs: std::sync::Mutex<HashMap<u64, logs::LogWaiter>>,
     next_log_request: std::sync::atomic::AtomicU64,
+    /// When each running job's ranks last wrote a step receipt (the hang watch). Its own
+    /// `std::sync::Mutex`: ingest updates it once per batch and never takes the core's lock.
+    steps: std::sync::Mutex<HashMap<JobId, faults::StepWatch>>,
+    /// When this controller started: host-loss and hang clocks wait `reconnect_grace` after it.
+    started: Instant,
 }
 
 /// How often heartbeats move `agents.last_seen_ms` forward in the store.
@@ -138,6 +148,10 @@ struct Core {
     dirty: std::collections::BTreeSet<JobId>,
     /// Ended jobs whose goodput and findings are still to be recorded (off the reconciler's path).
     ended: Vec<JobId>,
+    /// When each node was blamed for a failure, within the blame window (cordons).
+    blames: HashMap<String, Vec<i64>>,
+    /// Cordons decided under the lock, to be written to the store after it.
+    cordons_to_store: Vec<(String, Option<trainyard_store::Cordon>)>,
 }
 
 struct AgentEntry {
@@ -151,6 +165,8 @@ struct AgentEntry {
     preflight: Option<trainyard_store::PreflightRecord>,
     /// Its stream is open but it has sent nothing for `unresponsive_after`: no new work.
     unresponsive: bool,
+    /// It said hello since this controller started (until then the reconnect grace applies).
+    seen_since_start: bool,
 }
 
 /// The send side of an agent's stream.
@@ -172,6 +188,15 @@ struct ActiveJob {
     /// rank report; `None` until then (and after a controller restart, until the agents' hellos
     /// report it again). The hosts without rank 0 are launched once it is known.
     master_port: Option<u16>,
+    /// A failure found outside the ranks' own reports (a hang), for the reconciler to act on.
+    detected: Option<trainyard_store::FailureRecord>,
+    /// Nodes blamed for this job's failures, with when: left out of its next attempts until
+    /// they pass a preflight.
+    avoid: BTreeMap<String, i64>,
+    /// Restarts charged against `max_restarts` so far (the job's own failures).
+    charged: u32,
+    /// The next attempt is not placed before this (the restart backoff).
+    not_before: Option<Instant>,
 }
 
 impl Controller {
@@ -190,6 +215,7 @@ impl Controller {
                 disconnected_since: Some(now),
                 preflight: None,
                 unresponsive: false,
+                seen_since_start: false,
             };
             core.agents.insert(entry.record.agent_id.clone(), entry);
         }
@@ -210,6 +236,7 @@ impl Controller {
         for job in core.jobs.values_mut() {
             job.allocations.sort_by_key(|a| a.id.rank);
         }
+        faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?;
         tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
         let (changes, _) = watch::channel(0);
         Ok(Arc::new(Controller {
@@ -223,6 +250,8 @@ impl Controller {
             seen_persisted: std::sync::Mutex::new(now),
             logs: std::sync::Mutex::new(HashMap::new()),
             next_log_request: std::sync::atomic::AtomicU64::new(0),
+            steps: std::sync::Mutex::new(HashMap::new()),
+            started: now,
         }))
     }
 
@@ -273,10 +302,12 @@ impl Controller {
             };
             if periodic {
                 self.mark_all();
-                self.reap_vanished_agents().await;
                 if let Err(e) = self.check_liveness().await {
                     tracing::error!(error = %e, "failed to check agent liveness");
                 }
+                self.reap_vanished_agents().await;
+                self.check_hangs();
+                self.store_cordons().await;
             }
             self.reconcile().await;
             let ended = std::mem::take(&mut self.lock().ended);
@@ -290,7 +321,17 @@ impl Controller {
 
 impl ActiveJob {
     fn new(record: JobRecord) -> ActiveJob {
-        ActiveJob { record, cancel: None, launches_sent: 0, allocations: Vec::new(), master_port: None }
+        ActiveJob {
+            record,
+            cancel: None,
+            launches_sent: 0,
+            allocations: Vec::new(),
+            master_port: None,
+            detected: None,
+            avoid: BTreeMap::new(),
+            charged: 0,
+            not_before: None,
+        }
     }
 }
 

@@ -140,7 +140,7 @@ impl Core {
     }
 
     /// The agent id an operator means by `host`: an agent id, or a hostname only one agent has.
-    fn resolve(&self, host: &str) -> Result<String> {
+    pub(super) fn resolve(&self, host: &str) -> Result<String> {
         if self.agents.contains_key(host) {
             return Ok(host.to_string());
         }
@@ -177,10 +177,16 @@ fn node_info(e: &AgentEntry, busy: &BTreeSet<(String, u32)>, last_seen_ms: i64) 
             .unwrap_or_default(),
         numa_layout: numa_layout(inv),
         verdict: report.map(|r| r.verdict.to_string()).unwrap_or_default(),
-        verdict_reason: unschedulable_reason(report, state),
+        verdict_reason: match (&e.record.cordon, unschedulable_reason(report, state)) {
+            (Some(c), r) if r.is_empty() => format!("cordoned ({}): {}", c.by, c.reason),
+            (_, r) => r,
+        },
         // The last message of a connected agent (heartbeats every 2 s), or when it went away.
         last_seen_ms,
         preflight_report_id: report.map_or(0, |r| r.report_id),
+        cordon_by: e.record.cordon.as_ref().map(|c| c.by.clone()).unwrap_or_default(),
+        cordon_reason: e.record.cordon.as_ref().map(|c| c.reason.clone()).unwrap_or_default(),
+        cordoned_at_ms: e.record.cordon.as_ref().map_or(0, |c| c.at_ms),
     };
     (id.clone(), info)
 }

@@ -5,17 +5,26 @@
 //! store without the lock, and applied to memory under it again. A store error ends the step
 //! for that job only: it stays dirty and the next pass (at most 500 ms later) tries again.
 
-use super::{ActiveJob, Controller, Core, Result, rank_done, rank_failure};
+use super::faults::{self, Finding};
+use super::{ActiveJob, Controller, Core, Result, rank_done};
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
 use trainyard_placement::scheduler::{self, NodeView, Placement};
-use trainyard_store::{Allocation, JobId, JobState, RankId, RankObserved, RankState};
+use trainyard_store::{Allocation, FailureRecord, JobId, JobState, RankId, RankObserved, RankState};
 
 /// What a job needs next.
 #[derive(Debug, Clone, PartialEq)]
 enum Step {
-    /// A transition to write, and what to do once it is stored.
-    Move { from: JobState, to: JobState, attempt: u32, reason: String, then: Then },
+    /// A transition to write (with the failure that caused it, if one did), and what to do
+    /// once it is stored.
+    Move {
+        from: JobState,
+        to: JobState,
+        attempt: u32,
+        reason: String,
+        then: Then,
+        failure: Option<Box<FailureRecord>>,
+    },
     /// Finished and every rank stopped: tell the agents to forget it and drop it from memory.
     Forget,
 }
@@ -29,15 +38,15 @@ enum Then {
     NextAttempt,
 }
 
-/// The next step of one job, from what memory holds about it; `None` when it is where it
-/// should be.
-fn decide(job: &ActiveJob) -> Option<Step> {
+/// The next step of one job, from what memory holds about it and what its ranks' failure is
+/// ([`faults::classify`]); `None` when it is where it should be.
+fn decide(job: &ActiveJob, finding: Finding) -> Option<Step> {
     let state = job.record.state;
     let attempt = job.record.attempt;
     let allocs = &job.allocations;
     let all_done = !allocs.is_empty() && allocs.iter().all(rank_done);
     let to = |to: JobState, reason: String, then: Then| {
-        Some(Step::Move { from: state, to, attempt, reason, then })
+        Some(Step::Move { from: state, to, attempt, reason, then, failure: None })
     };
     if let Some(reason) = &job.cancel
         && !state.is_terminal()
@@ -45,25 +54,18 @@ fn decide(job: &ActiveJob) -> Option<Step> {
         return to(JobState::Cancelled, reason.clone(), Then::StopRanks(reason.clone()));
     }
     let placed = matches!(state, JobState::Scheduled | JobState::Launching | JobState::Running);
-    match state {
-        _ if placed && let Some(failure) = allocs.iter().find_map(rank_failure) => {
-            let max = job.record.spec.max_restarts;
-            if attempt < max {
-                let why = format!("{failure}; restarting (attempt {} of at most {})", attempt + 1, max);
-                to(JobState::Restarting, why, Then::StopRanks(failure))
-            } else {
-                let why = if max > 0 {
-                    format!("{failure}; no restarts left ({max} used)")
-                } else {
-                    failure.clone()
-                };
-                to(JobState::Failed, why, Then::StopRanks(failure))
-            }
+    match (state, finding) {
+        (_, Finding::Failed(f)) if placed => {
+            let (to, reason) = faults::after_failure(job, &f);
+            let stop = Then::StopRanks(format!("{}: {}", f.kind, f.evidence));
+            Some(Step::Move { from: state, to, attempt, reason, then: stop, failure: Some(Box::new(f)) })
         }
+        // A rank failed while a peer host is silent: its verdict decides the kind.
+        (_, Finding::Undecided) if placed => None,
         _ if placed && all_done => {
             to(JobState::Succeeded, format!("all {} ranks exited with code 0", allocs.len()), Then::Nothing)
         }
-        JobState::Scheduled if job.launches_sent > 0 => {
+        (JobState::Scheduled, _) if job.launches_sent > 0 => {
             let nodes = nodes_of(allocs);
             to(
                 JobState::Launching,
@@ -71,23 +73,28 @@ fn decide(job: &ActiveJob) -> Option<Step> {
                 Then::Nothing,
             )
         }
-        JobState::Launching
+        (JobState::Launching, _)
             if allocs.iter().all(|a| a.observed.state == RankState::Running || rank_done(a)) =>
         {
             to(JobState::Running, format!("all {} ranks running", allocs.len()), Then::Nothing)
         }
-        JobState::Restarting if all_done || allocs.is_empty() => {
+        (JobState::Restarting, _) if all_done || allocs.is_empty() => {
             let next = attempt + 1;
-            let reason = format!("attempt {next} queued after every rank of attempt {attempt} stopped");
+            let wait = job.record.spec.backoff.delay(attempt);
+            let reason = format!(
+                "attempt {next} queued after every rank of attempt {attempt} stopped; placed after a backoff of {:.1} s",
+                wait.as_secs_f64()
+            );
             Some(Step::Move {
                 from: state,
                 to: JobState::Pending,
                 attempt: next,
                 reason,
                 then: Then::NextAttempt,
+                failure: None,
             })
         }
-        s if s.is_terminal() && (all_done || allocs.is_empty()) => Some(Step::Forget),
+        (s, _) if s.is_terminal() && (all_done || allocs.is_empty()) => Some(Step::Forget),
         _ => None,
     }
 }
@@ -139,7 +146,8 @@ impl Controller {
             let step = {
                 let core = self.lock();
                 let Some(job) = core.jobs.get(&job_id) else { return Ok(()) };
-                decide(job)
+                let (silent, leaving) = core.silent_and_leaving(job);
+                decide(job, faults::classify(job, &silent, &leaving, self.now_ms()))
             };
             match step {
                 None => return Ok(()),
@@ -152,14 +160,25 @@ impl Controller {
                     }
                     self.bump();
                 }
-                Some(Step::Move { from, to, attempt, reason, then }) => {
+                Some(Step::Move { from, to, attempt, reason, then, failure }) => {
                     if then == Then::NextAttempt {
                         let mut core = self.lock();
                         self.forget(&mut core, job_id);
                     }
-                    let record =
-                        self.store.transition(job_id, from, to, attempt, &reason, self.now_ms()).await?;
+                    let record = match &failure {
+                        Some(f) => self.store.fail_attempt(job_id, from, to, attempt, &reason, f).await?,
+                        None => {
+                            self.store.transition(job_id, from, to, attempt, &reason, self.now_ms()).await?
+                        }
+                    };
                     tracing::info!(job_id, from = %from, to = %to, attempt, reason, "job state changed");
+                    if let Some(f) = &failure {
+                        let label = crate::metrics::FailureLabel {
+                            kind: f.kind.to_string(),
+                            blamed: f.blamed.to_string(),
+                        };
+                        crate::metrics::metrics().failures.get_or_create(&label).inc();
+                    }
                     if to.is_terminal() {
                         let state = crate::metrics::StateLabel { state: to.to_string() };
                         crate::metrics::metrics().jobs_finished.get_or_create(&state).inc();
@@ -172,12 +191,23 @@ impl Controller {
                                 job.allocations.clear();
                                 job.launches_sent = 0;
                                 job.master_port = None;
+                                job.detected = None;
+                                let wait = job.record.spec.backoff.delay(attempt.saturating_sub(1));
+                                job.not_before = Some(tokio::time::Instant::now() + wait);
                             }
+                            if let Some(f) = &failure {
+                                job.detected = None;
+                                job.charged += u32::from(f.charged);
+                            }
+                        }
+                        if let Some(f) = &failure {
+                            core.blame(f, &self.config);
                         }
                         if let Then::StopRanks(why) = &then {
                             self.stop_ranks(&mut core, job_id, why);
                         }
                     }
+                    self.store_cordons().await;
                     self.bump();
                 }
             }
@@ -190,21 +220,35 @@ impl Controller {
     async fn schedule_pass(&self) -> Result<()> {
         let plans = {
             let mut core = self.lock();
-            let queue: Vec<scheduler::Request> = core
-                .jobs
-                .values()
-                .filter(|j| j.record.state == JobState::Pending && j.cancel.is_none())
-                .map(|j| super::jobs::request_of(j.record.id, &j.record.spec))
+            let now = tokio::time::Instant::now();
+            let pending =
+                core.jobs.values().filter(|j| j.record.state == JobState::Pending && j.cancel.is_none());
+            let (ready, backing_off): (Vec<&ActiveJob>, Vec<&ActiveJob>) =
+                pending.partition(|j| j.not_before.is_none_or(|t| t <= now));
+            let backoff: Vec<(JobId, String)> = backing_off
+                .iter()
+                .map(|j| {
+                    let left = j.not_before.map_or(0.0, |t| t.saturating_duration_since(now).as_secs_f64());
+                    (j.record.id, format!("restart backoff: placed in {left:.1} s"))
+                })
                 .collect();
+            let queue: Vec<scheduler::Request> = ready
+                .iter()
+                .map(|j| {
+                    let mut req = super::jobs::request_of(j.record.id, &j.record.spec);
+                    req.avoid = j.avoid.keys().cloned().collect();
+                    req
+                })
+                .collect();
+            core.waiting = backoff.into_iter().collect();
             if queue.is_empty() {
-                core.waiting.clear();
                 return Ok(());
             }
             let views = core.node_views(false);
             let started = std::time::Instant::now();
             let outcome = scheduler::schedule(&queue, &views);
             crate::metrics::metrics().schedule_pass.observe(started.elapsed().as_secs_f64());
-            core.waiting = outcome.waiting.into_iter().collect();
+            core.waiting.extend(outcome.waiting);
             let now = self.now_ms();
             outcome.placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
         };
@@ -321,6 +365,11 @@ mod tests {
         job
     }
 
+    /// What the ranks say, with every node connected.
+    fn found(job: &ActiveJob) -> Finding {
+        faults::classify(job, &Default::default(), &Default::default(), 0)
+    }
+
     fn target(step: Option<Step>) -> Option<(JobState, String)> {
         match step? {
             Step::Move { to, reason, .. } => Some((to, reason)),
@@ -332,26 +381,35 @@ mod tests {
     fn the_next_step_follows_the_ranks() {
         use RankState::*;
         let running = job(JobState::Launching, &[(Running, None), (Running, None)], 0);
-        assert_eq!(target(decide(&running)).map(|t| t.0), Some(JobState::Running));
+        assert_eq!(target(decide(&running, found(&running))).map(|t| t.0), Some(JobState::Running));
         let half = job(JobState::Launching, &[(Running, None), (Launching, None)], 0);
-        assert_eq!(decide(&half), None);
+        assert_eq!(decide(&half, found(&half)), None);
         let done = job(JobState::Running, &[(Exited, Some(0)), (Exited, Some(0))], 0);
-        assert_eq!(target(decide(&done)).map(|t| t.0), Some(JobState::Succeeded));
+        assert_eq!(target(decide(&done, found(&done))).map(|t| t.0), Some(JobState::Succeeded));
         let failed = job(JobState::Running, &[(Exited, Some(3)), (Running, None)], 1);
-        let (to, reason) = target(decide(&failed)).unwrap();
+        let (to, reason) = target(decide(&failed, found(&failed))).unwrap();
         assert_eq!(to, JobState::Restarting);
         assert!(
-            reason.contains("exited with code 3") && reason.contains("attempt 1 of at most 1"),
+            reason.contains("rank_exit: rank 0 on node-0 exited with code 3")
+                && reason.contains("restarting as attempt 1 (restart 1 of at most 1)"),
             "{reason}"
         );
-        let no_restarts = job(JobState::Running, &[(Lost, None), (Running, None)], 0);
-        assert_eq!(target(decide(&no_restarts)).map(|t| t.0), Some(JobState::Failed));
+        let no_restarts = job(JobState::Running, &[(Exited, Some(1)), (Running, None)], 0);
+        assert_eq!(target(decide(&no_restarts, found(&no_restarts))).map(|t| t.0), Some(JobState::Failed));
+        // A lost host is the fleet's failure: the job restarts whatever its max_restarts.
+        let lost = job(JobState::Running, &[(Lost, None), (Running, None)], 0);
+        let (to, reason) = target(decide(&lost, found(&lost))).unwrap();
+        assert_eq!(to, JobState::Restarting);
+        assert!(reason.starts_with("host_lost: rank 0 on node-0 was lost"), "{reason}");
         let restarting = job(JobState::Restarting, &[(Exited, Some(3)), (Exited, None)], 1);
-        assert!(matches!(decide(&restarting), Some(Step::Move { to: JobState::Pending, attempt: 1, .. })));
+        assert!(matches!(
+            decide(&restarting, found(&restarting)),
+            Some(Step::Move { to: JobState::Pending, attempt: 1, .. })
+        ));
         let finished = job(JobState::Failed, &[(Exited, Some(3)), (Lost, None)], 0);
-        assert_eq!(decide(&finished), Some(Step::Forget));
+        assert_eq!(decide(&finished, found(&finished)), Some(Step::Forget));
         let stopping = job(JobState::Failed, &[(Exited, Some(3)), (Running, None)], 0);
-        assert_eq!(decide(&stopping), None, "a finished job waits for its ranks to stop");
+        assert_eq!(decide(&stopping, found(&stopping)), None, "a finished job waits for its ranks to stop");
     }
 
     #[test]
@@ -359,11 +417,11 @@ mod tests {
         let mut j = job(JobState::Running, &[(RankState::Running, None)], 0);
         j.cancel = Some("operator".into());
         assert!(matches!(
-            decide(&j),
+            decide(&j, found(&j)),
             Some(Step::Move { to: JobState::Cancelled, then: Then::StopRanks(_), .. })
         ));
         let mut pending = job(JobState::Pending, &[], 0);
         pending.cancel = Some("operator".into());
-        assert_eq!(target(decide(&pending)).map(|t| t.0), Some(JobState::Cancelled));
+        assert_eq!(target(decide(&pending, found(&pending))).map(|t| t.0), Some(JobState::Cancelled));
     }
 }

@@ -94,3 +94,19 @@ pub(super) fn spec(gpus: u32) -> JobSpec {
         ..Default::default()
     }
 }
+
+/// A passing quick preflight report of `host`, finished at `at_ms`.
+pub(super) fn passing_report(host: &str, at_ms: i64) -> PreflightReport {
+    PreflightReport {
+        agent_id: host.into(),
+        local_id: format!("{host}-{at_ms}"),
+        level: "quick".into(),
+        started_at_ms: at_ms - 10,
+        finished_at_ms: at_ms,
+        verdict: "pass".into(),
+        interconnect_class: "nvswitch".into(),
+        topology: "GPU0\tX\n".into(),
+        source: "host-file".into(),
+        ..Default::default()
+    }
+}

@@ -58,6 +58,22 @@ impl Controller {
                 reason: e.reason,
             })
             .collect();
+        job.failures = self
+            .store
+            .failures(job_id)
+            .await?
+            .into_iter()
+            .map(|f| trainyard_proto::v1::Failure {
+                attempt: f.attempt,
+                at_ms: f.at_ms,
+                kind: f.kind.to_string(),
+                agent_id: f.agent_id.unwrap_or_default(),
+                rank: f.rank.map_or(-1, i64::from),
+                evidence: f.evidence,
+                blamed: f.blamed,
+                charged: f.charged,
+            })
+            .collect();
         Ok(job)
     }
 
@@ -139,6 +155,7 @@ impl Controller {
             warnings,
             waiting_reason,
             goodput: None,
+            failures: Vec::new(),
             user: record.owner.user,
             run_as: record.owner.run_as,
         })
@@ -211,5 +228,6 @@ impl Controller {
         }
         m.agents_connected.set(core.agents.values().filter(|e| e.link.is_some()).count() as i64);
         m.agents_known.set(core.agents.len() as i64);
+        m.nodes_cordoned.set(core.agents.values().filter(|e| e.record.cordon.is_some()).count() as i64);
     }
 }

@@ -12,10 +12,10 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::Jobs;
 use trainyard_proto::v1::{
-    CancelRequest, CancelResponse, CompareRequest, Comparison, DiagnoseRequest, Diagnosis, GetJobRequest,
-    Job, JobStateChange, ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, NodesRequest,
-    NodesResponse, PreflightReport, PreflightRequest, StoredReceipt, SubmitRequest, SubmitResponse,
-    WatchEvent, WatchRequest, watch_event::Event,
+    CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
+    DiagnoseRequest, Diagnosis, GetJobRequest, Job, JobStateChange, ListJobsRequest, ListJobsResponse,
+    LogChunk, LogsRequest, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt,
+    SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use trainyard_proto::limits;
@@ -224,6 +224,41 @@ impl Jobs for JobsService {
     async fn nodes(&self, request: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
         self.caller(&request, "node.list", "nodes").await?;
         Ok(Response::new(NodesResponse { nodes: self.controller.nodes().await }))
+    }
+
+    /// Cordons a node or lifts its cordon (admins only; audited).
+    async fn cordon(&self, request: Request<CordonRequest>) -> Result<Response<CordonResponse>, Status> {
+        let target = format!("node:{}", request.get_ref().agent_id);
+        let action = if request.get_ref().cordon { "node.cordon" } else { "node.uncordon" };
+        let caller = self.caller(&request, action, &target).await?;
+        if !caller.admin {
+            let why = "only admins cordon and uncordon nodes".to_string();
+            return self.refuse(&caller, action, &target, why).await;
+        }
+        let req = request.into_inner();
+        if req.cordon && req.reason.trim().is_empty() {
+            return Err(Status::invalid_argument(
+                "a cordon needs a reason (ctl cordon NODE --reason \"...\")",
+            ));
+        }
+        if req.reason.len() > trainyard_proto::limits::MAX_SHORT_STRING_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "reason: is {} bytes long, at most {} allowed",
+                req.reason.len(),
+                trainyard_proto::limits::MAX_SHORT_STRING_BYTES
+            )));
+        }
+        let reason = req.cordon.then_some(req.reason.as_str());
+        let done = self.controller.cordon(&req.agent_id, reason).await;
+        let failed = done.as_ref().err().map(|e| e.to_string());
+        let outcome = match &failed {
+            None => Ok(req.reason.as_str()),
+            Some(e) => Err(e.as_str()),
+        };
+        self.auth.audit(&caller.name, action, &target, outcome, self.controller.now_ms()).await;
+        let agent_id = done.map_err(to_status)?;
+        let node = self.controller.nodes().await.into_iter().find(|n| n.agent_id == agent_id);
+        Ok(Response::new(CordonResponse { node }))
     }
 
     /// The node's newest report; with a run level, the report of a run asked for now (waits

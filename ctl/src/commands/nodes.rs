@@ -1,6 +1,6 @@
-//! `ctl nodes [-o json]`: the fleet table.
+//! `ctl nodes [-o json]`: the fleet table; `ctl cordon` and `ctl uncordon`.
 
-use trainyard_proto::v1::NodesRequest;
+use trainyard_proto::v1::{CordonRequest, NodesRequest};
 
 use crate::client::Controller;
 use crate::fleet;
@@ -21,4 +21,28 @@ pub async fn run(ctl: &mut Controller, json: bool) -> anyhow::Result<()> {
     } else {
         print_out(&fleet::node_table(&nodes, render::now_ms()))
     }
+}
+
+/// Cordons `host` (with a reason) or lifts its cordon, and prints the node's row.
+pub async fn cordon(ctl: &mut Controller, host: &str, reason: Option<String>) -> anyhow::Result<()> {
+    let request = CordonRequest {
+        agent_id: host.to_string(),
+        cordon: reason.is_some(),
+        reason: reason.unwrap_or_default(),
+    };
+    let node = match ctl.jobs.cordon(request).await {
+        Ok(r) => r.into_inner().node.unwrap_or_default(),
+        Err(status) => return Err(ctl.error(status, None)),
+    };
+    ctl.words(&node)?;
+    let what = if node.cordon_by.is_empty() {
+        "uncordoned: it takes new work"
+    } else {
+        "cordoned: no new work goes there"
+    };
+    print_out(&format!(
+        "{} {what}\n{}",
+        node.agent_id,
+        fleet::node_table(std::slice::from_ref(&node), render::now_ms())
+    ))
 }

@@ -6,10 +6,11 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
-    CancelRequest, CancelResponse, CompareRequest, Comparison, DiagnoseRequest, Diagnosis, Finding,
-    GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest,
-    Measure, NodeInfo, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus,
-    StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
+    DiagnoseRequest, Diagnosis, Finding, GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest,
+    ListJobsResponse, LogChunk, LogsRequest, Measure, NodeInfo, NodesRequest, NodesResponse, PreflightReport,
+    PreflightRequest, RankStatus, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
+    watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -24,6 +25,10 @@ struct Fake {
 
 #[tonic::async_trait]
 impl Jobs for Fake {
+    async fn cordon(&self, _: Request<CordonRequest>) -> Result<Response<CordonResponse>, Status> {
+        Err(Status::unimplemented("not in this fake"))
+    }
+
     async fn nodes(&self, _: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
         let node = NodeInfo {
             agent_id: "node-a".into(),

@@ -83,6 +83,8 @@ pub struct Request {
     pub min_gpu_memory_mib: u64,
     /// The interconnect class every node must have; `None` for any.
     pub interconnect: Option<InterconnectClass>,
+    /// Nodes this job must not use (blamed for its earlier failures), sorted; usually empty.
+    pub avoid: Vec<String>,
 }
 
 /// The ranks of one job on one node.

@@ -39,10 +39,10 @@ impl Hasher for Fnv {
 type HashMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<Fnv>>;
 
 /// What makes two requests interchangeable for placement (borrowed: no allocation per job).
-type ShapeKey<'a> = (u32, u32, &'a str, u64, Option<InterconnectClass>);
+type ShapeKey<'a> = (u32, u32, &'a str, u64, Option<InterconnectClass>, &'a [String]);
 
 fn shape(req: &Request) -> ShapeKey<'_> {
-    (req.gpus, req.gpus_per_node, &req.gpu_model, req.min_gpu_memory_mib, req.interconnect)
+    (req.gpus, req.gpus_per_node, &req.gpu_model, req.min_gpu_memory_mib, req.interconnect, &req.avoid)
 }
 
 struct NodeState<'a> {
@@ -170,8 +170,10 @@ impl<'a> Fleet<'a> {
         Some(masks.clone())
     }
 
+    /// The node has the interconnect class the job needs and is not one the job avoids.
     fn class_ok(req: &Request, node: &NodeState) -> bool {
         req.interconnect.is_none_or(|c| node.view.interconnect_class == Some(c))
+            && !req.avoid.contains(&node.view.agent_id)
     }
 
     fn shape_info(&mut self, req: &'a Request) -> ShapeInfo {
@@ -433,6 +435,9 @@ impl<'a> Fleet<'a> {
                 .count();
             format!("needs {} {what} on whole {class}nodes; {whole} such node(s) are free", req.gpus)
         };
+        if !req.avoid.is_empty() {
+            reason.push_str(&format!(" (avoiding {}, excluded after failures)", req.avoid.join(", ")));
+        }
         match &self.reservation {
             Some((head, _)) if *head != req.job_id => {
                 reason.push_str(&format!("; GPUs are held for job {head}, ahead in the queue"));

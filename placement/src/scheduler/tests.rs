@@ -95,6 +95,7 @@ fn req(job_id: u64, gpus: u32, per_node: u32) -> Request {
         gpu_model: String::new(),
         min_gpu_memory_mib: 0,
         interconnect: None,
+        avoid: Vec::new(),
     }
 }
 
@@ -345,4 +346,24 @@ fn pinning_keeps_hyperthread_siblings_together() {
     // Without the siblings: runs of the CPU list, and GPUs 0 and 2 share cores 0-27.
     let flat = |gpu: u32| plan_cpus(&node, gpu, &[]).unwrap().cpus;
     assert_eq!((flat(0).as_str(), flat(2).as_str()), ("0-27", "112-139"));
+}
+
+#[test]
+fn a_job_never_lands_on_a_node_it_avoids_and_says_so_when_it_waits() {
+    let nodes = make_test_nodes(3, 8);
+    let mut job = req(1, 16, 8);
+    job.avoid = vec!["node-00".into()];
+    let outcome = schedule(std::slice::from_ref(&job), &nodes);
+    let used: Vec<&str> = outcome.placements[0].nodes.iter().map(|n| n.agent_id.as_str()).collect();
+    assert_eq!(used, ["node-01", "node-02"]);
+    job.avoid = vec!["node-00".into(), "node-02".into()];
+    let outcome = schedule(std::slice::from_ref(&job), &nodes);
+    assert!(outcome.placements.is_empty());
+    let reason = &outcome.waiting[0].1;
+    assert!(reason.contains("avoiding node-00, node-02"), "{reason}");
+    // The same shape without the exclusion is still placed in the same pass.
+    let free = req(2, 16, 8);
+    let outcome = schedule(&[job, free], &nodes);
+    assert_eq!(outcome.placements.len(), 1);
+    assert_eq!(outcome.placements[0].job_id, 2);
 }

@@ -1,0 +1,465 @@
+//! Failures: what ended an attempt, which node is to blame, and what it costs (docs/faults.md).
+//!
+//! The reconciler asks [`classify`] what its ranks' reports (or the hang watch) say; the answer
+//! is a [`FailureRecord`] with a kind, a node, the evidence, whether the node is blamed and
+//! whether it counts against `max_restarts`. The rules:
+//! - a rank that exits non-zero fails the job's own way (charged, nobody blamed), but while a
+//!   peer host of the job is silent the verdict waits for it: a cut network makes the ranks on
+//!   the other side fail first, and the host is the cause;
+//! - a host lost (its agent vanished, went silent or came back without its ranks) is the
+//!   fleet's failure: not charged, the node blamed unless its agent announced it was leaving;
+//! - a hang blames the nodes whose ranks stopped stepping while others' did not; when every
+//!   rank stopped at once the job is charged and nobody is blamed.
+//!
+//! A blamed node is left out of the job's next attempts until it passes a preflight (it is
+//! asked for one at once, and again when it reconnects), and a node blamed
+//! `cordon_after_blames` times within `blame_window` is cordoned fleet-wide until it passes one.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use trainyard_proto::v1::{RunPreflight, controller_message::Msg};
+use trainyard_store::{
+    Allocation, Cordon, FailureKind, FailureRecord, JobId, JobState, PreflightRecord, RankState, Store,
+    Verdict,
+};
+
+use super::{ActiveJob, Controller, Core, Result, rank_failure};
+use crate::config::ControllerConfig;
+
+/// Attempts a job may take, beyond `max_restarts`, for failures that are not its own (a lost
+/// host, a preemption): enough to ride out a bad week on a flaky fleet, never a loop for ever.
+pub(super) const FLEET_RESTARTS: u32 = 50;
+
+/// Step times the hang watch keeps per job for its median.
+const STEP_WINDOW: usize = 64;
+
+/// `cordon_by` of a cordon set after repeated blamed failures.
+pub(super) const BY_FAILURES: &str = "failures";
+/// `cordon_by` of a cordon set by `ctl cordon`.
+pub(super) const BY_OPERATOR: &str = "operator";
+
+/// What the ranks of an attempt say.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Finding {
+    /// Nothing failed.
+    Healthy,
+    /// A rank failed while a peer host is silent: wait for that host's verdict.
+    Undecided,
+    Failed(FailureRecord),
+}
+
+/// The job's failure, if its ranks (or the hang watch) report one. `silent` holds the nodes
+/// that are disconnected or have not spoken for `unresponsive_after`; `leaving` those whose
+/// agents announced they are stopping.
+pub(super) fn classify(
+    job: &ActiveJob,
+    silent: &BTreeSet<&str>,
+    leaving: &BTreeSet<&str>,
+    now_ms: i64,
+) -> Finding {
+    if let Some(found) = &job.detected {
+        return Finding::Failed(found.clone());
+    }
+    let allocs = &job.allocations;
+    let record = |a: &Allocation, kind: FailureKind, blamed: bool, charged: bool| FailureRecord {
+        job_id: job.record.id,
+        attempt: job.record.attempt,
+        at_ms: now_ms,
+        kind,
+        agent_id: Some(a.agent_id.clone()),
+        rank: Some(a.id.rank),
+        evidence: rank_failure(a).unwrap_or_default(),
+        blamed,
+        charged,
+    };
+    if let Some(a) = allocs.iter().find(|a| a.observed.state == RankState::Lost) {
+        let blamed = !leaving.contains(a.agent_id.as_str());
+        return Finding::Failed(record(a, FailureKind::HostLost, blamed, false));
+    }
+    let Some(a) = allocs.iter().find(|a| rank_failure(a).is_some()) else { return Finding::Healthy };
+    let peer_silent = allocs.iter().any(|p| !super::rank_done(p) && silent.contains(p.agent_id.as_str()));
+    if peer_silent {
+        return Finding::Undecided;
+    }
+    Finding::Failed(record(a, FailureKind::RankExit, false, true))
+}
+
+/// Where a failure leaves the job: restarting or failed, and the event's reason.
+pub(super) fn after_failure(job: &ActiveJob, f: &FailureRecord) -> (JobState, String) {
+    let max = job.record.spec.max_restarts;
+    let attempt = job.record.attempt;
+    let what = format!("{}: {}", f.kind, f.evidence);
+    if f.charged && job.charged >= max {
+        let why = if max > 0 { format!("{what}; no restarts left ({max} used)") } else { what };
+        return (JobState::Failed, why);
+    }
+    if attempt >= max + FLEET_RESTARTS {
+        return (JobState::Failed, format!("{what}; {} attempts, the most a job may take", attempt + 1));
+    }
+    let next = attempt + 1;
+    let cost = if f.charged {
+        format!("restart {} of at most {max}", job.charged + 1)
+    } else {
+        "not counted against max_restarts: the fleet's failure, not the job's".to_string()
+    };
+    let blame = match (&f.agent_id, f.blamed) {
+        (Some(node), true) => format!("; {node} is left out until it passes a preflight"),
+        _ => String::new(),
+    };
+    (JobState::Restarting, format!("{what}; restarting as attempt {next} ({cost}){blame}"))
+}
+
+/// The job's failures and cordons as they stood before a restart of the controller.
+pub(super) async fn reload(
+    core: &mut Core,
+    store: &dyn Store,
+    config: &ControllerConfig,
+    now_ms: i64,
+) -> Result<()> {
+    let since = now_ms - config.blame_window.as_millis() as i64;
+    for f in store.failures_since(since).await? {
+        if let (true, Some(node)) = (f.blamed, &f.agent_id) {
+            core.blames.entry(node.clone()).or_default().push(f.at_ms);
+        }
+    }
+    let ids: Vec<JobId> = core.jobs.keys().copied().collect();
+    for id in ids {
+        let failures = store.failures(id).await?;
+        let Some(job) = core.jobs.get_mut(&id) else { continue };
+        job.charged = failures.iter().filter(|f| f.charged).count() as u32;
+        for f in failures.iter().filter(|f| f.blamed) {
+            if let Some(node) = &f.agent_id {
+                job.avoid.insert(node.clone(), f.at_ms);
+            }
+        }
+    }
+    // A blame that a later passing preflight cleared stays cleared.
+    let cleared: Vec<(String, i64)> = core
+        .agents
+        .values()
+        .filter_map(|e| e.preflight.as_ref().filter(|r| r.verdict != Verdict::Fail))
+        .map(|r| (r.agent_id.clone(), r.finished_at_ms))
+        .collect();
+    for (node, at) in cleared {
+        for job in core.jobs.values_mut() {
+            job.avoid.retain(|n, blamed_at| *n != node || *blamed_at > at);
+        }
+    }
+    Ok(())
+}
+
+impl Core {
+    /// Nodes of `job` that are disconnected or silent, and those that announced they leave.
+    pub(super) fn silent_and_leaving<'j>(
+        &self,
+        job: &'j ActiveJob,
+    ) -> (BTreeSet<&'j str>, BTreeSet<&'j str>) {
+        let (mut silent, mut leaving) = (BTreeSet::new(), BTreeSet::new());
+        for a in &job.allocations {
+            if let Some(e) = self.agents.get(&a.agent_id) {
+                if e.link.is_none() || e.unresponsive {
+                    silent.insert(a.agent_id.as_str());
+                }
+                if e.leaving {
+                    leaving.insert(a.agent_id.as_str());
+                }
+            }
+        }
+        (silent, leaving)
+    }
+
+    /// Records that `f` blamed its node: the job avoids it, the node's blame count grows (and
+    /// may cordon it), and the node is asked for a preflight that can clear it.
+    pub(super) fn blame(&mut self, f: &FailureRecord, config: &ControllerConfig) {
+        let Some(node) = f.agent_id.clone().filter(|_| f.blamed) else { return };
+        if let Some(job) = self.jobs.get_mut(&f.job_id) {
+            job.avoid.insert(node.clone(), f.at_ms);
+        }
+        let window = config.blame_window.as_millis() as i64;
+        let times = self.blames.entry(node.clone()).or_default();
+        times.push(f.at_ms);
+        times.retain(|t| *t > f.at_ms - window);
+        let count = times.len();
+        tracing::warn!(agent_id = %node, job_id = f.job_id, kind = %f.kind, blames = count, "node blamed for a failure");
+        let threshold = config.cordon_after_blames;
+        if let Some(entry) = self.agents.get_mut(&node)
+            && threshold > 0
+            && count >= threshold
+            && entry.record.cordon.is_none()
+        {
+            let minutes = config.blame_window.as_secs() / 60;
+            let reason = format!(
+                "blamed for {count} failures within {minutes} min (the last: job {} {}); lifted when it passes a preflight",
+                f.job_id, f.kind
+            );
+            tracing::error!(agent_id = %node, reason, "node cordoned: no new work goes there");
+            let cordon = Cordon { by: BY_FAILURES.into(), reason, at_ms: f.at_ms };
+            entry.record.cordon = Some(cordon.clone());
+            self.cordons_to_store.push((node.clone(), Some(cordon)));
+        }
+        self.ask_for_clearing(&node);
+    }
+
+    /// Asks a connected node that some job avoids, or that failures cordoned, to run a quick
+    /// preflight: passing it clears the node.
+    pub(super) fn ask_for_clearing(&mut self, node: &str) {
+        let avoided = self.jobs.values().any(|j| j.avoid.contains_key(node));
+        let cordoned = self
+            .agents
+            .get(node)
+            .is_some_and(|e| e.record.cordon.as_ref().is_some_and(|c| c.by == BY_FAILURES));
+        let connected = self.agents.get(node).is_some_and(|e| e.link.is_some());
+        if (avoided || cordoned) && connected {
+            tracing::info!(agent_id = node, "asking a blamed node for a quick preflight to clear it");
+            self.send(node, Msg::RunPreflight(RunPreflight { level: "quick".into() }));
+        }
+    }
+
+    /// A passing preflight report clears the node of the blames before it: jobs may use it
+    /// again, and a cordon set after failures is lifted (an operator's stays).
+    pub(super) fn clear_by_preflight(&mut self, report: &PreflightRecord) {
+        if report.verdict == Verdict::Fail {
+            return;
+        }
+        let (node, at) = (report.agent_id.as_str(), report.finished_at_ms);
+        for job in self.jobs.values_mut() {
+            if job.avoid.get(node).is_some_and(|blamed_at| *blamed_at <= at) {
+                job.avoid.remove(node);
+                tracing::info!(
+                    agent_id = node,
+                    job_id = job.record.id,
+                    "node passed a preflight: the job may use it again"
+                );
+                self.dirty.insert(job.record.id);
+            }
+        }
+        if let Some(entry) = self.agents.get_mut(node)
+            && entry.record.cordon.as_ref().is_some_and(|c| c.by == BY_FAILURES && c.at_ms <= at)
+        {
+            entry.record.cordon = None;
+            self.blames.remove(node);
+            tracing::info!(agent_id = node, "node passed a preflight: its cordon is lifted");
+            self.cordons_to_store.push((node.to_string(), None));
+        }
+    }
+}
+
+/// When a job's ranks last wrote a step receipt, and its recent step times.
+#[derive(Debug)]
+pub(crate) struct StepWatch {
+    attempt: u32,
+    /// Per rank, when its newest step receipt arrived.
+    last: HashMap<u32, Instant>,
+    step_ms: VecDeque<f64>,
+    /// The longest checkpoint the attempt wrote, allowed for on top of the timeout.
+    longest_checkpoint: Duration,
+}
+
+/// What one receipt batch says about a job's steps.
+#[derive(Debug, Default)]
+pub(super) struct StepNews {
+    pub ranks: BTreeSet<u32>,
+    pub step_ms: Vec<f64>,
+    pub checkpoint_s: f64,
+}
+
+/// Adds what one receipt says to a batch's [`StepNews`] (a step: its rank and step time; a
+/// checkpoint: how long it took).
+pub(super) fn note_receipt(
+    news: &mut BTreeMap<(JobId, u32), StepNews>,
+    id: trainyard_store::RankId,
+    kind: &str,
+    body: &str,
+    metrics: Option<&trainyard_model::receipts::StepMetrics>,
+) {
+    match kind {
+        "step" => {
+            let n = news.entry((id.job_id, id.attempt)).or_default();
+            n.ranks.insert(id.rank);
+            if let Some(t) = metrics.and_then(|m| m.step_time_ms) {
+                n.step_ms.push(t);
+            }
+        }
+        "checkpoint" => {
+            let seconds = serde_json::from_str::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v.get("duration_ms").and_then(serde_json::Value::as_f64))
+                .unwrap_or(0.0)
+                / 1000.0;
+            let n = news.entry((id.job_id, id.attempt)).or_default();
+            n.checkpoint_s = n.checkpoint_s.max(seconds);
+        }
+        _ => {}
+    }
+}
+
+impl StepWatch {
+    fn new(attempt: u32) -> StepWatch {
+        StepWatch {
+            attempt,
+            last: HashMap::new(),
+            step_ms: VecDeque::new(),
+            longest_checkpoint: Duration::ZERO,
+        }
+    }
+
+    fn median_step(&self) -> Option<Duration> {
+        let mut v: Vec<f64> = self.step_ms.iter().copied().filter(|t| t.is_finite() && *t >= 0.0).collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(Duration::from_secs_f64(v[v.len() / 2] / 1000.0))
+    }
+}
+
+impl Controller {
+    /// Notes the steps and checkpoints a receipt batch carried (ingest; no core lock).
+    pub(super) fn note_steps(&self, news: BTreeMap<(JobId, u32), StepNews>) {
+        if news.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        for ((job_id, attempt), n) in news {
+            let watch = steps.entry(job_id).or_insert_with(|| StepWatch::new(attempt));
+            if watch.attempt > attempt {
+                continue;
+            }
+            if watch.attempt < attempt {
+                *watch = StepWatch::new(attempt);
+            }
+            for rank in n.ranks {
+                watch.last.insert(rank, now);
+            }
+            for t in n.step_ms {
+                if watch.step_ms.len() == STEP_WINDOW {
+                    watch.step_ms.pop_front();
+                }
+                watch.step_ms.push_back(t);
+            }
+            let ckpt = Duration::from_secs_f64(n.checkpoint_s.clamp(0.0, 86_400.0));
+            watch.longest_checkpoint = watch.longest_checkpoint.max(ckpt);
+        }
+    }
+
+    /// The hang watch (every 500 ms): a running attempt none of whose ranks... see
+    /// [`trainyard_model::restart::HangRule`]. Ranks that never stepped are not watched
+    /// (start-up and compilation take as long as they take), nor any job in the reconnect grace.
+    pub(super) fn check_hangs(&self) {
+        let now = Instant::now();
+        if now < self.started + self.config.reconnect_grace {
+            return;
+        }
+        let steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        let mut core = self.lock();
+        let now_ms = self.now_ms();
+        let mut found = Vec::new();
+        for job in core.jobs.values().filter(|j| j.record.state == JobState::Running && j.detected.is_none())
+        {
+            let Some(watch) = steps.get(&job.record.id).filter(|w| w.attempt == job.record.attempt) else {
+                continue;
+            };
+            if let Some(f) = hang_of(job, watch, now, now_ms) {
+                found.push(f);
+            }
+        }
+        drop(steps);
+        for f in found {
+            tracing::error!(job_id = f.job_id, attempt = f.attempt, evidence = %f.evidence, "job attempt hung");
+            core.dirty.insert(f.job_id);
+            if let Some(job) = core.jobs.get_mut(&f.job_id) {
+                job.detected = Some(f);
+            }
+        }
+    }
+
+    /// Writes the cordons decided under the lock; on a store error they are kept for the next
+    /// pass (memory already holds them, so scheduling is right meanwhile).
+    pub(super) async fn store_cordons(&self) {
+        let pending = std::mem::take(&mut self.lock().cordons_to_store);
+        for (i, (node, cordon)) in pending.iter().enumerate() {
+            if let Err(e) = self.store.set_cordon(node, cordon.as_ref()).await {
+                tracing::error!(agent_id = %node, error = %e, "failed to store a cordon; trying again");
+                self.lock().cordons_to_store.extend(pending[i..].iter().cloned());
+                return;
+            }
+        }
+    }
+
+    /// `ctl cordon` (`Some(reason)`) and `ctl uncordon` (`None`): an operator's cordon stays
+    /// until an operator lifts it; lifting also clears a cordon set after failures.
+    /// `node` is an agent id or a hostname only one agent has; returns the agent id.
+    pub async fn cordon(&self, node: &str, reason: Option<&str>) -> Result<String> {
+        let cordon =
+            reason.map(|r| Cordon { by: BY_OPERATOR.into(), reason: r.to_string(), at_ms: self.now_ms() });
+        let agent_id = self.lock().resolve(node)?;
+        let agent_id = agent_id.as_str();
+        self.store.set_cordon(agent_id, cordon.as_ref()).await?;
+        {
+            let mut core = self.lock();
+            if let Some(entry) = core.agents.get_mut(agent_id) {
+                entry.record.cordon = cordon.clone();
+            }
+            if cordon.is_none() {
+                core.blames.remove(agent_id);
+            }
+        }
+        match reason {
+            Some(reason) => tracing::warn!(agent_id, reason, "node cordoned by an operator"),
+            None => tracing::info!(agent_id, "node uncordoned by an operator"),
+        }
+        self.bump();
+        self.wake();
+        Ok(agent_id.to_string())
+    }
+}
+
+/// The hang of one running attempt, if its ranks stopped stepping for longer than the job's
+/// hang timeout.
+fn hang_of(job: &ActiveJob, watch: &StepWatch, now: Instant, now_ms: i64) -> Option<FailureRecord> {
+    if watch.last.is_empty() {
+        return None;
+    }
+    let median = watch.median_step();
+    let timeout = job.record.spec.hang.timeout(median) + watch.longest_checkpoint * 2;
+    let live: Vec<&Allocation> = job.allocations.iter().filter(|a| !super::rank_done(a)).collect();
+    // A rank that has not stepped yet counts from the attempt's first step anywhere.
+    let first = watch.last.values().min().copied()?;
+    let quiet = |a: &Allocation| now.saturating_duration_since(*watch.last.get(&a.id.rank).unwrap_or(&first));
+    let stale: Vec<&&Allocation> = live.iter().filter(|a| quiet(a) > timeout).collect();
+    let first_stale = stale.first()?;
+    let stale_nodes: BTreeSet<&str> = stale.iter().map(|a| a.agent_id.as_str()).collect();
+    let fresh_nodes: BTreeSet<&str> =
+        live.iter().filter(|a| quiet(a) <= timeout).map(|a| a.agent_id.as_str()).collect();
+    // Blame only a node all of whose ranks stopped while another node's kept stepping.
+    let blamed_node = (stale_nodes.len() == 1 && !fresh_nodes.is_empty())
+        .then(|| *stale_nodes.first().expect("one"))
+        .filter(|n| !fresh_nodes.contains(n));
+    let ranks: Vec<String> = stale.iter().map(|a| a.id.rank.to_string()).collect();
+    let median_words =
+        median.map_or("no step time yet".to_string(), |m| format!("median step {:.2} s", m.as_secs_f64()));
+    let evidence = format!(
+        "no step receipt from rank(s) {} on {} for {:.0} s (hang timeout {:.0} s: max({} x {median_words}, floor {:.0} s){})",
+        ranks.join(", "),
+        stale_nodes.iter().copied().collect::<Vec<_>>().join(", "),
+        quiet(first_stale).as_secs_f64(),
+        timeout.as_secs_f64(),
+        job.record.spec.hang.factor,
+        job.record.spec.hang.floor.as_secs_f64(),
+        if watch.longest_checkpoint > Duration::ZERO { ", plus twice the longest checkpoint" } else { "" },
+    );
+    Some(FailureRecord {
+        job_id: job.record.id,
+        attempt: job.record.attempt,
+        at_ms: now_ms,
+        kind: FailureKind::Hang,
+        agent_id: Some(blamed_node.unwrap_or(first_stale.agent_id.as_str()).to_string()),
+        rank: Some(first_stale.id.rank),
+        evidence,
+        blamed: blamed_node.is_some(),
+        charged: blamed_node.is_none(),
+    })
+}

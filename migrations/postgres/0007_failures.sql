@@ -1,0 +1,24 @@
+-- What ended each job attempt (docs/faults.md): one row per failure, with the node it happened
+-- on and whether the node was blamed (excluded from the job until it passes a preflight, and
+-- counted towards a fleet-wide cordon) and whether it counted against the job's max_restarts.
+CREATE TABLE failures (
+    id        BIGSERIAL PRIMARY KEY,                -- monotonic; orders the failures
+    job_id    BIGINT  NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+    attempt   BIGINT  NOT NULL,                     -- the attempt that failed
+    at_ms     BIGINT  NOT NULL,                     -- when it was detected
+    kind      TEXT    NOT NULL
+              CHECK (kind IN ('rank_exit', 'host_lost', 'hang', 'preemption', 'drain')),
+    agent_id  TEXT,                                 -- node it happened on (agents.agent_id), NULL if none
+    rank      BIGINT,                               -- first rank it was seen on, NULL if none
+    evidence  TEXT    NOT NULL,                     -- what the detector saw
+    blamed    BOOLEAN NOT NULL,                     -- the node is held responsible
+    charged   BOOLEAN NOT NULL                      -- counts against restart.max_restarts
+);
+CREATE INDEX failures_job ON failures (job_id, id);
+CREATE INDEX failures_at ON failures (at_ms);
+
+-- A cordoned node takes no new work: set by an operator (`ctl cordon`) or after repeated blamed
+-- failures; NULL columns when it is not cordoned.
+ALTER TABLE agents ADD COLUMN cordon_by TEXT CHECK (cordon_by IN ('operator', 'failures'));
+ALTER TABLE agents ADD COLUMN cordon_reason TEXT;
+ALTER TABLE agents ADD COLUMN cordoned_at_ms BIGINT;
