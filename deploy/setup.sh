@@ -46,7 +46,9 @@ fi
 
 # iproute2 and curl: the tests that put the controller's HTTP listener on a non-loopback address
 # run it in a network namespace of their own (`ip netns`) and talk to it with curl
-# (tests/tests/http_exposure.rs). Without root they are skipped, and so is this.
+# (tests/tests/http_exposure.rs), and the failure tests run hosts in namespaces of their own on a
+# test bridge (tests/src/netlab.rs, tests/tests/hosts_apart.rs). Without root they are skipped,
+# and so is this.
 if ! command -v ip >/dev/null 2>&1 || ! command -v curl >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing iproute2 and curl (apt-get) for the network tests"

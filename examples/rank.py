@@ -23,6 +23,12 @@ NCCL_SHM_DISABLE=1 makes the optimizer phase 3x longer, as NCCL falling back to 
 --slow-rank R --slow-factor F makes rank R's compute phase F times longer (a straggler);
 --hang-at-step K (--hang-rank R) stops writing steps at step K until SIGTERM (a stall).
 
+--collective joins the ranks the way torch.distributed does, over TCP: rank 0 listens on
+MASTER_PORT, the others connect to MASTER_ADDR:MASTER_PORT (across hosts), and every step ends
+in a barrier through rank 0, a stand-in for the optimizer's all-reduce. A peer that dies breaks
+the barrier and the others exit 1 at once (as NCCL reports a closed peer); a peer cut off by the
+network leaves them waiting (as a collective hangs), up to --collective-timeout seconds.
+
 Flags for tests: --fail-at-step K exits 1 at step K (only on rank R with --fail-rank R, only in
 attempt A with --fail-attempt A);
 --garbage also writes a line that is not JSON, a line of invalid UTF-8 and a 10 MB line among
@@ -110,6 +116,10 @@ def parse_args(argv):
         "--hang-at-step", type=int, default=None, metavar="K", help="stop writing steps at step K (a stall)"
     )
     p.add_argument("--hang-rank", type=int, default=None, metavar="R", help="only rank R hangs")
+    p.add_argument("--collective", action="store_true", help="rendezvous over MASTER_ADDR and barrier every step")
+    p.add_argument(
+        "--collective-timeout", type=float, default=600.0, metavar="S", help="give up on a barrier after S s"
+    )
     p.add_argument("--slow-rank", type=int, default=None, metavar="R", help="rank R computes slower")
     p.add_argument(
         "--slow-factor", type=float, default=1.3, metavar="F", help="how much slower (default 1.3)"
@@ -235,6 +245,62 @@ def write_bad_steps(receipts, step):
     receipts.write_raw(json.dumps({"kind": "step", "step": step, "step_time_ms": float("nan")}).encode() + b"\n")
 
 
+class Collective:
+    """A TCP star through rank 0: the rendezvous, then one barrier per step."""
+
+    def __init__(self, rank, world, timeout):
+        self.rank, self.world, self.peers, self.conn = rank, world, [], None
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = env_int("MASTER_PORT", 29500)
+        if rank == 0:
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("0.0.0.0", port))
+            server.listen(world)
+            server.settimeout(timeout)
+            while len(self.peers) < world - 1:
+                conn, _ = server.accept()
+                conn.settimeout(timeout)
+                self.peers.append(conn)
+            server.close()
+        elif world > 1:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    self.conn = socket.create_connection((addr, port), timeout=5)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            self.conn.settimeout(timeout)
+        self.master = f"{addr}:{port}"
+
+    def barrier(self, step):
+        """Every rank reaches `step`; raises ConnectionError when a peer is gone."""
+        token = step.to_bytes(8, "big")
+        if self.rank == 0:
+            for conn in self.peers:
+                if recv_exact(conn, 8) != token:
+                    raise ConnectionError("a peer is at another step")
+            for conn in self.peers:
+                conn.sendall(b"k")
+        elif self.conn is not None:
+            self.conn.sendall(token)
+            if recv_exact(self.conn, 1) != b"k":
+                raise ConnectionError("rank 0 broke the barrier")
+
+
+def recv_exact(conn, n):
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("a peer closed its connection")
+        data += chunk
+    return data
+
+
 def sleep_until(deadline, stop):
     """Sleeps until `deadline` (time.monotonic) in slices, so SIGTERM is honoured promptly."""
     while stop["signal"] is None:
@@ -262,7 +328,18 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_sigterm)
 
     receipts = Receipts(path)
-    receipts.emit("launch", **launch_fields(rank, local_rank, world))
+    collective = None
+    if args.collective:
+        try:
+            collective = Collective(rank, world, args.collective_timeout)
+        except OSError as e:
+            receipts.emit("exit", code=1, reason=f"rendezvous failed: {e}")
+            print(f"rank {rank}: rendezvous failed: {e}", file=sys.stderr)
+            return 1
+    fields = launch_fields(rank, local_rank, world)
+    if collective is not None:
+        fields["rendezvous"] = {"master": collective.master, "world_size": world}
+    receipts.emit("launch", **fields)
     rng = random.Random(rank)
     slowdown = float(os.environ.get("TRAINYARD_STANDIN_SLOWDOWN", "1") or "1")
     compute_s = args.step_ms / 1000.0 * (1.0 - OPTIMIZER_SHARE) * slowdown
@@ -289,6 +366,13 @@ def main(argv=None):
         sleep_until(computed + optimizer_s, stop)
         if stop["signal"] is not None:
             break  # a step cut short is not a step
+        if collective is not None:
+            try:
+                collective.barrier(step)
+            except (OSError, ConnectionError) as e:
+                receipts.emit("exit", code=1, step=step, reason=f"collective failed: {e}")
+                print(f"rank {rank}: collective failed at step {step}: {e}", file=sys.stderr)
+                return 1
         finished = time.monotonic()
         elapsed = max(finished - started, 1e-6)
         receipts.emit(

@@ -8,8 +8,6 @@ use std::time::Duration;
 
 use trainyard_proto::v1::RestartPolicy;
 
-use crate::spec::SpecError;
-
 /// The shortest hang timeout a job may set: below it, a checkpoint or a slow collective on a
 /// loaded host would be taken for a hang.
 pub const HANG_FLOOR: Duration = Duration::from_secs(5);
@@ -87,9 +85,16 @@ pub fn write_rules(policy: &mut RestartPolicy, backoff: &Backoff, hang: &HangRul
     policy.hang_factor = hang.factor;
 }
 
+/// A `[restart]` field and what is wrong with it (the spec's `SpecError` carries it on).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleError {
+    pub field: &'static str,
+    pub reason: String,
+}
+
 /// Every number of the `[restart]` table, checked: each error names the field as the TOML file
 /// spells it.
-pub fn validate(policy: &RestartPolicy) -> Result<(), SpecError> {
+pub fn validate(policy: &RestartPolicy) -> Result<(), RuleError> {
     let seconds = [
         ("restart.backoff_initial_s", policy.backoff_initial_s),
         ("restart.backoff_cap_s", policy.backoff_cap_s),
@@ -132,7 +137,7 @@ pub fn validate(policy: &RestartPolicy) -> Result<(), SpecError> {
     Ok(())
 }
 
-fn factor(field: &str, v: f64, min: f64, max: f64) -> Result<(), SpecError> {
+fn factor(field: &'static str, v: f64, min: f64, max: f64) -> Result<(), RuleError> {
     if v == 0.0 {
         return Ok(());
     }
@@ -142,8 +147,8 @@ fn factor(field: &str, v: f64, min: f64, max: f64) -> Result<(), SpecError> {
     Ok(())
 }
 
-fn bad(field: &str, reason: String) -> SpecError {
-    SpecError { field: field.to_string(), reason }
+fn bad(field: &'static str, reason: String) -> RuleError {
+    RuleError { field, reason }
 }
 
 #[cfg(test)]

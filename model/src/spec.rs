@@ -240,7 +240,7 @@ pub fn validate(spec: &WireSpec) -> Result<(), SpecError> {
                 format!("{} is more than {MAX_RESTARTS}", restart.max_restarts),
             ));
         }
-        crate::restart::validate(restart)?;
+        crate::restart::validate(restart).map_err(|e| bad(e.field, e.reason))?;
     }
     Ok(())
 }

@@ -216,6 +216,10 @@ string_enum! {
         RankExit = "rank_exit",
         /// A host's agent vanished, was cut off or came back without its ranks.
         HostLost = "host_lost",
+        /// A rank vanished on a live host (its supervisor died, its exit status unreadable).
+        RankLost = "rank_lost",
+        /// The node's launch preflight refused the ranks.
+        Preflight = "preflight",
         /// Ranks alive but no step receipt for the job's hang timeout.
         Hang = "hang",
         /// The node is being taken away (a cloud's preemption notice).

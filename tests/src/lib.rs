@@ -5,6 +5,7 @@
 //! - [`Cluster`]: a temporary directory with a controller, agents and helpers to drive them.
 //! - [`host_file`]: writes a host description standing in for an 8-GPU node.
 //! - [`flood`]: the receipt flood job the ingest benches run, and what it measured.
+//! - [`netlab`]: hosts in their own network namespaces on a private bridge ([`Cluster::start_lab`]).
 //! - [`raw_insert`]: the same rows through a plain sqlx loop, the ceiling ingest is read against.
 //! - Process hygiene: every process a cluster starts carries a marker in its environment, which
 //!   ranks inherit; dropping the cluster kills every process carrying it, so no test leaves a
@@ -24,7 +25,10 @@ use sqlx::Row;
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
 pub mod flood;
+pub mod netlab;
 pub mod raw_insert;
+
+pub use netlab::NetLab;
 
 /// Environment variable that marks every process of one test cluster.
 const MARKER: &str = "TRAINYARD_TEST_CLUSTER";
@@ -287,6 +291,12 @@ pub struct Cluster {
     pki: Option<PathBuf>,
     /// The token `ctl` presents by default (a secure cluster's admin).
     pub token: Option<String>,
+    /// Network-namespace hosts ([`Cluster::start_lab`]); removed after every process is gone.
+    lab: Option<NetLab>,
+    /// The lab host each agent runs on.
+    agent_hosts: HashMap<String, usize>,
+    /// Controller flags that replace the harness's defaults (`--agent-timeout-secs 30`).
+    controller_flags: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -354,7 +364,50 @@ impl Cluster {
             postgres,
             pki,
             token: None,
+            lab: None,
+            agent_hosts: HashMap::new(),
+            controller_flags: Vec::new(),
         }
+    }
+
+    /// A cluster whose agents run on `hosts` network-namespace hosts ([`NetLab`]); its
+    /// controller listens on the lab bridge's address (plain text on that isolated network,
+    /// with an admin token for `ctl` whose ranks run as [`run_account`]), with `flags` (e.g. `--agent-timeout-secs 5`) replacing the
+    /// harness's defaults. `None` (after printing `skipped: ...`) where no lab can be made.
+    pub fn start_lab(hosts: usize, flags: &[(&str, &str)]) -> Result<Option<Cluster>> {
+        let Some(lab) = NetLab::create(hosts)? else { return Ok(None) };
+        let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        }
+        let mut cluster = Cluster::unstarted(dir, None, None);
+        cluster.lab = Some(lab);
+        cluster.controller_flags = flags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        cluster.token = Some(cluster.add_user("admin", &["--admin", "--unix-user", &run_account()])?);
+        cluster.start_controller()?;
+        Ok(Some(cluster))
+    }
+
+    /// The lab of a [`Cluster::start_lab`] cluster.
+    pub fn lab(&self) -> &NetLab {
+        self.lab.as_ref().expect("a cluster started with start_lab")
+    }
+
+    /// Starts agent `name` (a node of `gpus` GPUs) inside lab host `host`.
+    pub fn start_agent_on(&mut self, host: usize, name: &str, gpus: u32) -> Result<()> {
+        let file = host_file(self.dir.path(), name, gpus);
+        self.agent_hosts.insert(name.to_string(), host);
+        self.start_agent_env(name, &file, &[])
+    }
+
+    /// Cuts the network of the lab host agent `name` runs on; [`Cluster::heal`] restores it.
+    pub fn cut(&self, name: &str) -> Result<()> {
+        self.lab().cut(self.agent_hosts[name])
+    }
+
+    pub fn heal(&self, name: &str) -> Result<()> {
+        self.lab().heal(self.agent_hosts[name])
     }
 
     /// The PKI directory of a secure cluster.
@@ -423,8 +476,22 @@ impl Cluster {
         let http_file = self.path("controller.http");
         let _ = std::fs::remove_file(&addr_file);
         let _ = std::fs::remove_file(&http_file);
-        let listen = if self.addr.is_empty() { "127.0.0.1:0".to_string() } else { self.addr.clone() };
+        let listen = match (&self.lab, self.addr.is_empty()) {
+            (_, false) => self.addr.clone(),
+            (Some(lab), true) => format!("{}:0", lab.gateway()),
+            (None, true) => "127.0.0.1:0".to_string(),
+        };
         let mut command = Command::new(bin("trainyard-controller")?);
+        if self.lab.is_some() {
+            command.arg("--insecure-plaintext-on-network");
+        }
+        let mut flags = vec![("--cancel-grace-secs", "3"), ("--agent-timeout-secs", "30")];
+        flags.retain(|(k, _)| !self.controller_flags.iter().any(|(o, _)| o == k));
+        for (k, v) in
+            flags.into_iter().chain(self.controller_flags.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        {
+            command.args([k, v]);
+        }
         match &self.postgres {
             Some((_, url)) => command.args(["--db", url]),
             None => command.arg("--data-dir").arg(self.path("controller")),
@@ -438,7 +505,6 @@ impl Cluster {
             .arg(&addr_file)
             .args(["--http-listen", "127.0.0.1:0", "--http-addr-file"])
             .arg(&http_file)
-            .args(["--cancel-grace-secs", "3", "--agent-timeout-secs", "30"])
             .env(MARKER, &self.marker)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -495,7 +561,11 @@ impl Cluster {
     /// root included (`--allow-root-ranks`); a secure cluster's agents never do, and present
     /// a certificate `issue-agent-cert` makes for `name`.
     pub fn start_agent_env(&mut self, name: &str, host: &Path, env: &[(&str, &str)]) -> Result<()> {
-        let mut command = Command::new(bin("trainyard-agent")?);
+        let agent = bin("trainyard-agent")?;
+        let mut command = match (&self.lab, self.agent_hosts.get(name)) {
+            (Some(lab), Some(&i)) => lab.command(i, &agent),
+            _ => Command::new(agent),
+        };
         match &self.pki {
             Some(_) => command.arg("--tls-dir").arg(self.agent_cert(name)?),
             None => command.arg("--allow-root-ranks"),

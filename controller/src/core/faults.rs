@@ -8,6 +8,9 @@
 //!   the other side fail first, and the host is the cause;
 //! - a host lost (its agent vanished, went silent or came back without its ranks) is the
 //!   fleet's failure: not charged, the node blamed unless its agent announced it was leaving;
+//!   so is a rank lost on a live host (its supervisor died), and a launch preflight that
+//!   refused the ranks, unless a check of the job's own environment failed it (then the job is
+//!   charged, since it would fail anywhere);
 //! - a hang blames the nodes whose ranks stopped stepping while others' did not; when every
 //!   rank stopped at once the job is charged and nobody is blamed.
 //!
@@ -34,6 +37,16 @@ pub(super) const FLEET_RESTARTS: u32 = 50;
 
 /// Step times the hang watch keeps per job for its median.
 const STEP_WINDOW: usize = 64;
+
+/// How the controller's own reports of a lost host's ranks begin (`host_lost_message`).
+const HOST_LOST: &str = "host lost: ";
+/// How an agent's refusal to start ranks after a failed launch preflight begins.
+const PREFLIGHT_REFUSED: &str = "preflight failed: ";
+
+/// The message of the ranks of a host the controller declared lost: `why` says how.
+pub(super) fn host_lost_message(why: &str) -> String {
+    format!("{HOST_LOST}{why}")
+}
 
 /// `cordon_by` of a cordon set after repeated blamed failures.
 pub(super) const BY_FAILURES: &str = "failures";
@@ -75,8 +88,18 @@ pub(super) fn classify(
         charged,
     };
     if let Some(a) = allocs.iter().find(|a| a.observed.state == RankState::Lost) {
-        let blamed = !leaving.contains(a.agent_id.as_str());
-        return Finding::Failed(record(a, FailureKind::HostLost, blamed, false));
+        let message = a.observed.message.as_str();
+        let finding = if message.starts_with(HOST_LOST) {
+            let blamed = !leaving.contains(a.agent_id.as_str());
+            record(a, FailureKind::HostLost, blamed, false)
+        } else if let Some(check) = message.strip_prefix(PREFLIGHT_REFUSED) {
+            // A check of the job's own environment fails wherever the job goes.
+            let the_jobs = check.starts_with("env.");
+            record(a, FailureKind::Preflight, !the_jobs, the_jobs)
+        } else {
+            record(a, FailureKind::RankLost, true, false)
+        };
+        return Finding::Failed(finding);
     }
     let Some(a) = allocs.iter().find(|a| rank_failure(a).is_some()) else { return Finding::Healthy };
     let peer_silent = allocs.iter().any(|p| !super::rank_done(p) && silent.contains(p.agent_id.as_str()));

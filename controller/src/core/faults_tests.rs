@@ -98,7 +98,7 @@ fn heartbeat(c: &Controller, hosts: &[&str]) {
 async fn a_silent_host_is_lost_within_the_timeout_blamed_and_its_job_restarts_elsewhere() {
     let store = store().await;
     let c = Controller::start(store.clone(), config()).await.expect("start");
-    let (_a, _b, job) = running_job(&c, 1, with_restarts(0)).await;
+    let (_a, b, job) = running_job(&c, 1, with_restarts(0)).await;
     let mut spare = connect(&c, "spare", 1, None).await;
     // b's network is cut: a keeps talking, b goes quiet.
     for _ in 0..3 {
@@ -112,6 +112,7 @@ async fn a_silent_host_is_lost_within_the_timeout_blamed_and_its_job_restarts_el
     tick(&c).await;
     let (state, reason) = state_of(&c, job).await;
     assert!(state == "restarting" || state == "pending", "{state}: {reason}");
+    assert!(c.stream_fenced(b.conn_id), "b's open stream ends at its next message");
     let failures = store.failures(job).await.expect("failures");
     assert_eq!(failures.len(), 1);
     let f = &failures[0];

@@ -21,7 +21,8 @@
 //!
 //! - `reconcile`: the reconciler: settling jobs, restarts, the scheduling pass and launches.
 //! - `jobs`: submit, cancel, and the messages that start and stop ranks.
-//! - `agents`: hellos, disconnects, rank reports and the reaper of vanished agents.
+//! - `agents`: hellos, disconnects, rank reports and receipt ingest.
+//! - `liveness`: heartbeats, unresponsive agents, and the reaper of lost hosts.
 //! - `faults`: what ended an attempt (rank exit, host lost, hang), blame, exclusion, cordons,
 //!   backoff, and the watch on each job's steps that finds hangs.
 //! - `view`: the read side (`Get`, `List`), served from the store.
@@ -36,6 +37,7 @@ mod faults;
 mod faults_tests;
 pub use agents::MAX_BATCH;
 mod jobs;
+mod liveness;
 mod logs;
 mod reads;
 mod reconcile;
@@ -130,6 +132,10 @@ pub struct Controller {
     steps: std::sync::Mutex<HashMap<JobId, faults::StepWatch>>,
     /// When this controller started: host-loss and hang clocks wait `reconnect_grace` after it.
     started: Instant,
+    /// Streams of hosts declared lost while their stream stayed open (a cut network): the
+    /// next message on one ends it, so the agent must say hello again and have the ranks of
+    /// old attempts stopped. Its own small lock: every agent message checks it.
+    fenced: std::sync::Mutex<std::collections::HashSet<u64>>,
 }
 
 /// How often heartbeats move `agents.last_seen_ms` forward in the store.
@@ -252,6 +258,7 @@ impl Controller {
             next_log_request: std::sync::atomic::AtomicU64::new(0),
             steps: std::sync::Mutex::new(HashMap::new()),
             started: now,
+            fenced: std::sync::Mutex::new(Default::default()),
         }))
     }
 

@@ -397,10 +397,24 @@ mod tests {
         let no_restarts = job(JobState::Running, &[(Exited, Some(1)), (Running, None)], 0);
         assert_eq!(target(decide(&no_restarts, found(&no_restarts))).map(|t| t.0), Some(JobState::Failed));
         // A lost host is the fleet's failure: the job restarts whatever its max_restarts.
-        let lost = job(JobState::Running, &[(Lost, None), (Running, None)], 0);
+        let mut lost = job(JobState::Running, &[(Lost, None), (Running, None)], 0);
+        lost.allocations[0].observed.message =
+            faults::host_lost_message("agent node-0 sent nothing for 8.1 s");
         let (to, reason) = target(decide(&lost, found(&lost))).unwrap();
         assert_eq!(to, JobState::Restarting);
-        assert!(reason.starts_with("host_lost: rank 0 on node-0 was lost"), "{reason}");
+        assert!(
+            reason.starts_with("host_lost: rank 0 on node-0 was lost: host lost: agent node-0"),
+            "{reason}"
+        );
+        // A launch preflight that a check of the job's own environment failed is the job's.
+        let mut refused = job(JobState::Launching, &[(Lost, None), (Lost, None)], 0);
+        refused.allocations[0].observed.message =
+            "preflight failed: env.nccl_shm_disable: 1 (expected unset)".into();
+        assert_eq!(target(decide(&refused, found(&refused))).map(|t| t.0), Some(JobState::Failed));
+        refused.allocations[0].observed.message =
+            "preflight failed: cuda.init.gpu3: error (expected ok)".into();
+        let (to, reason) = target(decide(&refused, found(&refused))).unwrap();
+        assert_eq!(to, JobState::Restarting, "a node check blames the node: {reason}");
         let restarting = job(JobState::Restarting, &[(Exited, Some(3)), (Exited, None)], 1);
         assert!(matches!(
             decide(&restarting, found(&restarting)),

@@ -115,7 +115,7 @@ impl Agents for AgentsService {
         // A refusal mid-stream ends the response with its status, after what was queued.
         let (refuse_tx, refuse_rx) = mpsc::channel(1);
         tokio::spawn(async move {
-            if let Err(status) = serve(&controller, &agent_id, inbound, tx, shutdown).await {
+            if let Err(status) = serve(&controller, (&agent_id, conn_id), inbound, tx, shutdown).await {
                 let _ = refuse_tx.send(status).await;
             }
             if let Err(e) = controller.agent_disconnected(&agent_id, conn_id).await {
@@ -137,7 +137,7 @@ fn refused(agent_id: &str, e: ControllerError) -> Result<(), Status> {
 /// error is the status a refused message ends the stream with.
 async fn serve(
     controller: &Controller,
-    agent_id: &str,
+    (agent_id, conn_id): (&str, u64),
     mut inbound: Streaming<AgentMessage>,
     tx: mpsc::Sender<ControllerMessage>,
     shutdown: CancellationToken,
@@ -162,6 +162,16 @@ async fn serve(
                 return Ok(());
             }
         };
+        if controller.stream_fenced(conn_id) {
+            tracing::warn!(
+                agent_id,
+                conn_id,
+                "a host declared lost speaks again on its old stream; ending it"
+            );
+            return Err(Status::unavailable(
+                "this host was declared lost (silent past the agent timeout); say hello again",
+            ));
+        }
         match handle(controller, agent_id, msg, &tx).await {
             Flow::Go => {}
             Flow::End(result) => return result,

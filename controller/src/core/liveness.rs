@@ -1,0 +1,137 @@
+//! Liveness: when each agent last spoke, which are unresponsive (no new work), and the reaper
+//! that declares a host lost when its agent has been away or silent for `agent_timeout`.
+
+use std::collections::BTreeMap;
+
+use tokio::time::Instant;
+use trainyard_store::{AgentState, RankId};
+
+use super::agents::lost_report;
+use super::{Controller, Result, rank_done};
+
+impl Controller {
+    /// Whether stream `conn_id` belongs to a host declared lost: it must end, and the agent
+    /// say hello again.
+    pub fn stream_fenced(&self, conn_id: u64) -> bool {
+        self.fenced.lock().unwrap_or_else(|p| p.into_inner()).contains(&conn_id)
+    }
+
+    /// Notes that `agent_id` just sent something (every message of its stream counts, a
+    /// heartbeat included). Takes no lock on the controller's state.
+    pub fn agent_seen(&self, agent_id: &str) {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.insert(agent_id.to_string(), self.now_ms());
+    }
+
+    /// Marks connected agents that have sent nothing for `unresponsive_after` as
+    /// `unresponsive` (no new work) and back when they speak again, moves their `last_seen_ms`
+    /// forward, and writes it to the store every [`super::SEEN_PERSIST_EVERY`].
+    pub async fn check_liveness(&self) -> Result<()> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let limit = self.config.unresponsive_after.as_millis() as i64;
+        let now = self.now_ms();
+        let mut recovered = false;
+        let mut touched = Vec::new();
+        {
+            let mut core = self.lock();
+            for e in core.agents.values_mut() {
+                if e.link.is_none() {
+                    e.unresponsive = false;
+                    continue;
+                }
+                let id = e.record.agent_id.clone();
+                if let Some(&at) = seen.get(&id) {
+                    e.record.last_seen_ms = e.record.last_seen_ms.max(at);
+                }
+                let silent_ms = now - e.record.last_seen_ms;
+                let silent = silent_ms > limit;
+                if silent && !e.unresponsive {
+                    tracing::warn!(agent_id = %id, silent_s = silent_ms / 1000, "agent unresponsive: its stream is open but it sent nothing; no new work goes there");
+                } else if !silent && e.unresponsive {
+                    tracing::info!(agent_id = %id, "agent responsive again");
+                    recovered = true;
+                }
+                e.unresponsive = silent;
+                touched.push((id, e.record.last_seen_ms));
+            }
+        }
+        if recovered {
+            self.wake();
+        }
+        let due = {
+            let mut last = self.seen_persisted.lock().unwrap_or_else(|p| p.into_inner());
+            let due = last.elapsed() >= super::SEEN_PERSIST_EVERY;
+            if due {
+                *last = Instant::now();
+            }
+            due
+        };
+        if due {
+            self.store.touch_agents(&touched).await?;
+        }
+        Ok(())
+    }
+
+    /// The reaper (every 500 ms): a host whose agent has been disconnected, or connected but
+    /// silent, for longer than `agent_timeout` is lost. Its ranks are recorded as lost (their
+    /// jobs restart elsewhere) and a silent agent's stream is dropped, so that if it comes back
+    /// it must say hello again and the ranks of the old attempt are stopped (`answer_unknown`).
+    /// Agents the controller has not heard from since it started get `reconnect_grace` first.
+    pub(super) async fn reap_vanished_agents(&self) {
+        let timeout = self.config.agent_timeout;
+        let grace_over = Instant::now() >= self.started + self.config.reconnect_grace;
+        let now_ms = self.now_ms();
+        let mut dropped = Vec::new();
+        let lost: Vec<(String, RankId, String)> = {
+            let mut core = self.lock();
+            let mut gone: BTreeMap<String, String> = BTreeMap::new();
+            for e in core.agents.values_mut() {
+                if !e.seen_since_start && !grace_over {
+                    continue;
+                }
+                let id = e.record.agent_id.clone();
+                match (&e.link, e.disconnected_since) {
+                    (None, Some(since)) if since.elapsed() > timeout => {
+                        let away = since.elapsed().as_secs_f64();
+                        gone.insert(
+                            id.clone(),
+                            format!("agent {id} disconnected {away:.1} s ago and did not come back"),
+                        );
+                    }
+                    (Some(_), _) if now_ms - e.record.last_seen_ms > timeout.as_millis() as i64 => {
+                        let silent = (now_ms - e.record.last_seen_ms) as f64 / 1000.0;
+                        tracing::error!(agent_id = %id, silent_s = silent, "host lost: its stream is open but it sent nothing; dropping the stream");
+                        if let Some(link) = e.link.take() {
+                            self.fenced.lock().unwrap_or_else(|p| p.into_inner()).insert(link.conn_id);
+                        }
+                        e.disconnected_since = Some(Instant::now());
+                        e.record.state = AgentState::Disconnected;
+                        dropped.push(id.clone());
+                        gone.insert(id.clone(), format!("agent {id} sent nothing for {silent:.1} s (a cut network or a stopped machine)"));
+                    }
+                    _ => {}
+                }
+            }
+            core.jobs
+                .values()
+                .flat_map(|job| job.allocations.iter())
+                .filter(|a| !rank_done(a))
+                .filter_map(|a| gone.get(&a.agent_id).map(|why| (a.agent_id.clone(), a.id, why.clone())))
+                .collect()
+        };
+        for agent_id in dropped {
+            self.fail_logs_of(&agent_id);
+            if let Err(e) = self.store.set_agent_state(&agent_id, AgentState::Disconnected, now_ms).await {
+                tracing::error!(agent_id, error = %e, "failed to record a lost host as disconnected");
+            }
+        }
+        for (agent_id, id, message) in lost {
+            tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, "rank lost with its host");
+            if let Err(e) =
+                self.observe(&agent_id, &lost_report(id, &super::faults::host_lost_message(&message))).await
+            {
+                tracing::error!(agent_id, job_id = id.job_id, rank = id.rank, error = %e, "failed to record a lost rank; trying again");
+            }
+        }
+    }
+}
