@@ -21,7 +21,8 @@ variable TRAINYARD_STANDIN_SLOWDOWN=F (set on a stand-in host's agent, so its ra
 makes every phase F times longer, as on a node whose GPUs are split over two NUMA nodes;
 NCCL_SHM_DISABLE=1 makes the optimizer phase 3x longer, as NCCL falling back to sockets does;
 --slow-rank R --slow-factor F makes rank R's compute phase F times longer (a straggler);
---hang-at-step K (--hang-rank R) stops writing steps at step K until SIGTERM (a stall).
+--hang-at-step K (--hang-rank R, --hang-attempt A) stops writing steps at step K until SIGTERM (a
+stall, or a hang).
 
 --collective joins the ranks the way torch.distributed does, over TCP: rank 0 listens on
 MASTER_PORT, the others connect to MASTER_ADDR:MASTER_PORT (across hosts), and every step ends
@@ -116,6 +117,9 @@ def parse_args(argv):
         "--hang-at-step", type=int, default=None, metavar="K", help="stop writing steps at step K (a stall)"
     )
     p.add_argument("--hang-rank", type=int, default=None, metavar="R", help="only rank R hangs")
+    p.add_argument(
+        "--hang-attempt", type=int, default=None, metavar="A", help="hang only in attempt A (default: every attempt)"
+    )
     p.add_argument("--collective", action="store_true", help="rendezvous over MASTER_ADDR and barrier every step")
     p.add_argument(
         "--collective-timeout", type=float, default=600.0, metavar="S", help="give up on a barrier after S s"
@@ -357,7 +361,7 @@ def main(argv=None):
             receipts.emit("exit", code=1, step=step, reason="--fail-at-step")
             print(f"rank {rank}: failing at step {step} as asked", file=sys.stderr)
             return 1
-        if step == args.hang_at_step and args.hang_rank in (None, rank):
+        if step == args.hang_at_step and args.hang_rank in (None, rank) and args.hang_attempt in (None, attempt):
             print(f"rank {rank}: hanging at step {step} as asked", file=sys.stderr)
             sleep_until(math.inf, stop)
         started = time.monotonic()

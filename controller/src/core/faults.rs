@@ -134,13 +134,15 @@ pub(super) fn after_failure(job: &ActiveJob, f: &FailureRecord) -> (JobState, St
     (JobState::Restarting, format!("{what}; restarting as attempt {next} ({cost}){blame}"))
 }
 
-/// The job's failures and cordons as they stood before a restart of the controller.
+/// The job's failures and cordons as they stood before a restart of the controller, and the
+/// hang watch of every running job that had stepped: its clock starts after the reconnect
+/// grace, so a failover never declares a hang the agents could not have reported.
 pub(super) async fn reload(
     core: &mut Core,
     store: &dyn Store,
     config: &ControllerConfig,
     now_ms: i64,
-) -> Result<()> {
+) -> Result<HashMap<JobId, StepWatch>> {
     let since = now_ms - config.blame_window.as_millis() as i64;
     for f in store.failures_since(since).await? {
         if let (true, Some(node)) = (f.blamed, &f.agent_id) {
@@ -170,7 +172,19 @@ pub(super) async fn reload(
             job.avoid.retain(|n, blamed_at| *n != node || *blamed_at > at);
         }
     }
-    Ok(())
+    let mut watches = HashMap::new();
+    let resume_at = Instant::now() + config.reconnect_grace;
+    for job in core.jobs.values().filter(|j| j.record.state == JobState::Running) {
+        let progress = store.step_progress(job.record.id, job.record.attempt).await?;
+        if progress.ranks.is_empty() {
+            continue;
+        }
+        let mut watch = StepWatch::new(job.record.attempt);
+        watch.last = job.allocations.iter().map(|a| (a.id.rank, resume_at)).collect();
+        watch.step_ms = progress.recent_step_ms.iter().rev().take(STEP_WINDOW).copied().collect();
+        watches.insert(job.record.id, watch);
+    }
+    Ok(watches)
 }
 
 impl Core {
@@ -368,14 +382,12 @@ impl Controller {
         }
     }
 
-    /// The hang watch (every 500 ms): a running attempt none of whose ranks... see
-    /// [`trainyard_model::restart::HangRule`]. Ranks that never stepped are not watched
-    /// (start-up and compilation take as long as they take), nor any job in the reconnect grace.
+    /// The hang watch (every 500 ms): a running attempt whose ranks wrote no step receipt for
+    /// the job's [`trainyard_model::restart::HangRule`] timeout is hung. Attempts that never
+    /// stepped are not watched (start-up and compilation take as long as they take); after a
+    /// restart of the controller the clocks start once the reconnect grace is over (`reload`).
     pub(super) fn check_hangs(&self) {
         let now = Instant::now();
-        if now < self.started + self.config.reconnect_grace {
-            return;
-        }
         let steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
         let mut core = self.lock();
         let now_ms = self.now_ms();

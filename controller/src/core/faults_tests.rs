@@ -332,3 +332,30 @@ async fn repeated_blame_cordons_a_node_until_it_passes_a_preflight_and_operators
     c.reconcile().await;
     assert_eq!(flaky.launched_jobs(), [job]);
 }
+
+#[tokio::test]
+async fn after_a_controller_restart_hang_and_host_loss_clocks_wait_for_the_reconnect_grace() {
+    let store = store().await;
+    let c = Controller::start(store.clone(), config()).await.expect("start");
+    let (_a, _b, job) = running_job(&c, 1, with_hang(5.0)).await;
+    steps(&c, "a", job, &[0], 1).await;
+    steps(&c, "b", job, &[1], 1).await;
+    drop(c);
+    // The new controller hears from no agent for a while: they are reconnecting.
+    let grace = config().with_reconnect_grace(Duration::from_secs(30));
+    let c = Controller::start(store.clone(), grace).await.expect("restart");
+    for _ in 0..28 {
+        pass(Duration::from_secs(1)).await;
+        tick(&c).await;
+    }
+    assert_eq!(state_of(&c, job).await.0, "running", "nothing is declared during the grace");
+    assert!(store.failures(job).await.expect("failures").is_empty());
+    // Past the grace with no agent back: their hosts are lost.
+    for _ in 0..4 {
+        pass(Duration::from_secs(1)).await;
+        tick(&c).await;
+    }
+    let kinds: Vec<FailureKind> =
+        store.failures(job).await.expect("failures").iter().map(|f| f.kind).collect();
+    assert!(kinds == [FailureKind::HostLost] || kinds == [FailureKind::Hang], "{kinds:?}");
+}

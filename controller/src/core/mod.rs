@@ -242,7 +242,7 @@ impl Controller {
         for job in core.jobs.values_mut() {
             job.allocations.sort_by_key(|a| a.id.rank);
         }
-        faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?;
+        let watches = faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?;
         tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
         let (changes, _) = watch::channel(0);
         Ok(Arc::new(Controller {
@@ -256,7 +256,7 @@ impl Controller {
             seen_persisted: std::sync::Mutex::new(now),
             logs: std::sync::Mutex::new(HashMap::new()),
             next_log_request: std::sync::atomic::AtomicU64::new(0),
-            steps: std::sync::Mutex::new(HashMap::new()),
+            steps: std::sync::Mutex::new(watches),
             started: now,
             fenced: std::sync::Mutex::new(Default::default()),
         }))
