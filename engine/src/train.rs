@@ -1,13 +1,14 @@
 //! The per-rank training loop: receipts, evaluation, checkpoints, exact resume.
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use tch::{Device, Tensor};
 
+use crate::checkpoint;
 use crate::collectives::{Collectives, Nccl, Single, TcpRing};
 use crate::config::TrainConfig;
 use crate::data::{TokenSet, first_row, to_batch};
@@ -171,28 +172,6 @@ fn pick_device(want: &str, env: &RankEnv) -> Result<Device> {
     }
 }
 
-fn checkpoint_steps(dir: &Path) -> Vec<i64> {
-    let mut v: Vec<i64> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
-            let step = name.strip_prefix("step_")?.parse().ok()?;
-            e.path().join("meta.json").exists().then_some(step)
-        })
-        .collect();
-    v.sort();
-    v
-}
-
-fn save_atomic(path: &Path, f: impl FnOnce(&Path) -> Result<()>) -> Result<u64> {
-    let tmp = path.with_extension("tmp");
-    f(&tmp)?;
-    std::fs::rename(&tmp, path)?;
-    Ok(std::fs::metadata(path)?.len())
-}
-
 /// Trains per `spec` as rank `env.rank` of `env.world`. Everything that can be wrong with the
 /// input is checked before the first step.
 pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
@@ -245,8 +224,8 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     let mut start_step = 0;
     if spec.resume {
         let dir = spec.checkpoint_dir.as_ref().context("--resume needs --checkpoint-dir")?;
-        if let Some(&step) = checkpoint_steps(dir).last() {
-            let d = dir.join(format!("step_{step:06}"));
+        if let Some(&step) = checkpoint::complete_steps(dir).last() {
+            let d = checkpoint::step_dir(dir, step);
             let w = Tensor::read_safetensors(d.join("model.safetensors"))?;
             model.load_named(&w)?;
             let o = Tensor::load_multi(d.join(format!("optim_rank{}.ot", env.rank)))
@@ -440,21 +419,22 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
             cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || step == cfg.num_iterations);
         if let (true, Some(dir)) = (want_ckpt, &spec.checkpoint_dir) {
             let tc = Instant::now();
-            let d = dir.join(format!("step_{step:06}"));
+            let d = checkpoint::step_dir(dir, step);
             std::fs::create_dir_all(&d)?;
             let mut bytes = 0;
             let state = opt.state_tensors(&model);
-            bytes += save_atomic(&d.join(format!("optim_rank{}.ot", env.rank)), |p| {
+            bytes += checkpoint::save_atomic(&d.join(format!("optim_rank{}.ot", env.rank)), |p| {
                 Tensor::save_multi(&state, p).map_err(Into::into)
             })?;
             if env.rank == 0 {
                 let named: Vec<(String, Tensor)> =
                     model.named().into_iter().map(|(n, t)| (n, t.detach().to_device(Device::Cpu))).collect();
-                bytes += save_atomic(&d.join("model.safetensors"), |p| {
+                bytes += checkpoint::save_atomic(&d.join("model.safetensors"), |p| {
                     Tensor::write_safetensors(&named, p).map_err(Into::into)
                 })?;
             }
-            // Every rank's shard is on disk before rank 0 marks the checkpoint complete.
+            // Every rank's shard is on disk before rank 0 writes the manifest that makes the
+            // checkpoint complete (engine/src/checkpoint.rs).
             let mut barrier = Tensor::zeros([1], (tch::Kind::Float, device));
             coll.all_reduce_avg(&mut barrier)?;
             coll.synchronize();
@@ -465,9 +445,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
                     "rng": {"data": "stateless splitmix64(seed, global row)", "seed": cfg.seed},
                     "loss": loss, "config": cfg,
                 });
-                bytes += save_atomic(&d.join("meta.json"), |p| {
-                    std::fs::write(p, serde_json::to_vec_pretty(&meta)?).map_err(Into::into)
-                })?;
+                bytes += checkpoint::write_manifest(&d, meta)?;
             }
             let secs = tc.elapsed().as_secs_f64();
             ckpt_s += secs;
