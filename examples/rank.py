@@ -24,6 +24,12 @@ NCCL_SHM_DISABLE=1 makes the optimizer phase 3x longer, as NCCL falling back to 
 --hang-at-step K (--hang-rank R, --hang-attempt A) stops writing steps at step K until SIGTERM (a
 stall, or a hang).
 
+--checkpoint-dir DIR --checkpoint-every N writes a checkpoint every N steps (DIR/step_N/rankR.json,
+written to a temporary name, fsynced and renamed, then a `checkpoint` receipt); a restarted attempt
+continues after TRAINYARD_RESUME_STEP when the agent gives one. SIGUSR1, or the file named by
+TRAINYARD_CHECKPOINT_REQUEST appearing, asks for a checkpoint at the end of the current step (a
+drain or a preemption notice).
+
 --collective joins the ranks the way torch.distributed does, over TCP: rank 0 listens on
 MASTER_PORT, the others connect to MASTER_ADDR:MASTER_PORT (across hosts), and every step ends
 in a barrier through rank 0, a stand-in for the optimizer's all-reduce. A peer that dies breaks
@@ -120,6 +126,8 @@ def parse_args(argv):
     p.add_argument(
         "--hang-attempt", type=int, default=None, metavar="A", help="hang only in attempt A (default: every attempt)"
     )
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="where checkpoints go")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
     p.add_argument("--collective", action="store_true", help="rendezvous over MASTER_ADDR and barrier every step")
     p.add_argument(
         "--collective-timeout", type=float, default=600.0, metavar="S", help="give up on a barrier after S s"
@@ -305,6 +313,36 @@ def recv_exact(conn, n):
     return data
 
 
+def write_checkpoint(directory, rank, step):
+    """DIR/step_N/rankR.json, complete or absent: temporary name, fsync, rename, fsync the dir."""
+    step_dir = os.path.join(directory, f"step_{step}")
+    os.makedirs(step_dir, exist_ok=True)
+    final = os.path.join(step_dir, f"rank{rank}.json")
+    tmp = final + ".tmp"
+    data = json.dumps({"step": step, "rank": rank}).encode()
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, final)
+    fd = os.open(step_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return step_dir, len(data)
+
+
+def resume_step():
+    """The step to continue after, when this attempt resumes from a checkpoint; else None."""
+    if os.environ.get("TRAINYARD_RESUME") != "1":
+        return None
+    try:
+        return int(os.environ.get("TRAINYARD_RESUME_STEP", ""))
+    except ValueError:
+        return None
+
+
 def sleep_until(deadline, stop):
     """Sleeps until `deadline` (time.monotonic) in slices, so SIGTERM is honoured promptly."""
     while stop["signal"] is None:
@@ -329,7 +367,13 @@ def main(argv=None):
     def on_sigterm(signum, _frame):
         stop["signal"] = signum
 
+    def on_sigusr1(_signum, _frame):
+        stop["checkpoint"] = True
+
+    stop["checkpoint"] = False
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGUSR1, on_sigusr1)
+    request = os.environ.get("TRAINYARD_CHECKPOINT_REQUEST")
 
     receipts = Receipts(path)
     collective = None
@@ -341,6 +385,9 @@ def main(argv=None):
             print(f"rank {rank}: rendezvous failed: {e}", file=sys.stderr)
             return 1
     fields = launch_fields(rank, local_rank, world)
+    resumed = resume_step()
+    first_step = 0 if resumed is None else resumed + 1
+    fields["resumed_from"] = resumed
     if collective is not None:
         fields["rendezvous"] = {"master": collective.master, "world_size": world}
     receipts.emit("launch", **fields)
@@ -352,7 +399,7 @@ def main(argv=None):
         compute_s *= args.slow_factor
     if os.environ.get("NCCL_SHM_DISABLE", "0").strip() not in ("", "0"):
         optimizer_s *= SHM_DISABLED_OPTIMIZER_FACTOR
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         attempt = env_int("TRAINYARD_ATTEMPT", 0)
         failing = (args.fail_rank is None or args.fail_rank == rank) and (
             args.fail_attempt is None or args.fail_attempt == attempt
@@ -390,6 +437,19 @@ def main(argv=None):
             optimizer_ms=round((finished - computed) * 1000.0, 3),
             tokens_per_s=round(TOKENS_PER_STEP * world / elapsed, 1),
         )
+        asked = stop["checkpoint"] or (request is not None and os.path.exists(request))
+        due = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0
+        if args.checkpoint_dir and (due or asked):
+            began = time.monotonic()
+            path, size = write_checkpoint(args.checkpoint_dir, rank, step)
+            took = (time.monotonic() - began) * 1000.0
+            receipts.emit("checkpoint", step=step, bytes=size, duration_ms=round(took, 3), path=path)
+            stop["checkpoint"] = False
+            if asked and request is not None:
+                try:
+                    os.remove(request)
+                except OSError:
+                    pass
         if args.garbage and step == 1:
             write_garbage(receipts)
         if args.bad_steps and step == 10:

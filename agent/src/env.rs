@@ -113,6 +113,8 @@ pub fn rank_env(
         ("TRAINYARD_GPU_UUID", gpu.map(|g| g.uuid.clone()).unwrap_or_default()),
         ("TRAINYARD_GPU_PCI_BUS_ID", gpu.map(|g| g.pci_bus_id.clone()).unwrap_or_default()),
         ("TRAINYARD_RESUME", if resumes(launch) { "1" } else { "0" }.to_string()),
+        ("TRAINYARD_RESUME_STEP", resume_point(launch).map(|p| p.step.to_string()).unwrap_or_default()),
+        ("TRAINYARD_RESUME_PATH", resume_point(launch).map(|p| p.path.clone()).unwrap_or_default()),
         // The overlay names that reached the process, comma-separated, so a receipt helper
         // records the overlay (and only it) in its launch receipt.
         ("TRAINYARD_ENV_OVERLAY", applied_overlay),
@@ -140,6 +142,20 @@ fn source_dir(launch: &Launch) -> String {
         Some(job_spec::Engine::Exec(e)) => e.workdir.clone(),
         _ => String::new(),
     }
+}
+
+/// The newest checkpoint of an earlier attempt that every rank reported (the controller's
+/// list) and whose path exists here (a relative path is read from the job's workdir), when the
+/// attempt resumes.
+fn resume_point(launch: &Launch) -> Option<&trainyard_proto::v1::ResumePoint> {
+    if !resumes(launch) {
+        return None;
+    }
+    let workdir = match launch.spec.as_ref().and_then(|s| s.engine.as_ref()) {
+        Some(job_spec::Engine::Exec(e)) => e.workdir.as_str(),
+        _ => "",
+    };
+    launch.resume_from.iter().find(|p| Path::new(workdir).join(&p.path).exists())
 }
 
 /// A restarted attempt of a job whose restart policy says resume continues from the last
@@ -170,6 +186,7 @@ mod tests {
             spec: Some(JobSpec { env, ..Default::default() }),
             node_count: 0,
             run_as: String::new(),
+            resume_from: Vec::new(),
         }
     }
 
@@ -291,6 +308,34 @@ mod tests {
         assert_eq!(resume(&l), "0");
         l.spec.as_mut().unwrap().restart = None;
         assert_eq!(resume(&l), "0", "no restart policy: nothing to resume");
+    }
+
+    #[test]
+    fn the_resume_point_is_the_newest_checkpoint_whose_files_are_here() {
+        let dir = tempfile::tempdir().unwrap();
+        let present = dir.path().join("step_20");
+        std::fs::create_dir_all(&present).unwrap();
+        let point = |step: i64, path: &Path| trainyard_proto::v1::ResumePoint {
+            step,
+            path: path.display().to_string(),
+        };
+        let a = RankAssignment::default();
+        let mut l = launch();
+        l.attempt = 2;
+        l.spec.as_mut().unwrap().restart =
+            Some(trainyard_proto::v1::RestartPolicy { max_restarts: 3, resume: true, ..Default::default() });
+        // Step 30's files did not reach this host's storage; step 20's did.
+        l.resume_from =
+            vec![point(30, &dir.path().join("step_30")), point(20, &present), point(10, &present)];
+        let env = env_of(&l, &a, &[]);
+        assert_eq!(env.vars["TRAINYARD_RESUME_STEP"], "20");
+        assert_eq!(env.vars["TRAINYARD_RESUME_PATH"], present.display().to_string());
+        l.resume_from.truncate(1);
+        let env = env_of(&l, &a, &[]);
+        assert_eq!(
+            (env.vars["TRAINYARD_RESUME_STEP"].as_str(), env.vars["TRAINYARD_RESUME_PATH"].as_str()),
+            ("", "")
+        );
     }
 
     #[test]

@@ -48,6 +48,7 @@ fn launch(job_id: u64, ranks: u32, workdir: &Path, argv: &[&str], env: &[(&str, 
         }),
         node_count: 1,
         run_as: String::new(),
+        resume_from: Vec::new(),
     }
 }
 

@@ -23,3 +23,7 @@ CREATE INDEX failures_at ON failures (at_ms);
 ALTER TABLE agents ADD COLUMN cordon_by TEXT CHECK (cordon_by IN ('operator', 'failures'));
 ALTER TABLE agents ADD COLUMN cordon_reason TEXT;
 ALTER TABLE agents ADD COLUMN cordoned_at_ms INTEGER;
+
+-- Checkpoint receipts of a job, newest first: where a restarted attempt resumes from
+-- (TRAINYARD_RESUME_STEP / TRAINYARD_RESUME_PATH). Partial, so step receipts do not pay for it.
+CREATE INDEX receipts_checkpoints ON receipts (job_id, position) WHERE kind = 'checkpoint';

@@ -6,7 +6,7 @@
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
 /// when the rank is pinned, `CUDA_VISIBLE_DEVICES` only when the job holds part of a host.
 /// docs/internals.md has the table of their meanings next to torchrun's.
-pub const RANK_ENV: [&str; 30] = [
+pub const RANK_ENV: [&str; 32] = [
     // torchrun (torch.distributed.elastic's local agent) gives its workers these.
     "RANK",
     "LOCAL_RANK",
@@ -35,6 +35,10 @@ pub const RANK_ENV: [&str; 30] = [
     "TRAINYARD_GPU_UUID",
     "TRAINYARD_GPU_PCI_BUS_ID",
     "TRAINYARD_RESUME",
+    // Where to resume from: the step and path of the newest checkpoint every rank of an earlier
+    // attempt reported and whose path exists on this host (empty when there is none).
+    "TRAINYARD_RESUME_STEP",
+    "TRAINYARD_RESUME_PATH",
     "TRAINYARD_CPUS",
     "TRAINYARD_MEMS",
     // Provenance for receipt helpers: the overlay names that reached the rank, and the directory

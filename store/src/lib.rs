@@ -307,6 +307,9 @@ pub trait ReceiptStore: Send + Sync {
     /// Highest stored seq per rank of one attempt (ranks with no receipt are absent).
     async fn last_seqs(&self, job: JobId, attempt: u32) -> Result<Vec<(u32, u64)>>;
 
+    /// The newest `limit` checkpoint receipts of a job (all attempts), newest first.
+    async fn checkpoint_receipts(&self, job: JobId, limit: u32) -> Result<Vec<StoredReceiptRecord>>;
+
     /// Number of receipts stored for a job, all attempts.
     async fn receipt_count(&self, job: JobId) -> Result<u64>;
 

@@ -53,6 +53,22 @@ impl ReceiptStore for SqlStore {
         .await
     }
 
+    async fn checkpoint_receipts(&self, job: JobId, limit: u32) -> Result<Vec<StoredReceiptRecord>> {
+        self.read("checkpoint_receipts", async |c| {
+            let found = c
+                .query(
+                    "SELECT position, job_id, attempt, rank, seq, kind, step, body FROM receipts \
+                     WHERE job_id = $1 AND kind = 'checkpoint' ORDER BY position DESC LIMIT $2",
+                )
+                .bind(int(job)?)
+                .bind(i64::from(limit))
+                .all()
+                .await?;
+            found.iter().map(rows::receipt).collect()
+        })
+        .await
+    }
+
     async fn receipt_count(&self, job: JobId) -> Result<u64> {
         self.read("receipt_count", async |c| {
             let row =

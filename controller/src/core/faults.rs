@@ -153,6 +153,9 @@ pub(super) async fn reload(
     for id in ids {
         let failures = store.failures(id).await?;
         let Some(job) = core.jobs.get_mut(&id) else { continue };
+        if job.record.attempt > 0 {
+            job.resume_from = super::resume::points_of(store, id, &job.record.spec).await?;
+        }
         job.charged = failures.iter().filter(|f| f.charged).count() as u32;
         for f in failures.iter().filter(|f| f.blamed) {
             if let Some(node) = &f.agent_id {

@@ -305,6 +305,7 @@ fn launch_messages(core: &Core, job: &ActiveJob) -> Vec<(String, Launch)> {
                     .collect(),
                 spec: Some((&job.record.spec).into()),
                 run_as: job.record.owner.run_as.clone(),
+                resume_from: job.resume_from.clone(),
             };
             (agent.to_string(), launch)
         })

@@ -28,6 +28,7 @@
 //! - `view`: the read side (`Get`, `List`), served from the store.
 //! - `reads`: the read model of the outer layers (records, events, allocations, rollups,
 //!   receipts): nothing outside the core holds the store.
+//! - `resume`: the checkpoints a restarted attempt resumes from.
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
@@ -41,6 +42,7 @@ mod liveness;
 mod logs;
 mod reads;
 mod reconcile;
+mod resume;
 pub use logs::LogEvent;
 mod nodes;
 pub use nodes::{PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
@@ -203,6 +205,8 @@ struct ActiveJob {
     charged: u32,
     /// The next attempt is not placed before this (the restart backoff).
     not_before: Option<Instant>,
+    /// The checkpoints the current attempt may resume from, newest first (`resume`).
+    resume_from: Vec<trainyard_proto::v1::ResumePoint>,
 }
 
 impl Controller {
@@ -338,6 +342,7 @@ impl ActiveJob {
             avoid: BTreeMap::new(),
             charged: 0,
             not_before: None,
+            resume_from: Vec::new(),
         }
     }
 }

@@ -165,6 +165,18 @@ impl Controller {
                         let mut core = self.lock();
                         self.forget(&mut core, job_id);
                     }
+                    let resume_from = match then {
+                        Then::NextAttempt => {
+                            let spec = self.lock().jobs.get(&job_id).map(|j| j.record.spec.clone());
+                            match spec {
+                                Some(spec) => {
+                                    super::resume::points_of(self.store.as_ref(), job_id, &spec).await?
+                                }
+                                None => Vec::new(),
+                            }
+                        }
+                        _ => Vec::new(),
+                    };
                     let record = match &failure {
                         Some(f) => self.store.fail_attempt(job_id, from, to, attempt, &reason, f).await?,
                         None => {
@@ -192,6 +204,7 @@ impl Controller {
                                 job.launches_sent = 0;
                                 job.master_port = None;
                                 job.detected = None;
+                                job.resume_from = resume_from;
                                 let wait = job.record.spec.backoff.delay(attempt.saturating_sub(1));
                                 job.not_before = Some(tokio::time::Instant::now() + wait);
                             }
