@@ -27,7 +27,7 @@ stall, or a hang).
 --checkpoint-dir DIR --checkpoint-every N writes a checkpoint every N steps (DIR/step_N/rankR.json,
 written to a temporary name, fsynced and renamed, then a `checkpoint` receipt); a restarted attempt
 continues after TRAINYARD_RESUME_STEP when the agent gives one. SIGUSR1, or the file named by
-TRAINYARD_CHECKPOINT_REQUEST appearing, asks for a checkpoint at the end of the current step (a
+TRAINYARD_CHECKPOINT_REQUEST appearing or changing, asks for a checkpoint at the end of the current step (a
 drain or a preemption notice).
 
 --collective joins the ranks the way torch.distributed does, over TCP: rank 0 listens on
@@ -333,6 +333,20 @@ def write_checkpoint(directory, rank, step):
     return step_dir, len(data)
 
 
+def requested(request, stop):
+    """Whether the agent (re)wrote the checkpoint request since the last one answered."""
+    if request is None:
+        return False
+    try:
+        changed = os.stat(request).st_mtime_ns
+    except OSError:
+        return False
+    if changed <= stop.get("answered_ns", 0):
+        return False
+    stop["answered_ns"] = changed
+    return True
+
+
 def resume_step():
     """The step to continue after, when this attempt resumes from a checkpoint; else None."""
     if os.environ.get("TRAINYARD_RESUME") != "1":
@@ -437,7 +451,7 @@ def main(argv=None):
             optimizer_ms=round((finished - computed) * 1000.0, 3),
             tokens_per_s=round(TOKENS_PER_STEP * world / elapsed, 1),
         )
-        asked = stop["checkpoint"] or (request is not None and os.path.exists(request))
+        asked = stop["checkpoint"] or requested(request, stop)
         due = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0
         if args.checkpoint_dir and (due or asked):
             began = time.monotonic()
@@ -445,11 +459,12 @@ def main(argv=None):
             took = (time.monotonic() - began) * 1000.0
             receipts.emit("checkpoint", step=step, bytes=size, duration_ms=round(took, 3), path=path)
             stop["checkpoint"] = False
-            if asked and request is not None:
-                try:
-                    os.remove(request)
-                except OSError:
-                    pass
+            if asked:
+                # Asked because this host is going away: take no step that would be lost, and
+                # wait to be stopped (trainyard moves the job once every rank checkpointed).
+                print(f"rank {rank}: checkpointed at step {step} as asked; waiting to be moved", file=sys.stderr)
+                sleep_until(math.inf, stop)
+                break
         if args.garbage and step == 1:
             write_garbage(receipts)
         if args.bad_steps and step == 10:

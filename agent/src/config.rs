@@ -45,6 +45,11 @@ pub struct AgentConfig {
     /// When the agent runs as root, run launches that name no Unix account (the loopback
     /// demo's) as root instead of refusing them. For a single-user development box only.
     pub allow_root_ranks: bool,
+    /// Where preemption notices come from (`crate::notice`), how often it is polled, and how
+    /// long the host has once one comes (30 s, GCP's; AWS gives 120 s).
+    pub preemption_notice: Option<crate::notice::NoticeSource>,
+    pub notice_poll: Duration,
+    pub notice_deadline: Duration,
 }
 
 /// The PEM files of an agent's TLS (`trainyard-controller init-pki` writes them as
@@ -84,6 +89,9 @@ impl AgentConfig {
             metrics_addr_file: None,
             tls: None,
             allow_root_ranks: false,
+            preemption_notice: None,
+            notice_poll: Duration::from_secs(1),
+            notice_deadline: Duration::from_secs(30),
         }
     }
 }

@@ -58,6 +58,8 @@ pub struct Identity {
     pub inventory: HostInventory,
     /// Runs preflights and holds the latest report, which `Hello` carries.
     pub preflight: Runner,
+    /// This host's preemption notice, once one came (`crate::notice`).
+    pub notices: tokio::sync::watch::Receiver<Option<trainyard_proto::v1::Notice>>,
 }
 
 /// Runs one session over `client` until the stream ends or `shutdown` completes.
@@ -113,7 +115,8 @@ pub async fn serve<F: Future>(
         Ok(Err(status)) => return from_status(status, false),
         Err(_) => return disconnected(anyhow!("no HelloAck within {HELLO_TIMEOUT:?}"), false),
     }
-    let ended = session.run(inbound, shutdown).await;
+    let notices = identity.notices.clone();
+    let ended = session.run(inbound, notices, shutdown).await;
     crate::metrics::metrics().connected.set(0);
     ended
 }
@@ -190,8 +193,11 @@ impl Session<'_> {
     async fn run<F: Future>(
         mut self,
         mut inbound: Streaming<ControllerMessage>,
+        mut notices: tokio::sync::watch::Receiver<Option<trainyard_proto::v1::Notice>>,
         mut shutdown: Pin<&mut F>,
     ) -> Ended {
+        // A notice that came before this stream (or before a reconnect) goes first.
+        notices.mark_changed();
         let mut tick = tokio::time::interval(self.config.tick);
         let mut heartbeat = tokio::time::interval(self.config.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -208,6 +214,13 @@ impl Session<'_> {
                 Some((launch, report)) = self.checked.recv() => self.launch_checked(launch, report).await,
                 _ = tick.tick() => self.on_tick().await,
                 _ = heartbeat.tick() => self.send(Out::Heartbeat(Heartbeat { at_ms: now_ms() })).await,
+                Ok(()) = notices.changed() => {
+                    let notice = notices.borrow_and_update().clone();
+                    match notice {
+                        Some(notice) => self.send(Out::Notice(notice)).await,
+                        None => Ok(()),
+                    }
+                }
             };
             if step.is_err() {
                 return disconnected(anyhow!("request stream closed"), true);
@@ -241,6 +254,11 @@ impl Session<'_> {
             Some(In::Cancel(cancel)) => {
                 let grace = Duration::from_millis(cancel.grace_ms);
                 self.launcher.cancel(cancel.job_id, cancel.attempt, grace, &cancel.reason);
+            }
+            Some(In::CheckpointNow(request)) => {
+                let (job, attempt) = (request.job_id, request.attempt);
+                let asked = self.launcher.checkpoint_now(job, attempt, &request.signal, &request.reason);
+                info!(job_id = request.job_id, attempt = request.attempt, asked, reason = %request.reason, "checkpoint requested");
             }
             Some(In::Forget(forget)) => {
                 info!(job_id = forget.job_id, attempt = forget.attempt, "forget ranks once acknowledged");

@@ -113,6 +113,10 @@ pub fn rank_env(
         ("TRAINYARD_GPU_UUID", gpu.map(|g| g.uuid.clone()).unwrap_or_default()),
         ("TRAINYARD_GPU_PCI_BUS_ID", gpu.map(|g| g.pci_bus_id.clone()).unwrap_or_default()),
         ("TRAINYARD_RESUME", if resumes(launch) { "1" } else { "0" }.to_string()),
+        (
+            "TRAINYARD_CHECKPOINT_REQUEST",
+            crate::layout::checkpoint_request_beside(receipts).display().to_string(),
+        ),
         ("TRAINYARD_RESUME_STEP", resume_point(launch).map(|p| p.step.to_string()).unwrap_or_default()),
         ("TRAINYARD_RESUME_PATH", resume_point(launch).map(|p| p.path.clone()).unwrap_or_default()),
         // The overlay names that reached the process, comma-separated, so a receipt helper

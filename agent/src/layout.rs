@@ -117,6 +117,17 @@ impl RankFiles {
     pub fn env(&self) -> PathBuf {
         self.dir.join("env.json")
     }
+
+    /// Written by the agent when the rank should checkpoint now (a drain or a preemption
+    /// notice); the rank sees it through `TRAINYARD_CHECKPOINT_REQUEST`.
+    pub fn checkpoint_request(&self) -> PathBuf {
+        checkpoint_request_beside(&self.receipts)
+    }
+}
+
+/// The checkpoint request file of the rank whose receipts file is `receipts`.
+pub fn checkpoint_request_beside(receipts: &Path) -> PathBuf {
+    receipts.with_file_name("checkpoint.request")
 }
 
 /// Mode of the run directories of a job (owner the agent, group the job's user).

@@ -31,6 +31,7 @@ pub mod launcher;
 pub mod layout;
 pub mod logs;
 pub mod metrics;
+pub mod notice;
 pub mod pinning;
 pub mod preflight;
 pub mod procfs;

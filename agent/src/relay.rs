@@ -73,11 +73,16 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     crate::pinning::reserve_cpus(&mut inventory, config.reserve_cpus);
     let agent_id = config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone());
     let preflight = start_up_preflight(&agent_id, host).await;
+    let (notice_tx, notices) = tokio::sync::watch::channel(None);
+    if let Some(source) = config.preemption_notice.clone() {
+        tokio::spawn(crate::notice::watch(source, config.notice_poll, config.notice_deadline, notice_tx));
+    }
     let mut identity = Identity {
         agent_id,
         address: config.address.clone().unwrap_or_else(|| "127.0.0.1".into()),
         inventory: inventory.clone(),
         preflight,
+        notices,
     };
     if let Some(at) = config.metrics_listen {
         serve_metrics(at, config.metrics_addr_file.as_deref()).await?;

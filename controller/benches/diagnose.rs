@@ -110,6 +110,7 @@ async fn fill(store: &dyn Store) -> anyhow::Result<u64> {
         resume: false,
         backoff: Default::default(),
         hang: Default::default(),
+        checkpoint_signal: String::new(),
         priority: 0,
         disable_pinning: false,
     };

@@ -136,6 +136,32 @@ enum Command {
     },
     /// Put a cordoned node back into scheduling (admins); also lifts a cordon set after failures.
     Uncordon { host: String },
+    /// Drain a node (admins): cordon it, ask the jobs running there to checkpoint now, and move
+    /// them elsewhere once they have, or at the deadline.
+    Drain {
+        host: String,
+        /// How long the jobs have to checkpoint, e.g. 120s, 5m (default 120s).
+        #[arg(long, default_value = "120s", value_parser = parse_seconds)]
+        deadline: u32,
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+}
+
+/// `120`, `120s`, `5m` or `1h` as whole seconds, at most a day.
+fn parse_seconds(text: &str) -> Result<u32, String> {
+    let (number, unit) = match text.trim().char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((i, _)) => text.trim().split_at(i),
+        None => (text.trim(), "s"),
+    };
+    let n: u32 = number.parse().map_err(|_| format!("{text:?} is not a duration like 120s, 5m or 1h"))?;
+    let seconds = match unit {
+        "s" => Some(n),
+        "m" => n.checked_mul(60),
+        "h" => n.checked_mul(3600),
+        other => return Err(format!("{text:?}: unknown unit {other:?}; use s, m or h")),
+    };
+    seconds.filter(|s| *s <= 86_400).ok_or_else(|| format!("{text:?} is more than a day"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -195,6 +221,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Cordon { host, reason } => commands::nodes::cordon(&mut ctl, &host, Some(reason)).await,
         Command::Uncordon { host } => commands::nodes::cordon(&mut ctl, &host, None).await,
+        Command::Drain { host, deadline, reason } => {
+            commands::nodes::drain(&mut ctl, &host, deadline, reason).await
+        }
     }
 }
 

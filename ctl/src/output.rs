@@ -141,6 +141,7 @@ pub struct RestartJson {
     pub backoff_cap_s: f64,
     pub hang_timeout_s: f64,
     pub hang_factor: f64,
+    pub checkpoint_signal: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -359,6 +360,7 @@ impl From<&JobSpec> for SpecJson {
             backoff_cap_s: r.backoff_cap_s,
             hang_timeout_s: r.hang_timeout_s,
             hang_factor: r.hang_factor,
+            checkpoint_signal: r.checkpoint_signal.clone(),
         });
         SpecJson {
             name: s.name.clone(),

@@ -99,6 +99,10 @@ pub struct RestartFile {
     pub hang_timeout_s: f64,
     #[serde(default)]
     pub hang_factor: f64,
+    /// The signal that asks the ranks to checkpoint now ("SIGUSR1" or "SIGUSR2"), besides the
+    /// request file; empty: the file only.
+    #[serde(default)]
+    pub checkpoint_signal: String,
 }
 
 impl Default for RestartFile {
@@ -111,6 +115,7 @@ impl Default for RestartFile {
             backoff_cap_s: 0.0,
             hang_timeout_s: 0.0,
             hang_factor: 0.0,
+            checkpoint_signal: String::new(),
         }
     }
 }
@@ -237,6 +242,7 @@ impl SpecFile {
                 backoff_cap_s: self.restart.backoff_cap_s,
                 hang_timeout_s: self.restart.hang_timeout_s,
                 hang_factor: self.restart.hang_factor,
+                checkpoint_signal: self.restart.checkpoint_signal,
             }),
             priority: self.priority,
             disable_pinning: !self.pinning,

@@ -18,9 +18,11 @@ CREATE TABLE failures (
 CREATE INDEX failures_job ON failures (job_id, id);
 CREATE INDEX failures_at ON failures (at_ms);
 
--- A cordoned node takes no new work: set by an operator (`ctl cordon`) or after repeated blamed
--- failures; NULL columns when it is not cordoned.
-ALTER TABLE agents ADD COLUMN cordon_by TEXT CHECK (cordon_by IN ('operator', 'failures'));
+-- A cordoned node takes no new work: set by an operator (`ctl cordon`, lifted by `ctl uncordon`),
+-- by a drain (`ctl drain`) or a preemption notice, or after repeated blamed failures (lifted by a
+-- passing preflight); NULL columns when it is not cordoned.
+ALTER TABLE agents ADD COLUMN cordon_by TEXT
+    CHECK (cordon_by IN ('operator', 'failures', 'drain', 'preemption'));
 ALTER TABLE agents ADD COLUMN cordon_reason TEXT;
 ALTER TABLE agents ADD COLUMN cordoned_at_ms BIGINT;
 

@@ -11,6 +11,8 @@ use trainyard_proto::v1::RestartPolicy;
 /// The shortest hang timeout a job may set: below it, a checkpoint or a slow collective on a
 /// loaded host would be taken for a hang.
 pub const HANG_FLOOR: Duration = Duration::from_secs(5);
+/// Signals a job may ask to get when it should checkpoint now; "" sends none.
+pub const CHECKPOINT_SIGNALS: [&str; 3] = ["", "SIGUSR1", "SIGUSR2"];
 /// The longest wait or timeout a job may set.
 const MAX_SECONDS: f64 = 7.0 * 86_400.0;
 
@@ -121,6 +123,15 @@ pub fn validate(policy: &RestartPolicy) -> Result<(), RuleError> {
             ),
         ));
     }
+    if !CHECKPOINT_SIGNALS.contains(&policy.checkpoint_signal.as_str()) {
+        return Err(bad(
+            "restart.checkpoint_signal",
+            format!(
+                "{:?} is not one of \"SIGUSR1\", \"SIGUSR2\" or \"\" (the request file only)",
+                policy.checkpoint_signal
+            ),
+        ));
+    }
     factor("restart.backoff_factor", policy.backoff_factor, 1.0, 100.0)?;
     factor("restart.hang_factor", policy.hang_factor, 2.0, 1000.0)?;
     let (b, _) = rules_of(policy);
@@ -195,7 +206,8 @@ mod tests {
     #[test]
     fn bad_numbers_name_their_field() {
         type Case = (fn(&mut RestartPolicy), &'static str, &'static str);
-        let cases: [Case; 7] = [
+        let cases: [Case; 8] = [
+            (|p| p.checkpoint_signal = "SIGKILL".into(), "restart.checkpoint_signal", "not one of"),
             (|p| p.backoff_initial_s = -1.0, "restart.backoff_initial_s", "negative"),
             (|p| p.backoff_cap_s = f64::NAN, "restart.backoff_cap_s", "not a number"),
             (|p| p.hang_timeout_s = 2.0, "restart.hang_timeout_s", "below the floor of 5 s"),

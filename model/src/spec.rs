@@ -30,6 +30,9 @@ pub struct JobSpec {
     pub backoff: Backoff,
     /// When a running attempt counts as hung.
     pub hang: HangRule,
+    /// The signal that asks ranks to checkpoint now (`SIGUSR1`, `SIGUSR2`); empty: the request
+    /// file only.
+    pub checkpoint_signal: String,
     /// Higher runs first; ties go first-in first-out.
     pub priority: i32,
     /// Leave ranks unpinned.
@@ -137,6 +140,7 @@ impl TryFrom<WireSpec> for JobSpec {
             resume: restart.resume,
             backoff,
             hang,
+            checkpoint_signal: restart.checkpoint_signal.clone(),
             priority: spec.priority,
             disable_pinning: spec.disable_pinning,
         })

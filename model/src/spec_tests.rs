@@ -15,6 +15,7 @@ fn parse_keeps_every_field_and_the_wire_form_round_trips() {
         backoff_cap_s: 60.0,
         hang_timeout_s: 300.0,
         hang_factor: 10.0,
+        checkpoint_signal: "SIGUSR1".into(),
     });
     wire.resources.as_mut().unwrap().interconnect = "nvlink-pairs".into();
     let spec = parse(wire.clone()).unwrap();

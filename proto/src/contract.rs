@@ -6,7 +6,7 @@
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
 /// when the rank is pinned, `CUDA_VISIBLE_DEVICES` only when the job holds part of a host.
 /// docs/internals.md has the table of their meanings next to torchrun's.
-pub const RANK_ENV: [&str; 32] = [
+pub const RANK_ENV: [&str; 33] = [
     // torchrun (torch.distributed.elastic's local agent) gives its workers these.
     "RANK",
     "LOCAL_RANK",
@@ -39,6 +39,10 @@ pub const RANK_ENV: [&str; 32] = [
     // attempt reported and whose path exists on this host (empty when there is none).
     "TRAINYARD_RESUME_STEP",
     "TRAINYARD_RESUME_PATH",
+    // A file the agent writes (and rewrites) when the rank should checkpoint now: a drain or a
+    // preemption notice. A rank checkpoints at the end of its step when its modification time
+    // moves.
+    "TRAINYARD_CHECKPOINT_REQUEST",
     "TRAINYARD_CPUS",
     "TRAINYARD_MEMS",
     // Provenance for receipt helpers: the overlay names that reached the rank, and the directory

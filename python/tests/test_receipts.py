@@ -443,3 +443,28 @@ class PathTest(ReceiptsTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class CheckpointRequestTest(ReceiptsTestCase):
+    """should_checkpoint() answers each request of trainyard's once; resume_point() reads where
+    a restarted attempt continues."""
+
+    def test_each_request_is_answered_once(self) -> None:
+        request = self.dir / "checkpoint.request"
+        os.environ["TRAINYARD_CHECKPOINT_REQUEST"] = str(request)
+        r = self.start()
+        self.assertFalse(r.should_checkpoint(), "no request yet")
+        request.write_text("1 drain\n")
+        self.assertTrue(r.should_checkpoint())
+        self.assertFalse(r.should_checkpoint(), "the same request is answered once")
+        later = time.time() + 5
+        request.write_text("2 preemption\n")
+        os.utime(request, (later, later))
+        self.assertTrue(r.should_checkpoint(), "a new request is answered again")
+
+    def test_resume_point_only_when_resuming(self) -> None:
+        self.assertIsNone(ty.Receipts.resume_point())
+        os.environ.update({"TRAINYARD_RESUME": "1", "TRAINYARD_RESUME_STEP": "1200", "TRAINYARD_RESUME_PATH": "/ck/1200"})
+        self.assertEqual(ty.Receipts.resume_point(), (1200, "/ck/1200"))
+        os.environ["TRAINYARD_RESUME_STEP"] = ""
+        self.assertIsNone(ty.Receipts.resume_point(), "resuming, but no checkpoint is complete")

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from types import ModuleType, TracebackType
-from typing import Any, Dict, Iterator, Optional, Type
+from typing import Any, Dict, Iterator, Optional, Tuple, Type
 
 from . import _cuda, _provenance
 from ._encode import encode
@@ -92,6 +92,10 @@ class Receipts:
         self._lock = threading.Lock()
         self._warned_mfu = False
         self._writer = Writer(path, capacity) if path is not None else None
+        # The checkpoint request trainyard writes on a drain or a preemption notice, and the
+        # modification time of the last one answered.
+        self._request = os.environ.get("TRAINYARD_CHECKPOINT_REQUEST") or None
+        self._answered_ns = 0
         if self._writer is not None:
             atexit.register(self.close)
 
@@ -234,6 +238,35 @@ class Receipts:
             record["duration_ms"] = float(duration_ms)
         record.update(fields)
         return self._emit("eval", record, force=False)
+
+    def should_checkpoint(self) -> bool:
+        """True once per request to checkpoint now: trainyard asks on a drain (`ctl drain`) or a
+        preemption notice, and moves the job once every rank has written a checkpoint receipt.
+        Call it at the end of each step, checkpoint when it says so, and record it with
+        `checkpoint()`. Every rank should agree: in a multi-rank job, reduce the answer (e.g. an
+        all-reduce of max) before acting, so all ranks checkpoint at the same step."""
+        if self._request is None:
+            return False
+        try:
+            changed = os.stat(self._request).st_mtime_ns
+        except OSError:
+            return False
+        if changed <= self._answered_ns:
+            return False
+        self._answered_ns = changed
+        return True
+
+    @staticmethod
+    def resume_point() -> Optional[Tuple[int, str]]:
+        """(step, path) of the newest checkpoint every rank of an earlier attempt wrote and whose
+        path exists on this host, when this attempt resumes (`[restart] resume`); else None."""
+        if os.environ.get("TRAINYARD_RESUME") != "1":
+            return None
+        try:
+            step = int(os.environ.get("TRAINYARD_RESUME_STEP", ""))
+        except ValueError:
+            return None
+        return step, os.environ.get("TRAINYARD_RESUME_PATH", "")
 
     def checkpoint(
         self,

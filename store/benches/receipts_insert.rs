@@ -47,6 +47,7 @@ async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
             resume: false,
             backoff: Default::default(),
             hang: Default::default(),
+            checkpoint_signal: String::new(),
             priority: 0,
             disable_pinning: false,
         };

@@ -127,6 +127,7 @@ pub mod fixtures {
             resume: false,
             backoff: Default::default(),
             hang: Default::default(),
+            checkpoint_signal: String::new(),
             priority: 3,
             disable_pinning: false,
         }

@@ -75,6 +75,7 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
         resume: false,
         backoff: Default::default(),
         hang: Default::default(),
+        checkpoint_signal: String::new(),
         priority: 0,
         disable_pinning: false,
     };

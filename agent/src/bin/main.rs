@@ -65,6 +65,14 @@ struct Cli {
     /// demo's) as root instead of refusing them. A single-user development box only.
     #[arg(long, env = "TRAINYARD_ALLOW_ROOT_RANKS", global = true)]
     allow_root_ranks: bool,
+    /// Where this host's preemption notice appears: file:PATH (a file a cloud metadata handler
+    /// writes), http://HOST:PORT/PATH (a local endpoint, polled) or cmd:PROGRAM ARGS (run at
+    /// every poll; output means a notice). The jobs here then checkpoint and move.
+    #[arg(long, env = "TRAINYARD_PREEMPTION_NOTICE", global = true)]
+    preemption_notice: Option<String>,
+    /// Seconds the host has once a notice comes (GCP gives 30, AWS spot 120).
+    #[arg(long, default_value_t = 30, global = true)]
+    preemption_deadline_secs: u64,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -165,6 +173,11 @@ impl TryFrom<&Cli> for AgentConfig {
         config.metrics_listen = cli.metrics_listen;
         config.metrics_addr_file = cli.metrics_addr_file.clone();
         config.allow_root_ranks = cli.allow_root_ranks;
+        if let Some(text) = &cli.preemption_notice {
+            config.preemption_notice =
+                Some(trainyard_agent::notice::NoticeSource::parse(text).map_err(anyhow::Error::msg)?);
+        }
+        config.notice_deadline = std::time::Duration::from_secs(cli.preemption_deadline_secs);
         config.tls = match (&cli.tls_dir, &cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
             (None, None, None, None) => None,
             (dir, ca, cert, key) => {

@@ -392,6 +392,36 @@ impl Launcher {
         }
     }
 
+    /// Asks the attempt's live ranks to checkpoint now: (re)writes each one's request file and
+    /// sends `signal` when the job names one (`SIGUSR1`, `SIGUSR2`). Returns how many were asked.
+    pub fn checkpoint_now(&mut self, job_id: u64, attempt: u32, signal: &str, reason: &str) -> usize {
+        let sig = match signal {
+            "SIGUSR1" => Some(libc::SIGUSR1),
+            "SIGUSR2" => Some(libc::SIGUSR2),
+            _ => None,
+        };
+        let mut asked = 0;
+        for rank in self.ranks.values() {
+            let r = &rank.record;
+            if r.id.job_id != job_id || r.id.attempt != attempt || r.phase.is_done() {
+                continue;
+            }
+            let path = r.files.checkpoint_request();
+            let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let line = format!("{} {reason}\n", at.as_millis());
+            if let Err(e) = std::fs::write(&path, line) {
+                warn!(rank_id = %r.id, path = %path.display(), error = %e, "failed to write the checkpoint request");
+            }
+            if let (Some(sig), Some(pid)) = (sig, r.pid) {
+                // SAFETY: kill(2) on the rank's own pid, which the launcher started and tracks.
+                unsafe { libc::kill(pid as i32, sig) };
+            }
+            info!(rank_id = %r.id, signal, reason, "asked the rank to checkpoint now");
+            asked += 1;
+        }
+        asked
+    }
+
     /// Marks the attempt's ranks to be forgotten once their receipts are all acknowledged.
     pub fn forget(&mut self, job_id: u64, attempt: u32) {
         for rank in self.ranks.values_mut() {

@@ -14,6 +14,7 @@ fn spec(env: &[(&str, &str)]) -> JobSpec {
         resume: false,
         backoff: Default::default(),
         hang: Default::default(),
+        checkpoint_signal: String::new(),
         priority: 0,
         disable_pinning: false,
     }

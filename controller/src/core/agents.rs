@@ -384,7 +384,8 @@ impl Controller {
                 continue;
             };
             flagged += usize::from(checked.problem.is_some());
-            super::faults::note_receipt(&mut news, id, &r.kind, &r.body, checked.metrics.as_ref());
+            let step = (r.step >= 0).then_some(r.step);
+            super::faults::note_receipt(&mut news, id, (&r.kind, step), &r.body, checked.metrics.as_ref());
             let step = (r.step >= 0).then_some(r.step);
             let (problem, metrics) = (checked.problem, checked.metrics);
             rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body: r.body, problem, metrics });

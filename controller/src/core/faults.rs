@@ -50,6 +50,10 @@ pub(super) fn host_lost_message(why: &str) -> String {
 
 /// `cordon_by` of a cordon set after repeated blamed failures.
 pub(super) const BY_FAILURES: &str = "failures";
+/// Cordons a passing preflight lifts: those set after failures, and after a preemption notice
+/// (a host that comes back from one is a fresh machine). An operator's and a drain's stay
+/// until `ctl uncordon`.
+const LIFTED_BY_PREFLIGHT: [&str; 2] = [BY_FAILURES, "preemption"];
 /// `cordon_by` of a cordon set by `ctl cordon`.
 pub(super) const BY_OPERATOR: &str = "operator";
 
@@ -76,6 +80,11 @@ pub(super) fn classify(
         return Finding::Failed(found.clone());
     }
     let allocs = &job.allocations;
+    if allocs.iter().any(|a| rank_failure(a).is_some())
+        && let Some(moved) = super::evict::moved_anyway(job, now_ms)
+    {
+        return Finding::Failed(moved);
+    }
     let record = |a: &Allocation, kind: FailureKind, blamed: bool, charged: bool| FailureRecord {
         job_id: job.record.id,
         attempt: job.record.attempt,
@@ -276,7 +285,11 @@ impl Core {
             }
         }
         if let Some(entry) = self.agents.get_mut(node)
-            && entry.record.cordon.as_ref().is_some_and(|c| c.by == BY_FAILURES && c.at_ms <= at)
+            && entry
+                .record
+                .cordon
+                .as_ref()
+                .is_some_and(|c| LIFTED_BY_PREFLIGHT.contains(&c.by.as_str()) && c.at_ms <= at)
         {
             entry.record.cordon = None;
             self.blames.remove(node);
@@ -295,6 +308,8 @@ pub(crate) struct StepWatch {
     step_ms: VecDeque<f64>,
     /// The longest checkpoint the attempt wrote, allowed for on top of the timeout.
     longest_checkpoint: Duration,
+    /// Per rank, when its newest checkpoint receipt arrived and its step (drains wait on it).
+    checkpointed: HashMap<u32, (Instant, i64)>,
 }
 
 /// What one receipt batch says about a job's steps.
@@ -303,6 +318,8 @@ pub(super) struct StepNews {
     pub ranks: BTreeSet<u32>,
     pub step_ms: Vec<f64>,
     pub checkpoint_s: f64,
+    /// Ranks that wrote a checkpoint receipt, with its step.
+    pub checkpoints: BTreeMap<u32, i64>,
 }
 
 /// Adds what one receipt says to a batch's [`StepNews`] (a step: its rank and step time; a
@@ -310,7 +327,7 @@ pub(super) struct StepNews {
 pub(super) fn note_receipt(
     news: &mut BTreeMap<(JobId, u32), StepNews>,
     id: trainyard_store::RankId,
-    kind: &str,
+    (kind, step): (&str, Option<i64>),
     body: &str,
     metrics: Option<&trainyard_model::receipts::StepMetrics>,
 ) {
@@ -330,6 +347,7 @@ pub(super) fn note_receipt(
                 / 1000.0;
             let n = news.entry((id.job_id, id.attempt)).or_default();
             n.checkpoint_s = n.checkpoint_s.max(seconds);
+            n.checkpoints.insert(id.rank, step.unwrap_or(-1));
         }
         _ => {}
     }
@@ -342,7 +360,21 @@ impl StepWatch {
             last: HashMap::new(),
             step_ms: VecDeque::new(),
             longest_checkpoint: Duration::ZERO,
+            checkpointed: HashMap::new(),
         }
+    }
+
+    /// The step every rank of `live` checkpointed at since `asked`, in `attempt` (the lowest,
+    /// should they differ); `None` until all have.
+    pub(super) fn checkpoint_since(&self, attempt: u32, asked: Instant, live: &[u32]) -> Option<i64> {
+        if self.attempt != attempt || live.is_empty() {
+            return None;
+        }
+        live.iter()
+            .map(|r| self.checkpointed.get(r).filter(|(at, _)| *at >= asked).map(|(_, step)| *step))
+            .collect::<Option<Vec<i64>>>()?
+            .into_iter()
+            .min()
     }
 
     fn median_step(&self) -> Option<Duration> {
@@ -382,6 +414,9 @@ impl Controller {
             }
             let ckpt = Duration::from_secs_f64(n.checkpoint_s.clamp(0.0, 86_400.0));
             watch.longest_checkpoint = watch.longest_checkpoint.max(ckpt);
+            for (rank, step) in n.checkpoints {
+                watch.checkpointed.insert(rank, (now, step));
+            }
         }
     }
 

@@ -38,6 +38,7 @@ async fn tick(c: &Controller) {
     c.check_liveness().await.expect("liveness");
     c.reap_vanished_agents().await;
     c.check_hangs();
+    c.check_evictions();
     c.store_cordons().await;
     c.mark_all();
     c.reconcile().await;
@@ -358,4 +359,45 @@ async fn after_a_controller_restart_hang_and_host_loss_clocks_wait_for_the_recon
     let kinds: Vec<FailureKind> =
         store.failures(job).await.expect("failures").iter().map(|f| f.kind).collect();
     assert!(kinds == [FailureKind::HostLost] || kinds == [FailureKind::Hang], "{kinds:?}");
+}
+
+#[tokio::test]
+async fn a_drain_moves_a_job_that_never_checkpoints_at_its_deadline_and_a_notice_shortens_it() {
+    let store = store().await;
+    let c = Controller::start(store.clone(), config()).await.expect("start");
+    let (mut a, mut b, job) = running_job(&c, 1, with_restarts(0)).await;
+    let (node, jobs) = c.drain("a", Duration::from_secs(60), "kernel update").await.expect("drain");
+    assert_eq!((node.as_str(), jobs), ("a", vec![job]));
+    for agent in [&mut a, &mut b] {
+        let asked = agent.sent().into_iter().any(|m| matches!(m, Msg::CheckpointNow(x) if x.job_id == job));
+        assert!(asked, "every host of the job is asked to checkpoint");
+    }
+    // A preemption notice on b, due in 10 s, shortens the wait (2 s kept for the stop).
+    let due = c.now_ms() + 10_000;
+    let notice =
+        trainyard_proto::v1::Notice { kind: "preemption".into(), deadline_ms: due, detail: "spot".into() };
+    c.agent_notice("b", &notice).await.expect("notice");
+    for _ in 0..7 {
+        pass(Duration::from_secs(1)).await;
+        heartbeat(&c, &["a", "b"]);
+        tick(&c).await;
+    }
+    assert!(store.failures(job).await.expect("failures").is_empty(), "7 s: inside the notice's 8 s");
+    pass(Duration::from_millis(1500)).await;
+    heartbeat(&c, &["a", "b"]);
+    tick(&c).await;
+    let failures = store.failures(job).await.expect("failures");
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    let f = &failures[0];
+    assert_eq!((f.kind, f.blamed, f.charged), (FailureKind::Drain, false, false));
+    assert!(
+        f.evidence.contains("no checkpoint from every rank") && f.evidence.contains("kernel update"),
+        "{}",
+        f.evidence
+    );
+    let state = state_of(&c, job).await.0;
+    assert!(
+        state == "restarting" || state == "pending",
+        "max_restarts = 0, but a drain is not the job's: {state}"
+    );
 }

@@ -28,15 +28,18 @@
 //! - `view`: the read side (`Get`, `List`), served from the store.
 //! - `reads`: the read model of the outer layers (records, events, allocations, rollups,
 //!   receipts): nothing outside the core holds the store.
+//! - `evict`: drains and preemption notices (checkpoint, then move without the node).
 //! - `resume`: the checkpoints a restarted attempt resumes from.
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
 mod diagnosis;
+mod evict;
 mod faults;
 #[cfg(test)]
 mod faults_tests;
 pub use agents::MAX_BATCH;
+pub use evict::{DEFAULT_DRAIN_DEADLINE, DEFAULT_NOTICE_DEADLINE};
 mod jobs;
 mod liveness;
 mod logs;
@@ -207,6 +210,8 @@ struct ActiveJob {
     not_before: Option<Instant>,
     /// The checkpoints the current attempt may resume from, newest first (`resume`).
     resume_from: Vec<trainyard_proto::v1::ResumePoint>,
+    /// Asked to checkpoint and move off a node (`evict`).
+    eviction: Option<evict::Eviction>,
 }
 
 impl Controller {
@@ -318,6 +323,7 @@ impl Controller {
                 }
                 self.reap_vanished_agents().await;
                 self.check_hangs();
+                self.check_evictions();
                 self.store_cordons().await;
             }
             self.reconcile().await;
@@ -343,6 +349,7 @@ impl ActiveJob {
             charged: 0,
             not_before: None,
             resume_from: Vec::new(),
+            eviction: None,
         }
     }
 }

@@ -204,6 +204,7 @@ impl Controller {
                                 job.launches_sent = 0;
                                 job.master_port = None;
                                 job.detected = None;
+                                job.eviction = None;
                                 job.resume_from = resume_from;
                                 let wait = job.record.spec.backoff.delay(attempt.saturating_sub(1));
                                 job.not_before = Some(tokio::time::Instant::now() + wait);

@@ -230,6 +230,12 @@ async fn handle(
                 }
             }
         }
+        agent_message::Msg::Notice(notice) => {
+            if let Err(e) = controller.agent_notice(agent_id, &notice).await {
+                tracing::error!(agent_id, error = %e, "failed to act on a preemption notice; the agent sends it again");
+                return quietly;
+            }
+        }
         agent_message::Msg::Leaving(leaving) => {
             if let Err(e) = controller.agent_leaving(agent_id, &leaving.reason).await {
                 tracing::error!(agent_id, error = %e, "failed to record that an agent is leaving");

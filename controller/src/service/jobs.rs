@@ -13,9 +13,10 @@ use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::Jobs;
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
-    DiagnoseRequest, Diagnosis, GetJobRequest, Job, JobStateChange, ListJobsRequest, ListJobsResponse,
-    LogChunk, LogsRequest, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt,
-    SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, GetJobRequest, Job, JobStateChange,
+    ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, NodesRequest, NodesResponse, PreflightReport,
+    PreflightRequest, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
+    watch_event::Event,
 };
 
 use trainyard_proto::limits;
@@ -259,6 +260,46 @@ impl Jobs for JobsService {
         let agent_id = done.map_err(to_status)?;
         let node = self.controller.nodes().await.into_iter().find(|n| n.agent_id == agent_id);
         Ok(Response::new(CordonResponse { node }))
+    }
+
+    /// Drains a node (admins only; audited): cordon, checkpoint, move.
+    async fn drain(&self, request: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        let target = format!("node:{}", request.get_ref().agent_id);
+        let caller = self.caller(&request, "node.drain", &target).await?;
+        if !caller.admin {
+            let why = "only admins drain nodes".to_string();
+            return self.refuse(&caller, "node.drain", &target, why).await;
+        }
+        let req = request.into_inner();
+        if req.reason.len() > trainyard_proto::limits::MAX_SHORT_STRING_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "reason: is {} bytes long, at most {} allowed",
+                req.reason.len(),
+                trainyard_proto::limits::MAX_SHORT_STRING_BYTES
+            )));
+        }
+        if req.deadline_s > 86_400 {
+            return Err(Status::invalid_argument(format!(
+                "deadline: {} s is more than a day; give at most 86400",
+                req.deadline_s
+            )));
+        }
+        let deadline = match req.deadline_s {
+            0 => crate::core::DEFAULT_DRAIN_DEADLINE,
+            s => Duration::from_secs(u64::from(s)),
+        };
+        let reason = if req.reason.trim().is_empty() { "drained with ctl" } else { req.reason.as_str() };
+        let done = self.controller.drain(&req.agent_id, deadline, reason).await;
+        let failed = done.as_ref().err().map(|e| e.to_string());
+        let detail = format!("deadline {} s: {reason}", deadline.as_secs());
+        let outcome = match &failed {
+            None => Ok(detail.as_str()),
+            Some(e) => Err(e.as_str()),
+        };
+        self.auth.audit(&caller.name, "node.drain", &target, outcome, self.controller.now_ms()).await;
+        let (agent_id, jobs) = done.map_err(to_status)?;
+        let node = self.controller.nodes().await.into_iter().find(|n| n.agent_id == agent_id);
+        Ok(Response::new(DrainResponse { node, jobs }))
     }
 
     /// The node's newest report; with a run level, the report of a run asked for now (waits

@@ -1,6 +1,6 @@
-//! `ctl nodes [-o json]`: the fleet table; `ctl cordon` and `ctl uncordon`.
+//! `ctl nodes [-o json]`: the fleet table; `ctl cordon`, `ctl uncordon` and `ctl drain`.
 
-use trainyard_proto::v1::{CordonRequest, NodesRequest};
+use trainyard_proto::v1::{CordonRequest, DrainRequest, NodesRequest};
 
 use crate::client::Controller;
 use crate::fleet;
@@ -42,6 +42,30 @@ pub async fn cordon(ctl: &mut Controller, host: &str, reason: Option<String>) ->
     };
     print_out(&format!(
         "{} {what}\n{}",
+        node.agent_id,
+        fleet::node_table(std::slice::from_ref(&node), render::now_ms())
+    ))
+}
+
+/// Drains `host`: prints the jobs asked to checkpoint and move, and the node's row.
+pub async fn drain(ctl: &mut Controller, host: &str, deadline_s: u32, reason: String) -> anyhow::Result<()> {
+    let request = DrainRequest { agent_id: host.to_string(), deadline_s, reason };
+    let reply = match ctl.jobs.drain(request).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => return Err(ctl.error(status, None)),
+    };
+    let node = reply.node.unwrap_or_default();
+    ctl.words(&node)?;
+    let jobs: Vec<String> = reply.jobs.iter().map(u64::to_string).collect();
+    let what = match jobs.len() {
+        0 => "no job runs there".to_string(),
+        _ => format!(
+            "job(s) {} asked to checkpoint within {deadline_s} s, then move (`ctl status JOB` follows them)",
+            jobs.join(", ")
+        ),
+    };
+    print_out(&format!(
+        "{} draining: no new work goes there; {what}\n{}",
         node.agent_id,
         fleet::node_table(std::slice::from_ref(&node), render::now_ms())
     ))

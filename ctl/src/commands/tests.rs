@@ -7,10 +7,10 @@ use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
-    DiagnoseRequest, Diagnosis, Finding, GetJobRequest, Job, JobSpec, JobStateChange, ListJobsRequest,
-    ListJobsResponse, LogChunk, LogsRequest, Measure, NodeInfo, NodesRequest, NodesResponse, PreflightReport,
-    PreflightRequest, RankStatus, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
-    watch_event::Event,
+    DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, Finding, GetJobRequest, Job, JobSpec,
+    JobStateChange, ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, Measure, NodeInfo,
+    NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus, StoredReceipt, SubmitRequest,
+    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -26,6 +26,10 @@ struct Fake {
 #[tonic::async_trait]
 impl Jobs for Fake {
     async fn cordon(&self, _: Request<CordonRequest>) -> Result<Response<CordonResponse>, Status> {
+        Err(Status::unimplemented("not in this fake"))
+    }
+
+    async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
         Err(Status::unimplemented("not in this fake"))
     }
 

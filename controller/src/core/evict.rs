@@ -1,0 +1,200 @@
+//! Drains and preemption notices: checkpoint first, then move the job without the node.
+//!
+//! `ctl drain NODE` and an agent's preemption notice cordon the node and ask every job running
+//! there to checkpoint now (`CheckpointNow` to each of its hosts: a request file for every rank,
+//! and the job's checkpoint signal if it names one). The job moves once every live rank has
+//! written a checkpoint receipt since the request, or at the deadline, whichever comes first:
+//! its ranks are stopped and it is requeued (not counted against `max_restarts`), resuming from
+//! the newest complete checkpoint; the cordon keeps the node out of its next attempt. A notice
+//! that arrives during a drain shortens the deadline; one that arrives while a job restarts
+//! only cordons the node, so the next attempt avoids it.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use trainyard_proto::v1::{CheckpointNow, Notice, controller_message::Msg};
+use trainyard_store::{Cordon, FailureKind, FailureRecord, JobId, JobState};
+
+use super::{ActiveJob, Controller, Core, Result, rank_done};
+
+/// The deadline of a drain that names none, and of a notice that carries none.
+pub const DEFAULT_DRAIN_DEADLINE: Duration = Duration::from_secs(120);
+pub const DEFAULT_NOTICE_DEADLINE: Duration = Duration::from_secs(30);
+/// Stop a moment before the host goes away, so the stop itself is not cut off.
+const NOTICE_MARGIN: Duration = Duration::from_secs(2);
+
+/// A job asked to checkpoint and move off a node.
+#[derive(Debug, Clone)]
+pub(super) struct Eviction {
+    pub kind: FailureKind,
+    pub node: String,
+    pub why: String,
+    pub asked: Instant,
+    pub deadline: Instant,
+}
+
+impl Controller {
+    /// `ctl drain`: cordons `node` and moves its jobs once they checkpoint (or at `deadline`).
+    /// Returns the agent id and the jobs asked to move.
+    pub async fn drain(&self, node: &str, deadline: Duration, reason: &str) -> Result<(String, Vec<JobId>)> {
+        let agent_id = self.lock().resolve(node)?;
+        let why = format!("node {agent_id} drained by an operator: {reason}");
+        let cordon = Cordon { by: "drain".into(), reason: reason.to_string(), at_ms: self.now_ms() };
+        self.store.set_cordon(&agent_id, Some(&cordon)).await?;
+        let jobs = {
+            let mut core = self.lock();
+            if let Some(entry) = core.agents.get_mut(&agent_id) {
+                entry.record.cordon = Some(cordon);
+            }
+            self.evict(&mut core, &agent_id, FailureKind::Drain, deadline, &why)
+        };
+        tracing::warn!(agent_id, reason, jobs = jobs.len(), deadline_s = deadline.as_secs(), "node draining");
+        self.bump();
+        self.wake();
+        Ok((agent_id, jobs))
+    }
+
+    /// An agent's preemption notice: as a drain, with the deadline the notice gives.
+    pub async fn agent_notice(&self, agent_id: &str, notice: &Notice) -> Result<()> {
+        let now_ms = self.now_ms();
+        let left = match notice.deadline_ms {
+            0 => DEFAULT_NOTICE_DEADLINE,
+            at => Duration::from_millis(u64::try_from(at - now_ms).unwrap_or(0)),
+        };
+        let deadline = left.saturating_sub(NOTICE_MARGIN);
+        let detail: String = notice.detail.chars().take(200).collect();
+        let why = format!(
+            "preemption notice on {agent_id}: {}",
+            if detail.is_empty() { "(no detail)" } else { &detail }
+        );
+        let cordon = Cordon { by: "preemption".into(), reason: why.clone(), at_ms: now_ms };
+        self.store.set_cordon(agent_id, Some(&cordon)).await?;
+        let jobs = {
+            let mut core = self.lock();
+            if let Some(entry) = core.agents.get_mut(agent_id) {
+                entry.record.cordon = Some(cordon);
+            }
+            self.evict(&mut core, agent_id, FailureKind::Preemption, deadline, &why)
+        };
+        tracing::warn!(agent_id, kind = %notice.kind, jobs = jobs.len(), deadline_s = deadline.as_secs(), "preemption notice");
+        self.bump();
+        self.wake();
+        Ok(())
+    }
+
+    /// Asks every placed job with a live rank on `node` to checkpoint now; keeps the earlier
+    /// deadline when a job is already being moved.
+    fn evict(
+        &self,
+        core: &mut Core,
+        node: &str,
+        kind: FailureKind,
+        within: Duration,
+        why: &str,
+    ) -> Vec<JobId> {
+        let now = Instant::now();
+        let placed = |j: &ActiveJob| {
+            matches!(j.record.state, JobState::Scheduled | JobState::Launching | JobState::Running)
+        };
+        let ids: Vec<JobId> = core
+            .jobs
+            .values()
+            .filter(|j| placed(j) && j.allocations.iter().any(|a| a.agent_id == node && !rank_done(a)))
+            .map(|j| j.record.id)
+            .collect();
+        for id in &ids {
+            let Some(job) = core.jobs.get_mut(id) else { continue };
+            let deadline = now + within;
+            match &mut job.eviction {
+                Some(e) if e.deadline <= deadline => continue,
+                Some(e) => e.deadline = deadline,
+                None => {
+                    job.eviction = Some(Eviction {
+                        kind,
+                        node: node.to_string(),
+                        why: why.to_string(),
+                        asked: now,
+                        deadline,
+                    })
+                }
+            }
+            let attempt = job.record.attempt;
+            let signal = job.record.spec.checkpoint_signal.clone();
+            let hosts: std::collections::BTreeSet<String> =
+                job.allocations.iter().map(|a| a.agent_id.clone()).collect();
+            for host in hosts {
+                let reason = why.to_string();
+                let signal = signal.clone();
+                core.send(&host, Msg::CheckpointNow(CheckpointNow { job_id: *id, attempt, reason, signal }));
+            }
+            core.dirty.insert(*id);
+        }
+        ids
+    }
+
+    /// Every 500 ms: a job being moved goes once each live rank wrote a checkpoint receipt since
+    /// the request, or at its deadline, or at once when it is not running yet (nothing to save).
+    pub(super) fn check_evictions(&self) {
+        let now = Instant::now();
+        let now_ms = self.now_ms();
+        let steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        let mut core = self.lock();
+        let mut done = Vec::new();
+        for job in core.jobs.values().filter(|j| j.detected.is_none()) {
+            let Some(e) = &job.eviction else { continue };
+            let live: Vec<u32> =
+                job.allocations.iter().filter(|a| !rank_done(a)).map(|a| a.id.rank).collect();
+            let watch = steps.get(&job.record.id);
+            let saved = watch.and_then(|w| w.checkpoint_since(job.record.attempt, e.asked, &live));
+            let waited = now.saturating_duration_since(e.asked).as_secs_f64();
+            let evidence = match (saved, job.record.state) {
+                (Some(step), _) => format!(
+                    "{}; every rank checkpointed at step {step} {waited:.1} s after the request",
+                    e.why
+                ),
+                (None, JobState::Running) if now >= e.deadline => format!(
+                    "{}; no checkpoint from every rank within {waited:.0} s, the deadline: it resumes from its newest complete one",
+                    e.why
+                ),
+                (None, JobState::Running) => continue,
+                (None, _) => format!("{}; it had not started running, so there was nothing to save", e.why),
+            };
+            done.push(FailureRecord {
+                job_id: job.record.id,
+                attempt: job.record.attempt,
+                at_ms: now_ms,
+                kind: e.kind,
+                agent_id: Some(e.node.clone()),
+                rank: None,
+                evidence,
+                blamed: false,
+                charged: false,
+            });
+        }
+        drop(steps);
+        for f in done {
+            tracing::info!(job_id = f.job_id, evidence = %f.evidence, "moving a job off a node");
+            core.dirty.insert(f.job_id);
+            if let Some(job) = core.jobs.get_mut(&f.job_id) {
+                job.detected = Some(f);
+            }
+        }
+    }
+}
+
+/// The failure of a job being moved whose ranks ended before it moved (a rank that does not
+/// handle the checkpoint signal, a host that went away first): still the move, not the job's.
+pub(super) fn moved_anyway(job: &ActiveJob, now_ms: i64) -> Option<FailureRecord> {
+    let e = job.eviction.as_ref()?;
+    Some(FailureRecord {
+        job_id: job.record.id,
+        attempt: job.record.attempt,
+        at_ms: now_ms,
+        kind: e.kind,
+        agent_id: Some(e.node.clone()),
+        rank: None,
+        evidence: format!("{}; its ranks ended while it was being moved", e.why),
+        blamed: false,
+        charged: false,
+    })
+}
