@@ -12,6 +12,10 @@ pub struct ControllerConfig {
     /// jobs restart elsewhere, and its stream is dropped so that it must say hello again (and
     /// have the ranks of the old attempt stopped) if it comes back. Agents heartbeat every 2 s.
     pub agent_timeout: Duration,
+    /// How long a gone agent's verdict waits while ranks of its jobs on other hosts keep
+    /// stepping (its own ranks evidently run: a dead agent, not a dead host), for the agent to
+    /// come back and adopt them.
+    pub agent_hold: Duration,
     /// After the controller starts (or takes over), how long agents have to reconnect before
     /// any host-loss or hang clock runs: a restart of the controller never restarts a job.
     pub reconnect_grace: Duration,
@@ -38,6 +42,7 @@ impl Default for ControllerConfig {
             // Agents heartbeat every 2 s: 8 s is four missed beats, not a slow network, and well
             // inside the 10 s target for detecting a lost host (docs/faults.md).
             agent_timeout: Duration::from_secs(8),
+            agent_hold: Duration::from_secs(120),
             reconnect_grace: Duration::from_secs(30),
             cordon_after_blames: 3,
             blame_window: Duration::from_secs(3600),
@@ -57,6 +62,11 @@ impl ControllerConfig {
 
     pub fn with_agent_timeout(mut self, timeout: Duration) -> Self {
         self.agent_timeout = timeout;
+        self
+    }
+
+    pub fn with_agent_hold(mut self, hold: Duration) -> Self {
+        self.agent_hold = hold;
         self
     }
 

@@ -114,14 +114,17 @@ fn pytorch_ranks_rendezvous_with_gloo_across_namespace_hosts() -> anyhow::Result
     Ok(())
 }
 
-/// A job of one rank on each of `a` and `b`, with the spare `s` idle; stand-in ranks step
-/// every 100 ms for as long as the test needs.
-fn two_host_job(c: &mut Cluster) -> anyhow::Result<u64> {
+/// A job of one rank on each of `a` and `b` (`collective`: the ranks barrier every step, as
+/// training does), with the spare `s` idle; stand-in ranks step every 100 ms for as long as the
+/// test needs.
+fn two_host_job(c: &mut Cluster, collective: bool) -> anyhow::Result<u64> {
     c.start_agent_on(0, "a", 1)?;
     c.start_agent_on(1, "b", 1)?;
-    // Ranks that step on their own, without a collective: behind a cut they keep running, which
-    // is what the fence must stop.
-    let job = c.submit(&c.job_file("apart", 2, 1, &["--steps", "100000", "--step-ms", "100"], ""))?;
+    let mut args = vec!["--steps", "100000", "--step-ms", "100"];
+    if collective {
+        args.push("--collective");
+    }
+    let job = c.submit(&c.job_file("apart", 2, 1, &args, ""))?;
     c.wait_first_steps(job, 2, Duration::from_secs(60))?;
     c.start_agent_on(2, "s", 1)?;
     Ok(job)
@@ -132,13 +135,13 @@ fn failures(c: &Cluster, job: u64) -> anyhow::Result<Vec<serde_json::Value>> {
     Ok(c.status(job)?["failures"].as_array().cloned().unwrap_or_default())
 }
 
-/// After the lost host: the job's attempt 1 runs on a and the spare, and the lost host is
-/// excluded until a preflight clears it.
-fn restarted_on_the_spare(c: &Cluster, job: u64) -> anyhow::Result<()> {
-    let status = c.wait_state(job, &["running"], Duration::from_secs(60))?;
-    wait_until("attempt 1 running", Duration::from_secs(60), || Ok(c.status(job)?["attempt"] == 1))?;
-    c.wait_state(job, &["running"], Duration::from_secs(60))?;
-    let status = c.status(job).unwrap_or(status);
+/// The job's attempt 1 runs, on nodes `expected` (sorted).
+fn restarted_on(c: &Cluster, job: u64, expected: &[&str]) -> anyhow::Result<()> {
+    wait_until("attempt 1 running", Duration::from_secs(60), || {
+        let s = c.status(job)?;
+        Ok(s["attempt"] == 1 && s["state"] == "running")
+    })?;
+    let status = c.status(job)?;
     let mut nodes: Vec<String> = status["ranks"]
         .as_array()
         .into_iter()
@@ -146,16 +149,18 @@ fn restarted_on_the_spare(c: &Cluster, job: u64) -> anyhow::Result<()> {
         .map(|r| r["agent_id"].as_str().unwrap_or("").to_string())
         .collect();
     nodes.sort();
-    assert_eq!(nodes, ["a", "s"], "attempt 1 avoids the lost host: {status}");
+    assert_eq!(nodes, expected, "attempt 1 avoids the lost host: {status}");
     Ok(())
 }
 
+fn lab_flags() -> [(&'static str, &'static str); 2] {
+    [("--agent-timeout-secs", "8"), ("--cancel-grace-secs", "2")]
+}
+
 #[test]
-fn a_cut_host_is_lost_within_10_s_the_job_moves_to_the_spare_and_the_old_ranks_are_fenced()
--> anyhow::Result<()> {
-    let flags = [("--agent-timeout-secs", "8"), ("--cancel-grace-secs", "2")];
-    let Some(mut c) = Cluster::start_lab(3, &flags)? else { return Ok(()) };
-    let job = two_host_job(&mut c)?;
+fn a_cut_host_is_lost_within_10_s_and_the_job_moves_to_the_spare() -> anyhow::Result<()> {
+    let Some(mut c) = Cluster::start_lab(3, &lab_flags())? else { return Ok(()) };
+    let job = two_host_job(&mut c, true)?;
     let cut_at = now_ms();
     c.cut("b")?;
     wait_until("the host loss", Duration::from_secs(20), || Ok(!failures(&c, job)?.is_empty()))?;
@@ -165,40 +170,66 @@ fn a_cut_host_is_lost_within_10_s_the_job_moves_to_the_spare_and_the_old_ranks_a
     assert!(detected_after < 10_000, "detected after {detected_after} ms, target under 10 s: {f}");
     assert_eq!((f["kind"].as_str(), f["agent_id"].as_str()), (Some("host_lost"), Some("b")), "{f}");
     assert_eq!((f["blamed"].as_bool(), f["charged"].as_bool()), (Some(true), Some(false)), "{f}");
-    restarted_on_the_spare(&c, job)?;
+    restarted_on(&c, job, &["a", "s"])?;
+    c.heal("b")?;
+    wait_until("the old attempt's rank on b stopped", Duration::from_secs(60), || {
+        Ok(rank_pids(job, 0).is_empty())
+    })?;
+    c.ctl_ok(&["cancel", &job.to_string()])?;
+    Ok(())
+}
+
+#[test]
+fn a_returning_host_has_the_old_attempts_ranks_stopped() -> anyhow::Result<()> {
+    let Some(mut c) = Cluster::start_lab(2, &lab_flags())? else { return Ok(()) };
+    c.start_agent_on(0, "b", 1)?;
+    // A rank that steps on its own: behind the cut it keeps running, and only the fence stops it.
+    let job = c.submit(&c.job_file("alone", 1, 1, &["--steps", "100000", "--step-ms", "100"], ""))?;
+    c.wait_first_steps(job, 1, Duration::from_secs(60))?;
+    c.start_agent_on(1, "s", 1)?;
+    c.cut("b")?;
+    wait_until("the host loss", Duration::from_secs(20), || Ok(!failures(&c, job)?.is_empty()))?;
+    restarted_on(&c, job, &["s"])?;
     assert!(!rank_pids(job, 0).is_empty(), "b's rank of attempt 0 still runs behind the cut");
     c.heal("b")?;
     wait_until("the old attempt's rank on b stopped", Duration::from_secs(60), || {
         Ok(rank_pids(job, 0).is_empty())
     })
     .map_err(|e| e.context(format!("{}\n{}", c.logs("agent-b"), c.logs("controller"))))?;
+    assert!(
+        c.logs("controller").contains("speaks again on its old stream"),
+        "the lost host's stream was fenced"
+    );
     c.ctl_ok(&["cancel", &job.to_string()])?;
     Ok(())
 }
 
 #[test]
-fn a_killed_agent_is_a_lost_host_and_its_ranks_are_stopped_when_it_restarts() -> anyhow::Result<()> {
-    let flags = [("--agent-timeout-secs", "8"), ("--cancel-grace-secs", "2")];
-    let Some(mut c) = Cluster::start_lab(3, &flags)? else { return Ok(()) };
-    let job = two_host_job(&mut c)?;
-    let killed_at = now_ms();
+fn a_killed_agent_whose_ranks_keep_stepping_is_waited_for_and_adopts_them() -> anyhow::Result<()> {
+    let Some(mut c) = Cluster::start_lab(3, &lab_flags())? else { return Ok(()) };
+    let job = two_host_job(&mut c, true)?;
     c.kill_agent("b");
-    wait_until("the host loss", Duration::from_secs(20), || Ok(!failures(&c, job)?.is_empty()))?;
-    let f = failures(&c, job)?.remove(0);
-    let detected_after = f["at_ms"].as_i64().unwrap_or(0) - killed_at;
-    eprintln!("killed agent detected as lost after {detected_after} ms");
-    assert!(detected_after < 10_000, "detected after {detected_after} ms: {f}");
-    assert_eq!(f["kind"], "host_lost", "{f}");
-    restarted_on_the_spare(&c, job)?;
-    assert!(!rank_pids(job, 0).is_empty(), "b's rank outlives its agent");
-    // The agent comes back and adopts its rank: the controller stops it (attempt 0 is over).
+    // Well past the agent timeout: the collective keeps both ranks stepping, so b's ranks are
+    // alive and the job is not restarted.
+    std::thread::sleep(Duration::from_secs(12));
+    assert!(failures(&c, job)?.is_empty(), "no failure while the job steps: {}", c.status(job)?);
+    assert!(c.logs("controller").contains("holding the verdict"), "the controller says why it waits");
     c.start_agent_on(1, "b", 1)?;
-    wait_until("the old attempt's rank on b stopped", Duration::from_secs(30), || {
-        Ok(rank_pids(job, 0).is_empty())
-    })
-    .map_err(|e| e.context(format!("{}\n{}", c.logs("agent-b"), c.logs("controller"))))?;
-    let node = c.node("b")?;
-    assert_eq!(node["cordon_by"], "", "one blame does not cordon: {node}");
+    let before = c
+        .query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND attempt = 0 AND rank = 1"))?
+        [0][0];
+    wait_until("b's receipts flow again", Duration::from_secs(30), || {
+        Ok(c.query(&format!(
+            "SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND attempt = 0 AND rank = 1"
+        ))?[0][0]
+            > before + 20)
+    })?;
+    let status = c.status(job)?;
+    assert_eq!(
+        (status["attempt"].as_u64(), status["state"].as_str()),
+        (Some(0), Some("running")),
+        "{status}"
+    );
     c.ctl_ok(&["cancel", &job.to_string()])?;
     Ok(())
 }

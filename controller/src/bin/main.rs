@@ -83,6 +83,10 @@ struct Cli {
     /// lost and its jobs restart elsewhere; agents heartbeat every 2 s.
     #[arg(long, default_value_t = 8)]
     agent_timeout_secs: u64,
+    /// Seconds a gone agent's verdict waits while its jobs' ranks on other hosts keep stepping
+    /// (its ranks outlive it), for it to come back and adopt them.
+    #[arg(long, default_value_t = 120)]
+    agent_hold_secs: u64,
     /// Seconds an agent may stay silent (no heartbeat, stream still open) before it counts as
     /// unresponsive and gets no new work.
     #[arg(long, default_value_t = 5)]
@@ -109,6 +113,7 @@ impl From<&Cli> for ControllerConfig {
             .with_agent_timeout(Duration::from_secs(cli.agent_timeout_secs))
             .with_unresponsive_after(Duration::from_secs(cli.unresponsive_secs))
             .with_reconnect_grace(Duration::from_secs(cli.reconnect_grace_secs))
+            .with_agent_hold(Duration::from_secs(cli.agent_hold_secs))
             .with_cordon_after(cli.cordon_after_blames, Duration::from_secs(cli.blame_window_secs))
     }
 }

@@ -449,6 +449,20 @@ impl Controller {
         }
     }
 
+    /// The ranks of each job that stored a step receipt within `window` (the reaper's evidence
+    /// that a job is alive).
+    pub(super) fn ranks_stepping_within(&self, window: Duration) -> HashMap<JobId, BTreeSet<u32>> {
+        let now = Instant::now();
+        let steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        steps
+            .iter()
+            .map(|(job, w)| {
+                let ranks = w.last.iter().filter(|(_, at)| now.saturating_duration_since(**at) <= window);
+                (*job, ranks.map(|(r, _)| *r).collect())
+            })
+            .collect()
+    }
+
     /// Writes the cordons decided under the lock; on a store error they are kept for the next
     /// pass (memory already holds them, so scheduling is right meanwhile).
     pub(super) async fn store_cordons(&self) {

@@ -1,7 +1,8 @@
 //! Liveness: when each agent last spoke, which are unresponsive (no new work), and the reaper
 //! that declares a host lost when its agent has been away or silent for `agent_timeout`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use tokio::time::Instant;
 use trainyard_store::{AgentState, RankId};
@@ -76,48 +77,92 @@ impl Controller {
     /// silent, for longer than `agent_timeout` is lost. Its ranks are recorded as lost (their
     /// jobs restart elsewhere) and a silent agent's stream is dropped, so that if it comes back
     /// it must say hello again and the ranks of the old attempt are stopped (`answer_unknown`).
+    ///
+    /// Unless the job is visibly alive: while ranks of the same job on other hosts keep
+    /// stepping, the host's ranks evidently take part in the collectives (a dead agent, not a
+    /// dead host: the ranks outlive their agent), so the verdict waits, up to `agent_hold`, for
+    /// the agent to come back and adopt them; nothing restarts. A cut network or a dead machine
+    /// stops the collectives, and with them the other ranks, so that verdict is not delayed.
     /// Agents the controller has not heard from since it started get `reconnect_grace` first.
     pub(super) async fn reap_vanished_agents(&self) {
         let timeout = self.config.agent_timeout;
         let grace_over = Instant::now() >= self.started + self.config.reconnect_grace;
         let now_ms = self.now_ms();
+        let stepping = self.ranks_stepping_within(timeout / 2);
         let mut dropped = Vec::new();
         let lost: Vec<(String, RankId, String)> = {
             let mut core = self.lock();
-            let mut gone: BTreeMap<String, String> = BTreeMap::new();
-            for e in core.agents.values_mut() {
+            // Agents away or silent past the timeout: for how long, how, and whether the stream is open.
+            let mut gone: BTreeMap<String, (Duration, String, bool)> = BTreeMap::new();
+            for e in core.agents.values() {
                 if !e.seen_since_start && !grace_over {
                     continue;
                 }
-                let id = e.record.agent_id.clone();
-                match (&e.link, e.disconnected_since) {
-                    (None, Some(since)) if since.elapsed() > timeout => {
-                        let away = since.elapsed().as_secs_f64();
-                        gone.insert(
-                            id.clone(),
-                            format!("agent {id} disconnected {away:.1} s ago and did not come back"),
+                let id = &e.record.agent_id;
+                let (away, how, open) = match (&e.link, e.disconnected_since) {
+                    (None, Some(since)) => (
+                        since.elapsed(),
+                        format!(
+                            "agent {id} disconnected {:.1} s ago and did not come back",
+                            since.elapsed().as_secs_f64()
+                        ),
+                        false,
+                    ),
+                    (Some(_), _) => {
+                        let silent =
+                            Duration::from_millis(u64::try_from(now_ms - e.record.last_seen_ms).unwrap_or(0));
+                        let how = format!(
+                            "agent {id} sent nothing for {:.1} s (a cut network or a stopped machine)",
+                            silent.as_secs_f64()
                         );
+                        (silent, how, true)
                     }
-                    (Some(_), _) if now_ms - e.record.last_seen_ms > timeout.as_millis() as i64 => {
-                        let silent = (now_ms - e.record.last_seen_ms) as f64 / 1000.0;
-                        tracing::error!(agent_id = %id, silent_s = silent, "host lost: its stream is open but it sent nothing; dropping the stream");
-                        if let Some(link) = e.link.take() {
-                            self.fenced.lock().unwrap_or_else(|p| p.into_inner()).insert(link.conn_id);
-                        }
-                        e.disconnected_since = Some(Instant::now());
-                        e.record.state = AgentState::Disconnected;
-                        dropped.push(id.clone());
-                        gone.insert(id.clone(), format!("agent {id} sent nothing for {silent:.1} s (a cut network or a stopped machine)"));
-                    }
-                    _ => {}
+                    (None, None) => continue,
+                };
+                if away > timeout {
+                    gone.insert(id.clone(), (away, how, open));
                 }
             }
-            core.jobs
-                .values()
-                .flat_map(|job| job.allocations.iter())
-                .filter(|a| !rank_done(a))
-                .filter_map(|a| gone.get(&a.agent_id).map(|why| (a.agent_id.clone(), a.id, why.clone())))
-                .collect()
+            let mut held: BTreeSet<String> = BTreeSet::new();
+            let mut lost = Vec::new();
+            for job in core.jobs.values() {
+                for a in job.allocations.iter().filter(|a| !rank_done(a)) {
+                    let Some((away, how, _)) = gone.get(&a.agent_id) else { continue };
+                    let alive_elsewhere = stepping.get(&job.record.id).is_some_and(|ranks| {
+                        job.allocations.iter().any(|o| o.agent_id != a.agent_id && ranks.contains(&o.id.rank))
+                    });
+                    if alive_elsewhere && *away < self.config.agent_hold {
+                        held.insert(a.agent_id.clone());
+                        continue;
+                    }
+                    let why = if alive_elsewhere {
+                        format!("{how}; the job's other ranks kept stepping until the hold ran out")
+                    } else {
+                        how.clone()
+                    };
+                    lost.push((a.agent_id.clone(), a.id, why));
+                }
+            }
+            for id in &held {
+                if core.holding.insert(id.clone()) {
+                    tracing::warn!(agent_id = %id, hold_s = self.config.agent_hold.as_secs(), "agent gone but its jobs keep stepping: holding the verdict for its return");
+                }
+            }
+            core.holding.retain(|id| held.contains(id));
+            for (id, (away, _, open)) in &gone {
+                if !*open || held.contains(id) {
+                    continue;
+                }
+                let Some(e) = core.agents.get_mut(id) else { continue };
+                tracing::error!(agent_id = %id, silent_s = away.as_secs_f64(), "host lost: its stream is open but it sent nothing; dropping the stream");
+                if let Some(link) = e.link.take() {
+                    self.fenced.lock().unwrap_or_else(|p| p.into_inner()).insert(link.conn_id);
+                }
+                e.disconnected_since = Some(Instant::now());
+                e.record.state = AgentState::Disconnected;
+                dropped.push(id.clone());
+            }
+            lost
         };
         for agent_id in dropped {
             self.fail_logs_of(&agent_id);

@@ -161,6 +161,8 @@ struct Core {
     ended: Vec<JobId>,
     /// When each node was blamed for a failure, within the blame window (cordons).
     blames: HashMap<String, Vec<i64>>,
+    /// Agents gone past the timeout whose jobs keep stepping: the verdict waits (`liveness`).
+    holding: std::collections::BTreeSet<String>,
     /// Cordons decided under the lock, to be written to the store after it.
     cordons_to_store: Vec<(String, Option<trainyard_store::Cordon>)>,
 }
