@@ -457,7 +457,8 @@ impl Controller {
         steps
             .iter()
             .map(|(job, w)| {
-                let ranks = w.last.iter().filter(|(_, at)| now.saturating_duration_since(**at) <= window);
+                // A seeded clock after a restart lies in the future: that is no step.
+                let ranks = w.last.iter().filter(|(_, at)| **at <= now && now - **at <= window);
                 (*job, ranks.map(|(r, _)| *r).collect())
             })
             .collect()
