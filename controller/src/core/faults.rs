@@ -193,6 +193,7 @@ pub(super) async fn reload(
         }
         let mut watch = StepWatch::new(job.record.attempt);
         watch.last = job.allocations.iter().map(|a| (a.id.rank, resume_at)).collect();
+        watch.seeded = Some(resume_at);
         watch.step_ms = progress.recent_step_ms.iter().rev().take(STEP_WINDOW).copied().collect();
         watches.insert(job.record.id, watch);
     }
@@ -310,6 +311,9 @@ pub(crate) struct StepWatch {
     longest_checkpoint: Duration,
     /// Per rank, when its newest checkpoint receipt arrived and its step (drains wait on it).
     checkpointed: HashMap<u32, (Instant, i64)>,
+    /// The time `reload` seeded `last` with after a restart of the controller (the end of the
+    /// reconnect grace), which is no step.
+    seeded: Option<Instant>,
 }
 
 /// What one receipt batch says about a job's steps.
@@ -361,6 +365,7 @@ impl StepWatch {
             step_ms: VecDeque::new(),
             longest_checkpoint: Duration::ZERO,
             checkpointed: HashMap::new(),
+            seeded: None,
         }
     }
 
@@ -457,8 +462,10 @@ impl Controller {
         steps
             .iter()
             .map(|(job, w)| {
-                // A seeded clock after a restart lies in the future: that is no step.
-                let ranks = w.last.iter().filter(|(_, at)| **at <= now && now - **at <= window);
+                // A clock seeded at a restart of the controller (`reload`) is no step.
+                let ranks = w.last.iter().filter(|(_, at)| {
+                    Some(**at) != w.seeded && now.saturating_duration_since(**at) <= window
+                });
                 (*job, ranks.map(|(r, _)| *r).collect())
             })
             .collect()
