@@ -402,6 +402,7 @@ def main(argv=None):
     resumed = resume_step()
     first_step = 0 if resumed is None else resumed + 1
     fields["resumed_from"] = resumed
+    fields["at_ms"] = int(time.time() * 1000)
     if collective is not None:
         fields["rendezvous"] = {"master": collective.master, "world_size": world}
     receipts.emit("launch", **fields)
@@ -450,6 +451,7 @@ def main(argv=None):
             fwd_bwd_ms=round((computed - started) * 1000.0, 3),
             optimizer_ms=round((finished - computed) * 1000.0, 3),
             tokens_per_s=round(TOKENS_PER_STEP * world / elapsed, 1),
+            at_ms=int(time.time() * 1000),
         )
         asked = stop["checkpoint"] or requested(request, stop)
         due = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0

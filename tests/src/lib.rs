@@ -396,9 +396,20 @@ impl Cluster {
 
     /// Starts agent `name` (a node of `gpus` GPUs) inside lab host `host`.
     pub fn start_agent_on(&mut self, host: usize, name: &str, gpus: u32) -> Result<()> {
+        self.start_agent_on_env(host, name, gpus, &[])
+    }
+
+    /// [`Cluster::start_agent_on`] with extra environment variables.
+    pub fn start_agent_on_env(
+        &mut self,
+        host: usize,
+        name: &str,
+        gpus: u32,
+        env: &[(&str, &str)],
+    ) -> Result<()> {
         let file = host_file(self.dir.path(), name, gpus);
         self.agent_hosts.insert(name.to_string(), host);
-        self.start_agent_env(name, &file, &[])
+        self.start_agent_env(name, &file, env)
     }
 
     /// Cuts the network of the lab host agent `name` runs on; [`Cluster::heal`] restores it.
