@@ -288,19 +288,28 @@ class Collective:
             self.conn.settimeout(timeout)
         self.master = f"{addr}:{port}"
 
-    def barrier(self, step):
-        """Every rank reaches `step`; raises ConnectionError when a peer is gone."""
+    def barrier(self, step, flag=False):
+        """Every rank reaches `step`; returns whether any rank raised `flag` (so all ranks act
+        on a checkpoint request at the same step, as an all-reduce of max would); raises
+        ConnectionError when a peer is gone."""
         token = step.to_bytes(8, "big")
         if self.rank == 0:
+            any_flag = flag
             for conn in self.peers:
-                if recv_exact(conn, 8) != token:
-                    raise ConnectionError("a peer is at another step")
+                got = recv_exact(conn, 9)
+                if got[:8] != token:
+                    raise ConnectionError(f"a peer is at step {int.from_bytes(got[:8], 'big')}, not {step}")
+                any_flag = any_flag or got[8] == 1
             for conn in self.peers:
-                conn.sendall(b"k")
-        elif self.conn is not None:
-            self.conn.sendall(token)
-            if recv_exact(self.conn, 1) != b"k":
+                conn.sendall(b"c" if any_flag else b"k")
+            return any_flag
+        if self.conn is not None:
+            self.conn.sendall(token + (b"\x01" if flag else b"\x00"))
+            answer = recv_exact(self.conn, 1)
+            if answer not in (b"k", b"c"):
                 raise ConnectionError("rank 0 broke the barrier")
+            return answer == b"c"
+        return flag
 
 
 def recv_exact(conn, n):
@@ -432,9 +441,10 @@ def main(argv=None):
         sleep_until(computed + optimizer_s, stop)
         if stop["signal"] is not None:
             break  # a step cut short is not a step
+        asked = stop["checkpoint"] or requested(request, stop)
         if collective is not None:
             try:
-                collective.barrier(step)
+                asked = collective.barrier(step, asked)
             except (OSError, ConnectionError) as e:
                 receipts.emit("exit", code=1, step=step, reason=f"collective failed: {e}")
                 print(f"rank {rank}: collective failed at step {step}: {e}", file=sys.stderr)
@@ -453,11 +463,15 @@ def main(argv=None):
             tokens_per_s=round(TOKENS_PER_STEP * world / elapsed, 1),
             at_ms=int(time.time() * 1000),
         )
-        asked = stop["checkpoint"] or requested(request, stop)
         due = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0
         if args.checkpoint_dir and (due or asked):
             began = time.monotonic()
-            path, size = write_checkpoint(args.checkpoint_dir, rank, step)
+            try:
+                path, size = write_checkpoint(args.checkpoint_dir, rank, step)
+            except OSError as e:
+                receipts.emit("exit", code=1, step=step, reason=f"checkpoint failed: {e}")
+                print(f"rank {rank}: checkpoint at step {step} failed: {e}", file=sys.stderr)
+                return 1
             took = (time.monotonic() - began) * 1000.0
             receipts.emit("checkpoint", step=step, bytes=size, duration_ms=round(took, 3), path=path)
             stop["checkpoint"] = False

@@ -130,7 +130,14 @@ fn main() -> Result<()> {
         c.start_agent_on_env(h, &format!("h{h}"), 1, &[("TRAINYARD_PREEMPTION_NOTICE", &source)])?;
     }
     let every_steps = (o.checkpoint.as_millis() as u64 / STEP_MS).max(1).to_string();
-    let ckpt = c.path("ckpt").display().to_string();
+    // Ranks run as the cluster's run account: the checkpoint directory must be theirs to write.
+    let ckpt = c.path("ckpt");
+    std::fs::create_dir_all(&ckpt)?;
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&ckpt, std::fs::Permissions::from_mode(0o1777))?;
+    }
+    let ckpt = ckpt.display().to_string();
     let args = [
         "--steps",
         "100000000",
@@ -144,7 +151,7 @@ fn main() -> Result<()> {
         "--checkpoint-every",
         &every_steps,
     ];
-    let restart = "[restart]\nmax_restarts = 100\nresume = true\nhang_timeout_s = 5\nbackoff_initial_s = 0.5\nbackoff_cap_s = 2\n";
+    let restart = "[restart]\nmax_restarts = 100\nresume = true\nhang_timeout_s = 10\nbackoff_initial_s = 0.5\nbackoff_cap_s = 2\n";
     let job = c.submit(&c.job_file("chaos", WORLD as u32, 1, &args, restart))?;
     c.wait_first_steps(job, WORLD as i64, Duration::from_secs(120))?;
     let started_ms = now_ms();
@@ -228,7 +235,8 @@ type Step = (u64, usize, i64, f64, i64);
 
 fn steps(c: &Cluster, job: u64) -> Result<Vec<Step>> {
     let rows = c.query_text(&format!(
-        "SELECT attempt, rank, step, json_extract(body, '$.step_time_ms'), json_extract(body, '$.at_ms') \
+        "SELECT CAST(attempt AS TEXT), CAST(rank AS TEXT), CAST(step AS TEXT), \
+         CAST(json_extract(body, '$.step_time_ms') AS TEXT), CAST(json_extract(body, '$.at_ms') AS TEXT) \
          FROM receipts WHERE job_id = {job} AND kind = 'step' ORDER BY attempt, rank, step"
     ))?;
     Ok(rows
@@ -254,6 +262,18 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 fn report(c: &Cluster, job: u64, o: &Options, injected: &[Injected], start: i64, end: i64) -> Result<()> {
+    let failures = c.status(job)?["failures"].as_array().cloned().unwrap_or_default();
+    for f in &failures {
+        println!(
+            "chaos: failure of attempt {}: {} on {} (blamed {}, charged {}): {}",
+            f["attempt"],
+            f["kind"].as_str().unwrap_or(""),
+            f["agent_id"].as_str().unwrap_or(""),
+            f["blamed"],
+            f["charged"],
+            f["evidence"].as_str().unwrap_or("")
+        );
+    }
     let all = steps(c, job)?;
     let wall_ms = (end - start) as f64;
     // Rank 0's steps inside the measured window: the newest attempt's receipt of a step is kept.
@@ -277,7 +297,8 @@ fn report(c: &Cluster, job: u64, o: &Options, injected: &[Injected], start: i64,
     // MTTR per failure: from the injection to every rank stepping again (in the attempt that
     // runs after it); the ranks' start-up (launch to first step) apart.
     let launches = c.query_text(&format!(
-        "SELECT attempt, json_extract(body, '$.at_ms') FROM receipts WHERE job_id = {job} AND kind = 'launch'"
+        "SELECT CAST(attempt AS TEXT), CAST(json_extract(body, '$.at_ms') AS TEXT) FROM receipts \
+         WHERE job_id = {job} AND kind = 'launch'"
     ))?;
     let mut launch_at: BTreeMap<u64, i64> = BTreeMap::new();
     for r in &launches {
@@ -324,7 +345,19 @@ fn report(c: &Cluster, job: u64, o: &Options, injected: &[Injected], start: i64,
             f.attempt
         );
     }
-    println!("chaos: wall {:.1} s, {} failures", wall_ms / 1000.0, injected.len());
+    let exits = c.query_text(&format!(
+        "SELECT CAST(attempt AS TEXT), CAST(rank AS TEXT), COALESCE(json_extract(body, '$.reason'), '') FROM receipts \
+         WHERE job_id = {job} AND kind = 'exit' AND json_extract(body, '$.code') != 0 ORDER BY attempt, rank"
+    ))?;
+    for e in &exits {
+        println!("chaos: attempt {} rank {} exited: {}", e[0], e[1], e[2]);
+    }
+    println!(
+        "chaos: wall {:.1} s, {} failures injected, {} attempts ended",
+        wall_ms / 1000.0,
+        injected.len(),
+        failures.len()
+    );
     println!(
         "chaos: ETTR {:.3} (kept step time / wall); the checkpoint interval alone allows {:.3} (1 - C/2 / T)",
         ettr, bound

@@ -118,6 +118,19 @@ pub(super) fn classify(
     Finding::Failed(record(a, FailureKind::RankExit, false, true))
 }
 
+/// An attempt that ran this long was no crash loop: the backoff starts over.
+const STABLE_RUN: Duration = Duration::from_secs(60);
+
+/// The backoff exponent after a failure: one more than before when the attempt failed within
+/// [`STABLE_RUN`] of running (or never ran), 1 when it had run longer, so a job that fails once a
+/// day waits the initial backoff and one that fails at start-up backs off further each time.
+pub(super) fn next_streak(streak: u32, running_since: Option<Instant>) -> u32 {
+    match running_since {
+        Some(t) if t.elapsed() >= STABLE_RUN => 1,
+        _ => streak.saturating_add(1),
+    }
+}
+
 /// Where a failure leaves the job: restarting or failed, and the event's reason.
 pub(super) fn after_failure(job: &ActiveJob, f: &FailureRecord) -> (JobState, String) {
     let max = job.record.spec.max_restarts;
@@ -428,7 +441,8 @@ impl Controller {
     /// The hang watch (every 500 ms): a running attempt whose ranks wrote no step receipt for
     /// the job's [`trainyard_model::restart::HangRule`] timeout is hung. Attempts that never
     /// stepped are not watched (start-up and compilation take as long as they take); after a
-    /// restart of the controller the clocks start once the reconnect grace is over (`reload`).
+    /// restart of the controller the clocks start once the reconnect grace is over (`reload`);
+    /// while a host of the job is silent or away, its verdict comes first.
     pub(super) fn check_hangs(&self) {
         let now = Instant::now();
         let steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
@@ -440,6 +454,15 @@ impl Controller {
             let Some(watch) = steps.get(&job.record.id).filter(|w| w.attempt == job.record.attempt) else {
                 continue;
             };
+            // A host of the job that is silent or away cannot deliver its ranks' receipts, and a
+            // cut one stops everyone's collectives: the host's verdict (`liveness`) comes first.
+            if !core.silent_and_leaving(job).0.is_empty() {
+                continue;
+            }
+            // Ranks asked to checkpoint and move wait to be stopped: the move's deadline rules.
+            if job.eviction.is_some() {
+                continue;
+            }
             if let Some(f) = hang_of(job, watch, now, now_ms) {
                 found.push(f);
             }

@@ -401,3 +401,14 @@ async fn a_drain_moves_a_job_that_never_checkpoints_at_its_deadline_and_a_notice
         "max_restarts = 0, but a drain is not the job's: {state}"
     );
 }
+
+#[tokio::test]
+async fn backoff_grows_in_a_crash_loop_and_starts_over_after_a_stable_run() {
+    use super::faults::next_streak;
+    tokio::time::pause();
+    let started = tokio::time::Instant::now();
+    assert_eq!(next_streak(0, None), 1, "an attempt that never ran");
+    assert_eq!(next_streak(3, Some(started)), 4, "failed right after it started running");
+    tokio::time::advance(Duration::from_secs(61)).await;
+    assert_eq!(next_streak(3, Some(started)), 1, "a minute of running was no crash loop");
+}

@@ -214,6 +214,11 @@ struct ActiveJob {
     resume_from: Vec<trainyard_proto::v1::ResumePoint>,
     /// Asked to checkpoint and move off a node (`evict`).
     eviction: Option<evict::Eviction>,
+    /// Failures in a row of attempts that did not run for long: the backoff's exponent
+    /// (`faults::next_streak`).
+    streak: u32,
+    /// When the current attempt started running.
+    running_since: Option<Instant>,
 }
 
 impl Controller {
@@ -352,6 +357,8 @@ impl ActiveJob {
             not_before: None,
             resume_from: Vec::new(),
             eviction: None,
+            streak: 0,
+            running_since: None,
         }
     }
 }

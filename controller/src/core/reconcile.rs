@@ -80,7 +80,7 @@ fn decide(job: &ActiveJob, finding: Finding) -> Option<Step> {
         }
         (JobState::Restarting, _) if all_done || allocs.is_empty() => {
             let next = attempt + 1;
-            let wait = job.record.spec.backoff.delay(attempt);
+            let wait = job.record.spec.backoff.delay(job.streak.saturating_sub(1));
             let reason = format!(
                 "attempt {next} queued after every rank of attempt {attempt} stopped; placed after a backoff of {:.1} s",
                 wait.as_secs_f64()
@@ -206,12 +206,17 @@ impl Controller {
                                 job.detected = None;
                                 job.eviction = None;
                                 job.resume_from = resume_from;
-                                let wait = job.record.spec.backoff.delay(attempt.saturating_sub(1));
+                                let wait = job.record.spec.backoff.delay(job.streak.saturating_sub(1));
                                 job.not_before = Some(tokio::time::Instant::now() + wait);
+                                job.running_since = None;
                             }
                             if let Some(f) = &failure {
                                 job.detected = None;
                                 job.charged += u32::from(f.charged);
+                                job.streak = super::faults::next_streak(job.streak, job.running_since);
+                            }
+                            if to == JobState::Running {
+                                job.running_since = Some(tokio::time::Instant::now());
                             }
                         }
                         if let Some(f) = &failure {
