@@ -179,6 +179,7 @@ impl From<&JobSpec> for WireSpec {
                 let mut p = pb::RestartPolicy {
                     max_restarts: spec.max_restarts,
                     resume: spec.resume,
+                    checkpoint_signal: spec.checkpoint_signal.clone(),
                     ..Default::default()
                 };
                 crate::restart::write_rules(&mut p, &spec.backoff, &spec.hang);

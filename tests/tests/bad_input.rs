@@ -59,6 +59,22 @@ fn bad_specs_are_rejected_naming_the_field() -> anyhow::Result<()> {
             "at most 131072",
         ),
         ("specbig", spec("gpus = 1", "", "/tmp", &big_env(5, 120 << 10)), "at most 524288"),
+        // The restart rules (docs/faults.md): each number checked where the controller reads it.
+        (
+            "backoff",
+            spec("gpus = 1", "", "/tmp", "[restart]\nbackoff_initial_s = -1"),
+            "restart.backoff_initial_s: -1 is negative",
+        ),
+        (
+            "hangfloor",
+            spec("gpus = 1", "", "/tmp", "[restart]\nhang_timeout_s = 2"),
+            "restart.hang_timeout_s: 2 s is below the floor of 5 s",
+        ),
+        (
+            "signal",
+            spec("gpus = 1", "", "/tmp", "[restart]\ncheckpoint_signal = \"SIGKILL\""),
+            "restart.checkpoint_signal",
+        ),
         ("filebig", spec("gpus = 1", "", "/tmp", &big_env(9, 120 << 10)), "larger than 1048576 bytes"),
     ];
     for (name, text, needle) in cases {
