@@ -10,6 +10,7 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
@@ -83,12 +84,64 @@ pub fn complete_steps(dir: &Path) -> Vec<i64> {
     steps
 }
 
+/// Steps between the ranks' agreement on a checkpoint request: one one-float all-reduce every
+/// this many steps, so the request costs nothing measurable and every rank acts at one step.
+pub const REQUEST_EVERY: i64 = 10;
+
+/// Requests from trainyard to checkpoint now (a drain, a preemption notice): the agent rewrites
+/// the file `TRAINYARD_CHECKPOINT_REQUEST` names; a rank has seen a request when its modification
+/// time moved since the last one it answered.
+#[derive(Debug, Default)]
+pub struct Requests {
+    path: Option<PathBuf>,
+    answered: Option<SystemTime>,
+}
+
+impl Requests {
+    /// The request file of this rank, from its environment (none outside trainyard).
+    pub fn from_env() -> Requests {
+        let path = std::env::var_os("TRAINYARD_CHECKPOINT_REQUEST").filter(|p| !p.is_empty()).map(PathBuf::from);
+        Requests { path, answered: None }
+    }
+
+    /// Whether the ranks should look at requests at all (every rank has the same answer).
+    pub fn watched(&self) -> bool {
+        self.path.is_some()
+    }
+
+    /// A request this rank has not answered yet (local: the ranks then agree on it).
+    pub fn seen(&mut self) -> bool {
+        let Some(path) = &self.path else { return false };
+        let Ok(changed) = std::fs::metadata(path).and_then(|m| m.modified()) else { return false };
+        if self.answered.is_some_and(|a| changed <= a) {
+            return false;
+        }
+        self.answered = Some(changed);
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn write(dir: &Path, name: &str, bytes: &[u8]) -> u64 {
         save_atomic(&dir.join(name), |p| std::fs::write(p, bytes).map_err(Into::into)).unwrap()
+    }
+
+    #[test]
+    fn each_request_is_seen_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.request");
+        let mut r = Requests { path: Some(path.clone()), answered: None };
+        assert!(!r.seen(), "no request yet");
+        std::fs::write(&path, "1 drain").unwrap();
+        assert!(r.seen());
+        assert!(!r.seen(), "answered");
+        let later = SystemTime::now() + std::time::Duration::from_secs(5);
+        File::options().write(true).open(&path).unwrap().set_modified(later).unwrap();
+        assert!(r.seen(), "a new request");
+        assert!(!Requests::default().watched());
     }
 
     #[test]

@@ -309,6 +309,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         Ok(mean.double_value(&[]))
     };
 
+    let mut requests = checkpoint::Requests::from_env();
     let mut step = start_step;
     while step < cfg.num_iterations {
         let t0 = Instant::now();
@@ -415,8 +416,15 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
                 json!({"step": step, "val_loss": v, "batches": cfg.eval_batches, "duration_ms": took * 1e3});
             receipts.emit("eval", eval_receipt)?;
         }
-        let want_ckpt =
-            cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || step == cfg.num_iterations);
+        // A drain or a preemption notice asks for a checkpoint now; the ranks agree on it.
+        let mut asked = false;
+        if requests.watched() && step % checkpoint::REQUEST_EVERY == 0 {
+            let mut flag = Tensor::from_slice(&[f32::from(u8::from(requests.seen()))]).to_device(device);
+            coll.all_reduce_avg(&mut flag)?;
+            asked = flag.double_value(&[0]) > 0.0 && spec.checkpoint_dir.is_some();
+        }
+        let want_ckpt = asked
+            || cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || step == cfg.num_iterations);
         if let (true, Some(dir)) = (want_ckpt, &spec.checkpoint_dir) {
             let tc = Instant::now();
             let d = checkpoint::step_dir(dir, step);
@@ -453,6 +461,14 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
                 "checkpoint",
                 json!({"step": step, "bytes": bytes, "duration_ms": secs * 1e3, "path": d.display().to_string()}),
             )?;
+        }
+        if asked {
+            // This host is going away: take no step that would be lost; trainyard stops the
+            // ranks once every one has checkpointed, and the next attempt resumes here.
+            eprintln!("rank {}: checkpointed at step {step} as asked; waiting to be moved", env.rank);
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+            }
         }
         if spec.stop_after == Some(step) {
             break;
