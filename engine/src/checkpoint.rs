@@ -100,7 +100,8 @@ pub struct Requests {
 impl Requests {
     /// The request file of this rank, from its environment (none outside trainyard).
     pub fn from_env() -> Requests {
-        let path = std::env::var_os("TRAINYARD_CHECKPOINT_REQUEST").filter(|p| !p.is_empty()).map(PathBuf::from);
+        let path =
+            std::env::var_os("TRAINYARD_CHECKPOINT_REQUEST").filter(|p| !p.is_empty()).map(PathBuf::from);
         Requests { path, answered: None }
     }
 

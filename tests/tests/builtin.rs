@@ -155,3 +155,54 @@ fn builtin_job_trains_and_resumes_after_a_killed_rank() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A drain of a node running a built-in job: the engine's ranks agree on the request, write a
+/// checkpoint, take no further step, and the job moves to the other node and resumes right after
+/// that checkpoint.
+#[test]
+fn builtin_job_checkpoints_when_its_node_is_drained_and_moves() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 2)?;
+    let (data, vocab) = shards(&c)?;
+    let checkpoints = c.path("ckpt-drain");
+    let text = std::fs::read_to_string(job(&c, "drained", &data, vocab, &checkpoints))?
+        .replace(&format!("num_iterations = \"{STEPS}\""), "num_iterations = \"100000\"")
+        .replace("checkpoint_every = \"4\"", "checkpoint_every = \"100000\"");
+    let file = c.path("drained-long.toml");
+    std::fs::write(&file, text)?;
+    let id = c.submit(&file)?;
+    c.wait_first_steps(id, 2, Duration::from_secs(120))?;
+    c.start_agent("node-b", 2)?;
+    c.ctl_ok(&["drain", "node-a", "--deadline", "120s"])?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        let status = c.status(id)?;
+        if status["attempt"] == 1 && status["state"] == "running" {
+            break status;
+        }
+        ensure!(Instant::now() < deadline, "the job did not move: {status}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let f = &status["failures"][0];
+    assert_eq!(f["kind"], "drain", "{status}");
+    assert!(f["evidence"].as_str().unwrap_or("").contains("every rank checkpointed at step"), "{f}");
+    let q = |sql: String| -> anyhow::Result<i64> { Ok(c.query(&sql)?[0][0]) };
+    let saved = q(format!(
+        "SELECT MAX(step) FROM receipts WHERE job_id = {id} AND attempt = 0 AND kind = 'checkpoint'"
+    ))?;
+    let last =
+        q(format!("SELECT MAX(step) FROM receipts WHERE job_id = {id} AND attempt = 0 AND kind = 'step'"))?;
+    assert_eq!(last, saved, "no step after the requested checkpoint");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while q(format!("SELECT COUNT(*) FROM receipts WHERE job_id = {id} AND attempt = 1 AND kind = 'step'"))?
+        == 0
+    {
+        ensure!(Instant::now() < deadline, "attempt 1 never stepped");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let first =
+        q(format!("SELECT MIN(step) FROM receipts WHERE job_id = {id} AND attempt = 1 AND kind = 'step'"))?;
+    assert_eq!(first, saved + 1, "attempt 1 resumes right after the drain's checkpoint");
+    c.ctl_ok(&["cancel", &id.to_string()])?;
+    Ok(())
+}
