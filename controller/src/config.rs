@@ -16,6 +16,13 @@ pub struct ControllerConfig {
     /// stepping (its own ranks evidently run: a dead agent, not a dead host), for the agent to
     /// come back and adopt them.
     pub agent_hold: Duration,
+    /// A waiting job whose priority exceeds a running job's by at least this may preempt it:
+    /// the running job checkpoints (within `preempt_deadline`) and is requeued. 0: never.
+    pub preempt_gap: i32,
+    pub preempt_deadline: Duration,
+    /// A waiting job gains one priority point per this much waiting, so nothing starves
+    /// (zero: no aging).
+    pub age_every: Duration,
     /// After the controller starts (or takes over), how long agents have to reconnect before
     /// any host-loss or hang clock runs: a restart of the controller never restarts a job.
     pub reconnect_grace: Duration,
@@ -43,6 +50,9 @@ impl Default for ControllerConfig {
             // inside the 10 s target for detecting a lost host (docs/faults.md).
             agent_timeout: Duration::from_secs(8),
             agent_hold: Duration::from_secs(120),
+            preempt_gap: 10,
+            preempt_deadline: Duration::from_secs(120),
+            age_every: Duration::from_secs(600),
             reconnect_grace: Duration::from_secs(30),
             cordon_after_blames: 3,
             blame_window: Duration::from_secs(3600),
@@ -62,6 +72,13 @@ impl ControllerConfig {
 
     pub fn with_agent_timeout(mut self, timeout: Duration) -> Self {
         self.agent_timeout = timeout;
+        self
+    }
+
+    pub fn with_preemption(mut self, gap: i32, deadline: Duration, age_every: Duration) -> Self {
+        self.preempt_gap = gap;
+        self.preempt_deadline = deadline;
+        self.age_every = age_every;
         self
     }
 

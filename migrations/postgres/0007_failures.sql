@@ -8,7 +8,7 @@ CREATE TABLE failures (
     at_ms     BIGINT  NOT NULL,                     -- when it was detected
     kind      TEXT    NOT NULL
               CHECK (kind IN ('rank_exit', 'host_lost', 'rank_lost', 'preflight', 'hang',
-                             'preemption', 'drain')),
+                             'preemption', 'drain', 'preempted')),
     agent_id  TEXT,                                 -- node it happened on (agents.agent_id), NULL if none
     rank      BIGINT,                               -- first rank it was seen on, NULL if none
     evidence  TEXT    NOT NULL,                     -- what the detector saw

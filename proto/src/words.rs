@@ -224,8 +224,10 @@ string_enum! {
         Hang = "hang",
         /// The node is being taken away (a cloud's preemption notice).
         Preemption = "preemption",
-        /// An operator drained the node, or a job of higher priority needed its GPUs.
+        /// An operator drained the node.
         Drain = "drain",
+        /// A waiting job of much higher priority needed its GPUs.
+        Preempted = "preempted",
     }
 }
 

@@ -83,6 +83,16 @@ struct Cli {
     /// lost and its jobs restart elsewhere; agents heartbeat every 2 s.
     #[arg(long, default_value_t = 8)]
     agent_timeout_secs: u64,
+    /// A waiting job whose priority exceeds a running job's by at least this preempts it
+    /// (checkpoint, then requeue); 0: never.
+    #[arg(long, default_value_t = 10)]
+    preempt_gap: i32,
+    /// Seconds a preempted job has to checkpoint.
+    #[arg(long, default_value_t = 120)]
+    preempt_deadline_secs: u64,
+    /// A waiting job gains a priority point per this many seconds of waiting (0: no aging).
+    #[arg(long, default_value_t = 600)]
+    age_every_secs: u64,
     /// Seconds a gone agent's verdict waits while its jobs' ranks on other hosts keep stepping
     /// (its ranks outlive it), for it to come back and adopt them.
     #[arg(long, default_value_t = 120)]
@@ -114,6 +124,11 @@ impl From<&Cli> for ControllerConfig {
             .with_unresponsive_after(Duration::from_secs(cli.unresponsive_secs))
             .with_reconnect_grace(Duration::from_secs(cli.reconnect_grace_secs))
             .with_agent_hold(Duration::from_secs(cli.agent_hold_secs))
+            .with_preemption(
+                cli.preempt_gap,
+                Duration::from_secs(cli.preempt_deadline_secs),
+                Duration::from_secs(cli.age_every_secs),
+            )
             .with_cordon_after(cli.cordon_after_blames, Duration::from_secs(cli.blame_window_secs))
     }
 }

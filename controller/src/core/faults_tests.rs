@@ -412,3 +412,55 @@ async fn backoff_grows_in_a_crash_loop_and_starts_over_after_a_stable_run() {
     tokio::time::advance(Duration::from_secs(61)).await;
     assert_eq!(next_streak(3, Some(started)), 1, "a minute of running was no crash loop");
 }
+
+#[tokio::test]
+async fn a_job_far_higher_in_priority_preempts_a_running_one_through_a_checkpoint() {
+    let store = store().await;
+    let c = Controller::start(store.clone(), config()).await.expect("start");
+    let (mut a, _b, low) = running_job(&c, 1, with_restarts(0)).await;
+    // 5 above: not enough (the gap is 10); it waits.
+    let mut near = spec(2);
+    near.priority = 5;
+    let near = c.submit(near, None).await.expect("submit");
+    c.reconcile().await;
+    assert!(a.sent().iter().all(|m| !matches!(m, Msg::CheckpointNow(_))), "no preemption for a gap of 5");
+    let mut urgent = spec(2);
+    urgent.priority = 20;
+    let urgent = c.submit(urgent, None).await.expect("submit");
+    c.reconcile().await;
+    assert!(
+        a.sent().iter().any(|m| matches!(m, Msg::CheckpointNow(x) if x.job_id == low)),
+        "the low job is asked to checkpoint"
+    );
+    let why = c.job_view(urgent).await.expect("job").waiting_reason;
+    assert!(why.contains(&format!("preempting job {low}")), "{why}");
+    // Both ranks checkpoint; the low job moves, its ranks stop, and the urgent job runs.
+    for (host, rank) in [("a", 0u32), ("b", 1)] {
+        let receipts = vec![Receipt {
+            key: Some(RankKey { job_id: low, attempt: 0, rank }),
+            seq: 1,
+            kind: "checkpoint".into(),
+            step: 40,
+            body: r#"{"kind":"checkpoint","step":40,"path":"/ck/40","duration_ms":3}"#.into(),
+        }];
+        c.ingest(host, ReceiptBatch { receipts }).await.expect("ingest");
+    }
+    tick(&c).await;
+    let f = &store.failures(low).await.expect("failures")[0];
+    assert_eq!((f.kind, f.charged, f.blamed), (FailureKind::Preempted, false, false));
+    assert!(
+        f.evidence.contains(&format!("preempted by job {urgent} (priority 20 against 0")),
+        "{}",
+        f.evidence
+    );
+    for (host, rank) in [("a", 0u32), ("b", 1)] {
+        c.rank_update(host, &RankReport { signal: 15, ..report(low, 0, rank, "exited", -1) })
+            .await
+            .expect("update");
+    }
+    tick(&c).await;
+    let placed = state_of(&c, urgent).await.0;
+    assert!(placed == "scheduled" || placed == "launching", "the urgent job got the GPUs: {placed}");
+    assert_eq!(state_of(&c, low).await.0, "pending", "the low job waits again, not failed");
+    assert_eq!(state_of(&c, near).await.0, "pending");
+}

@@ -256,6 +256,8 @@ impl Controller {
                 .map(|j| {
                     let mut req = super::jobs::request_of(j.record.id, &j.record.spec);
                     req.avoid = j.avoid.keys().cloned().collect();
+                    req.priority =
+                        aged(req.priority, self.now_ms() - j.record.updated_at_ms, self.config.age_every);
                     req
                 })
                 .collect();
@@ -268,6 +270,7 @@ impl Controller {
             let outcome = scheduler::schedule(&queue, &views);
             crate::metrics::metrics().schedule_pass.observe(started.elapsed().as_secs_f64());
             core.waiting.extend(outcome.waiting);
+            self.preempt(&mut core, &queue, &views);
             let now = self.now_ms();
             outcome.placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
         };
@@ -301,6 +304,16 @@ impl Controller {
         }
         Ok(())
     }
+}
+
+/// A waiting job's priority after `waited_ms` of waiting: one point more per `every` (none when
+/// `every` is zero), so a low-priority job is never starved for good.
+fn aged(priority: i32, waited_ms: i64, every: std::time::Duration) -> i32 {
+    let every_ms = every.as_millis() as i64;
+    if every_ms == 0 || waited_ms <= 0 {
+        return priority;
+    }
+    priority.saturating_add(i32::try_from(waited_ms / every_ms).unwrap_or(i32::MAX))
 }
 
 /// The allocations of a placement (with each rank's planned CPU/memory binding unless the job
@@ -443,6 +456,16 @@ mod tests {
         assert_eq!(decide(&finished, found(&finished)), Some(Step::Forget));
         let stopping = job(JobState::Failed, &[(Exited, Some(3)), (Running, None)], 0);
         assert_eq!(decide(&stopping, found(&stopping)), None, "a finished job waits for its ranks to stop");
+    }
+
+    #[test]
+    fn waiting_jobs_age_one_point_per_interval() {
+        let ten_min = std::time::Duration::from_secs(600);
+        assert_eq!(aged(3, 0, ten_min), 3);
+        assert_eq!(aged(3, 599_999, ten_min), 3);
+        assert_eq!(aged(3, 1_800_000, ten_min), 6, "half an hour: three points");
+        assert_eq!(aged(3, 1_800_000, std::time::Duration::ZERO), 3, "aging off");
+        assert_eq!(aged(i32::MAX, i64::MAX, std::time::Duration::from_millis(1)), i32::MAX);
     }
 
     #[test]
