@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | `trainyard_jobs{state}` | gauge | jobs the controller holds (not finished), by state |
 //! | `trainyard_jobs_finished_total{state}` | counter | jobs that reached a final state since start |
-//! | `trainyard_failures_total{kind,blamed}` | counter | failures that ended a job attempt, by kind (`rank_exit`, `host_lost`, `hang`, `preemption`, `drain`) and whether a node was blamed |
+//! | `trainyard_failures_total{kind,blamed}` | counter | failures that ended a job attempt, by kind (`rank_exit`, `host_lost`, `rank_lost`, `preflight`, `hang`, `preemption`, `drain`, `preempted`) and whether a node was blamed |
 //! | `trainyard_nodes_cordoned` | gauge | nodes that take no new work: cordoned by an operator or after repeated blamed failures |
 //! | `trainyard_agents_connected` | gauge | agents with an open stream |
 //! | `trainyard_agents_known` | gauge | agents ever seen |
