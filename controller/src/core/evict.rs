@@ -247,17 +247,7 @@ impl Controller {
                 (None, JobState::Running) => continue,
                 (None, _) => format!("{}; it had not started running, so there was nothing to save", e.why),
             };
-            done.push(FailureRecord {
-                job_id: job.record.id,
-                attempt: job.record.attempt,
-                at_ms: now_ms,
-                kind: e.kind,
-                agent_id: Some(e.node.clone()).filter(|n| !n.is_empty()),
-                rank: None,
-                evidence,
-                blamed: false,
-                charged: false,
-            });
+            done.push(e.failure(job, now_ms, evidence));
         }
         drop(steps);
         for f in done {
@@ -274,17 +264,24 @@ impl Controller {
 /// handle the checkpoint signal, a host that went away first): still the move, not the job's.
 pub(super) fn moved_anyway(job: &ActiveJob, now_ms: i64) -> Option<FailureRecord> {
     let e = job.eviction.as_ref()?;
-    Some(FailureRecord {
-        job_id: job.record.id,
-        attempt: job.record.attempt,
-        at_ms: now_ms,
-        kind: e.kind,
-        agent_id: Some(e.node.clone()).filter(|n| !n.is_empty()),
-        rank: None,
-        evidence: format!("{}; its ranks ended while it was being moved", e.why),
-        blamed: false,
-        charged: false,
-    })
+    Some(e.failure(job, now_ms, format!("{}; its ranks ended while it was being moved", e.why)))
+}
+
+impl Eviction {
+    /// The failure that ends the moved attempt: the fleet's, so nobody is blamed or charged.
+    fn failure(&self, job: &ActiveJob, at_ms: i64, evidence: String) -> FailureRecord {
+        FailureRecord {
+            job_id: job.record.id,
+            attempt: job.record.attempt,
+            at_ms,
+            kind: self.kind,
+            agent_id: Some(self.node.clone()).filter(|n| !n.is_empty()),
+            rank: None,
+            evidence,
+            blamed: false,
+            charged: false,
+        }
+    }
 }
 
 /// The fewest of `candidates` (tried in their order) whose GPUs, freed, let `req` be placed on

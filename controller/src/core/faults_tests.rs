@@ -6,18 +6,8 @@ use std::time::Duration;
 use trainyard_proto::v1::{RankKey, RankReport, Receipt, ReceiptBatch, controller_message::Msg};
 
 use super::*;
-use crate::core::test_support::{Agent, connect, spec, store};
+use crate::core::test_support::{Agent, connect, report, spec, store};
 use trainyard_store::FailureKind;
-
-fn report(job_id: u64, attempt: u32, rank: u32, state: &str, exit_code: i32) -> RankReport {
-    RankReport {
-        key: Some(RankKey { job_id, attempt, rank }),
-        state: state.into(),
-        pid: 1000 + rank,
-        exit_code,
-        ..Default::default()
-    }
-}
 
 fn config() -> ControllerConfig {
     ControllerConfig::default()

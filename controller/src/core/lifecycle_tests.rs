@@ -3,21 +3,11 @@
 
 use std::time::Duration;
 
-use trainyard_proto::v1::{RankKey, RankReport, controller_message::Msg};
+use trainyard_proto::v1::{RankKey, controller_message::Msg};
 
 use super::*;
-use crate::core::test_support::{connect, controller, spec, store};
+use crate::core::test_support::{connect, controller, report, spec, store};
 use trainyard_store::{Allocation, JobState, RankId, RankObserved};
-
-fn report(job_id: u64, attempt: u32, rank: u32, state: &str, exit_code: i32) -> RankReport {
-    RankReport {
-        key: Some(RankKey { job_id, attempt, rank }),
-        state: state.into(),
-        pid: 1000 + rank,
-        exit_code,
-        ..Default::default()
-    }
-}
 
 async fn state_of(c: &Controller, job: u64) -> (String, String) {
     let j = c.job_view(job).await.expect("job");

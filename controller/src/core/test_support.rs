@@ -110,3 +110,20 @@ pub(super) fn passing_report(host: &str, at_ms: i64) -> PreflightReport {
         ..Default::default()
     }
 }
+
+/// A rank report of `state` (pid 1000 + rank).
+pub(super) fn report(
+    job_id: u64,
+    attempt: u32,
+    rank: u32,
+    state: &str,
+    exit_code: i32,
+) -> trainyard_proto::v1::RankReport {
+    trainyard_proto::v1::RankReport {
+        key: Some(trainyard_proto::v1::RankKey { job_id, attempt, rank }),
+        state: state.into(),
+        pid: 1000 + rank,
+        exit_code,
+        ..Default::default()
+    }
+}
