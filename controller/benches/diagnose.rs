@@ -111,6 +111,7 @@ async fn fill(store: &dyn Store) -> anyhow::Result<u64> {
         backoff: Default::default(),
         hang: Default::default(),
         checkpoint_signal: String::new(),
+        min_gpus: 0,
         priority: 0,
         disable_pinning: false,
     };

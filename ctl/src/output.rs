@@ -142,6 +142,7 @@ pub struct RestartJson {
     pub hang_timeout_s: f64,
     pub hang_factor: f64,
     pub checkpoint_signal: String,
+    pub min_gpus: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -361,6 +362,7 @@ impl From<&JobSpec> for SpecJson {
             hang_timeout_s: r.hang_timeout_s,
             hang_factor: r.hang_factor,
             checkpoint_signal: r.checkpoint_signal.clone(),
+            min_gpus: r.min_gpus,
         });
         SpecJson {
             name: s.name.clone(),

@@ -103,6 +103,9 @@ pub struct RestartFile {
     /// request file; empty: the file only.
     #[serde(default)]
     pub checkpoint_signal: String,
+    /// A restart may run on fewer GPUs, down to this many (0: always the full size).
+    #[serde(default)]
+    pub min_gpus: u32,
 }
 
 impl Default for RestartFile {
@@ -116,6 +119,7 @@ impl Default for RestartFile {
             hang_timeout_s: 0.0,
             hang_factor: 0.0,
             checkpoint_signal: String::new(),
+            min_gpus: 0,
         }
     }
 }
@@ -243,6 +247,7 @@ impl SpecFile {
                 hang_timeout_s: self.restart.hang_timeout_s,
                 hang_factor: self.restart.hang_factor,
                 checkpoint_signal: self.restart.checkpoint_signal,
+                min_gpus: self.restart.min_gpus,
             }),
             priority: self.priority,
             disable_pinning: !self.pinning,

@@ -33,6 +33,8 @@ pub struct JobSpec {
     /// The signal that asks ranks to checkpoint now (`SIGUSR1`, `SIGUSR2`); empty: the request
     /// file only.
     pub checkpoint_signal: String,
+    /// A restart may use fewer GPUs, down to this many (0: always `resources.gpus`).
+    pub min_gpus: u32,
     /// Higher runs first; ties go first-in first-out.
     pub priority: i32,
     /// Leave ranks unpinned.
@@ -141,6 +143,7 @@ impl TryFrom<WireSpec> for JobSpec {
             backoff,
             hang,
             checkpoint_signal: restart.checkpoint_signal.clone(),
+            min_gpus: restart.min_gpus,
             priority: spec.priority,
             disable_pinning: spec.disable_pinning,
         })
@@ -180,6 +183,7 @@ impl From<&JobSpec> for WireSpec {
                     max_restarts: spec.max_restarts,
                     resume: spec.resume,
                     checkpoint_signal: spec.checkpoint_signal.clone(),
+                    min_gpus: spec.min_gpus,
                     ..Default::default()
                 };
                 crate::restart::write_rules(&mut p, &spec.backoff, &spec.hang);
@@ -246,6 +250,22 @@ pub fn validate(spec: &WireSpec) -> Result<(), SpecError> {
             ));
         }
         crate::restart::validate(restart).map_err(|e| bad(e.field, e.reason))?;
+        let res = spec.resources.clone().unwrap_or_default();
+        if restart.min_gpus > res.gpus {
+            return Err(bad(
+                "restart.min_gpus",
+                format!("{} is more than resources.gpus ({})", restart.min_gpus, res.gpus),
+            ));
+        }
+        if restart.min_gpus > 0 && res.gpus_per_node > 0 && restart.min_gpus % res.gpus_per_node != 0 {
+            return Err(bad(
+                "restart.min_gpus",
+                format!(
+                    "{} is not a multiple of resources.gpus_per_node ({})",
+                    restart.min_gpus, res.gpus_per_node
+                ),
+            ));
+        }
     }
     Ok(())
 }

@@ -16,6 +16,7 @@ fn parse_keeps_every_field_and_the_wire_form_round_trips() {
         hang_timeout_s: 300.0,
         hang_factor: 10.0,
         checkpoint_signal: "SIGUSR1".into(),
+        min_gpus: 8,
     });
     wire.resources.as_mut().unwrap().interconnect = "nvlink-pairs".into();
     let spec = parse(wire.clone()).unwrap();
@@ -210,4 +211,19 @@ fn env_names_follow_posix() {
     assert!(is_env_name("_x1"));
     assert!(!is_env_name("9x"));
     assert!(!is_env_name("x.y"));
+}
+
+#[test]
+fn min_gpus_must_fit_the_job_and_its_nodes() {
+    let with = |min: u32| {
+        let mut w = good();
+        w.restart = Some(trainyard_proto::v1::RestartPolicy { min_gpus: min, ..Default::default() });
+        parse(w)
+    };
+    assert_eq!(with(8).map(|s| s.min_gpus), Ok(8));
+    let e = with(32).unwrap_err();
+    assert_eq!(e.field, "restart.min_gpus");
+    assert!(e.reason.contains("more than resources.gpus (16)"), "{}", e.reason);
+    let e = with(4).unwrap_err();
+    assert!(e.reason.contains("not a multiple of resources.gpus_per_node (8)"), "{}", e.reason);
 }

@@ -48,6 +48,7 @@ async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
             backoff: Default::default(),
             hang: Default::default(),
             checkpoint_signal: String::new(),
+            min_gpus: 0,
             priority: 0,
             disable_pinning: false,
         };

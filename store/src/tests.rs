@@ -128,6 +128,7 @@ pub mod fixtures {
             backoff: Default::default(),
             hang: Default::default(),
             checkpoint_signal: String::new(),
+            min_gpus: 0,
             priority: 3,
             disable_pinning: false,
         }

@@ -76,6 +76,7 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
         backoff: Default::default(),
         hang: Default::default(),
         checkpoint_signal: String::new(),
+        min_gpus: 0,
         priority: 0,
         disable_pinning: false,
     };

@@ -15,6 +15,7 @@ fn spec(env: &[(&str, &str)]) -> JobSpec {
         backoff: Default::default(),
         hang: Default::default(),
         checkpoint_signal: String::new(),
+        min_gpus: 0,
         priority: 0,
         disable_pinning: false,
     }

@@ -454,3 +454,38 @@ async fn a_job_far_higher_in_priority_preempts_a_running_one_through_a_checkpoin
     assert_eq!(state_of(&c, low).await.0, "pending", "the low job waits again, not failed");
     assert_eq!(state_of(&c, near).await.0, "pending");
 }
+
+#[tokio::test]
+async fn a_restart_may_run_smaller_when_the_spec_allows_and_the_full_size_does_not_fit() {
+    let store = store().await;
+    let c = Controller::start(store.clone(), config()).await.expect("start");
+    let elastic = |mut s: JobSpecWire| {
+        s.restart = Some(trainyard_proto::v1::RestartPolicy {
+            max_restarts: 1,
+            resume: true,
+            min_gpus: 1,
+            ..Default::default()
+        });
+        s
+    };
+    let (_a, b, job) = running_job(&c, 1, elastic).await;
+    // b is gone for good, and there is no spare: the full size (2 GPUs) does not fit.
+    c.agent_disconnected("b", b.conn_id).await.expect("disconnect");
+    pass(Duration::from_secs(9)).await;
+    heartbeat(&c, &["a"]);
+    tick(&c).await;
+    c.rank_update("a", &RankReport { signal: 15, ..report(job, 0, 0, "exited", -1) }).await.expect("update");
+    tick(&c).await;
+    pass(Duration::from_millis(1100)).await;
+    heartbeat(&c, &["a"]);
+    tick(&c).await;
+    let view = c.job_view(job).await.expect("job");
+    assert_eq!(view.attempt, 1);
+    assert_eq!(view.ranks.len(), 1, "attempt 1 runs on the one GPU left: {view:?}");
+    let placed = view.events.iter().rev().find(|e| e.to_state == "scheduled").expect("scheduled");
+    assert!(
+        placed.reason.contains("1 of its 2 GPUs") && placed.reason.contains("restart.min_gpus is 1"),
+        "{}",
+        placed.reason
+    );
+}

@@ -270,9 +270,14 @@ impl Controller {
             let outcome = scheduler::schedule(&queue, &views);
             crate::metrics::metrics().schedule_pass.observe(started.elapsed().as_secs_f64());
             core.waiting.extend(outcome.waiting);
+            let mut placements = outcome.placements;
+            placements.extend(shrunk(&core, &queue, &views, &placements));
+            for p in &placements {
+                core.waiting.remove(&p.job_id);
+            }
             self.preempt(&mut core, &queue, &views);
             let now = self.now_ms();
-            outcome.placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
+            placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
         };
         for plan in plans {
             let Plan { job_id, attempt, allocations, reason } = plan;
@@ -304,6 +309,40 @@ impl Controller {
         }
         Ok(())
     }
+}
+
+/// A restart that may run smaller (`restart.min_gpus`) and was left waiting at full size, at the
+/// head of the queue: placed at the largest size from `gpus` down to `min_gpus` (in steps of
+/// `gpus_per_node`) that fits on what the pass's placements left free.
+fn shrunk(
+    core: &Core,
+    queue: &[scheduler::Request],
+    views: &[NodeView],
+    placed: &[Placement],
+) -> Option<Placement> {
+    let mut free = views.to_vec();
+    for n in placed.iter().flat_map(|p| &p.nodes) {
+        if let Some(view) = free.iter_mut().find(|v| v.agent_id == n.agent_id) {
+            for g in view.gpus.iter_mut().filter(|g| n.gpus.contains(&g.index)) {
+                g.free = false;
+            }
+        }
+    }
+    // Only the head of the waiting queue shrinks: a smaller restart must not take the GPUs a job
+    // ahead of it waits for.
+    let head = queue
+        .iter()
+        .filter(|r| core.waiting.contains_key(&r.job_id))
+        .min_by_key(|r| (std::cmp::Reverse(r.priority), r.job_id));
+    let req = head?;
+    let job = core.jobs.get(&req.job_id)?;
+    let min = job.record.spec.min_gpus;
+    if job.record.attempt == 0 || min == 0 || min >= req.gpus {
+        return None;
+    }
+    let step = req.gpus_per_node.max(1);
+    let mut sizes = (min..req.gpus).rev().filter(|g| g % step == 0);
+    sizes.find_map(|gpus| scheduler::place(&scheduler::Request { gpus, ..req.clone() }, &free))
 }
 
 /// A waiting job's priority after `waited_ms` of waiting: one point more per `every` (none when
@@ -355,6 +394,14 @@ fn plan(core: &Core, placement: Placement, views: &[NodeView], now_ms: i64) -> O
         placement.nodes.len(),
         placement.bottleneck.label()
     );
+    if allocations.len() < spec.resources.gpus as usize {
+        reason.push_str(&format!(
+            "; {} of its {} GPUs: the full size does not fit now and restart.min_gpus is {}",
+            allocations.len(),
+            spec.resources.gpus,
+            spec.min_gpus
+        ));
+    }
     if predicted > 0.0 {
         reason.push_str(&format!("; predicted communication {predicted:.1} ms per step"));
     }

@@ -18,15 +18,20 @@ pub(super) async fn points_of(store: &dyn Store, job: JobId, spec: &JobSpec) -> 
     if !spec.resume {
         return Ok(Vec::new());
     }
-    let world = spec.resources.gpus.max(1);
-    let limit = (world as usize * POINTS * 2 + 16).min(20_000) as u32;
+    let limit = (spec.resources.gpus.max(1) as usize * POINTS * 2 + 16).min(20_000) as u32;
     let receipts = store.checkpoint_receipts(job, limit).await?;
-    Ok(complete(&receipts, world))
+    // Each attempt's own world size: a restart may have run on fewer GPUs (`min_gpus`).
+    let mut worlds = BTreeMap::new();
+    for attempt in receipts.iter().map(|r| r.id.attempt).collect::<BTreeSet<u32>>() {
+        let ranks = store.allocations(job, attempt).await?.len() as u32;
+        worlds.insert(attempt, ranks.max(1));
+    }
+    Ok(complete(&receipts, |attempt| worlds.get(&attempt).copied().unwrap_or(spec.resources.gpus)))
 }
 
-/// The checkpoints (attempt, step) for which all `world` ranks wrote a receipt, newest step
-/// first, with the path rank 0's receipt named.
-fn complete(receipts: &[StoredReceiptRecord], world: u32) -> Vec<ResumePoint> {
+/// The checkpoints (attempt, step) for which every rank of the attempt (`world` of it) wrote a
+/// receipt, newest step first, with the path rank 0's receipt named.
+fn complete(receipts: &[StoredReceiptRecord], world: impl Fn(u32) -> u32) -> Vec<ResumePoint> {
     let mut seen: BTreeMap<(i64, u32), (BTreeSet<u32>, Option<String>)> = BTreeMap::new();
     for r in receipts {
         let Some(step) = r.step else { continue };
@@ -39,7 +44,7 @@ fn complete(receipts: &[StoredReceiptRecord], world: u32) -> Vec<ResumePoint> {
     }
     seen.into_iter()
         .rev()
-        .filter(|(_, (ranks, path))| ranks.len() as u32 >= world && path.is_some())
+        .filter(|((_, attempt), (ranks, path))| ranks.len() as u32 >= world(*attempt) && path.is_some())
         .map(|((step, _), (_, path))| ResumePoint { step, path: path.unwrap_or_default() })
         .take(POINTS)
         .collect()
@@ -73,10 +78,13 @@ mod tests {
             ckpt(1, 0, 40),
             ckpt(1, 1, 40),
         ];
-        let points = complete(&receipts, 2);
+        let points = complete(&receipts, |_| 2);
         let steps: Vec<i64> = points.iter().map(|p| p.step).collect();
         assert_eq!(steps, [40, 20, 10]);
         assert_eq!(points[0].path, "/ckpt/step_40/rank0");
-        assert!(complete(&receipts[..1], 2).is_empty());
+        assert!(complete(&receipts[..1], |_| 2).is_empty());
+        // Attempt 1 ran on one GPU: its lone rank's checkpoint is complete.
+        let small = [ckpt(1, 0, 50)];
+        assert_eq!(complete(&small, |a| if a == 1 { 1 } else { 2 })[0].step, 50);
     }
 }
