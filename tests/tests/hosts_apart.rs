@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::ensure;
-use trainyard_tests::{Cluster, PythonJob, fixture_scripts, repo_root};
+use trainyard_tests::{Cluster, fixture_scripts, repo_root};
 
 /// Wall-clock milliseconds, as the controller stamps failures.
 fn now_ms() -> i64 {
@@ -69,27 +69,48 @@ fn ranks_rendezvous_across_namespace_hosts_through_master_addr() -> anyhow::Resu
     Ok(())
 }
 
-/// Whether `.venv`'s interpreter (and its torch) can be run by the account ranks run as here: a
-/// checkout under /root, or a Python built under it, is out of that account's reach.
-fn venv_usable_by_ranks() -> bool {
-    std::process::Command::new("runuser")
-        .args(["-u", &trainyard_tests::run_account(), "--"])
-        .arg(trainyard_tests::venv_python())
-        .args(["-c", "import torch.distributed"])
+/// An interpreter with `.venv`'s torch that the account ranks run as can use, and the
+/// `PYTHONPATH` it needs: `.venv`'s own python when that account can run it, else a system
+/// `python3` of the same version reading `.venv`'s site-packages (a venv whose interpreter links
+/// into a home directory that account cannot enter); `None` when neither imports torch.
+fn torch_for_ranks() -> Option<(String, String)> {
+    let runs = |python: &str, path: &str| {
+        std::process::Command::new("runuser")
+            .args(["-u", &trainyard_tests::run_account(), "--", "env"])
+            .arg(format!("PYTHONPATH={path}"))
+            .args([python, "-c", "import torch.distributed"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let venv = trainyard_tests::venv_python().display().to_string();
+    if runs(&venv, "") {
+        return Some((venv, String::new()));
+    }
+    let out = std::process::Command::new(&venv)
+        .args([
+            "-c",
+            "import site, sys; print(site.getsitepackages()[0]); print('python%d.%d' % sys.version_info[:2])",
+        ])
         .output()
-        .is_ok_and(|o| o.status.success())
+        .ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    let mut lines = text.lines();
+    let (site, version) = (lines.next()?.to_string(), lines.next()?.to_string());
+    let system = format!("/usr/bin/{version}");
+    runs(&system, &site).then_some((system, site))
 }
 
 #[test]
 fn pytorch_ranks_rendezvous_with_gloo_across_namespace_hosts() -> anyhow::Result<()> {
-    if !venv_usable_by_ranks() {
+    let Some((python, site)) = torch_for_ranks() else {
         eprintln!(
-            "skipped: .venv's python cannot be run by {} (ranks never run as root on a network controller), \
-             so gloo across namespace hosts is not checked here; the stand-in collective test above is",
+            "skipped: no python with .venv's torch can be run by {} (ranks never run as root on a \
+             network controller), so gloo across namespace hosts is not checked here; the stand-in \
+             collective test is",
             trainyard_tests::run_account()
         );
         return Ok(());
-    }
+    };
     let Some(mut c) = Cluster::start_lab(2, &[])? else { return Ok(()) };
     c.start_agent_on(0, "a", 1)?;
     c.start_agent_on(1, "b", 1)?;
@@ -97,20 +118,28 @@ fn pytorch_ranks_rendezvous_with_gloo_across_namespace_hosts() -> anyhow::Result
     std::fs::create_dir_all(&work)?;
     let script = fixture_scripts().join("receipts_ddp.py").display().to_string();
     let helper = repo_root().join("python").display().to_string();
-    let file = c.python_job(&PythonJob {
-        name: "ddp-apart",
-        gpus: 2,
-        per_node: 1,
-        workdir: &work,
-        source_dir: None,
-        args: &[&script, "--steps", "4"],
-        env: &[("PYTHONPATH", &helper)],
-    });
+    let pythonpath = if site.is_empty() { helper } else { format!("{helper}:{site}") };
+    // Gloo advertises the address its hostname resolves to; the namespace hosts share this
+    // machine's /etc/hosts, where that is loopback, so the job names its interface, as users of
+    // hosts whose hostname maps to 127.0.1.1 do.
+    let text = format!(
+        "name = \"ddp-apart\"\n\n[resources]\ngpus = 2\ngpus_per_node = 1\n\n[engine]\nkind = \"exec\"\n\
+         argv = [{python:?}, {script:?}, \"--steps\", \"4\"]\nworkdir = {:?}\n\n[env]\nPYTHONPATH = {pythonpath:?}\n\
+         GLOO_SOCKET_IFNAME = \"eth0\"\n",
+        work.display().to_string()
+    );
+    let file = c.path("ddp-apart.toml");
+    std::fs::write(&file, text)?;
     let job = c.submit(&file)?;
     let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(180))?;
-    ensure!(status["state"] == "succeeded", "{status}\n{}\n{}", c.logs("agent-a"), c.logs("agent-b"));
+    if status["state"] != "succeeded" {
+        let logs = c.ctl(&["logs", &job.to_string(), "--rank", "0"])?;
+        anyhow::bail!("{status}\nrank 0:\n{}", String::from_utf8_lossy(&logs.stderr));
+    }
     let steps = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'step'"))?;
-    assert_eq!(steps[0][0], 8, "both ranks stepped 4 times together");
+    assert_eq!(steps[0][0], 8, "both ranks stepped 4 times together, over gloo between the hosts");
+    let hosts = c.query(&format!("SELECT COUNT(DISTINCT agent_id) FROM allocations WHERE job_id = {job}"))?;
+    assert_eq!(hosts[0][0], 2, "one rank on each namespace host");
     Ok(())
 }
 
