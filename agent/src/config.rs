@@ -50,6 +50,22 @@ pub struct AgentConfig {
     pub preemption_notice: Option<crate::notice::NoticeSource>,
     pub notice_poll: Duration,
     pub notice_deadline: Duration,
+    /// Where GPU telemetry comes from (`crate::telemetry`), how often each GPU is read, and how
+    /// long a summarised window is.
+    pub telemetry: TelemetrySource,
+    pub telemetry_every: Duration,
+    pub telemetry_window: Duration,
+}
+
+/// The GPU telemetry sampler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TelemetrySource {
+    /// NVML when the host has a driver; otherwise none, logged as skipped with the reason.
+    Auto,
+    /// No telemetry.
+    Off,
+    /// A scripted sampler replaying this file (hosts without a GPU: tests, demos).
+    Script(PathBuf),
 }
 
 /// The PEM files of an agent's TLS (`trainyard-controller init-pki` writes them as
@@ -92,6 +108,9 @@ impl AgentConfig {
             preemption_notice: None,
             notice_poll: Duration::from_secs(1),
             notice_deadline: Duration::from_secs(30),
+            telemetry: TelemetrySource::Auto,
+            telemetry_every: Duration::from_secs(1),
+            telemetry_window: Duration::from_secs(10),
         }
     }
 }

@@ -34,6 +34,7 @@ use crate::layout::RankId;
 use crate::preflight::runner::{Runner, write_report};
 use crate::preflight::{self, failure_reason};
 use crate::tail::Budget;
+use crate::telemetry::{GpuUse, Telemetry};
 use trainyard_proto::words::RankState;
 
 /// How long the agent waits for `HelloAck`.
@@ -67,6 +68,7 @@ pub async fn serve<F: Future>(
     config: &AgentConfig,
     identity: &Identity,
     launcher: &mut Launcher,
+    telemetry: &Telemetry,
     mut client: AgentsClient<Channel>,
     mut shutdown: Pin<&mut F>,
 ) -> Ended {
@@ -75,6 +77,8 @@ pub async fn serve<F: Future>(
     let mut session = Session {
         config,
         launcher,
+        telemetry,
+        telemetry_resend: true,
         tx,
         reported: HashMap::new(),
         drained: HashSet::new(),
@@ -139,6 +143,9 @@ fn from_status(status: Status, established: bool) -> Ended {
 struct Session<'a> {
     config: &'a AgentConfig,
     launcher: &'a mut Launcher,
+    telemetry: &'a Telemetry,
+    /// The telemetry batch on the wire (from an earlier stream) goes again before a new one.
+    telemetry_resend: bool,
     tx: mpsc::Sender<AgentMessage>,
     /// The last report this stream carried per rank.
     reported: HashMap<RankId, RankReport>,
@@ -303,6 +310,7 @@ impl Session<'_> {
                     pieces.add_permits((credit.pieces as usize).min(room));
                 }
             }
+            Some(In::TelemetryAck(ack)) => self.telemetry.ack(ack.id),
             Some(In::HelloAck(_)) => debug!("ignoring a second HelloAck"),
             None => debug!("ignoring an empty controller message"),
         }
@@ -378,10 +386,12 @@ impl Session<'_> {
         self.launcher.poll_exits();
         self.send_receipts().await?;
         self.send_rank_updates().await?;
+        self.send_telemetry().await?;
         self.launcher.persist_acks();
         if self.metrics_at.elapsed() >= METRICS_EVERY {
             self.metrics_at = std::time::Instant::now();
             crate::metrics::metrics().observe(self.launcher, self.unacked_batches);
+            crate::metrics::metrics().telemetry_pending.set(self.telemetry.pending() as i64);
         }
         for id in self.launcher.drop_forgotten() {
             self.reported.remove(&id);
@@ -410,6 +420,12 @@ impl Session<'_> {
             if receipts.is_empty() {
                 return Ok(());
             }
+            let at = crate::telemetry::now_ms();
+            for r in receipts.iter().filter(|r| r.step >= 0 && r.kind == "step") {
+                if let Some(key) = &r.key {
+                    self.telemetry.note_step(RankId::from(key), r.step, at);
+                }
+            }
             let bytes: usize = receipts.iter().map(|r| r.body.len()).sum();
             crate::logs::receipts_sent(bytes);
             let m = crate::metrics::metrics();
@@ -422,6 +438,24 @@ impl Session<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Tells the sampler which GPUs run ranks, and sends the next telemetry batch when none is
+    /// awaiting its ack (telemetry never crowds out receipts: one batch of it at a time, sent
+    /// after the tick's receipts).
+    async fn send_telemetry(&mut self) -> Result<(), Closed> {
+        let gpus = self
+            .launcher
+            .ranks()
+            .filter(|r| r.record.phase == RankState::Running)
+            .map(|r| GpuUse { rank: r.record.id, gpu: r.record.gpu_index })
+            .collect();
+        self.telemetry.set_gpus(gpus);
+        let resend = std::mem::take(&mut self.telemetry_resend);
+        match self.telemetry.next_batch(resend) {
+            Some(batch) => self.send(Out::Telemetry(batch)).await,
+            None => Ok(()),
+        }
     }
 
     /// Sends a `RankUpdate` for every rank whose report changed since this stream last carried

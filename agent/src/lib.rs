@@ -20,6 +20,8 @@
 //!   host-description file behind it.
 //! - [`topology`]: the node's GPU/NUMA/NIC model, its interconnect class, `nvidia-smi topo -m`
 //!   rendering and parsing.
+//! - [`telemetry`]: GPU telemetry: a sampler thread (NVML, or a script on hosts without a GPU)
+//!   summarising each running rank's GPU per window, queued for the stream.
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
 pub mod account;
@@ -39,6 +41,7 @@ pub mod relay;
 pub mod state;
 pub mod supervise;
 pub mod tail;
+pub mod telemetry;
 pub mod topology;
 
 pub use config::AgentConfig;

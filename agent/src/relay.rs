@@ -97,6 +97,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
         );
     }
     let adopted = launcher.adopt().context("read rank state files")?;
+    let telemetry = crate::telemetry::Telemetry::default();
+    let _sampling = start_telemetry(&config, &telemetry)?;
     info!(agent_id = %identity.agent_id, adopted, controller = %config.controller, "agent started");
     let endpoint = endpoint(&config)?;
 
@@ -116,7 +118,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
                 let client = AgentsClient::new(channel)
                     .max_decoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES)
                     .max_encoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES);
-                match connection::serve(&config, &identity, &mut launcher, client, shutdown.as_mut()).await {
+                match connection::serve(&config, &identity, &mut launcher, &telemetry, client, shutdown.as_mut()).await {
                     Ended::Shutdown => {
                         info!("agent stopped; ranks keep running");
                         return Ok(());
@@ -146,6 +148,41 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
             _ = tokio::time::sleep(delay) => {}
         }
     }
+}
+
+/// Stops the sampling thread when dropped (the agent returns).
+struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Starts the GPU telemetry thread the configuration asks for. A script that does not load is
+/// a start-up error; NVML missing on an `auto` host is logged as skipped.
+fn start_telemetry(config: &AgentConfig, telemetry: &crate::telemetry::Telemetry) -> anyhow::Result<Option<StopOnDrop>> {
+    use crate::config::TelemetrySource;
+    use crate::telemetry::{GpuSampler, nvml::NvmlSampler, script::ScriptedSampler};
+    let sampler: Box<dyn GpuSampler> = match &config.telemetry {
+        TelemetrySource::Off => return Ok(None),
+        TelemetrySource::Script(path) => Box::new(ScriptedSampler::load(path.clone()).map_err(anyhow::Error::msg)?),
+        TelemetrySource::Auto => match NvmlSampler::new() {
+            Ok(sampler) => Box::new(sampler),
+            Err(why) => {
+                info!(reason = %why, "GPU telemetry skipped");
+                return Ok(None);
+            }
+        },
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cadence = crate::telemetry::Cadence { every: config.telemetry_every, window: config.telemetry_window };
+    let (t, flag) = (telemetry.clone(), stop.clone());
+    std::thread::Builder::new()
+        .name("gpu-telemetry".into())
+        .spawn(move || crate::telemetry::run(sampler, t, cadence, flag))
+        .context("start the GPU telemetry thread")?;
+    Ok(Some(StopOnDrop(stop)))
 }
 
 /// Runs the quick preflight the agent starts with, and logs its verdict.

@@ -8,6 +8,7 @@
 
 pub mod contract;
 pub mod limits;
+pub mod telemetry;
 pub mod typed;
 pub mod words;
 

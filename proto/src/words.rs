@@ -194,6 +194,26 @@ string_enum! {
         CudaDeviceMaxConnections = "cuda_device_max_connections",
         /// A rank persistently slower than the job's median with nothing else to explain it.
         StragglerUnexplained = "straggler.unexplained",
+        /// A GPU's clocks held down by temperature (HW or SW thermal slowdown) while its rank ran slow.
+        GpuThermalThrottle = "gpu.thermal_throttle",
+        /// A GPU held at its power cap (SW power cap, HW power brake) while its rank ran slow.
+        GpuPowerCapped = "gpu.power_capped",
+        /// HW slowdown (the board's protection: power supply, temperature) while its rank ran slow.
+        GpuHwSlowdown = "gpu.hw_slowdown",
+        /// SM clocks far under the GPU's maximum with no throttle reason given.
+        GpuClocksLow = "gpu.clocks_low",
+        /// A PCIe link running under its maximum generation or width.
+        PcieDowntrained = "pcie.downtrained",
+        /// NVLink CRC, replay or recovery errors counting up.
+        NvlinkErrors = "nvlink.errors",
+        /// NVLinks of a GPU down.
+        NvlinkDown = "nvlink.down",
+        /// The driver reported an XID.
+        GpuXid = "gpu.xid",
+        /// Uncorrected (or a burst of corrected) ECC errors.
+        GpuEcc = "gpu.ecc",
+        /// A row remapping waits for a GPU reset (or failed).
+        GpuRowRemapPending = "gpu.row_remap_pending",
     }
 }
 

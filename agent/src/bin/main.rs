@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use trainyard_agent::AgentConfig;
-use trainyard_agent::config::TlsFiles;
+use trainyard_agent::config::{TelemetrySource, TlsFiles};
 use trainyard_agent::pinning::Binding;
 use trainyard_agent::supervise::{SuperviseArgs, SwitchUser, supervise};
 use trainyard_proto::words::Verdict;
@@ -73,6 +73,16 @@ struct Cli {
     /// Seconds the host has once a notice comes (GCP gives 30, AWS spot 120).
     #[arg(long, default_value_t = 30, global = true)]
     preemption_deadline_secs: u64,
+    /// GPU telemetry: auto (NVML when the host has a driver, else skipped), off, or
+    /// script:FILE (a scripted sampler replaying FILE, for hosts without a GPU; docs/telemetry.md).
+    #[arg(long, env = "TRAINYARD_TELEMETRY", default_value = "auto", global = true)]
+    telemetry: String,
+    /// Seconds between two readings of each GPU of a running rank.
+    #[arg(long, default_value_t = 1.0, global = true)]
+    telemetry_every_secs: f64,
+    /// Seconds of readings summarised into one window (min/mean/max, reasons OR-ed, counters as deltas).
+    #[arg(long, default_value_t = 10.0, global = true)]
+    telemetry_window_secs: f64,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -146,6 +156,18 @@ enum Command {
     },
 }
 
+/// `auto`, `off` or `script:FILE`.
+fn telemetry_source(text: &str) -> anyhow::Result<TelemetrySource> {
+    match text {
+        "auto" => Ok(TelemetrySource::Auto),
+        "off" => Ok(TelemetrySource::Off),
+        _ => match text.strip_prefix("script:") {
+            Some(path) if !path.is_empty() => Ok(TelemetrySource::Script(PathBuf::from(path))),
+            _ => anyhow::bail!("--telemetry {text:?}: give auto, off or script:FILE"),
+        },
+    }
+}
+
 impl TryFrom<&Cli> for AgentConfig {
     type Error = anyhow::Error;
 
@@ -178,6 +200,19 @@ impl TryFrom<&Cli> for AgentConfig {
                 Some(trainyard_agent::notice::NoticeSource::parse(text).map_err(anyhow::Error::msg)?);
         }
         config.notice_deadline = std::time::Duration::from_secs(cli.preemption_deadline_secs);
+        config.telemetry = telemetry_source(&cli.telemetry)?;
+        let seconds = |v: f64, flag: &str, min: f64| {
+            if v.is_finite() && v >= min && v <= 3600.0 {
+                Ok(std::time::Duration::from_secs_f64(v))
+            } else {
+                anyhow::bail!("{flag} {v}: give seconds between {min} and 3600")
+            }
+        };
+        config.telemetry_every = seconds(cli.telemetry_every_secs, "--telemetry-every-secs", 0.05)?;
+        config.telemetry_window = seconds(cli.telemetry_window_secs, "--telemetry-window-secs", 0.1)?;
+        if config.telemetry_window < config.telemetry_every {
+            anyhow::bail!("--telemetry-window-secs must be at least --telemetry-every-secs (a window holds readings)");
+        }
         config.tls = match (&cli.tls_dir, &cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
             (None, None, None, None) => None,
             (dir, ca, cert, key) => {
