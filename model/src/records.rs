@@ -243,3 +243,79 @@ impl From<PreflightRecord> for PreflightReport {
         }
     }
 }
+
+/// One GPU's telemetry over one window (a row of `gpu_samples`, docs/telemetry.md): gauges
+/// summarised, throttle reasons OR-ed, counters as deltas over the window, and the rank that
+/// used the GPU with the steps it ran in the window.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GpuWindowRecord {
+    pub agent_id: String,
+    pub gpu: u32,
+    pub uuid: String,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub samples: u32,
+    pub sm_clock_min: Option<f64>,
+    pub sm_clock_mean: Option<f64>,
+    pub sm_clock_max: Option<f64>,
+    /// The GPU's maximum SM clock (0: unknown).
+    pub sm_clock_limit: f64,
+    pub mem_clock_mean: Option<f64>,
+    pub power_mean: Option<f64>,
+    pub power_max: Option<f64>,
+    pub power_limit: f64,
+    pub gpu_temp_mean: Option<f64>,
+    pub gpu_temp_max: Option<f64>,
+    pub mem_temp_max: Option<f64>,
+    pub util_mean: Option<f64>,
+    pub mem_used_max: Option<f64>,
+    /// NVML clocks-event reason bits (`trainyard_proto::telemetry`).
+    pub clock_reasons: u64,
+    pub pcie_gen: u32,
+    pub pcie_gen_max: u32,
+    pub pcie_width: u32,
+    pub pcie_width_max: u32,
+    pub pcie_replays: u64,
+    pub nvlinks_up: u32,
+    pub nvlinks_total: u32,
+    pub nvlink_crc_errors: u64,
+    pub nvlink_replay_errors: u64,
+    pub nvlink_recovery_errors: u64,
+    pub ecc_corrected: u64,
+    pub ecc_uncorrected: u64,
+    pub remap_pending: bool,
+    pub remap_failed: bool,
+    pub xids: Vec<u32>,
+    /// The rank on the GPU, if one ran there in the window.
+    pub job_id: Option<JobId>,
+    pub attempt: Option<u32>,
+    pub rank: Option<u32>,
+    /// Steps the rank ran in the window (`None`: it ran none).
+    pub first_step: Option<i64>,
+    pub last_step: Option<i64>,
+}
+
+/// A finding of the live diagnosis (a row of `live_findings`): opened when first seen, updated
+/// while it lasts, closed when it stops, with the alerts sent about it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LiveFinding {
+    /// 0 until stored.
+    pub id: u64,
+    pub job_id: JobId,
+    pub attempt: u32,
+    /// A diagnosis cause word (`trainyard_proto::words::Cause`).
+    pub cause: String,
+    /// What it is about (`node`, `node/gpu3`, or the ranks): one open finding per job, cause
+    /// and subject.
+    pub subject: String,
+    pub nodes: Vec<String>,
+    pub ranks: Vec<u32>,
+    pub summary: String,
+    pub evidence: String,
+    pub remedy: String,
+    pub opened_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub closed_at_ms: Option<i64>,
+    pub alerted_open_ms: Option<i64>,
+    pub alerted_close_ms: Option<i64>,
+}

@@ -248,6 +248,9 @@ string_enum! {
         Drain = "drain",
         /// A waiting job of much higher priority needed its GPUs.
         Preempted = "preempted",
+        /// The driver reported an XID on a GPU of the attempt that asks for a GPU reset or a
+        /// reboot (`trainyard_proto::telemetry::XIDS`).
+        GpuXid = "gpu_xid",
     }
 }
 

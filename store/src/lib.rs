@@ -3,11 +3,12 @@
 //!
 //! # Layout
 //! - this page: the traits, one per concern ([`JobStore`], [`FleetStore`], [`ReceiptStore`],
-//!   [`DiagnosisStore`], [`PreflightStore`], [`AuthStore`], [`SeriesStore`]), the store's own
+//!   [`DiagnosisStore`], [`PreflightStore`], [`AuthStore`], [`SeriesStore`], [`TelemetryStore`]),
+//!   the store's own
 //!   rows and [`StoreError`].
 //! - `db`: [`SqlStore`], the one implementation, on either database, and the one helper
 //!   every operation goes through (a span, a transaction, metrics).
-//! - `jobs`, `fleet`, `receipts`, `diagnosis`, `preflight`, `auth`, `series`: each trait's
+//! - `jobs`, `fleet`, `receipts`, `diagnosis`, `preflight`, `auth`, `series`, `telemetry`: each trait's
 //!   implementation with its SQL, written once for both databases.
 //! - `sql`: the seam between those queries and the two drivers: a connection, a query, a row.
 //! - `sqlite` and `postgres`: what is each database's own: opening it, running a transaction
@@ -32,6 +33,9 @@
 //! - `receipts`: every receipt line, keyed on (job, attempt, rank, seq) so a replay is ignored.
 //! - `preflight_reports` and `preflight_checks`: every preflight report an agent sent, with
 //!   its checks. The newest report of each agent is its verdict, reloaded at start-up.
+//! - `failures`: what ended each attempt, with its node, blame and cost.
+//! - `gpu_samples`: one row per GPU per telemetry window, with the rank on it and its steps.
+//! - `live_findings`: the live diagnosis's findings, open and closed, with their alerts.
 //!
 //! What is *not* persisted: which agents are connected right now, and the in-memory fleet
 //! view the scheduler works on. Both are rebuilt at start-up from these tables plus the
@@ -54,6 +58,7 @@ mod rows;
 mod series;
 mod sql;
 mod sqlite;
+mod telemetry;
 #[cfg(test)]
 mod tests;
 
@@ -452,8 +457,58 @@ pub trait SeriesStore: Send + Sync {
 
 /// The controller's store: every concern's trait, implemented by [`SqlStore`] on both
 /// databases and exercised by one test suite.
+/// GPU telemetry windows and the live diagnosis's findings (docs/telemetry.md). Every method
+/// is one transaction.
+#[async_trait]
+pub trait TelemetryStore: Send + Sync {
+    /// Stores windows; one already stored (same agent, GPU and start) is skipped, so a resent
+    /// batch is stored once. Returns the rows stored.
+    async fn insert_gpu_windows(&self, windows: &[GpuWindowRecord]) -> Result<u64>;
+
+    /// A job's windows stored after row `after_id`, oldest first, with their row ids: what the
+    /// live diagnosis reads each round.
+    async fn job_gpu_windows_after(&self, job: JobId, after_id: u64, limit: u32)
+    -> Result<Vec<(u64, GpuWindowRecord)>>;
+
+    /// The windows of one attempt, by start time, at most `limit`.
+    async fn attempt_gpu_windows(&self, job: JobId, attempt: u32, limit: u32) -> Result<Vec<GpuWindowRecord>>;
+
+    /// A node's windows that started at or after `since_ms`, at most `limit`.
+    async fn node_gpu_windows(&self, agent: &str, since_ms: i64, limit: u32) -> Result<Vec<GpuWindowRecord>>;
+
+    /// Deletes the windows that ended before `before_ms` (retention); returns how many.
+    async fn prune_gpu_windows(&self, before_ms: i64) -> Result<u64>;
+
+    /// Opens a finding, or updates the open one of the same job, cause and subject (its
+    /// nodes, ranks, summary, evidence, remedy and `updated_at_ms`); returns the row.
+    async fn upsert_live_finding(&self, finding: &LiveFinding) -> Result<LiveFinding>;
+
+    /// Closes an open finding.
+    async fn close_live_finding(&self, id: u64, at_ms: i64) -> Result<()>;
+
+    /// A job's findings with ids above `after_id`, open and closed, oldest first.
+    async fn live_findings(&self, job: JobId, after_id: u64) -> Result<Vec<LiveFinding>>;
+
+    /// Every open finding (what the live diagnosis resumes from after a restart).
+    async fn open_live_findings(&self) -> Result<Vec<LiveFinding>>;
+
+    /// Findings whose opening or closing alert has not been delivered, oldest first.
+    async fn unalerted_findings(&self, limit: u32) -> Result<Vec<LiveFinding>>;
+
+    /// Records that a finding's opening (or closing) alert was delivered.
+    async fn mark_alerted(&self, id: u64, opening: bool, at_ms: i64) -> Result<()>;
+}
+
 pub trait Store:
-    JobStore + FleetStore + ReceiptStore + DiagnosisStore + PreflightStore + AuthStore + SeriesStore + 'static
+    JobStore
+    + FleetStore
+    + ReceiptStore
+    + DiagnosisStore
+    + PreflightStore
+    + AuthStore
+    + SeriesStore
+    + TelemetryStore
+    + 'static
 {
 }
 
@@ -465,6 +520,7 @@ impl<T> Store for T where
         + PreflightStore
         + AuthStore
         + SeriesStore
+        + TelemetryStore
         + 'static
 {
 }

@@ -47,6 +47,8 @@ macro_rules! store_suite {
             users_tokens_owners_and_audit,
             failures_move_the_job_with_their_cause,
             cordons_survive_hellos_and_reopen,
+            gpu_windows_are_stored_once_read_back_and_pruned,
+            live_findings_open_update_close_and_keep_their_alerts,
         );
     };
     (@each $harness:ty: $($name:ident),+ $(,)?) => {
@@ -900,6 +902,110 @@ pub mod suite {
         assert_eq!(summary, vec![("sxm-a", ids.0, "fail", 4), ("sxm-b", ids.1, "warn", 3)]);
         assert_eq!(latest[0].checks[3].id, "cuda.init.gpu3");
         assert_eq!(latest[0].checks[3].remedy, "replace GPU 3 (RMA)");
+    }
+
+    pub async fn gpu_windows_are_stored_once_read_back_and_pruned(h: &impl Harness) {
+        use crate::TelemetryStore;
+        let s = h.open().await;
+        let j = s.create_job(&spec("hot", 2), None, "submitted", 1).await.unwrap();
+        let w = crate::GpuWindowRecord {
+            agent_id: "sxm-a".into(),
+            gpu: 3,
+            uuid: "GPU-3".into(),
+            start_ms: 1_000,
+            end_ms: 11_000,
+            samples: 10,
+            sm_clock_min: Some(1_100.0),
+            sm_clock_mean: Some(1_300.5),
+            sm_clock_max: Some(1_980.0),
+            sm_clock_limit: 1_980.0,
+            power_mean: None,
+            clock_reasons: 0x40,
+            pcie_gen: 4,
+            pcie_gen_max: 5,
+            nvlinks_up: 16,
+            nvlinks_total: 18,
+            nvlink_crc_errors: 12,
+            remap_pending: true,
+            xids: vec![79, 48],
+            job_id: Some(j.id),
+            attempt: Some(0),
+            rank: Some(1),
+            first_step: Some(40),
+            last_step: Some(52),
+            ..Default::default()
+        };
+        let idle = crate::GpuWindowRecord { gpu: 4, job_id: None, attempt: None, rank: None, first_step: None, last_step: None, xids: vec![], ..w.clone() };
+        assert_eq!(s.insert_gpu_windows(&[w.clone(), idle.clone()]).await.unwrap(), 2);
+        assert_eq!(s.insert_gpu_windows(&[w.clone()]).await.unwrap(), 0, "a resent window is stored once");
+        let later = crate::GpuWindowRecord { start_ms: 11_000, end_ms: 21_000, ..w.clone() };
+        s.insert_gpu_windows(&[later.clone()]).await.unwrap();
+        let of_job = s.job_gpu_windows_after(j.id, 0, 100).await.unwrap();
+        assert_eq!(of_job.iter().map(|(_, w)| w.clone()).collect::<Vec<_>>(), vec![w.clone(), later.clone()]);
+        let after_first = s.job_gpu_windows_after(j.id, of_job[0].0, 100).await.unwrap();
+        assert_eq!(after_first.len(), 1, "incremental reads start after the row given");
+        assert_eq!(s.attempt_gpu_windows(j.id, 0, 100).await.unwrap(), vec![w.clone(), later.clone()]);
+        assert_eq!(s.node_gpu_windows("sxm-a", 0, 100).await.unwrap(), vec![w, idle, later.clone()]);
+        assert_eq!(s.prune_gpu_windows(20_000).await.unwrap(), 2, "windows that ended before the cut");
+        assert_eq!(s.node_gpu_windows("sxm-a", 0, 100).await.unwrap(), vec![later]);
+    }
+
+    pub async fn live_findings_open_update_close_and_keep_their_alerts(h: &impl Harness) {
+        use crate::TelemetryStore;
+        let s = h.open().await;
+        let j = s.create_job(&spec("slow", 2), None, "submitted", 1).await.unwrap();
+        let f = crate::LiveFinding {
+            job_id: j.id,
+            attempt: 0,
+            cause: "gpu.thermal_throttle".into(),
+            subject: "sxm-a/gpu3".into(),
+            nodes: vec!["sxm-a".into()],
+            ranks: vec![3],
+            summary: "GPU 3 throttled".into(),
+            evidence: "sm_clock=1100 MHz".into(),
+            remedy: "check cooling".into(),
+            opened_at_ms: 100,
+            updated_at_ms: 100,
+            ..Default::default()
+        };
+        let opened = s.upsert_live_finding(&f).await.unwrap();
+        assert!(opened.id > 0 && opened.closed_at_ms.is_none());
+        let updated = s
+            .upsert_live_finding(&crate::LiveFinding { updated_at_ms: 200, ranks: vec![3, 4], opened_at_ms: 999, ..f.clone() })
+            .await
+            .unwrap();
+        assert_eq!((updated.id, updated.opened_at_ms, updated.updated_at_ms), (opened.id, 100, 200));
+        assert_eq!(updated.ranks, vec![3, 4]);
+        assert_eq!(s.unalerted_findings(10).await.unwrap().len(), 1);
+        s.mark_alerted(opened.id, true, 150).await.unwrap();
+        assert!(s.unalerted_findings(10).await.unwrap().is_empty(), "opening alert delivered");
+        s.close_live_finding(opened.id, 300).await.unwrap();
+        assert!(s.open_live_findings().await.unwrap().is_empty());
+        assert_eq!(s.unalerted_findings(10).await.unwrap()[0].closed_at_ms, Some(300), "closing alert due");
+        s.mark_alerted(opened.id, false, 310).await.unwrap();
+        assert!(s.unalerted_findings(10).await.unwrap().is_empty());
+        // The same cause and subject later opens a new finding.
+        let again = s.upsert_live_finding(&crate::LiveFinding { opened_at_ms: 400, updated_at_ms: 400, ..f }).await.unwrap();
+        assert_ne!(again.id, opened.id);
+        let all = s.live_findings(j.id, 0).await.unwrap();
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[0].alerted_close_ms, Some(310));
+        assert_eq!(s.live_findings(j.id, opened.id).await.unwrap(), vec![again]);
+        // An XID failure is a failure kind the table takes.
+        s.transition(j.id, JobState::Pending, JobState::Running, 0, "up", 2).await.unwrap();
+        let xid = FailureRecord {
+            job_id: j.id,
+            attempt: 0,
+            at_ms: 500,
+            kind: FailureKind::GpuXid,
+            agent_id: Some("sxm-a".into()),
+            rank: Some(3),
+            evidence: "XID 79 on GPU 3".into(),
+            blamed: true,
+            charged: false,
+        };
+        s.fail_attempt(j.id, JobState::Running, JobState::Restarting, 0, "gpu_xid", &xid).await.unwrap();
+        assert_eq!(s.failures(j.id).await.unwrap(), vec![xid]);
     }
 }
 
