@@ -37,6 +37,8 @@ pub struct ControllerConfig {
     /// (`ResourceExhausted`), so a loop of submits cannot bury the queue (every scheduling pass
     /// looks at every pending job) or the store.
     pub max_pending_per_user: usize,
+    /// GPU telemetry windows older than this are deleted (`None`: kept for ever).
+    pub telemetry_retention: Option<Duration>,
 }
 
 /// The default of [`ControllerConfig::max_pending_per_user`].
@@ -60,6 +62,7 @@ impl Default for ControllerConfig {
             // waits for the host's verdict (a cut network makes peers' collectives fail first).
             unresponsive_after: Duration::from_secs(5),
             max_pending_per_user: MAX_PENDING_JOBS_PER_USER,
+            telemetry_retention: Some(Duration::from_secs(30 * 86_400)),
         }
     }
 }
@@ -95,6 +98,11 @@ impl ControllerConfig {
     pub fn with_cordon_after(mut self, blames: usize, window: Duration) -> Self {
         self.cordon_after_blames = blames;
         self.blame_window = window;
+        self
+    }
+
+    pub fn with_telemetry_retention(mut self, keep: Option<Duration>) -> Self {
+        self.telemetry_retention = keep;
         self
     }
 

@@ -17,6 +17,11 @@
 //! | `trainyard_store_operation_seconds{op}` | histogram | every store transaction, retries included (`trainyard_store::metrics`) |
 //! | `trainyard_store_errors_total{op}` | counter | store operations that failed (`trainyard_store::metrics`) |
 //! | `trainyard_schedule_pass_seconds` | histogram | one scheduling pass |
+//! | `trainyard_gpu_windows_total` | counter | GPU telemetry windows stored (resends not counted) |
+//! | `trainyard_gpu_xids_total{xid}` | counter | XIDs agents reported, by number |
+//! | `trainyard_job_finding{job,cause,node}` | gauge | 1 while the live diagnosis holds a finding open (alert on it: `deploy/prometheus/trainyard-alerts.yml`) |
+//! | `trainyard_alerts_total{outcome}` | counter | webhook alert deliveries: `delivered`, `failed` (retried later) |
+//! | `trainyard_live_diagnosis_seconds` | histogram | one round of the live diagnosis over every running job |
 //! | `trainyard_connections_turned_away_total` | counter | new gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential |
 //!
 //! Metrics are process-wide ([`metrics`]): the store, the core and the services record into
@@ -34,6 +39,23 @@ use prometheus_client::registry::Registry;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabel {
     pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct XidLabel {
+    pub xid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FindingLabel {
+    pub job: String,
+    pub cause: String,
+    pub node: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -62,6 +84,11 @@ pub struct Metrics {
     pub receipt_batch: Histogram,
     pub schedule_pass: Histogram,
     pub connections_turned_away: Counter,
+    pub gpu_windows_stored: Counter,
+    pub xids: Family<XidLabel, Counter>,
+    pub job_finding: Family<FindingLabel, Gauge>,
+    pub alerts: Family<OutcomeLabel, Counter>,
+    pub live_diagnosis: Histogram,
 }
 
 /// The process's metrics, registered on first use.
@@ -87,6 +114,11 @@ impl Metrics {
             receipt_batch: latency(),
             schedule_pass: Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
             connections_turned_away: Counter::default(),
+            gpu_windows_stored: Counter::default(),
+            xids: Family::default(),
+            job_finding: Family::default(),
+            alerts: Family::default(),
+            live_diagnosis: latency(),
             registry: Registry::default(),
         };
         registry.register("jobs", "Jobs the controller holds (not finished), by state", m.jobs.clone());
@@ -135,7 +167,25 @@ impl Metrics {
             "New gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential",
             m.connections_turned_away.clone(),
         );
+        registry.register("gpu_windows", "GPU telemetry windows stored", m.gpu_windows_stored.clone());
+        registry.register("gpu_xids", "XIDs agents reported, by number", m.xids.clone());
+        registry.register(
+            "job_finding",
+            "1 while the live diagnosis holds a finding of a running job open",
+            m.job_finding.clone(),
+        );
+        registry.register("alerts", "Webhook alert deliveries, by outcome", m.alerts.clone());
+        registry.register(
+            "live_diagnosis_seconds",
+            "One round of the live diagnosis over every running job",
+            m.live_diagnosis.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// Counts an XID.
+    pub fn xid(&self, number: u32) {
+        self.xids.get_or_create(&XidLabel { xid: number.to_string() }).inc();
     }
 
     /// The metrics in the OpenMetrics text format.

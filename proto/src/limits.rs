@@ -58,3 +58,6 @@ pub const LOG_CREDIT_PIECES: u32 = 8;
 
 /// Lines `ctl logs --tail` may ask for.
 pub const MAX_TAIL_LINES: u32 = 1_000_000;
+
+/// Telemetry windows in one `TelemetryBatch` (the agent sends at most 256).
+pub const MAX_TELEMETRY_WINDOWS: usize = 1_024;

@@ -497,6 +497,19 @@ pub trait TelemetryStore: Send + Sync {
 
     /// Records that a finding's opening (or closing) alert was delivered.
     async fn mark_alerted(&self, id: u64, opening: bool, at_ms: i64) -> Result<()>;
+
+    /// An XID that asks for a reset came from `agent` after a rank of the attempt there had
+    /// already failed it as `rank_exit` (at or after `since_ms`): that failure becomes the
+    /// GPU's (`gpu_xid`, the node blamed, not charged, `evidence` appended). Returns the
+    /// failure as it now reads; `None` when there was no such failure.
+    async fn blame_failure_on_xid(
+        &self,
+        job: JobId,
+        attempt: u32,
+        agent: &str,
+        since_ms: i64,
+        evidence: &str,
+    ) -> Result<Option<FailureRecord>>;
 }
 
 pub trait Store:

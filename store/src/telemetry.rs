@@ -5,7 +5,8 @@ use async_trait::async_trait;
 
 use crate::rows::int;
 use crate::sql::{Conn, Row};
-use crate::{GpuWindowRecord, JobId, LiveFinding, Result, SqlStore, TelemetryStore, corrupt};
+use crate::jobs::FAILURE_COLUMNS;
+use crate::{FailureRecord, GpuWindowRecord, JobId, LiveFinding, Result, SqlStore, TelemetryStore, corrupt};
 
 const WINDOW_COLUMNS: &str = "id, agent_id, gpu, uuid, start_ms, end_ms, samples, sm_clock_min, sm_clock_mean, \
     sm_clock_max, sm_clock_limit, mem_clock_mean, power_mean, power_max, power_limit, gpu_temp_mean, gpu_temp_max, \
@@ -332,6 +333,44 @@ impl TelemetryStore for SqlStore {
             };
             c.query(sql).bind(at_ms).bind(int(id)?).execute().await?;
             Ok(())
+        })
+        .await
+    }
+
+    async fn blame_failure_on_xid(
+        &self,
+        job: JobId,
+        attempt: u32,
+        agent: &str,
+        since_ms: i64,
+        evidence: &str,
+    ) -> Result<Option<FailureRecord>> {
+        self.write("blame_failure_on_xid", async |c| {
+            let found = c
+                .query(
+                    "SELECT id FROM failures WHERE job_id = $1 AND attempt = $2 AND agent_id = $3 \
+                     AND kind = 'rank_exit' AND at_ms >= $4 ORDER BY id DESC LIMIT 1",
+                )
+                .bind(int(job)?)
+                .bind(i64::from(attempt))
+                .bind(agent)
+                .bind(since_ms)
+                .optional()
+                .await?;
+            let Some(row) = found else { return Ok(None) };
+            let id: i64 = row.get("failures", "id")?;
+            c.query(
+                "UPDATE failures SET kind = 'gpu_xid', blamed = $1, charged = $2, \
+                 evidence = evidence || '; ' || $3 WHERE id = $4",
+            )
+            .bind(true)
+            .bind(false)
+            .bind(evidence)
+            .bind(id)
+            .execute()
+            .await?;
+            let sql = format!("SELECT {FAILURE_COLUMNS} FROM failures WHERE id = $1");
+            Ok(Some(crate::rows::failure(&c.query(sql).bind(id).one().await?)?))
         })
         .await
     }

@@ -1005,7 +1005,25 @@ pub mod suite {
             charged: false,
         };
         s.fail_attempt(j.id, JobState::Running, JobState::Restarting, 0, "gpu_xid", &xid).await.unwrap();
-        assert_eq!(s.failures(j.id).await.unwrap(), vec![xid]);
+        assert_eq!(s.failures(j.id).await.unwrap(), vec![xid.clone()]);
+        // A rank exit that an XID explains afterwards becomes the GPU's failure.
+        s.transition(j.id, JobState::Restarting, JobState::Running, 1, "again", 600).await.unwrap();
+        let exit = FailureRecord {
+            attempt: 1,
+            at_ms: 700,
+            kind: FailureKind::RankExit,
+            evidence: "rank 3 exited with code 1".into(),
+            blamed: false,
+            charged: true,
+            ..xid.clone()
+        };
+        s.fail_attempt(j.id, JobState::Running, JobState::Restarting, 1, "rank_exit", &exit).await.unwrap();
+        assert_eq!(s.blame_failure_on_xid(j.id, 1, "sxm-b", 0, "XID 79").await.unwrap(), None, "another node");
+        assert_eq!(s.blame_failure_on_xid(j.id, 1, "sxm-a", 701, "XID 79").await.unwrap(), None, "too old");
+        let moved = s.blame_failure_on_xid(j.id, 1, "sxm-a", 650, "XID 79 on GPU 3").await.unwrap().unwrap();
+        assert_eq!((moved.kind, moved.blamed, moved.charged), (FailureKind::GpuXid, true, false));
+        assert_eq!(moved.evidence, "rank 3 exited with code 1; XID 79 on GPU 3");
+        assert_eq!(s.failures(j.id).await.unwrap(), vec![xid, moved]);
     }
 }
 

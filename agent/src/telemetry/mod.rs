@@ -33,6 +33,7 @@ pub use window::Counters;
 pub const MAX_QUEUED_WINDOWS: usize = 20_000;
 /// Windows per batch.
 pub const MAX_BATCH_WINDOWS: usize = 256;
+const _: () = assert!(MAX_BATCH_WINDOWS <= trainyard_proto::limits::MAX_TELEMETRY_WINDOWS);
 /// Step stamps kept per rank (a window needs only the last few seconds).
 const MAX_STEP_STAMPS: usize = 4096;
 /// How long an ended rank's step stamps are kept, for its last window.
@@ -228,11 +229,16 @@ pub fn run(mut sampler: Box<dyn GpuSampler>, telemetry: Telemetry, cadence: Cade
                 metrics.forget_gpu(*gpu);
             }
         }
+        let mut urgent = Vec::new();
         for user in &gpus {
             match sampler.sample(user.gpu, now) {
                 Ok(sample) => {
                     if failing.remove(&user.gpu).is_some() {
                         info!(gpu = user.gpu, "GPU telemetry readable again");
+                    }
+                    if !sample.xids.is_empty() {
+                        warn!(gpu = user.gpu, xids = ?sample.xids, "XID reported by the driver");
+                        urgent.push(user.gpu);
                     }
                     metrics.observe_gpu(&sample, user.rank);
                     windows.push(&sample);
@@ -245,7 +251,9 @@ pub fn run(mut sampler: Box<dyn GpuSampler>, telemetry: Telemetry, cadence: Cade
             }
         }
         sampled = current;
-        let closed = windows.close(now, false, |gpu, a, b| telemetry.steps_in(gpu, a, b));
+        // An XID goes out at once, ahead of the rank's exit it may cause.
+        let mut closed = windows.close_these(&urgent, now, |gpu, a, b| telemetry.steps_in(gpu, a, b));
+        closed.extend(windows.close(now, false, |gpu, a, b| telemetry.steps_in(gpu, a, b)));
         telemetry.enqueue(closed);
         std::thread::sleep(cadence.every);
     }

@@ -141,7 +141,7 @@ impl Windows {
         &mut self,
         now_ms: i64,
         flush: bool,
-        mut steps: impl FnMut(u32, i64, i64) -> Vec<WindowSteps>,
+        steps: impl FnMut(u32, i64, i64) -> Vec<WindowSteps>,
     ) -> Vec<GpuWindow> {
         let due: Vec<u32> = self
             .open
@@ -149,8 +149,18 @@ impl Windows {
             .filter(|(_, w)| flush || now_ms - w.start_ms >= self.window_ms)
             .map(|(gpu, _)| *gpu)
             .collect();
+        self.close_these(&due, now_ms, steps)
+    }
+
+    /// Closes the windows of `gpus` now, whatever their age (an XID goes out at once).
+    pub fn close_these(
+        &mut self,
+        due: &[u32],
+        now_ms: i64,
+        mut steps: impl FnMut(u32, i64, i64) -> Vec<WindowSteps>,
+    ) -> Vec<GpuWindow> {
         let mut out = Vec::with_capacity(due.len());
-        for gpu in due {
+        for &gpu in due {
             let Some(w) = self.open.remove(&gpu) else { continue };
             let end_ms = now_ms.max(w.last_ms);
             let base = self.base.entry(gpu).or_default();

@@ -111,6 +111,9 @@ struct Cli {
     cordon_after_blames: usize,
     #[arg(long, default_value_t = 3600)]
     blame_window_secs: u64,
+    /// Days GPU telemetry windows are kept (0: for ever).
+    #[arg(long, default_value_t = 30)]
+    telemetry_retention_days: u64,
     /// Log format on stderr.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
@@ -130,6 +133,9 @@ impl From<&Cli> for ControllerConfig {
                 Duration::from_secs(cli.age_every_secs),
             )
             .with_cordon_after(cli.cordon_after_blames, Duration::from_secs(cli.blame_window_secs))
+            .with_telemetry_retention(
+                (cli.telemetry_retention_days > 0).then(|| Duration::from_secs(cli.telemetry_retention_days * 86_400)),
+            )
     }
 }
 

@@ -30,6 +30,7 @@
 //!   receipts): nothing outside the core holds the store.
 //! - `evict`: drains and preemption notices (checkpoint, then move without the node).
 //! - `resume`: the checkpoints a restarted attempt resumes from.
+//! - `telemetry`: GPU telemetry in (stored once, acknowledged), XIDs that drain a node, retention.
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
@@ -46,6 +47,7 @@ mod logs;
 mod reads;
 mod reconcile;
 mod resume;
+mod telemetry;
 pub use logs::LogEvent;
 mod nodes;
 pub use nodes::{PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
@@ -147,6 +149,9 @@ pub struct Controller {
 const SEEN_PERSIST_EVERY: Duration = Duration::from_secs(10);
 
 /// What lives only in memory, rebuilt at start-up from the store and the agents' hellos.
+/// How often telemetry past its retention is deleted.
+const PRUNE_EVERY: Duration = Duration::from_secs(600);
+
 #[derive(Default)]
 struct Core {
     agents: HashMap<String, AgentEntry>,
@@ -317,9 +322,14 @@ impl Controller {
     /// resolves. The only caller of [`Controller::reconcile`] in a running controller.
     pub async fn run_background(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
+        let mut prune = tokio::time::interval(PRUNE_EVERY);
         loop {
             let periodic = tokio::select! {
                 _ = shutdown.cancelled() => return,
+                _ = prune.tick() => {
+                    self.prune_telemetry().await;
+                    continue;
+                }
                 _ = self.wake.notified() => false,
                 _ = tick.tick() => true,
             };

@@ -25,6 +25,7 @@ use trainyard_proto::v1::{AgentMessage, ControllerMessage, agent_message, contro
 
 use crate::auth::pki;
 use crate::core::{Controller, ControllerError, MAX_BATCH};
+use trainyard_proto::limits::MAX_TELEMETRY_WINDOWS;
 
 /// Messages queued towards one agent before the controller considers it stuck.
 const OUTBOX: usize = 1_024;
@@ -247,6 +248,29 @@ async fn handle(
         agent_message::Msg::Preflight(report) => {
             if let Err(e) = controller.agent_preflight(agent_id, report).await {
                 tracing::error!(agent_id, error = %e, "failed to store a preflight report; closing");
+                return quietly;
+            }
+        }
+        agent_message::Msg::Telemetry(batch) => {
+            if batch.windows.len() > MAX_TELEMETRY_WINDOWS {
+                tracing::error!(
+                    agent_id,
+                    windows = batch.windows.len(),
+                    max = MAX_TELEMETRY_WINDOWS,
+                    "telemetry batch too large; closing"
+                );
+                return quietly;
+            }
+            let ack = match controller.ingest_telemetry(agent_id, batch).await {
+                Ok(ack) => ack,
+                Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
+                Err(e) => {
+                    tracing::error!(agent_id, error = %e, "failed to store GPU telemetry; closing so the agent resends");
+                    return quietly;
+                }
+            };
+            let msg = ControllerMessage { msg: Some(controller_message::Msg::TelemetryAck(ack)) };
+            if tx.send(msg).await.is_err() {
                 return quietly;
             }
         }

@@ -1,0 +1,175 @@
+//! GPU telemetry in (docs/telemetry.md): an agent's batch of windows is checked (an agent
+//! speaks only for its own ranks), stored once, and acknowledged; an XID that asks for a GPU
+//! reset or a reboot cordons the node and fails the attempt using that GPU as the GPU's failure
+//! (`gpu_xid`: the node blamed, the job not charged). When the rank crashed first and its exit
+//! was already recorded as the job's own failure, that failure is given to the GPU instead and
+//! the restart it cost is given back. Windows older than the retention are pruned.
+
+use std::collections::BTreeMap;
+
+use trainyard_proto::telemetry::{self, Xid};
+use trainyard_proto::v1::{GpuWindow, TelemetryAck, TelemetryBatch};
+use trainyard_store::{Cordon, FailureKind, FailureRecord, GpuWindowRecord, JobState, RankId};
+
+use super::agents::rank_id;
+use super::faults::BY_FAILURES;
+use super::{Controller, Result};
+
+/// How long before an XID a rank's exit on the same node counts as the XID's doing.
+const XID_EXPLAINS_EXIT_MS: i64 = 60_000;
+
+impl Controller {
+    /// Stores a batch of GPU windows and returns its ack. Takes the core lock only to act on
+    /// an XID.
+    pub async fn ingest_telemetry(&self, agent_id: &str, batch: TelemetryBatch) -> Result<TelemetryAck> {
+        let mut named: BTreeMap<RankId, u64> = BTreeMap::new();
+        for w in &batch.windows {
+            for s in w.steps.iter().filter_map(|s| s.key) {
+                named.insert(rank_id(s), 0);
+            }
+        }
+        let unknown = self.check_senders(agent_id, &named).await?;
+        let records: Vec<GpuWindowRecord> =
+            batch.windows.iter().map(|w| record(agent_id, w, &unknown)).collect();
+        let stored = self.store.insert_gpu_windows(&records).await?;
+        crate::metrics::metrics().gpu_windows_stored.inc_by(stored);
+        for r in records.iter().filter(|r| !r.xids.is_empty()) {
+            for &number in &r.xids {
+                self.on_xid(r, telemetry::xid(number)).await?;
+            }
+        }
+        Ok(TelemetryAck { id: batch.id })
+    }
+
+    /// Acts on one XID of a window: logged and counted always; one that drains the node
+    /// cordons it and fails the attempt that used the GPU.
+    async fn on_xid(&self, w: &GpuWindowRecord, xid: Xid) -> Result<()> {
+        let node = w.agent_id.as_str();
+        crate::metrics::metrics().xid(xid.number);
+        let evidence = format!(
+            "XID {} ({}) on GPU {} of {node}: {}",
+            xid.number,
+            xid.meaning,
+            w.gpu,
+            xid.action.as_str()
+        );
+        if !xid.action.drains() {
+            tracing::warn!(agent_id = node, gpu = w.gpu, xid = xid.number, %evidence, "XID reported");
+            return Ok(());
+        }
+        tracing::error!(agent_id = node, gpu = w.gpu, xid = xid.number, %evidence, "XID: the node is drained");
+        let at_ms = self.now_ms();
+        let already_failed = {
+            let mut core = self.lock();
+            if let Some(entry) = core.agents.get_mut(node)
+                && entry.record.cordon.is_none()
+            {
+                let reason = format!("{evidence}; lifted when it passes a preflight");
+                let cordon = Cordon { by: BY_FAILURES.into(), reason, at_ms };
+                entry.record.cordon = Some(cordon.clone());
+                core.cordons_to_store.push((node.to_string(), Some(cordon)));
+            }
+            let (Some(job_id), Some(attempt)) = (w.job_id, w.attempt) else { return Ok(()) };
+            match core.jobs.get_mut(&job_id) {
+                Some(job)
+                    if job.record.attempt == attempt
+                        && matches!(job.record.state, JobState::Running | JobState::Launching)
+                        && job.detected.is_none() =>
+                {
+                    job.detected = Some(FailureRecord {
+                        job_id,
+                        attempt,
+                        at_ms,
+                        kind: FailureKind::GpuXid,
+                        agent_id: Some(node.to_string()),
+                        rank: w.rank,
+                        evidence: evidence.clone(),
+                        blamed: true,
+                        charged: false,
+                    });
+                    core.dirty.insert(job_id);
+                    None
+                }
+                _ => Some((job_id, attempt)),
+            }
+        };
+        self.wake();
+        let Some((job_id, attempt)) = already_failed else { return Ok(()) };
+        // The rank may have crashed before the window carrying the XID arrived: its exit was
+        // then recorded as the job's own failure. It was the GPU's.
+        let since = at_ms - XID_EXPLAINS_EXIT_MS;
+        if let Some(f) = self.store.blame_failure_on_xid(job_id, attempt, node, since, &evidence).await? {
+            tracing::warn!(job_id, attempt, agent_id = node, "a rank exit was the GPU's failure: not charged to the job");
+            let mut core = self.lock();
+            if let Some(job) = core.jobs.get_mut(&job_id) {
+                job.charged = job.charged.saturating_sub(1);
+            }
+            core.blame(&f, &self.config);
+        }
+        Ok(())
+    }
+
+    /// Deletes telemetry windows older than the retention (run with the other periodic work).
+    pub(super) async fn prune_telemetry(&self) {
+        let Some(keep) = self.config.telemetry_retention else { return };
+        let before = self.now_ms() - keep.as_millis() as i64;
+        match self.store.prune_gpu_windows(before).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(windows = n, "pruned GPU telemetry past its retention"),
+            Err(e) => tracing::warn!(error = %e, "failed to prune GPU telemetry; trying again later"),
+        }
+    }
+}
+
+/// A window as the store keeps it; the rank of a job this controller does not know is left out.
+fn record(agent_id: &str, w: &GpuWindow, unknown: &[u64]) -> GpuWindowRecord {
+    let stat = |s: &Option<trainyard_proto::v1::Stat>| s.map(|s| (s.min, s.mean, s.max));
+    let sm = stat(&w.sm_clock_mhz);
+    let power = stat(&w.power_w);
+    let temp = stat(&w.gpu_temp_c);
+    let user = w.steps.iter().find_map(|s| s.key.map(|k| (rank_id(k), s.first_step, s.last_step)));
+    let user = user.filter(|(id, _, _)| !unknown.contains(&id.job_id));
+    let step = |v: i64| (v >= 0).then_some(v);
+    GpuWindowRecord {
+        agent_id: agent_id.to_string(),
+        gpu: w.gpu,
+        uuid: w.uuid.clone(),
+        start_ms: w.start_ms,
+        end_ms: w.end_ms,
+        samples: w.samples,
+        sm_clock_min: sm.map(|s| s.0),
+        sm_clock_mean: sm.map(|s| s.1),
+        sm_clock_max: sm.map(|s| s.2),
+        sm_clock_limit: w.max_sm_clock_mhz,
+        mem_clock_mean: stat(&w.mem_clock_mhz).map(|s| s.1),
+        power_mean: power.map(|s| s.1),
+        power_max: power.map(|s| s.2),
+        power_limit: w.power_limit_w,
+        gpu_temp_mean: temp.map(|s| s.1),
+        gpu_temp_max: temp.map(|s| s.2),
+        mem_temp_max: stat(&w.mem_temp_c).map(|s| s.2),
+        util_mean: stat(&w.util_pct).map(|s| s.1),
+        mem_used_max: stat(&w.mem_used_bytes).map(|s| s.2),
+        clock_reasons: w.clock_reasons,
+        pcie_gen: w.pcie_gen,
+        pcie_gen_max: w.pcie_gen_max,
+        pcie_width: w.pcie_width,
+        pcie_width_max: w.pcie_width_max,
+        pcie_replays: w.pcie_replays,
+        nvlinks_up: w.nvlinks_up,
+        nvlinks_total: w.nvlinks_total,
+        nvlink_crc_errors: w.nvlink_crc_errors,
+        nvlink_replay_errors: w.nvlink_replay_errors,
+        nvlink_recovery_errors: w.nvlink_recovery_errors,
+        ecc_corrected: w.ecc_corrected,
+        ecc_uncorrected: w.ecc_uncorrected,
+        remap_pending: w.remap_pending,
+        remap_failed: w.remap_failed,
+        xids: w.xids.clone(),
+        job_id: user.map(|u| u.0.job_id),
+        attempt: user.map(|u| u.0.attempt),
+        rank: user.map(|u| u.0.rank),
+        first_step: user.and_then(|u| step(u.1)),
+        last_step: user.and_then(|u| step(u.2)),
+    }
+}
