@@ -53,21 +53,45 @@ pub struct DcgmField {
 
 /// The DCGM exporter fields, under their names, so existing GPU dashboards read them.
 pub const DCGM: &[DcgmField] = &[
-    DcgmField { name: "DCGM_FI_DEV_SM_CLOCK", help: "SM clock frequency (in MHz).", read: |s| s.sm_clock_mhz },
-    DcgmField { name: "DCGM_FI_DEV_MEM_CLOCK", help: "Memory clock frequency (in MHz).", read: |s| s.mem_clock_mhz },
+    DcgmField {
+        name: "DCGM_FI_DEV_SM_CLOCK",
+        help: "SM clock frequency (in MHz).",
+        read: |s| s.sm_clock_mhz,
+    },
+    DcgmField {
+        name: "DCGM_FI_DEV_MEM_CLOCK",
+        help: "Memory clock frequency (in MHz).",
+        read: |s| s.mem_clock_mhz,
+    },
     DcgmField { name: "DCGM_FI_DEV_GPU_TEMP", help: "GPU temperature (in C).", read: |s| s.gpu_temp_c },
     DcgmField { name: "DCGM_FI_DEV_MEMORY_TEMP", help: "Memory temperature (in C).", read: |s| s.mem_temp_c },
     DcgmField { name: "DCGM_FI_DEV_POWER_USAGE", help: "Power draw (in W).", read: |s| s.power_w },
-    DcgmField { name: "DCGM_FI_DEV_POWER_MGMT_LIMIT", help: "Enforced power limit (in W).", read: |s| s.power_limit_w },
+    DcgmField {
+        name: "DCGM_FI_DEV_POWER_MGMT_LIMIT",
+        help: "Enforced power limit (in W).",
+        read: |s| s.power_limit_w,
+    },
     DcgmField { name: "DCGM_FI_DEV_GPU_UTIL", help: "GPU utilization (in %).", read: |s| s.util_pct },
-    DcgmField { name: "DCGM_FI_DEV_FB_USED", help: "Framebuffer memory used (in MiB).", read: |s| s.mem_used_bytes.map(|b| b / 1048576.0) },
+    DcgmField {
+        name: "DCGM_FI_DEV_FB_USED",
+        help: "Framebuffer memory used (in MiB).",
+        read: |s| s.mem_used_bytes.map(|b| b / 1048576.0),
+    },
     DcgmField {
         name: "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
         help: "Current clock throttle reasons (NVML bitmask).",
         read: |s| Some(s.clock_reasons as f64),
     },
-    DcgmField { name: "DCGM_FI_DEV_PCIE_LINK_GEN", help: "PCIe link generation.", read: |s| s.pcie.map(|p| f64::from(p.0)) },
-    DcgmField { name: "DCGM_FI_DEV_PCIE_LINK_WIDTH", help: "PCIe link width.", read: |s| s.pcie.map(|p| f64::from(p.2)) },
+    DcgmField {
+        name: "DCGM_FI_DEV_PCIE_LINK_GEN",
+        help: "PCIe link generation.",
+        read: |s| s.pcie.map(|p| f64::from(p.0)),
+    },
+    DcgmField {
+        name: "DCGM_FI_DEV_PCIE_LINK_WIDTH",
+        help: "PCIe link width.",
+        read: |s| s.pcie.map(|p| f64::from(p.2)),
+    },
     DcgmField {
         name: "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
         help: "Total number of PCIe retries.",

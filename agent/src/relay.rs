@@ -118,7 +118,16 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
                 let client = AgentsClient::new(channel)
                     .max_decoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES)
                     .max_encoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES);
-                match connection::serve(&config, &identity, &mut launcher, &telemetry, client, shutdown.as_mut()).await {
+                match connection::serve(
+                    &config,
+                    &identity,
+                    &mut launcher,
+                    &telemetry,
+                    client,
+                    shutdown.as_mut(),
+                )
+                .await
+                {
                     Ended::Shutdown => {
                         info!("agent stopped; ranks keep running");
                         return Ok(());
@@ -161,12 +170,17 @@ impl Drop for StopOnDrop {
 
 /// Starts the GPU telemetry thread the configuration asks for. A script that does not load is
 /// a start-up error; NVML missing on an `auto` host is logged as skipped.
-fn start_telemetry(config: &AgentConfig, telemetry: &crate::telemetry::Telemetry) -> anyhow::Result<Option<StopOnDrop>> {
+fn start_telemetry(
+    config: &AgentConfig,
+    telemetry: &crate::telemetry::Telemetry,
+) -> anyhow::Result<Option<StopOnDrop>> {
     use crate::config::TelemetrySource;
     use crate::telemetry::{GpuSampler, nvml::NvmlSampler, script::ScriptedSampler};
     let sampler: Box<dyn GpuSampler> = match &config.telemetry {
         TelemetrySource::Off => return Ok(None),
-        TelemetrySource::Script(path) => Box::new(ScriptedSampler::load(path.clone()).map_err(anyhow::Error::msg)?),
+        TelemetrySource::Script(path) => {
+            Box::new(ScriptedSampler::load(path.clone()).map_err(anyhow::Error::msg)?)
+        }
         TelemetrySource::Auto => match NvmlSampler::new() {
             Ok(sampler) => Box::new(sampler),
             Err(why) => {
@@ -176,7 +190,8 @@ fn start_telemetry(config: &AgentConfig, telemetry: &crate::telemetry::Telemetry
         },
     };
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let cadence = crate::telemetry::Cadence { every: config.telemetry_every, window: config.telemetry_window };
+    let cadence =
+        crate::telemetry::Cadence { every: config.telemetry_every, window: config.telemetry_window };
     let (t, flag) = (telemetry.clone(), stop.clone());
     std::thread::Builder::new()
         .name("gpu-telemetry".into())

@@ -16,13 +16,15 @@ pub struct ClockReason {
 }
 
 pub const GPU_IDLE: ClockReason = ClockReason { bit: 0x1, word: "gpu_idle", slows: false };
-pub const APPLICATIONS_CLOCKS: ClockReason = ClockReason { bit: 0x2, word: "applications_clocks", slows: false };
+pub const APPLICATIONS_CLOCKS: ClockReason =
+    ClockReason { bit: 0x2, word: "applications_clocks", slows: false };
 pub const SW_POWER_CAP: ClockReason = ClockReason { bit: 0x4, word: "sw_power_cap", slows: true };
 pub const HW_SLOWDOWN: ClockReason = ClockReason { bit: 0x8, word: "hw_slowdown", slows: true };
 pub const SYNC_BOOST: ClockReason = ClockReason { bit: 0x10, word: "sync_boost", slows: true };
 pub const SW_THERMAL: ClockReason = ClockReason { bit: 0x20, word: "sw_thermal_slowdown", slows: true };
 pub const HW_THERMAL: ClockReason = ClockReason { bit: 0x40, word: "hw_thermal_slowdown", slows: true };
-pub const HW_POWER_BRAKE: ClockReason = ClockReason { bit: 0x80, word: "hw_power_brake_slowdown", slows: true };
+pub const HW_POWER_BRAKE: ClockReason =
+    ClockReason { bit: 0x80, word: "hw_power_brake_slowdown", slows: true };
 pub const DISPLAY_CLOCKS: ClockReason = ClockReason { bit: 0x100, word: "display_clocks", slows: false };
 
 /// Every reason, in bit order.
@@ -113,7 +115,11 @@ pub const XIDS: &[Xid] = &[
     Xid { number: 119, meaning: "GSP RPC timeout", action: XidAction::ResetGpu },
     Xid { number: 120, meaning: "GSP error", action: XidAction::ResetGpu },
     Xid { number: 140, meaning: "unrecovered ECC error", action: XidAction::ResetGpu },
-    Xid { number: 154, meaning: "GPU recovery action changed: reset or reboot required", action: XidAction::RebootNode },
+    Xid {
+        number: 154,
+        meaning: "GPU recovery action changed: reset or reboot required",
+        action: XidAction::RebootNode,
+    },
 ];
 
 /// What is known of XID `number`; an unknown one is watched.

@@ -313,7 +313,8 @@ async fn insert_allocations(
 }
 
 /// Columns of `failures`, read by [`rows::failure`].
-pub(crate) const FAILURE_COLUMNS: &str = "job_id, attempt, at_ms, kind, agent_id, rank, evidence, blamed, charged";
+pub(crate) const FAILURE_COLUMNS: &str =
+    "job_id, attempt, at_ms, kind, agent_id, rank, evidence, blamed, charged";
 
 async fn insert_failure(c: &mut Conn<'_>, f: &FailureRecord) -> Result<()> {
     c.query(

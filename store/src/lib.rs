@@ -467,11 +467,16 @@ pub trait TelemetryStore: Send + Sync {
 
     /// A job's windows stored after row `after_id`, oldest first, with their row ids: what the
     /// live diagnosis reads each round.
-    async fn job_gpu_windows_after(&self, job: JobId, after_id: u64, limit: u32)
-    -> Result<Vec<(u64, GpuWindowRecord)>>;
+    async fn job_gpu_windows_after(
+        &self,
+        job: JobId,
+        after_id: u64,
+        limit: u32,
+    ) -> Result<Vec<(u64, GpuWindowRecord)>>;
 
     /// The windows of one attempt, by start time, at most `limit`.
-    async fn attempt_gpu_windows(&self, job: JobId, attempt: u32, limit: u32) -> Result<Vec<GpuWindowRecord>>;
+    async fn attempt_gpu_windows(&self, job: JobId, attempt: u32, limit: u32)
+    -> Result<Vec<GpuWindowRecord>>;
 
     /// A node's windows that started at or after `since_ms`, at most `limit`.
     async fn node_gpu_windows(&self, agent: &str, since_ms: i64, limit: u32) -> Result<Vec<GpuWindowRecord>>;

@@ -3,9 +3,9 @@
 
 use async_trait::async_trait;
 
+use crate::jobs::FAILURE_COLUMNS;
 use crate::rows::int;
 use crate::sql::{Conn, Row};
-use crate::jobs::FAILURE_COLUMNS;
 use crate::{FailureRecord, GpuWindowRecord, JobId, LiveFinding, Result, SqlStore, TelemetryStore, corrupt};
 
 const WINDOW_COLUMNS: &str = "id, agent_id, gpu, uuid, start_ms, end_ms, samples, sm_clock_min, sm_clock_mean, \
@@ -185,20 +185,29 @@ impl TelemetryStore for SqlStore {
         limit: u32,
     ) -> Result<Vec<(u64, GpuWindowRecord)>> {
         self.read("job_gpu_windows_after", async |c| {
-            let sql = format!("SELECT {WINDOW_COLUMNS} FROM gpu_samples WHERE job_id = $1 AND id > $2 ORDER BY id LIMIT $3");
-            let found = c.query(sql).bind(int(job)?).bind(int(after_id)?).bind(i64::from(limit)).all().await?;
+            let sql = format!(
+                "SELECT {WINDOW_COLUMNS} FROM gpu_samples WHERE job_id = $1 AND id > $2 ORDER BY id LIMIT $3"
+            );
+            let found =
+                c.query(sql).bind(int(job)?).bind(int(after_id)?).bind(i64::from(limit)).all().await?;
             found.iter().map(window).collect()
         })
         .await
     }
 
-    async fn attempt_gpu_windows(&self, job: JobId, attempt: u32, limit: u32) -> Result<Vec<GpuWindowRecord>> {
+    async fn attempt_gpu_windows(
+        &self,
+        job: JobId,
+        attempt: u32,
+        limit: u32,
+    ) -> Result<Vec<GpuWindowRecord>> {
         self.read("attempt_gpu_windows", async |c| {
             let sql = format!(
                 "SELECT {WINDOW_COLUMNS} FROM gpu_samples WHERE job_id = $1 AND attempt = $2 \
                  ORDER BY start_ms, agent_id, gpu LIMIT $3"
             );
-            let found = c.query(sql).bind(int(job)?).bind(i64::from(attempt)).bind(i64::from(limit)).all().await?;
+            let found =
+                c.query(sql).bind(int(job)?).bind(i64::from(attempt)).bind(i64::from(limit)).all().await?;
             found.iter().map(|r| window(r).map(|(_, w)| w)).collect()
         })
         .await
@@ -296,7 +305,9 @@ impl TelemetryStore for SqlStore {
 
     async fn live_findings(&self, job: JobId, after_id: u64) -> Result<Vec<LiveFinding>> {
         self.read("live_findings", async |c| {
-            let sql = format!("SELECT {FINDING_COLUMNS} FROM live_findings WHERE job_id = $1 AND id > $2 ORDER BY id");
+            let sql = format!(
+                "SELECT {FINDING_COLUMNS} FROM live_findings WHERE job_id = $1 AND id > $2 ORDER BY id"
+            );
             let found = c.query(sql).bind(int(job)?).bind(int(after_id)?).all().await?;
             found.iter().map(finding).collect()
         })
@@ -305,7 +316,8 @@ impl TelemetryStore for SqlStore {
 
     async fn open_live_findings(&self) -> Result<Vec<LiveFinding>> {
         self.read("open_live_findings", async |c| {
-            let sql = format!("SELECT {FINDING_COLUMNS} FROM live_findings WHERE closed_at_ms IS NULL ORDER BY id");
+            let sql =
+                format!("SELECT {FINDING_COLUMNS} FROM live_findings WHERE closed_at_ms IS NULL ORDER BY id");
             let found = c.query(sql).all().await?;
             found.iter().map(finding).collect()
         })

@@ -607,6 +607,7 @@ pub mod suite {
         let finding = trainyard_analysis::diagnose::Finding {
             cause: trainyard_model::domain::Cause::ShmDisabled,
             summary: "off".into(),
+            subject: "job".into(),
             nodes: vec!["a".into()],
             ranks: vec![0, 1],
             evidence: vec![trainyard_analysis::diagnose::Measure {
@@ -935,11 +936,24 @@ pub mod suite {
             last_step: Some(52),
             ..Default::default()
         };
-        let idle = crate::GpuWindowRecord { gpu: 4, job_id: None, attempt: None, rank: None, first_step: None, last_step: None, xids: vec![], ..w.clone() };
+        let idle = crate::GpuWindowRecord {
+            gpu: 4,
+            job_id: None,
+            attempt: None,
+            rank: None,
+            first_step: None,
+            last_step: None,
+            xids: vec![],
+            ..w.clone()
+        };
         assert_eq!(s.insert_gpu_windows(&[w.clone(), idle.clone()]).await.unwrap(), 2);
-        assert_eq!(s.insert_gpu_windows(&[w.clone()]).await.unwrap(), 0, "a resent window is stored once");
+        assert_eq!(
+            s.insert_gpu_windows(std::slice::from_ref(&w)).await.unwrap(),
+            0,
+            "a resent window is stored once"
+        );
         let later = crate::GpuWindowRecord { start_ms: 11_000, end_ms: 21_000, ..w.clone() };
-        s.insert_gpu_windows(&[later.clone()]).await.unwrap();
+        s.insert_gpu_windows(std::slice::from_ref(&later)).await.unwrap();
         let of_job = s.job_gpu_windows_after(j.id, 0, 100).await.unwrap();
         assert_eq!(of_job.iter().map(|(_, w)| w.clone()).collect::<Vec<_>>(), vec![w.clone(), later.clone()]);
         let after_first = s.job_gpu_windows_after(j.id, of_job[0].0, 100).await.unwrap();
@@ -971,7 +985,12 @@ pub mod suite {
         let opened = s.upsert_live_finding(&f).await.unwrap();
         assert!(opened.id > 0 && opened.closed_at_ms.is_none());
         let updated = s
-            .upsert_live_finding(&crate::LiveFinding { updated_at_ms: 200, ranks: vec![3, 4], opened_at_ms: 999, ..f.clone() })
+            .upsert_live_finding(&crate::LiveFinding {
+                updated_at_ms: 200,
+                ranks: vec![3, 4],
+                opened_at_ms: 999,
+                ..f.clone()
+            })
             .await
             .unwrap();
         assert_eq!((updated.id, updated.opened_at_ms, updated.updated_at_ms), (opened.id, 100, 200));
@@ -985,7 +1004,10 @@ pub mod suite {
         s.mark_alerted(opened.id, false, 310).await.unwrap();
         assert!(s.unalerted_findings(10).await.unwrap().is_empty());
         // The same cause and subject later opens a new finding.
-        let again = s.upsert_live_finding(&crate::LiveFinding { opened_at_ms: 400, updated_at_ms: 400, ..f }).await.unwrap();
+        let again = s
+            .upsert_live_finding(&crate::LiveFinding { opened_at_ms: 400, updated_at_ms: 400, ..f })
+            .await
+            .unwrap();
         assert_ne!(again.id, opened.id);
         let all = s.live_findings(j.id, 0).await.unwrap();
         assert_eq!(all.len(), 2);
@@ -1018,7 +1040,11 @@ pub mod suite {
             ..xid.clone()
         };
         s.fail_attempt(j.id, JobState::Running, JobState::Restarting, 1, "rank_exit", &exit).await.unwrap();
-        assert_eq!(s.blame_failure_on_xid(j.id, 1, "sxm-b", 0, "XID 79").await.unwrap(), None, "another node");
+        assert_eq!(
+            s.blame_failure_on_xid(j.id, 1, "sxm-b", 0, "XID 79").await.unwrap(),
+            None,
+            "another node"
+        );
         assert_eq!(s.blame_failure_on_xid(j.id, 1, "sxm-a", 701, "XID 79").await.unwrap(), None, "too old");
         let moved = s.blame_failure_on_xid(j.id, 1, "sxm-a", 650, "XID 79 on GPU 3").await.unwrap().unwrap();
         assert_eq!((moved.kind, moved.blamed, moved.charged), (FailureKind::GpuXid, true, false));

@@ -211,7 +211,9 @@ impl TryFrom<&Cli> for AgentConfig {
         config.telemetry_every = seconds(cli.telemetry_every_secs, "--telemetry-every-secs", 0.05)?;
         config.telemetry_window = seconds(cli.telemetry_window_secs, "--telemetry-window-secs", 0.1)?;
         if config.telemetry_window < config.telemetry_every {
-            anyhow::bail!("--telemetry-window-secs must be at least --telemetry-every-secs (a window holds readings)");
+            anyhow::bail!(
+                "--telemetry-window-secs must be at least --telemetry-every-secs (a window holds readings)"
+            );
         }
         config.tls = match (&cli.tls_dir, &cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
             (None, None, None, None) => None,

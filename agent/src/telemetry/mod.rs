@@ -147,11 +147,12 @@ impl Telemetry {
         let s = self.lock();
         let Some(user) = s.last_user.get(&gpu) else { return Vec::new() };
         let key = RankKey { job_id: user.job_id, attempt: user.attempt, rank: user.rank };
-        let mut inside = s.steps.get(user).into_iter().flatten().filter(|(at, _)| *at >= start_ms && *at < end_ms);
+        let mut inside =
+            s.steps.get(user).into_iter().flatten().filter(|(at, _)| *at >= start_ms && *at < end_ms);
         let Some(&(_, first)) = inside.next() else {
             return vec![WindowSteps { key: Some(key), first_step: -1, last_step: -1 }];
         };
-        let last = inside.last().map_or(first, |&(_, step)| step);
+        let last = inside.next_back().map_or(first, |&(_, step)| step);
         vec![WindowSteps { key: Some(key), first_step: first, last_step: last }]
     }
 
@@ -210,7 +211,12 @@ pub struct Cadence {
 /// Samples until `stop` is set: every `every`, each GPU of a running rank; windows close as
 /// they come of age, and a GPU's window closes at once when its rank stops. Runs on its own
 /// thread: NVML calls block, and a GPU that fell off the bus can block them for seconds.
-pub fn run(mut sampler: Box<dyn GpuSampler>, telemetry: Telemetry, cadence: Cadence, stop: Arc<std::sync::atomic::AtomicBool>) {
+pub fn run(
+    mut sampler: Box<dyn GpuSampler>,
+    telemetry: Telemetry,
+    cadence: Cadence,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) {
     info!(sampler = %sampler.describe(), every_ms = cadence.every.as_millis() as u64, window_s = cadence.window.as_secs_f64(), "GPU telemetry on");
     let mut windows = window::Windows::new(cadence.window);
     let mut failing: BTreeMap<u32, String> = BTreeMap::new();
@@ -309,8 +315,9 @@ mod tests {
     #[test]
     fn a_full_queue_drops_its_oldest_windows() {
         let t = Telemetry::default();
-        let windows: Vec<GpuWindow> =
-            (0..MAX_QUEUED_WINDOWS + 2).map(|i| GpuWindow { start_ms: i as i64, ..GpuWindow::default() }).collect();
+        let windows: Vec<GpuWindow> = (0..MAX_QUEUED_WINDOWS + 2)
+            .map(|i| GpuWindow { start_ms: i as i64, ..GpuWindow::default() })
+            .collect();
         t.enqueue(windows);
         assert_eq!(t.pending(), MAX_QUEUED_WINDOWS);
         assert_eq!(t.next_batch(false).unwrap().windows[0].start_ms, 2);

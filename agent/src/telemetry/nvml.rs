@@ -55,7 +55,8 @@ impl NvmlSampler {
         loop {
             match set.wait(0) {
                 Ok(event) => {
-                    let (Ok(index), Some(XidError::Value(xid))) = (event.device.index(), event.event_data) else {
+                    let (Ok(index), Some(XidError::Value(xid))) = (event.device.index(), event.event_data)
+                    else {
                         continue;
                     };
                     self.xids.entry(index).or_default().push(u32::try_from(xid).unwrap_or(u32::MAX));
@@ -99,7 +100,12 @@ impl GpuSampler for NvmlSampler {
 
 fn read(d: &Device<'_>) -> Sample {
     let f = |r: Result<u32, NvmlError>| r.ok().map(f64::from);
-    let pcie = match (d.current_pcie_link_gen(), d.max_pcie_link_gen(), d.current_pcie_link_width(), d.max_pcie_link_width()) {
+    let pcie = match (
+        d.current_pcie_link_gen(),
+        d.max_pcie_link_gen(),
+        d.current_pcie_link_width(),
+        d.max_pcie_link_width(),
+    ) {
         (Ok(g), Ok(gm), Ok(w), Ok(wm)) => Some((g, gm, w, wm)),
         _ => None,
     };

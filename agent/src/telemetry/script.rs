@@ -60,10 +60,28 @@ impl Reading {
             ($($f:ident),*) => { Reading { $($f: over.$f.clone().or_else(|| self.$f.clone())),* } };
         }
         pick!(
-            sm_clock_mhz, max_sm_clock_mhz, mem_clock_mhz, power_w, power_limit_w, gpu_temp_c, mem_temp_c,
-            util_pct, mem_used_bytes, clock_reasons, pcie_gen, pcie_gen_max, pcie_width, pcie_width_max,
-            nvlinks_up, nvlinks_total, remap_pending, remap_failed, pcie_replays_per_s, nvlink_crc_per_s,
-            ecc_corrected_per_s, ecc_uncorrected_per_s
+            sm_clock_mhz,
+            max_sm_clock_mhz,
+            mem_clock_mhz,
+            power_w,
+            power_limit_w,
+            gpu_temp_c,
+            mem_temp_c,
+            util_pct,
+            mem_used_bytes,
+            clock_reasons,
+            pcie_gen,
+            pcie_gen_max,
+            pcie_width,
+            pcie_width_max,
+            nvlinks_up,
+            nvlinks_total,
+            remap_pending,
+            remap_failed,
+            pcie_replays_per_s,
+            nvlink_crc_per_s,
+            ecc_corrected_per_s,
+            ecc_uncorrected_per_s
         )
     }
 }
@@ -101,7 +119,8 @@ impl Script {
             }
             for r in [&script.base, &e.set] {
                 if let Some(words) = &r.clock_reasons {
-                    trainyard_proto::telemetry::reason_bits(words).map_err(|why| format!("event {i}: {why}"))?;
+                    trainyard_proto::telemetry::reason_bits(words)
+                        .map_err(|why| format!("event {i}: {why}"))?;
                 }
             }
         }
@@ -137,7 +156,8 @@ impl ScriptedSampler {
 
     fn reload(&mut self) -> Result<(), String> {
         let why = |e: String| format!("telemetry script {}: {e}", self.path.display());
-        let modified = std::fs::metadata(&self.path).and_then(|m| m.modified()).map_err(|e| why(e.to_string()))?;
+        let modified =
+            std::fs::metadata(&self.path).and_then(|m| m.modified()).map_err(|e| why(e.to_string()))?;
         if Some(modified) == self.modified {
             return Ok(());
         }
@@ -166,20 +186,26 @@ impl GpuSampler for ScriptedSampler {
                 continue;
             }
             reading = reading.with(&e.set);
-            if let Some(xid) = e.xid {
-                if self.reported.insert((i, gpu)) {
-                    xids.push(xid);
-                }
+            if let Some(xid) = e.xid
+                && self.reported.insert((i, gpu))
+            {
+                xids.push(xid);
             }
         }
         let (last, totals) = self.counters.entry(gpu).or_insert((at_ms, [0.0; 4]));
         let dt = (at_ms - *last).max(0) as f64 / 1000.0;
         *last = at_ms;
-        let rates = [reading.pcie_replays_per_s, reading.nvlink_crc_per_s, reading.ecc_corrected_per_s, reading.ecc_uncorrected_per_s];
+        let rates = [
+            reading.pcie_replays_per_s,
+            reading.nvlink_crc_per_s,
+            reading.ecc_corrected_per_s,
+            reading.ecc_uncorrected_per_s,
+        ];
         for (total, rate) in totals.iter_mut().zip(rates) {
             *total += rate.unwrap_or(0.0) * dt;
         }
-        let reasons = reading.clock_reasons.as_deref().map(trainyard_proto::telemetry::reason_bits).transpose()?;
+        let reasons =
+            reading.clock_reasons.as_deref().map(trainyard_proto::telemetry::reason_bits).transpose()?;
         let pcie_max = (reading.pcie_gen_max.unwrap_or(5), reading.pcie_width_max.unwrap_or(16));
         Ok(Sample {
             gpu,
@@ -260,7 +286,10 @@ mod tests {
         let path = dir.path().join("bad.json");
         for (text, says) in [
             (r#"{"events": [{"gpu": 1}]}"#, "exactly one of at_ms and after_s"),
-            (r#"{"events": [{"after_s": 1, "set": {"clock_reasons": "warm"}}]}"#, "unknown clock reason \"warm\""),
+            (
+                r#"{"events": [{"after_s": 1, "set": {"clock_reasons": "warm"}}]}"#,
+                "unknown clock reason \"warm\"",
+            ),
             (r#"{"base": {"sm_clock": 1}}"#, "unknown field `sm_clock`"),
         ] {
             std::fs::write(&path, text).unwrap();

@@ -100,7 +100,11 @@ pub struct Windows {
 
 impl Windows {
     pub fn new(window: std::time::Duration) -> Windows {
-        Windows { window_ms: (window.as_millis() as i64).max(1), open: BTreeMap::new(), base: BTreeMap::new() }
+        Windows {
+            window_ms: (window.as_millis() as i64).max(1),
+            open: BTreeMap::new(),
+            base: BTreeMap::new(),
+        }
     }
 
     /// Adds one reading.

@@ -214,6 +214,7 @@ mod tests {
                 nodes: vec![],
                 findings: vec![],
                 unusable: vec![],
+                notes: vec![],
                 predicted_comm_ms: 0.0,
                 measured_optimizer_ms: None,
                 median_step_ms: Some(p50),
@@ -234,6 +235,7 @@ mod tests {
         b.diagnosis.findings.push(Finding {
             cause: Cause::NumaSplit,
             summary: "sxm-b runs 1.84x slower than the fastest node".into(),
+            subject: "sxm-b".into(),
             nodes: vec!["sxm-b".into()],
             ranks: (8..16).collect(),
             evidence: vec![Measure { name: "slowdown".into(), value: 1.84, unit: "x" }],

@@ -13,10 +13,19 @@
 //! - `cuda_device_max_connections`: the overlay sets it under the default of 8.
 //! - `fabric.fallback`: the measured optimizer step (collectives included) is >= 3x what the
 //!   cost model predicts for the placement's links, with no transport turned off.
+//! - the GPU's own causes from telemetry ([`gpu`]): `gpu.thermal_throttle`, `gpu.power_capped`,
+//!   `gpu.hw_slowdown`, `gpu.clocks_low`, `pcie.downtrained`, `nvlink.down`, `nvlink.errors`
+//!   where they coincide with the slow windows of their rank and set it apart from the fast
+//!   ones (listed first: they name one GPU); `gpu.xid`, `gpu.ecc`, `gpu.row_remap_pending`
+//!   whatever the pace (listed after the rules above).
 //! - `straggler.unexplained`: stragglers (see [`stragglers`]) on nodes no finding covers.
+//!
+//! A node-level cause names a slow node only where it sets it apart: a property the job's fast
+//! nodes share too (all of them split over NUMA nodes, all short of CPUs) is noted, not blamed.
 
 pub mod compare;
 pub mod goodput;
+pub mod gpu;
 mod rules;
 pub mod stall;
 pub mod stragglers;
@@ -25,7 +34,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 pub use stragglers::{RankScore, StragglerPolicy, median, score_ranks};
 use trainyard_model::domain::{Cause, CheckStatus, Inventory};
-use trainyard_model::records::{Allocation, PreflightRecord};
+use trainyard_model::records::{Allocation, GpuWindowRecord, PreflightRecord};
 use trainyard_model::spec::JobSpec;
 
 /// A node this much slower than the job's fastest node is slow.
@@ -88,6 +97,8 @@ pub struct Input<'a> {
     pub nodes: &'a BTreeMap<String, NodeFacts>,
     /// The cost model's collective time per step for this placement, ms; 0 when unknown.
     pub predicted_comm_ms: f64,
+    /// GPU telemetry windows of the attempt (empty without telemetry).
+    pub windows: &'a [GpuWindowRecord],
 }
 
 /// A number behind a finding.
@@ -108,6 +119,9 @@ pub struct Finding {
     pub cause: Cause,
     /// One line for people.
     pub summary: String,
+    /// What it is about: `job`, a node, `node/gpuN`, or `ranks 3,5` (the live diagnosis keeps
+    /// one open finding per job, cause and subject).
+    pub subject: String,
     pub nodes: Vec<String>,
     pub ranks: Vec<u32>,
     pub evidence: Vec<Measure>,
@@ -144,6 +158,9 @@ pub struct Diagnosis {
     pub findings: Vec<Finding>,
     /// What the diagnosis could not use, and why.
     pub unusable: Vec<String>,
+    /// What it saw that explains nothing (a throttle on a GPU whose rank kept pace, a property
+    /// the fast nodes share): said, not blamed.
+    pub notes: Vec<String>,
     pub predicted_comm_ms: f64,
     /// Median optimizer step over all ranks (collectives included), ms.
     pub measured_optimizer_ms: Option<f64>,
@@ -230,6 +247,7 @@ pub fn diagnose(input: &Input<'_>) -> Diagnosis {
         samples_used,
         findings: Vec::new(),
         unusable,
+        notes: Vec::new(),
         predicted_comm_ms: input.predicted_comm_ms,
         measured_optimizer_ms: steady(|s| s.optimizer_ms),
         median_step_ms: steady(|s| s.step_time_ms),
@@ -237,7 +255,9 @@ pub fn diagnose(input: &Input<'_>) -> Diagnosis {
         ranks,
         nodes,
     };
-    d.findings = rules::findings(input, &d);
+    let (gpu_found, mut notes) = gpu::findings(input.windows, &series, metric);
+    d.findings = rules::findings(input, &mut notes, &d, gpu_found);
+    d.notes = notes;
     d
 }
 

@@ -24,8 +24,15 @@ struct Scene<'a> {
     all_ranks: Vec<u32>,
 }
 
-/// Every finding of the rules, most specific first.
-pub(super) fn findings(input: &Input<'_>, d: &Diagnosis) -> Vec<Finding> {
+/// Every finding of the rules, most specific first: the GPU findings that explain slowness,
+/// the node and job rules, the GPU's health findings, then the stragglers nothing explains.
+/// Node properties the fast nodes share go to `notes`.
+pub(super) fn findings(
+    input: &Input<'_>,
+    notes: &mut Vec<String>,
+    d: &Diagnosis,
+    gpu: Vec<Finding>,
+) -> Vec<Finding> {
     let scene = Scene {
         input,
         d,
@@ -34,9 +41,12 @@ pub(super) fn findings(input: &Input<'_>, d: &Diagnosis) -> Vec<Finding> {
         all_nodes: d.nodes.iter().map(|n| n.agent_id.clone()).collect(),
         all_ranks: input.allocations.iter().map(|a| a.id.rank).collect(),
     };
-    let mut out = numa_split(&scene);
+    let health = [Cause::GpuXid, Cause::GpuEcc, Cause::GpuRowRemapPending];
+    let (gpu_health, mut out): (Vec<Finding>, Vec<Finding>) =
+        gpu.into_iter().partition(|f| health.contains(&f.cause));
+    out.extend(numa_split(&scene, notes));
     out.extend(binding_refused(&scene));
-    out.extend(cpu_starved(&scene));
+    out.extend(cpu_starved(&scene, notes));
     out.extend(shm_disabled(&scene));
     out.extend(p2p_disabled(&scene));
     out.extend(device_max_connections(&scene));
@@ -44,9 +54,18 @@ pub(super) fn findings(input: &Input<'_>, d: &Diagnosis) -> Vec<Finding> {
     if !transport_off {
         out.extend(fabric_fallback(&scene));
     }
+    out.extend(gpu_health);
     let stragglers = unexplained_stragglers(&scene, &out);
     out.extend(stragglers);
     out
+}
+
+/// Whether some measured node that is not slow lacks the property: only then does the property
+/// set the slow nodes apart. With no node at the job's pace to compare, it does.
+fn sets_apart(s: &Scene<'_>, has: impl Fn(&NodeSummary) -> bool) -> bool {
+    let fast: Vec<&NodeSummary> =
+        s.d.nodes.iter().filter(|n| n.vs_fastest.is_some_and(|r| r < SLOW_NODE_RATIO)).collect();
+    fast.is_empty() || fast.iter().any(|n| !has(n))
 }
 
 impl Scene<'_> {
@@ -88,6 +107,7 @@ impl Scene<'_> {
         Finding {
             cause: cause.0,
             summary,
+            subject: "job".into(),
             nodes: self.all_nodes.clone(),
             ranks: self.all_ranks.clone(),
             evidence,
@@ -98,17 +118,26 @@ impl Scene<'_> {
 }
 
 /// `numa.split`: a slow node whose GPUs of this job sit on more than one NUMA node.
-fn numa_split(s: &Scene<'_>) -> Vec<Finding> {
+fn numa_split(s: &Scene<'_>, notes: &mut Vec<String>) -> Vec<Finding> {
+    let split = |n: &NodeSummary| n.numa_layout.split(' ').filter(|p| !p.starts_with("?:")).count() >= 2;
     let mut out = Vec::new();
     for n in &s.slow_nodes {
         let numa_nodes = n.numa_layout.split(' ').filter(|p| !p.starts_with("?:")).count();
         if numa_nodes < 2 {
             continue;
         }
+        if !sets_apart(s, split) {
+            notes.push(format!(
+                "{}: the job's GPUs sit on NUMA nodes {}, as on the nodes at the job's pace: not why it is slow",
+                n.agent_id, n.numa_layout
+            ));
+            continue;
+        }
         let mut evidence = s.pace(n);
         evidence.push(measure("NUMA nodes under the job's GPUs", numa_nodes as f64, ""));
         out.push(Finding {
             cause: Cause::NumaSplit,
+            subject: n.agent_id.clone(),
             summary: format!(
                 "{} runs {:.2}x slower than the fastest node; the job's GPUs there sit on NUMA nodes {}",
                 n.agent_id,
@@ -146,6 +175,10 @@ fn binding_refused(s: &Scene<'_>) -> Option<Finding> {
     let nodes: BTreeSet<String> = refused.iter().map(|a| a.agent_id.clone()).collect();
     Some(Finding {
         cause: Cause::NumaBindingRefused,
+        subject: format!(
+            "ranks {}",
+            refused.iter().map(|a| a.id.rank.to_string()).collect::<Vec<_>>().join(",")
+        ),
         summary: format!(
             "{} rank(s) do not run on the CPUs and memory planned for them (rank {}: planned CPUs {} memory {}, got CPUs {} memory {})",
             refused.len(),
@@ -167,16 +200,26 @@ fn binding_refused(s: &Scene<'_>) -> Option<Finding> {
 }
 
 /// `cpu.starved`: a slow node whose preflight found too few CPUs per GPU.
-fn cpu_starved(s: &Scene<'_>) -> Vec<Finding> {
+fn cpu_starved(s: &Scene<'_>, notes: &mut Vec<String>) -> Vec<Finding> {
+    let starved =
+        |n: &NodeSummary| node_check(s.input, &n.agent_id, "numa.cpus_per_gpu").is_some_and(|c| bad(c.1));
     let mut out = Vec::new();
     for n in &s.slow_nodes {
         let Some(check) = node_check(s.input, &n.agent_id, "numa.cpus_per_gpu").filter(|c| bad(c.1)) else {
             continue;
         };
+        if !sets_apart(s, starved) {
+            notes.push(format!(
+                "{}: its preflight found {}, as on the nodes at the job's pace: not why it is slow",
+                n.agent_id, check.0
+            ));
+            continue;
+        }
         let mut evidence = s.pace(n);
         evidence.push(measure(format!("numa.cpus_per_gpu: {}", check.0), 0.0, ""));
         out.push(Finding {
             cause: Cause::CpuStarved,
+            subject: n.agent_id.clone(),
             summary: format!(
                 "{} runs {:.2}x slower and its preflight found {}",
                 n.agent_id,
@@ -331,6 +374,10 @@ fn unexplained_stragglers(s: &Scene<'_>, so_far: &[Finding]) -> Option<Finding> 
         .collect();
     Some(Finding {
         cause: Cause::StragglerUnexplained,
+        subject: format!(
+            "ranks {}",
+            unexplained.iter().map(|r| r.rank.to_string()).collect::<Vec<_>>().join(",")
+        ),
         summary: format!(
             "{} persistently slower than the job's median, and nothing on its node explains it",
             names.join(", ")

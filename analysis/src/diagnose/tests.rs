@@ -1,6 +1,6 @@
 use super::*;
 use trainyard_model::domain::{GpuInfo, PreflightLevel, RankState, Verdict};
-use trainyard_model::records::{CheckRecord, RankId, RankObserved};
+use trainyard_model::records::{CheckRecord, GpuWindowRecord, RankId, RankObserved};
 use trainyard_model::spec::{Engine, Resources};
 
 fn spec(env: &[(&str, &str)]) -> JobSpec {
@@ -98,6 +98,7 @@ struct Case {
     samples: Vec<StepSample>,
     nodes: BTreeMap<String, NodeFacts>,
     predicted: f64,
+    windows: Vec<GpuWindowRecord>,
 }
 
 impl Case {
@@ -108,6 +109,7 @@ impl Case {
             samples: samples(|_| 702.0, |_| 57.8),
             nodes: [("a".to_string(), node(|_| 0, &[])), ("b".to_string(), node(|_| 0, &[]))].into(),
             predicted: 41.0,
+            windows: Vec::new(),
         }
     }
 
@@ -119,6 +121,7 @@ impl Case {
             samples: &self.samples,
             nodes: &self.nodes,
             predicted_comm_ms: self.predicted,
+            windows: &self.windows,
         })
     }
 }
@@ -285,4 +288,199 @@ fn bad_receipts_are_reported_as_unusable_and_nothing_breaks() {
     c.samples.clear();
     let d = c.run();
     assert_eq!((causes(&d), d.verdict()), (vec![], "no step receipts to judge yet".to_string()));
+}
+
+/// Windows of 10 steps for every rank's GPU over 200 steps; `tweak(rank, window)` changes one.
+fn windows(tweak: impl Fn(u32, i64, &mut GpuWindowRecord)) -> Vec<GpuWindowRecord> {
+    let mut out = Vec::new();
+    for rank in 0..16u32 {
+        for w in 0..20i64 {
+            let mut g = GpuWindowRecord {
+                agent_id: if rank < 8 { "a" } else { "b" }.into(),
+                gpu: rank % 8,
+                start_ms: w * 10_000,
+                end_ms: (w + 1) * 10_000,
+                samples: 10,
+                sm_clock_mean: Some(1_980.0),
+                sm_clock_min: Some(1_980.0),
+                sm_clock_limit: 1_980.0,
+                util_mean: Some(100.0),
+                pcie_gen: 5,
+                pcie_gen_max: 5,
+                pcie_width: 16,
+                pcie_width_max: 16,
+                nvlinks_up: 18,
+                nvlinks_total: 18,
+                job_id: Some(1),
+                attempt: Some(0),
+                rank: Some(rank),
+                first_step: Some(w * 10),
+                last_step: Some(w * 10 + 9),
+                ..Default::default()
+            };
+            tweak(rank, w, &mut g);
+            out.push(g);
+        }
+    }
+    out
+}
+
+fn thermal(g: &mut GpuWindowRecord) {
+    g.clock_reasons = trainyard_proto::telemetry::HW_THERMAL.bit;
+    g.sm_clock_mean = Some(1_100.0);
+    g.sm_clock_min = Some(1_050.0);
+    g.gpu_temp_max = Some(92.0);
+}
+
+#[test]
+fn a_throttle_that_slows_its_rank_is_named_with_node_gpu_and_rank() {
+    let mut case = Case::healthy();
+    // Rank 11 (node b, GPU 3) runs 1.8x slower from step 100, when its GPU starts throttling.
+    case.samples = samples(|_| 702.0, |_| 57.8);
+    for s in case.samples.iter_mut().filter(|s| s.rank == 11 && s.step >= 100) {
+        s.step_time_ms = s.step_time_ms.map(|t| t * 1.8);
+    }
+    case.windows = windows(|rank, w, g| {
+        if rank == 11 && w >= 10 {
+            thermal(g);
+        }
+    });
+    let d = case.run();
+    assert_eq!(causes(&d), vec![Cause::GpuThermalThrottle], "{:#?}", d.findings);
+    let f = &d.findings[0];
+    assert_eq!(
+        (f.nodes.clone(), f.ranks.clone(), f.subject.as_str()),
+        (vec!["b".to_string()], vec![11], "b/gpu3")
+    );
+    assert!(
+        f.summary.contains("hw_thermal_slowdown") && f.summary.contains("from step 100"),
+        "{}",
+        f.summary
+    );
+    assert!(f.summary.contains("1.80x"), "{}", f.summary);
+    assert!(d.verdict().starts_with("gpu.thermal_throttle"), "{}", d.verdict());
+}
+
+#[test]
+fn a_throttle_on_a_gpu_whose_rank_keeps_pace_is_telemetry_not_the_verdict() {
+    let mut case = Case::healthy();
+    case.windows = windows(|rank, w, g| {
+        if rank == 4 && w >= 5 {
+            g.clock_reasons = trainyard_proto::telemetry::SW_POWER_CAP.bit;
+        }
+    });
+    let d = case.run();
+    assert_eq!(causes(&d), vec![], "{:#?}", d.findings);
+    assert_eq!(d.notes.len(), 1, "{:?}", d.notes);
+    assert!(d.notes[0].contains("GPU 4 of a") && d.notes[0].contains("sw_power_cap"), "{}", d.notes[0]);
+    assert!(d.notes[0].contains("ran at the job's pace"), "{}", d.notes[0]);
+}
+
+#[test]
+fn a_condition_every_fast_gpu_shares_is_not_the_cause() {
+    let mut case = Case::healthy();
+    case.samples = samples(|r| if r == 5 { 950.0 } else { 702.0 }, |_| 57.8);
+    // Every GPU downtrained its PCIe link; only rank 5 is slow: the link is not why.
+    case.windows = windows(|_, _, g| g.pcie_gen = 3);
+    let d = case.run();
+    assert_eq!(causes(&d), vec![Cause::StragglerUnexplained], "{:#?}", d.findings);
+    assert_eq!(d.findings[0].ranks, vec![5]);
+    assert!(d.notes.iter().any(|n| n.contains("GPU 5 of a") && n.contains("show it too")), "{:?}", d.notes);
+}
+
+#[test]
+fn health_problems_are_findings_whatever_the_pace() {
+    let mut case = Case::healthy();
+    case.windows = windows(|rank, w, g| {
+        if rank == 2 && w == 7 {
+            g.xids = vec![79];
+        }
+        if rank == 9 {
+            g.remap_pending = true;
+        }
+        if rank == 12 && w == 3 {
+            g.ecc_uncorrected = 1;
+        }
+    });
+    let d = case.run();
+    assert_eq!(
+        causes(&d),
+        vec![Cause::GpuXid, Cause::GpuRowRemapPending, Cause::GpuEcc],
+        "{:#?}",
+        d.findings
+    );
+    let xid = &d.findings[0];
+    assert!(xid.summary.contains("XID 79 (GPU has fallen off the bus"), "{}", xid.summary);
+    assert!(xid.remedy.starts_with("drain a"), "{}", xid.remedy);
+    assert_eq!(xid.subject, "a/gpu2");
+}
+
+#[test]
+fn a_numa_split_the_fast_nodes_share_is_noted_not_blamed() {
+    let mut case = Case::healthy();
+    case.samples = samples(|r| if r >= 8 { 1_295.0 } else { 702.0 }, |_| 57.8);
+    case.nodes = [("a".to_string(), node(|i| i / 4, &[])), ("b".to_string(), node(|i| i / 4, &[]))].into();
+    let d = case.run();
+    assert!(!causes(&d).contains(&Cause::NumaSplit), "{:#?}", d.findings);
+    assert!(
+        d.notes.iter().any(|n| n.starts_with("b: the job's GPUs sit on NUMA nodes 0:4 1:4")),
+        "{:?}",
+        d.notes
+    );
+}
+
+/// A small deterministic generator (xorshift64*), so the noise test needs no crate.
+struct Noise(u64);
+
+impl Noise {
+    fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+}
+
+/// The noise target: 16 ranks, 240 steps, lognormal step times (sigma 0.15) and a 4x
+/// spike on a random rank about every 40 steps, with healthy telemetry: no finding at all.
+#[test]
+fn a_healthy_noisy_run_has_no_finding() {
+    for seed in 1..=20u64 {
+        let mut noise = Noise(0x9E37_79B9_7F4A_7C15 ^ seed);
+        let mut samples = Vec::new();
+        for step in 0..240i64 {
+            let spike_rank = (step % 40 == 17).then(|| (noise.uniform() * 16.0) as u32);
+            for rank in 0..16u32 {
+                let mut t = 702.0 * (0.15 * noise.normal()).exp();
+                if spike_rank == Some(rank) {
+                    t *= 4.0;
+                }
+                samples.push(StepSample {
+                    rank,
+                    step,
+                    step_time_ms: Some(t),
+                    optimizer_ms: Some(57.8),
+                    tokens_per_s: Some(1e6 / t),
+                    ..Default::default()
+                });
+            }
+        }
+        let mut case = Case::healthy();
+        case.samples = samples;
+        case.windows = windows(|_, _, _| {});
+        case.windows.extend(windows(|_, w, g| {
+            g.first_step = Some(200 + w * 2);
+            g.last_step = Some(201 + w * 2);
+            g.start_ms += 200_000;
+        }));
+        let d = case.run();
+        assert_eq!(causes(&d), vec![], "seed {seed}: {:#?}", d.findings);
+        assert!(d.notes.is_empty(), "seed {seed}: {:?}", d.notes);
+    }
 }

@@ -134,7 +134,8 @@ impl From<&Cli> for ControllerConfig {
             )
             .with_cordon_after(cli.cordon_after_blames, Duration::from_secs(cli.blame_window_secs))
             .with_telemetry_retention(
-                (cli.telemetry_retention_days > 0).then(|| Duration::from_secs(cli.telemetry_retention_days * 86_400)),
+                (cli.telemetry_retention_days > 0)
+                    .then(|| Duration::from_secs(cli.telemetry_retention_days * 86_400)),
             )
     }
 }

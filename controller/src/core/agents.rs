@@ -439,7 +439,11 @@ impl Controller {
     /// database, a foreign controller), whose receipts are neither stored nor acknowledged. A batch nearly
     /// always holds one attempt of one job; the current attempt of an active job is checked in
     /// memory, others (late receipts of ended jobs or earlier attempts) in the store.
-    pub(super) async fn check_senders(&self, agent_id: &str, ranks: &BTreeMap<RankId, u64>) -> Result<Vec<u64>> {
+    pub(super) async fn check_senders(
+        &self,
+        agent_id: &str,
+        ranks: &BTreeMap<RankId, u64>,
+    ) -> Result<Vec<u64>> {
         let attempts: BTreeSet<(u64, u32)> = ranks.keys().map(|id| (id.job_id, id.attempt)).collect();
         let mut unknown = Vec::new();
         for (job_id, attempt) in attempts {

@@ -11,7 +11,7 @@ use trainyard_analysis::diagnose::compare::{
 use trainyard_analysis::diagnose::goodput::{self, Goodput};
 use trainyard_analysis::diagnose::{self, Diagnosis, Input, NodeFacts, StepSample, stragglers};
 use trainyard_model::domain::CheckStatus;
-use trainyard_store::{Allocation, JobId, JobRecord};
+use trainyard_store::{Allocation, GpuWindowRecord, JobId, JobRecord};
 
 /// What one attempt's diagnosis reads.
 struct Evidence {
@@ -21,6 +21,7 @@ struct Evidence {
     samples: Vec<StepSample>,
     nodes: BTreeMap<String, NodeFacts>,
     predicted_comm_ms: f64,
+    windows: Vec<GpuWindowRecord>,
 }
 
 impl Evidence {
@@ -32,9 +33,13 @@ impl Evidence {
             samples: &self.samples,
             nodes: &self.nodes,
             predicted_comm_ms: self.predicted_comm_ms,
+            windows: &self.windows,
         })
     }
 }
+
+/// Telemetry windows a diagnosis reads at most (64 GPUs x 10 s windows for about 4.5 hours).
+const MAX_WINDOWS: u32 = 100_000;
 
 /// Receipts one fold pass reads.
 const FOLD_PASS: u32 = 100_000;
@@ -120,6 +125,7 @@ impl Controller {
         }
         let allocations = self.store.allocations(job_id, attempt).await?;
         let samples = self.store.step_samples(job_id, attempt).await?;
+        let windows = self.store.attempt_gpu_windows(job_id, attempt, MAX_WINDOWS).await?;
         let (nodes, predicted_comm_ms) = {
             let core = self.lock();
             let nodes: BTreeMap<String, NodeFacts> = allocations
@@ -133,7 +139,7 @@ impl Controller {
                 .collect();
             (nodes, super::view::predicted_comm_ms(&core, &allocations, &record.spec))
         };
-        Ok(Evidence { record, attempt, allocations, samples, nodes, predicted_comm_ms })
+        Ok(Evidence { record, attempt, allocations, samples, nodes, predicted_comm_ms, windows })
     }
 
     async fn side(&self, job_id: JobId) -> Result<Side> {

@@ -99,7 +99,12 @@ impl Controller {
         // then recorded as the job's own failure. It was the GPU's.
         let since = at_ms - XID_EXPLAINS_EXIT_MS;
         if let Some(f) = self.store.blame_failure_on_xid(job_id, attempt, node, since, &evidence).await? {
-            tracing::warn!(job_id, attempt, agent_id = node, "a rank exit was the GPU's failure: not charged to the job");
+            tracing::warn!(
+                job_id,
+                attempt,
+                agent_id = node,
+                "a rank exit was the GPU's failure: not charged to the job"
+            );
             let mut core = self.lock();
             if let Some(job) = core.jobs.get_mut(&job_id) {
                 job.charged = job.charged.saturating_sub(1);

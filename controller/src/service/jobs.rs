@@ -510,8 +510,10 @@ fn diagnosis_message(job_id: u64, d: &trainyard_analysis::diagnose::Diagnosis) -
                     .collect(),
                 expected_cost: f.expected_cost.to_string(),
                 remedy: f.remedy.clone(),
+                subject: f.subject.clone(),
             })
             .collect(),
+        notes: d.notes.clone(),
         ranks: d
             .ranks
             .iter()

@@ -27,6 +27,7 @@ pub struct DiagnosisJson {
     pub nodes: Vec<NodeJson>,
     pub ranks: Vec<RankJson>,
     pub unusable: Vec<String>,
+    pub notes: Vec<String>,
     pub metric: String,
     pub warmup_steps: i64,
     pub samples_used: u64,
@@ -40,6 +41,7 @@ pub struct DiagnosisJson {
 pub struct FindingJson {
     pub cause: String,
     pub summary: String,
+    pub subject: String,
     pub nodes: Vec<String>,
     pub ranks: Vec<u32>,
     pub evidence: Vec<MeasureJson>,
@@ -81,6 +83,7 @@ impl From<&Finding> for FindingJson {
         FindingJson {
             cause: f.cause.clone(),
             summary: f.summary.clone(),
+            subject: f.subject.clone(),
             nodes: f.nodes.clone(),
             ranks: f.ranks.clone(),
             evidence: f
@@ -129,6 +132,7 @@ impl From<&Diagnosis> for DiagnosisJson {
                 })
                 .collect(),
             unusable: d.unusable.clone(),
+            notes: d.notes.clone(),
             metric: d.metric.clone(),
             warmup_steps: d.warmup_steps,
             samples_used: d.samples_used,
@@ -202,6 +206,12 @@ pub fn text(d: &Diagnosis) -> String {
         .collect();
     if !stragglers.is_empty() {
         out += &format!("\nstragglers: {}\n", stragglers.join("; "));
+    }
+    if !d.notes.is_empty() {
+        out += "\nseen, but not why it is slow:\n";
+        for n in &d.notes {
+            out += &format!("  - {n}\n");
+        }
     }
     if !d.unusable.is_empty() {
         out += "\ncould not use:\n";

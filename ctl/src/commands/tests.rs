@@ -217,6 +217,7 @@ fn diagnosis() -> Diagnosis {
     let finding = Finding {
         cause: "numa.split".into(),
         summary: "sxm-b runs 1.84x slower than the fastest node".into(),
+        subject: "sxm-b".into(),
         nodes: vec!["sxm-b".into()],
         ranks: (8..16).chain([18]).collect(),
         evidence: vec![Measure { name: "slowdown".into(), value: 1.8449, unit: "x".into() }],
