@@ -39,6 +39,12 @@ pub struct ControllerConfig {
     pub max_pending_per_user: usize,
     /// GPU telemetry windows older than this are deleted (`None`: kept for ever).
     pub telemetry_retention: Option<Duration>,
+    /// How often running jobs are diagnosed live (a telemetry window, 10 s).
+    pub live_every: Duration,
+    /// Webhook URLs every live finding is posted to when it opens and when it closes.
+    pub alert_webhooks: Vec<String>,
+    /// CA bundle for https webhooks (default: the system's).
+    pub alert_ca_file: Option<std::path::PathBuf>,
 }
 
 /// The default of [`ControllerConfig::max_pending_per_user`].
@@ -63,6 +69,9 @@ impl Default for ControllerConfig {
             unresponsive_after: Duration::from_secs(5),
             max_pending_per_user: MAX_PENDING_JOBS_PER_USER,
             telemetry_retention: Some(Duration::from_secs(30 * 86_400)),
+            live_every: Duration::from_secs(10),
+            alert_webhooks: Vec::new(),
+            alert_ca_file: None,
         }
     }
 }
@@ -103,6 +112,18 @@ impl ControllerConfig {
 
     pub fn with_telemetry_retention(mut self, keep: Option<Duration>) -> Self {
         self.telemetry_retention = keep;
+        self
+    }
+
+    pub fn with_live(
+        mut self,
+        every: Duration,
+        webhooks: Vec<String>,
+        ca_file: Option<std::path::PathBuf>,
+    ) -> Self {
+        self.live_every = every;
+        self.alert_webhooks = webhooks;
+        self.alert_ca_file = ca_file;
         self
     }
 

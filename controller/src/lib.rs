@@ -13,8 +13,10 @@
 //! - [`service`]: the gRPC services (`Jobs` for operators, `Agents` for hosts).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`http`] and [`web`]: the HTTP listener: `/metrics`, `/healthz` and the web view.
+//! - [`alerts`]: the alert webhooks live findings are posted to (opened, closed).
 //! - [`tls`]: the certificate, key and client CA both listeners load.
 //! - [`server`]: `run(listener, http, controller, security, shutdown)`, the entry point.
+pub mod alerts;
 pub mod auth;
 pub mod config;
 pub mod core;

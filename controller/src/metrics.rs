@@ -183,6 +183,12 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
+    /// Counts an alert delivery.
+    pub fn alert(&self, delivered: bool) {
+        let outcome = if delivered { "delivered" } else { "failed" };
+        self.alerts.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
     /// Counts an XID.
     pub fn xid(&self, number: u32) {
         self.xids.get_or_create(&XidLabel { xid: number.to_string() }).inc();

@@ -63,6 +63,7 @@ pub async fn run(
     }
     let token = CancellationToken::new();
     let background = tokio::spawn(controller.clone().run_background(token.clone()));
+    let live = controller.spawn_live(token.clone()).map_err(anyhow::Error::msg)?;
     let http_server = match http {
         Some((listener, exposure)) => Some(serve_http(listener, exposure, &controller, &auth, &token)?),
         None => None,
@@ -105,6 +106,7 @@ pub async fn run(
     // Probes see the controller go away before its port closes.
     health.set_not_serving::<JobsServer<JobsService>>().await;
     let _ = background.await;
+    let _ = live.await;
     if let Some(server) = http_server {
         let _ = server.await;
     }

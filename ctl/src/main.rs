@@ -101,6 +101,10 @@ enum Command {
         attempt: Option<u32>,
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
         output: Format,
+        /// Follow the live diagnosis instead: print each finding as it opens, changes and
+        /// closes, until the job ends (one JSON object per line with -o json).
+        #[arg(short = 'f', long, conflicts_with = "attempt")]
+        follow: bool,
     },
     /// Two jobs side by side (provenance, env, placement, preflight, step time, collectives)
     /// and what most likely explains their difference; A is the reference.
@@ -209,7 +213,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Logs { job, rank, tail, follow } => {
             commands::logs::run(&mut ctl, job, rank, tail, follow).await
         }
-        Command::Diagnose { job, attempt, output } => {
+        Command::Diagnose { job, follow: true, output, .. } => {
+            commands::diagnose::follow(&mut ctl, job, output == Format::Json).await
+        }
+        Command::Diagnose { job, attempt, output, .. } => {
             commands::diagnose::run(&mut ctl, job, attempt, output == Format::Json).await
         }
         Command::Compare { a, b, output } => {

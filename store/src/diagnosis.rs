@@ -28,6 +28,31 @@ impl DiagnosisStore for SqlStore {
         .await
     }
 
+    async fn step_samples_after(
+        &self,
+        job: JobId,
+        attempt: u32,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<(u64, StepSample)>> {
+        self.read("step_samples_after", async |c| {
+            let found = c
+                .query(
+                    "SELECT position, rank, step, step_time_ms, fwd_bwd_ms, optimizer_ms, tokens_per_s, problem \
+                     FROM receipts WHERE job_id = $1 AND position > $2 AND attempt = $3 AND kind = 'step' \
+                     ORDER BY position LIMIT $4",
+                )
+                .bind(int(job)?)
+                .bind(int(after)?)
+                .bind(i64::from(attempt))
+                .bind(i64::from(limit))
+                .all()
+                .await?;
+            found.iter().map(|row| Ok((row.num("receipts", "position")?, rows::step_sample(row)?))).collect()
+        })
+        .await
+    }
+
     async fn step_progress(&self, job: JobId, attempt: u32) -> Result<StepProgress> {
         self.read("step_progress", async |c| {
             let t = "receipts";

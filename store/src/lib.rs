@@ -335,6 +335,17 @@ pub trait DiagnosisStore: Send + Sync {
         attempt: u32,
     ) -> Result<Vec<trainyard_analysis::diagnose::StepSample>>;
 
+    /// The step receipts of one attempt stored after receipt position `after` (oldest first, at
+    /// most `limit`), with their positions: what the live diagnosis reads each round. Uses the
+    /// `(job_id, position)` index, so a round costs the new receipts, not the whole run.
+    async fn step_samples_after(
+        &self,
+        job: JobId,
+        attempt: u32,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<(u64, trainyard_analysis::diagnose::StepSample)>>;
+
     /// Each rank's last step receipt of one attempt (step, stored at) and the step times of
     /// the attempt's latest 200 step receipts: what stall detection reads.
     async fn step_progress(

@@ -960,6 +960,19 @@ pub mod suite {
         assert_eq!(after_first.len(), 1, "incremental reads start after the row given");
         assert_eq!(s.attempt_gpu_windows(j.id, 0, 100).await.unwrap(), vec![w.clone(), later.clone()]);
         assert_eq!(s.node_gpu_windows("sxm-a", 0, 100).await.unwrap(), vec![w, idle, later.clone()]);
+        // The live diagnosis reads step receipts incrementally, by position.
+        let rank0 = RankId { job_id: j.id, attempt: 0, rank: 0 };
+        s.insert_receipts(&fixtures::receipts(rank0, 0, 5), 1).await.unwrap();
+        s.insert_receipts(&fixtures::receipts(RankId { attempt: 1, ..rank0 }, 0, 2), 1).await.unwrap();
+        let first = s.step_samples_after(j.id, 0, 0, 3).await.unwrap();
+        assert_eq!(first.iter().map(|(_, x)| x.step).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(first[0].1.step_time_ms, Some(100.0));
+        let rest = s.step_samples_after(j.id, 0, first[2].0, 100).await.unwrap();
+        assert_eq!(
+            rest.iter().map(|(_, x)| x.step).collect::<Vec<_>>(),
+            vec![3, 4],
+            "after the position, this attempt only"
+        );
         assert_eq!(s.prune_gpu_windows(20_000).await.unwrap(), 2, "windows that ended before the cut");
         assert_eq!(s.node_gpu_windows("sxm-a", 0, 100).await.unwrap(), vec![later]);
     }

@@ -26,6 +26,7 @@
 pub mod compare;
 pub mod goodput;
 pub mod gpu;
+pub mod live;
 mod rules;
 pub mod stall;
 pub mod stragglers;

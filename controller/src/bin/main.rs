@@ -111,6 +111,16 @@ struct Cli {
     cordon_after_blames: usize,
     #[arg(long, default_value_t = 3600)]
     blame_window_secs: u64,
+    /// Seconds between two rounds of the live diagnosis of running jobs.
+    #[arg(long, default_value_t = 10)]
+    live_diagnosis_secs: u64,
+    /// POST each live finding, when it opens and when it closes, to this URL as JSON with a
+    /// Slack-compatible `text` (repeat for several targets).
+    #[arg(long = "alert-webhook", env = "TRAINYARD_ALERT_WEBHOOK", value_delimiter = ',')]
+    alert_webhooks: Vec<String>,
+    /// CA bundle for https webhooks (default: /etc/ssl/certs/ca-certificates.crt).
+    #[arg(long)]
+    alert_ca_file: Option<PathBuf>,
     /// Days GPU telemetry windows are kept (0: for ever).
     #[arg(long, default_value_t = 30)]
     telemetry_retention_days: u64,
@@ -133,6 +143,11 @@ impl From<&Cli> for ControllerConfig {
                 Duration::from_secs(cli.age_every_secs),
             )
             .with_cordon_after(cli.cordon_after_blames, Duration::from_secs(cli.blame_window_secs))
+            .with_live(
+                Duration::from_secs(cli.live_diagnosis_secs.max(1)),
+                cli.alert_webhooks.clone(),
+                cli.alert_ca_file.clone(),
+            )
             .with_telemetry_retention(
                 (cli.telemetry_retention_days > 0)
                     .then(|| Duration::from_secs(cli.telemetry_retention_days * 86_400)),

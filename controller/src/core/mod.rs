@@ -30,6 +30,7 @@
 //!   receipts): nothing outside the core holds the store.
 //! - `evict`: drains and preemption notices (checkpoint, then move without the node).
 //! - `resume`: the checkpoints a restarted attempt resumes from.
+//! - `live`: the live diagnosis of running jobs: findings opened, updated, closed, alerted.
 //! - `telemetry`: GPU telemetry in (stored once, acknowledged), XIDs that drain a node, retention.
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
@@ -42,6 +43,7 @@ mod faults_tests;
 pub use agents::MAX_BATCH;
 pub use evict::{DEFAULT_DRAIN_DEADLINE, DEFAULT_NOTICE_DEADLINE};
 mod jobs;
+mod live;
 mod liveness;
 mod logs;
 mod reads;

@@ -14,13 +14,14 @@ use trainyard_proto::v1::jobs_server::Jobs;
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
     DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, GetJobRequest, Job, JobStateChange,
-    ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, NodesRequest, NodesResponse, PreflightReport,
-    PreflightRequest, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest,
-    watch_event::Event,
+    ListJobsRequest, ListJobsResponse, LiveFindingsRequest, LiveFindingsResponse, LogChunk, LogsRequest,
+    NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt, SubmitRequest,
+    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use trainyard_proto::limits;
 
+use super::wire::{comparison_message, diagnosis_message, live_finding_message};
 use super::{auth_status, to_status};
 use crate::auth::{self, Authenticator, Caller};
 use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
@@ -348,6 +349,15 @@ impl Jobs for JobsService {
         Ok(Response::new(comparison_message(&c)))
     }
 
+    async fn live_findings(
+        &self,
+        request: Request<LiveFindingsRequest>,
+    ) -> Result<Response<LiveFindingsResponse>, Status> {
+        self.job_caller(&request, "job.diagnose", request.get_ref().job_id).await?;
+        let found = self.controller.live_findings(request.get_ref().job_id).await.map_err(to_status)?;
+        Ok(Response::new(LiveFindingsResponse { findings: found.iter().map(live_finding_message).collect() }))
+    }
+
     type WatchStream = WatchStream;
     type LogsStream = LogsStream;
 
@@ -481,115 +491,5 @@ impl Watcher {
                 return Ok(true);
             }
         }
-    }
-}
-
-/// The wire form of a diagnosis.
-fn diagnosis_message(job_id: u64, d: &trainyard_analysis::diagnose::Diagnosis) -> Diagnosis {
-    use trainyard_proto::v1 as pb;
-    let agent_of = |rank: u32| {
-        d.nodes.iter().find(|n| n.ranks.contains(&rank)).map(|n| n.agent_id.clone()).unwrap_or_default()
-    };
-    Diagnosis {
-        job_id,
-        attempt: d.attempt,
-        verdict: d.verdict(),
-        healthy: d.findings.is_empty(),
-        findings: d
-            .findings
-            .iter()
-            .map(|f| pb::Finding {
-                cause: f.cause.to_string(),
-                summary: f.summary.clone(),
-                nodes: f.nodes.clone(),
-                ranks: f.ranks.clone(),
-                evidence: f
-                    .evidence
-                    .iter()
-                    .map(|m| pb::Measure { name: m.name.clone(), value: m.value, unit: m.unit.to_string() })
-                    .collect(),
-                expected_cost: f.expected_cost.to_string(),
-                remedy: f.remedy.clone(),
-                subject: f.subject.clone(),
-            })
-            .collect(),
-        notes: d.notes.clone(),
-        ranks: d
-            .ranks
-            .iter()
-            .map(|r| pb::RankScore {
-                rank: r.rank,
-                agent_id: agent_of(r.rank),
-                steps: r.steps as u64,
-                median_ms: r.median_ms,
-                relative: r.relative,
-                individual: r.individual,
-                windows: r.windows as u32,
-                slow_windows: r.slow_windows as u32,
-                straggler: r.straggler,
-            })
-            .collect(),
-        nodes: d
-            .nodes
-            .iter()
-            .map(|n| pb::NodePace {
-                agent_id: n.agent_id.clone(),
-                ranks: n.ranks.clone(),
-                median_ms: n.median_ms,
-                vs_fastest: n.vs_fastest,
-                numa_layout: n.numa_layout.clone(),
-            })
-            .collect(),
-        unusable: d.unusable.clone(),
-        metric: d.metric.to_string(),
-        warmup_steps: d.warmup_steps,
-        samples_used: d.samples_used as u64,
-        predicted_comm_ms: d.predicted_comm_ms,
-        measured_optimizer_ms: d.measured_optimizer_ms,
-        median_step_ms: d.median_step_ms,
-        median_tokens_per_s: d.median_tokens_per_s,
-    }
-}
-
-/// The wire form of a comparison.
-fn comparison_message(c: &trainyard_analysis::diagnose::compare::Comparison) -> Comparison {
-    use trainyard_analysis::diagnose::compare::{Diff, Distribution, Side};
-    use trainyard_proto::v1 as pb;
-    let dist = |d: &Option<Distribution>| {
-        d.map(|d| pb::Distribution { n: d.n as u64, p10: d.p10, p50: d.p50, p90: d.p90 })
-    };
-    let side = |s: &Side| pb::JobSide {
-        job_id: s.job_id,
-        name: s.name.clone(),
-        state: s.state.clone(),
-        attempt: s.attempt,
-        provenance: s.provenance.clone().into_iter().collect(),
-        nodes: s
-            .nodes
-            .iter()
-            .map(|n| pb::PlacedNode {
-                agent_id: n.agent_id.clone(),
-                ranks: n.ranks,
-                numa_layout: n.numa_layout.clone(),
-                interconnect_class: n.class.map(|c| c.to_string()).unwrap_or_default(),
-                verdict: n.verdict.map(|v| v.to_string()).unwrap_or_default(),
-                problems: n.problems.clone(),
-            })
-            .collect(),
-        step_time_ms: dist(&s.step_time_ms),
-        tokens_per_s: dist(&s.tokens_per_s),
-        diagnosis: Some(diagnosis_message(s.job_id, &s.diagnosis)),
-    };
-    let diffs = |d: &[Diff]| -> Vec<pb::Difference> {
-        d.iter().map(|d| pb::Difference { name: d.name.clone(), a: d.a.clone(), b: d.b.clone() }).collect()
-    };
-    Comparison {
-        a: Some(side(&c.a)),
-        b: Some(side(&c.b)),
-        env: diffs(&c.env),
-        provenance: diffs(&c.provenance),
-        step_time_ratio: c.step_time_ratio,
-        differences: c.differences.clone(),
-        verdict: c.verdict.clone(),
     }
 }

@@ -2,9 +2,11 @@
 //!
 //! - `jobs`: the operators' `Jobs` service (`ctl`).
 //! - `agents`: the agents' `Agents.Connect` stream.
+//! - `wire`: the wire form of diagnoses, comparisons and live findings.
 
 mod agents;
 mod jobs;
+mod wire;
 
 pub use agents::AgentsService;
 pub use jobs::{JobsService, MAX_STREAMS_PER_USER};

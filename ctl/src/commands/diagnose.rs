@@ -1,7 +1,10 @@
 //! `ctl diagnose JOB [--attempt N] [-o json]`: the likely cause of a slow or uneven run.
+//! `ctl diagnose JOB --follow`: the live diagnosis's findings as they open, change and close.
 
 use serde::Serialize;
-use trainyard_proto::v1::{DiagnoseRequest, Diagnosis, Finding};
+use trainyard_proto::v1::{
+    DiagnoseRequest, Diagnosis, Finding, GetJobRequest, LiveFinding, LiveFindingsRequest,
+};
 
 use crate::client::Controller;
 use crate::output::{print_out, to_json};
@@ -14,6 +17,78 @@ pub async fn run(ctl: &mut Controller, job_id: u64, attempt: Option<u32>, json: 
     };
     ctl.words(&d)?;
     if json { print_out(&to_json(&DiagnosisJson::from(&d))?) } else { print_out(&text(&d)) }
+}
+
+/// How often `--follow` asks for the findings (the live diagnosis runs every 10 s).
+const FOLLOW_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Prints the job's live findings as they open, change and close, until the job ends.
+pub async fn follow(ctl: &mut Controller, job_id: u64, json: bool) -> anyhow::Result<()> {
+    let mut seen: std::collections::HashMap<u64, LiveFinding> = std::collections::HashMap::new();
+    if !json {
+        print_out(&format!("following the live diagnosis of job {job_id} (Ctrl-C to stop)\n"))?;
+    }
+    loop {
+        let found = match ctl.jobs.live_findings(LiveFindingsRequest { job_id }).await {
+            Ok(r) => r.into_inner().findings,
+            Err(status) => return Err(ctl.error(status, Some(job_id))),
+        };
+        for (event, f) in changes(&seen, found) {
+            print_out(&follow_line(event, &f, json)?)?;
+            seen.insert(f.id, f);
+        }
+        let job = match ctl.jobs.get(GetJobRequest { job_id }).await {
+            Ok(r) => r.into_inner(),
+            Err(status) => return Err(ctl.error(status, Some(job_id))),
+        };
+        let state: trainyard_proto::words::JobState = job.state.parse()?;
+        if state.is_terminal() {
+            if !json {
+                print_out(&format!("job {job_id} {state}; the live diagnosis is over\n"))?;
+            }
+            return Ok(());
+        }
+        tokio::time::sleep(FOLLOW_EVERY).await;
+    }
+}
+
+/// What changed since `seen`: `opened`, `updated` (its summary moved), `closed`, or `was` (opened
+/// and closed between two looks).
+pub fn changes(
+    seen: &std::collections::HashMap<u64, LiveFinding>,
+    found: Vec<LiveFinding>,
+) -> Vec<(&'static str, LiveFinding)> {
+    found
+        .into_iter()
+        .filter_map(|f| {
+            let event = match seen.get(&f.id) {
+                None if f.closed_at_ms != 0 => "was",
+                None => "opened",
+                Some(old) if old.closed_at_ms == 0 && f.closed_at_ms != 0 => "closed",
+                Some(old) if old.summary != f.summary => "updated",
+                Some(_) => return None,
+            };
+            Some((event, f))
+        })
+        .collect()
+}
+
+/// One line of `--follow`: an event and its finding.
+fn follow_line(event: &str, f: &LiveFinding, json: bool) -> anyhow::Result<String> {
+    if json {
+        let v = serde_json::json!({
+            "event": event, "id": f.id, "job_id": f.job_id, "attempt": f.attempt, "cause": f.cause,
+            "subject": f.subject, "nodes": f.nodes, "ranks": f.ranks, "summary": f.summary,
+            "evidence": f.evidence, "remedy": f.remedy, "opened_at_ms": f.opened_at_ms,
+            "updated_at_ms": f.updated_at_ms, "closed_at_ms": (f.closed_at_ms != 0).then_some(f.closed_at_ms),
+        });
+        return Ok(format!("{v}\n"));
+    }
+    let mut line = format!("{event:>7} {} [{}] {}\n", f.cause, f.subject, f.summary);
+    if event == "opened" {
+        line += &format!("        remedy: {}\n", f.remedy);
+    }
+    Ok(line)
 }
 
 /// The stable JSON of a diagnosis (field names are part of the interface).

@@ -8,9 +8,10 @@ use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
     DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, Finding, GetJobRequest, Job, JobSpec,
-    JobStateChange, ListJobsRequest, ListJobsResponse, LogChunk, LogsRequest, Measure, NodeInfo,
-    NodesRequest, NodesResponse, PreflightReport, PreflightRequest, RankStatus, StoredReceipt, SubmitRequest,
-    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    JobStateChange, ListJobsRequest, ListJobsResponse, LiveFinding, LiveFindingsRequest,
+    LiveFindingsResponse, LogChunk, LogsRequest, Measure, NodeInfo, NodesRequest, NodesResponse,
+    PreflightReport, PreflightRequest, RankStatus, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent,
+    WatchRequest, watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -105,6 +106,34 @@ impl Jobs for Fake {
             return Err(Status::not_found("no such job"));
         }
         Ok(Response::new(diagnosis()))
+    }
+
+    /// Job 7 has one live finding: open at the first call; at the second it is closed and the
+    /// job has succeeded.
+    async fn live_findings(
+        &self,
+        r: Request<LiveFindingsRequest>,
+    ) -> Result<Response<LiveFindingsResponse>, Status> {
+        let mut job = self.job.lock().expect("lock");
+        if r.get_ref().job_id != job.id {
+            return Err(Status::not_found("no such job"));
+        }
+        let mut f = LiveFinding {
+            id: 1,
+            job_id: 7,
+            cause: "gpu.thermal_throttle".into(),
+            subject: "b/gpu3".into(),
+            summary: "GPU 3 of b throttled".into(),
+            remedy: "check cooling".into(),
+            opened_at_ms: 1_000,
+            ..Default::default()
+        };
+        if job.state == "running" {
+            job.state = "succeeded".into();
+        } else {
+            f.closed_at_ms = 2_000;
+        }
+        Ok(Response::new(LiveFindingsResponse { findings: vec![f] }))
     }
 
     type LogsStream = tokio_stream::Iter<std::vec::IntoIter<Result<LogChunk, Status>>>;
@@ -260,5 +289,27 @@ async fn diagnose_prints_the_finding_with_its_evidence_or_names_the_unknown_job(
     let mut ctl = serve(fake).await;
     super::diagnose::run(&mut ctl, 7, None, true).await.expect("json");
     let err = super::diagnose::run(&mut ctl, 8, None, false).await.expect_err("no job 8");
+    assert_eq!(err.to_string(), "job 8 not found");
+}
+
+#[tokio::test]
+async fn diagnose_follow_prints_findings_as_they_open_and_close_until_the_job_ends() {
+    let seen = std::collections::HashMap::new();
+    let open = LiveFinding { id: 1, summary: "hot".into(), ..Default::default() };
+    let events = super::diagnose::changes(&seen, vec![open.clone()]);
+    assert_eq!(events.iter().map(|(e, _)| *e).collect::<Vec<_>>(), vec!["opened"]);
+    let seen: std::collections::HashMap<u64, LiveFinding> = [(1, open.clone())].into();
+    let closed = LiveFinding { closed_at_ms: 5, ..open.clone() };
+    let hotter = LiveFinding { summary: "hotter".into(), ..open.clone() };
+    assert_eq!(super::diagnose::changes(&seen, vec![closed])[0].0, "closed");
+    assert_eq!(super::diagnose::changes(&seen, vec![hotter])[0].0, "updated");
+    assert!(super::diagnose::changes(&seen, vec![open]).is_empty(), "nothing new: nothing printed");
+    let fake = Fake { job: Mutex::new(job("running", 1)), gets_until_stopped: Mutex::new(5), events: vec![] };
+    let mut ctl = serve(fake).await;
+    tokio::time::timeout(std::time::Duration::from_secs(20), super::diagnose::follow(&mut ctl, 7, false))
+        .await
+        .expect("follow ends when the job does")
+        .expect("follow");
+    let err = super::diagnose::follow(&mut ctl, 8, true).await.expect_err("no job 8");
     assert_eq!(err.to_string(), "job 8 not found");
 }
