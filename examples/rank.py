@@ -20,7 +20,9 @@ Stand-in timings that reproduce the field's faults (docs/diagnosis.md): the envi
 variable TRAINYARD_STANDIN_SLOWDOWN=F (set on a stand-in host's agent, so its ranks inherit it)
 makes every phase F times longer, as on a node whose GPUs are split over two NUMA nodes;
 NCCL_SHM_DISABLE=1 makes the optimizer phase 3x longer, as NCCL falling back to sockets does;
---slow-rank R --slow-factor F makes rank R's compute phase F times longer (a straggler);
+--slow-rank R --slow-factor F makes rank R's compute phase F times longer (a straggler), from the
+start or only between --slow-from-ms and --slow-until-ms (Unix times in ms: a GPU that throttles
+mid-run, in step with a scripted telemetry event);
 --hang-at-step K (--hang-rank R, --hang-attempt A) stops writing steps at step K until SIGTERM (a
 stall, or a hang).
 
@@ -136,6 +138,8 @@ def parse_args(argv):
     p.add_argument(
         "--slow-factor", type=float, default=1.3, metavar="F", help="how much slower (default 1.3)"
     )
+    p.add_argument("--slow-from-ms", type=int, default=0, metavar="T", help="slow only from Unix time T ms on")
+    p.add_argument("--slow-until-ms", type=int, default=0, metavar="T", help="and only until Unix time T ms")
     return p.parse_args(argv)
 
 
@@ -419,8 +423,6 @@ def main(argv=None):
     slowdown = float(os.environ.get("TRAINYARD_STANDIN_SLOWDOWN", "1") or "1")
     compute_s = args.step_ms / 1000.0 * (1.0 - OPTIMIZER_SHARE) * slowdown
     optimizer_s = args.step_ms / 1000.0 * OPTIMIZER_SHARE * slowdown
-    if args.slow_rank == rank:
-        compute_s *= args.slow_factor
     if os.environ.get("NCCL_SHM_DISABLE", "0").strip() not in ("", "0"):
         optimizer_s *= SHM_DISABLED_OPTIMIZER_FACTOR
     for step in range(first_step, args.steps):
@@ -436,7 +438,11 @@ def main(argv=None):
             print(f"rank {rank}: hanging at step {step} as asked", file=sys.stderr)
             sleep_until(math.inf, stop)
         started = time.monotonic()
-        sleep_until(started + compute_s, stop)
+        now_ms = time.time() * 1000
+        slow = args.slow_rank == rank and now_ms >= args.slow_from_ms and (
+            args.slow_until_ms == 0 or now_ms < args.slow_until_ms
+        )
+        sleep_until(started + compute_s * (args.slow_factor if slow else 1.0), stop)
         computed = time.monotonic()
         sleep_until(computed + optimizer_s, stop)
         if stop["signal"] is not None:

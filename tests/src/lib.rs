@@ -305,6 +305,16 @@ impl Cluster {
         Cluster::start_on(Backend::Sqlite)
     }
 
+    /// [`Cluster::start`] with controller `flags` replacing the harness's defaults
+    /// (`--live-diagnosis-secs 2`).
+    pub fn start_with(flags: &[(&str, &str)]) -> Result<Cluster> {
+        let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
+        let mut cluster = Cluster::unstarted(dir, None, None);
+        cluster.controller_flags = flags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        cluster.start_controller()?;
+        Ok(cluster)
+    }
+
     /// Starts a controller on port 0 with its store on `backend`.
     pub fn start_on(backend: Backend) -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;

@@ -78,10 +78,10 @@ struct Cli {
     #[arg(long, env = "TRAINYARD_TELEMETRY", default_value = "auto", global = true)]
     telemetry: String,
     /// Seconds between two readings of each GPU of a running rank.
-    #[arg(long, default_value_t = 1.0, global = true)]
+    #[arg(long, env = "TRAINYARD_TELEMETRY_EVERY_SECS", default_value_t = 1.0, global = true)]
     telemetry_every_secs: f64,
     /// Seconds of readings summarised into one window (min/mean/max, reasons OR-ed, counters as deltas).
-    #[arg(long, default_value_t = 10.0, global = true)]
+    #[arg(long, env = "TRAINYARD_TELEMETRY_WINDOW_SECS", default_value_t = 10.0, global = true)]
     telemetry_window_secs: f64,
     #[command(subcommand)]
     command: Option<Command>,

@@ -1,6 +1,7 @@
 //! GPU telemetry in (docs/telemetry.md): an agent's batch of windows is checked (an agent
 //! speaks only for its own ranks), stored once, and acknowledged; an XID that asks for a GPU
-//! reset or a reboot cordons the node and fails the attempt using that GPU as the GPU's failure
+//! reset or a reboot drains the node (a cordon a preflight does not lift: only `ctl uncordon`,
+//! once someone reset the GPU) and fails the attempt using that GPU as the GPU's failure
 //! (`gpu_xid`: the node blamed, the job not charged). When the rank crashed first and its exit
 //! was already recorded as the job's own failure, that failure is given to the GPU instead and
 //! the restart it cost is given back. Windows older than the retention are pruned.
@@ -12,7 +13,6 @@ use trainyard_proto::v1::{GpuWindow, TelemetryAck, TelemetryBatch};
 use trainyard_store::{Cordon, FailureKind, FailureRecord, GpuWindowRecord, JobState, RankId};
 
 use super::agents::rank_id;
-use super::faults::BY_FAILURES;
 use super::{Controller, Result};
 
 /// How long before an XID a rank's exit on the same node counts as the XID's doing.
@@ -64,8 +64,8 @@ impl Controller {
             if let Some(entry) = core.agents.get_mut(node)
                 && entry.record.cordon.is_none()
             {
-                let reason = format!("{evidence}; lifted when it passes a preflight");
-                let cordon = Cordon { by: BY_FAILURES.into(), reason, at_ms };
+                let reason = format!("{evidence}; `ctl uncordon {node}` once that is done");
+                let cordon = Cordon { by: "drain".into(), reason, at_ms };
                 entry.record.cordon = Some(cordon.clone());
                 core.cordons_to_store.push((node.to_string(), Some(cordon)));
             }
