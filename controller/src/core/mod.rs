@@ -44,6 +44,8 @@ pub use agents::MAX_BATCH;
 pub use evict::{DEFAULT_DRAIN_DEADLINE, DEFAULT_NOTICE_DEADLINE};
 mod jobs;
 mod live;
+#[cfg(test)]
+mod live_tests;
 mod liveness;
 mod logs;
 mod reads;

@@ -1,0 +1,100 @@
+//! The live diagnosis's findings and alerts across a restart of the controller: an alert
+//! already delivered is not sent again, and a finding whose job is gone is closed and alerted
+//! once (real webhook over HTTP on port 0).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use trainyard_store::LiveFinding;
+
+use super::Controller;
+use super::test_support::{spec, store};
+use crate::config::ControllerConfig;
+
+/// A webhook receiver on port 0 answering 200: the `event` of every alert it got.
+async fn receiver() -> (String, Arc<Mutex<Vec<String>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let sink = got.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.ends_with(b"}") {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let text = String::from_utf8_lossy(&request);
+            let body = text.split("\r\n\r\n").nth(1).unwrap_or("{}");
+            let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+            sink.lock().unwrap().push(v["event"].as_str().unwrap_or("?").to_string());
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await;
+        }
+    });
+    (url, got)
+}
+
+#[tokio::test]
+async fn an_alert_delivered_before_a_restart_is_not_sent_again_and_the_close_is_sent_once() {
+    let store = store().await;
+    let job = store.create_job(&spec(2).try_into().unwrap(), None, "submitted", 1).await.unwrap().id;
+    // Before the restart: a finding opened and its opening alert delivered.
+    let open = LiveFinding {
+        job_id: job,
+        cause: "gpu.thermal_throttle".into(),
+        subject: "b/gpu3".into(),
+        nodes: vec!["b".into()],
+        summary: "GPU 3 of b throttled".into(),
+        opened_at_ms: 10,
+        updated_at_ms: 10,
+        ..Default::default()
+    };
+    let stored = store.upsert_live_finding(&open).await.unwrap();
+    store.mark_alerted(stored.id, true, 11).await.unwrap();
+    let (hook, got) = receiver().await;
+    let config = ControllerConfig::default().with_live(Duration::from_millis(100), vec![hook], None);
+    let c = Controller::start(store.clone(), config).await.unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let live = c.spawn_live(stop.clone()).unwrap();
+    // The job is not running: the finding closes, and only its closing alert goes out.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while got.lock().unwrap().is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(*got.lock().unwrap(), vec!["closed".to_string()]);
+    let after = c.live_findings(job).await.unwrap();
+    assert!(after[0].closed_at_ms.is_some() && after[0].alerted_close_ms.is_some(), "{after:?}");
+    stop.cancel();
+    live.await.unwrap();
+    // Another restart sends nothing more.
+    let again = Controller::start(
+        store.clone(),
+        ControllerConfig::default().with_live(
+            Duration::from_millis(100),
+            vec![format!("http://{}", "127.0.0.1:9")],
+            None,
+        ),
+    )
+    .await
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let live = again.spawn_live(stop.clone()).unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    stop.cancel();
+    live.await.unwrap();
+    assert_eq!(got.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_bad_webhook_is_refused_with_its_url() {
+    let store = store().await;
+    let config = ControllerConfig::default().with_live(Duration::from_secs(1), vec!["smtp://x".into()], None);
+    let c = Controller::start(store, config).await.unwrap();
+    let err = c.spawn_live(tokio_util::sync::CancellationToken::new()).unwrap_err();
+    assert!(err.contains("smtp://x") && err.contains("http:// or https://"), "{err}");
+}
