@@ -8,6 +8,9 @@
 //!   the build is one of theirs, its final stages run as a non-root user, and it installs the
 //!   torch version deploy/setup.sh installs.
 //!
+//! - deploy/prometheus/trainyard-alerts.yml names only metrics the controller or the agent
+//!   exports (their `/metrics` tables, and the DCGM exporter names the agent uses).
+//!
 //! The binaries must be built first (`cargo build --workspace --bins`), as for every test here.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -16,6 +19,40 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
 use trainyard_tests::{bin, repo_root};
+
+#[test]
+fn alerting_rules_name_metrics_that_exist() -> Result<()> {
+    let root = repo_root();
+    let rules = read(&root.join("deploy/prometheus/trainyard-alerts.yml"))?;
+    let mut exported = BTreeSet::new();
+    for source in ["controller/src/metrics.rs", "agent/src/metrics.rs", "store/src/metrics.rs"] {
+        let text = read(&root.join(source))?;
+        for line in text.lines() {
+            // The tables: //! | `trainyard_jobs{state}` | gauge | ...
+            if let Some(rest) = line.strip_prefix("//! | `") {
+                let name = rest.split(['`', '{']).next().unwrap_or("");
+                exported.insert(name.to_string());
+            }
+            // DCGM exporter names: DcgmField { name: "DCGM_FI_DEV_SM_CLOCK", ...
+            if let Some(i) = line.find("name: \"DCGM_FI_") {
+                let name = line[i + 7..].split('"').next().unwrap_or("");
+                exported.insert(name.to_string());
+            }
+        }
+    }
+    let mut named = 0;
+    for line in rules.lines().filter(|l| l.trim_start().starts_with("expr:")) {
+        for word in line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if word.starts_with("trainyard_") || word.starts_with("DCGM_FI_") {
+                ensure!(exported.contains(word), "the alerting rules use {word}, which nothing exports: {line}");
+                named += 1;
+            }
+        }
+    }
+    ensure!(named >= 5, "only {named} metric names found in the rules");
+    ensure!(rules.starts_with("# ") && rules.contains("\ngroups:\n"), "not a rules file");
+    Ok(())
+}
 
 #[test]
 fn systemd_units_start_the_binaries_with_flags_they_have() -> Result<()> {
