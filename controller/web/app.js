@@ -322,6 +322,7 @@
   class Plot {
     constructor(id, title, fetchData) {
       this.fetchData = fetchData;
+      this.bands = [];
       this.range = null;
       this.seq = 0;
       this.u = null;
@@ -340,6 +341,28 @@
     }
 
     setTitle(t) { this.titleText.textContent = t; }
+
+    /** Shaded step ranges (live findings): [{from, to, label, open}]. */
+    setBands(bands) {
+      const key = JSON.stringify(bands);
+      if (key === JSON.stringify(this.bands)) return;
+      this.bands = bands;
+      this.el.dataset.bands = String(bands.length);
+      if (this.u) this.u.redraw(false);
+    }
+
+    drawBands(u) {
+      const ctx = u.ctx;
+      const { top, height } = u.bbox;
+      ctx.save();
+      for (const b of this.bands) {
+        const x0 = u.valToPos(b.from, "x", true);
+        const x1 = u.valToPos(Math.max(b.to, b.from + 1), "x", true);
+        ctx.fillStyle = b.open ? "rgba(220, 38, 38, 0.14)" : "rgba(217, 119, 6, 0.12)";
+        ctx.fillRect(x0, top, Math.max(2, x1 - x0), height);
+      }
+      ctx.restore();
+    }
 
     async load(range = this.range) {
       const seq = ++this.seq;
@@ -408,6 +431,7 @@
           { values: (u, splits) => splits.map((v) => fmtAxis(v, unit)), size: 56 },
         ],
         hooks: {
+          drawClear: [(u) => this.drawBands(u)],
           setSelect: [(u) => this.onSelect(u)],
           setCursor: [(u) => this.onCursor(u, many)],
         },
@@ -603,6 +627,8 @@
     const headBox = h("section", { id: "job-header", class: "card" });
     const diagBox = h("section", { id: "diagnosis", class: "card" });
     const plotsBox = h("section", { id: "plots", class: "plots" });
+    const findingsBox = h("section", { id: "live-findings-section", class: "card" });
+    const telemetry = telemetrySection(id);
     const ranksBox = h("section", { id: "ranks-section" });
     const eventsBox = h("section", { id: "events-section" });
     const logsHead = h("h2", null, "Logs");
@@ -634,6 +660,9 @@
       document.title = `trainyard · job ${j.id} ${j.name}`;
       renderJobHeader(headBox, j);
       renderDiagnosis(diagBox, j.diagnosis);
+      renderFindings(findingsBox, j.findings || []);
+      const stepPlot = jobPlots.find((p) => p.el.id === "plot-step_ms");
+      if (stepPlot) stepPlot.setBands(findingBands(j));
       renderRanks(ranksBody, j.ranks || [], new Set((j.diagnosis && j.diagnosis.stragglers) || []));
       renderEvents(eventsBody, j.events || []);
       const atBottom = logs.scrollHeight - logs.scrollTop - logs.clientHeight < 8;
@@ -642,11 +671,11 @@
       if (atBottom) logs.scrollTop = logs.scrollHeight;
     };
 
-    fill(app(), headBox, diagBox, plotsBox,
+    fill(app(), headBox, diagBox, findingsBox, plotsBox, telemetry.el,
       h("div", { class: "job-lower" }, ranksBox, h("div", null, eventsBox, h("section", null, logsHead, logs))));
-    render(job);
     buildPlots(job.metrics || []);
-    await Promise.all(jobPlots.map((p) => p.load(null)));
+    render(job);
+    await Promise.all([...jobPlots.map((p) => p.load(null)), telemetry.load()]);
     await settle();
     markReady();
 
@@ -664,7 +693,7 @@
         stale = true;
       }
       if (stale) {
-        await Promise.all(jobPlots.map((p) => p.load()));
+        await Promise.all([...jobPlots.map((p) => p.load()), telemetry.load()]);
         plotted = progressKey(job);
       }
       if (TERMINAL.has(job.state)) stop();
@@ -753,6 +782,75 @@
       h("p", { class: "stragglers" }, "stragglers: ",
         stragglers.length ? h("span", { class: "num" }, "rank " + fmtRanges(stragglers)) : muted("none")),
       (d.findings || []).map(renderFinding));
+  }
+
+  /** The live diagnosis's findings: what it saw, where, since which step, open or closed. */
+  function renderFindings(box, findings) {
+    const head = h("h2", null, "Live findings");
+    if (!findings.length) {
+      fill(box, head, muted("none: the live diagnosis has found nothing during this attempt"));
+      return;
+    }
+    const { table: t, tbody } = table("live-findings", "grid", ["Cause", "Where", "Steps", "State", "Summary"]);
+    fill(tbody, ...findings.map((f) => {
+      const steps = isNum(f.first_step) ? `${fmtInt(f.first_step)}–${isNum(f.last_step) ? fmtInt(f.last_step) : ""}` : DASH;
+      const open = f.closed_at_ms == null;
+      return h("tr", { dataset: { findingId: f.id }, class: open ? "open" : null, title: f.remedy || "" },
+        td(f.cause, "mono"), td(f.subject), num(steps), td(badge(open ? "open" : "closed")), td(f.summary, "msg"));
+    }));
+    fill(box, head, t);
+  }
+
+  /** The step-time plot's bands: each finding from its first to its last step. */
+  function findingBands(j) {
+    return (j.findings || []).filter((f) => isNum(f.first_step)).map((f) => ({
+      from: f.first_step,
+      to: isNum(f.last_step) ? f.last_step : f.first_step,
+      label: `${f.cause} ${f.subject}`,
+      open: f.closed_at_ms == null,
+    }));
+  }
+
+  const TELEMETRY = [["sm_clock", "SM clock"], ["power", "Power"], ["temp", "GPU temperature"]];
+
+  /**
+   * A node's GPU telemetry during the job, against steps (under the step plots): a node picker
+   * and one plot per metric. load() refreshes them all.
+   */
+  function telemetrySection(id) {
+    let node = null;
+    const picker = h("select", { id: "telemetry-node", "aria-label": "node" });
+    const note = muted("");
+    const plots = TELEMETRY.map(([m, title]) => new Plot(`plot-telemetry-${m}`, title, async () => {
+      const q = `/api/jobs/${id}/telemetry?metric=${m}` + (node ? `&node=${encodeURIComponent(node)}` : "");
+      const resp = await api(q);
+      if (resp.node && !node) node = resp.node;
+      const nodes = resp.nodes || [];
+      if (picker.options.length !== nodes.length) {
+        fill(picker, ...nodes.map((n) => h("option", { value: n, selected: n === node ? true : null }, n)));
+      }
+      note.textContent = nodes.length ? "" : "no GPU telemetry for this attempt (agents without NVML, or --telemetry off)";
+      if (!resp.x || !resp.x.length) return null;
+      const colors = palette(resp.series.length);
+      p_title(m, title, resp.unit);
+      return {
+        unit: resp.unit,
+        x: resp.x,
+        series: resp.series.map((s, k) => ({ label: s.label, color: colors[k], values: s.values, width: 1.5 })),
+        info: `${resp.node} · per telemetry window`,
+      };
+    }));
+    const p_title = (m, title, unit) => {
+      const p = plots.find((x) => x.el.id === `plot-telemetry-${m}`);
+      if (p) p.setTitle(`${title} (${unit})`);
+    };
+    picker.addEventListener("change", () => {
+      node = picker.value;
+      Promise.all(plots.map((p) => p.load(null))).then(clearError, showError);
+    });
+    const el = h("section", { id: "telemetry", class: "plots" },
+      h("h2", null, "GPU telemetry ", picker), note, ...plots.map((p) => p.el));
+    return { el, load: () => Promise.all(plots.map((p) => p.load(null))) };
   }
 
   function renderRanks(tbody, ranks, stragglers) {

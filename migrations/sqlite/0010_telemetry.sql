@@ -67,6 +67,8 @@ CREATE TABLE live_findings (
     summary          TEXT    NOT NULL,
     evidence         TEXT    NOT NULL,              -- the measures, "name=value unit; ..."
     remedy           TEXT    NOT NULL,
+    first_step       INTEGER,                       -- the job's newest step when it opened (plots draw a band)
+    last_step        INTEGER,                       -- the job's newest step when it was last seen
     opened_at_ms     INTEGER NOT NULL,
     updated_at_ms    INTEGER NOT NULL,
     closed_at_ms     INTEGER,                       -- NULL while it lasts

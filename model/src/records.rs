@@ -313,6 +313,9 @@ pub struct LiveFinding {
     pub summary: String,
     pub evidence: String,
     pub remedy: String,
+    /// The job's newest step when it opened, and when it was last seen (a plot's band).
+    pub first_step: Option<i64>,
+    pub last_step: Option<i64>,
     pub opened_at_ms: i64,
     pub updated_at_ms: i64,
     pub closed_at_ms: Option<i64>,

@@ -15,7 +15,7 @@ const WINDOW_COLUMNS: &str = "id, agent_id, gpu, uuid, start_ms, end_ms, samples
     ecc_corrected, ecc_uncorrected, remap_pending, remap_failed, xids, job_id, attempt, rank, first_step, last_step";
 
 const FINDING_COLUMNS: &str = "id, job_id, attempt, cause, subject, nodes, ranks, summary, evidence, remedy, \
-    opened_at_ms, updated_at_ms, closed_at_ms, alerted_open_ms, alerted_close_ms";
+    first_step, last_step, opened_at_ms, updated_at_ms, closed_at_ms, alerted_open_ms, alerted_close_ms";
 
 fn count(v: u64) -> Result<i64> {
     int(v)
@@ -150,6 +150,8 @@ fn finding(row: &Row) -> Result<LiveFinding> {
         summary: row.get(t, "summary")?,
         evidence: row.get(t, "evidence")?,
         remedy: row.get(t, "remedy")?,
+        first_step: row.get(t, "first_step")?,
+        last_step: row.get(t, "last_step")?,
         opened_at_ms: row.get(t, "opened_at_ms")?,
         updated_at_ms: row.get(t, "updated_at_ms")?,
         closed_at_ms: row.get(t, "closed_at_ms")?,
@@ -249,7 +251,7 @@ impl TelemetryStore for SqlStore {
                     let id: i64 = row.get("live_findings", "id")?;
                     c.query(
                         "UPDATE live_findings SET nodes = $1, ranks = $2, summary = $3, evidence = $4, \
-                         remedy = $5, updated_at_ms = $6 WHERE id = $7",
+                         remedy = $5, updated_at_ms = $6, last_step = COALESCE($7, last_step) WHERE id = $8",
                     )
                     .bind(joined(&f.nodes))
                     .bind(joined(&f.ranks))
@@ -257,6 +259,7 @@ impl TelemetryStore for SqlStore {
                     .bind(f.evidence.as_str())
                     .bind(f.remedy.as_str())
                     .bind(f.updated_at_ms)
+                    .bind(f.last_step)
                     .bind(id)
                     .execute()
                     .await?;
@@ -266,8 +269,8 @@ impl TelemetryStore for SqlStore {
                     let row = c
                         .query(
                             "INSERT INTO live_findings (job_id, attempt, cause, subject, nodes, ranks, summary, \
-                             evidence, remedy, opened_at_ms, updated_at_ms) \
-                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING id",
+                             evidence, remedy, opened_at_ms, updated_at_ms, first_step, last_step) \
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING id",
                         )
                         .bind(int(f.job_id)?)
                         .bind(i64::from(f.attempt))
@@ -280,6 +283,8 @@ impl TelemetryStore for SqlStore {
                         .bind(f.remedy.as_str())
                         .bind(f.opened_at_ms)
                         .bind(f.updated_at_ms)
+                        .bind(f.first_step)
+                        .bind(f.last_step)
                         .one()
                         .await?;
                     row.get("live_findings", "id")?

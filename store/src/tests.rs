@@ -991,6 +991,8 @@ pub mod suite {
             summary: "GPU 3 throttled".into(),
             evidence: "sm_clock=1100 MHz".into(),
             remedy: "check cooling".into(),
+            first_step: Some(40),
+            last_step: Some(40),
             opened_at_ms: 100,
             updated_at_ms: 100,
             ..Default::default()

@@ -44,7 +44,10 @@ fn alerting_rules_name_metrics_that_exist() -> Result<()> {
     for line in rules.lines().filter(|l| l.trim_start().starts_with("expr:")) {
         for word in line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
             if word.starts_with("trainyard_") || word.starts_with("DCGM_FI_") {
-                ensure!(exported.contains(word), "the alerting rules use {word}, which nothing exports: {line}");
+                ensure!(
+                    exported.contains(word),
+                    "the alerting rules use {word}, which nothing exports: {line}"
+                );
                 named += 1;
             }
         }

@@ -71,7 +71,7 @@ fn a_throttle_that_slows_a_rank_is_named_live_and_alerted() -> Result<()> {
     let throttle =
         r#""set": {"clock_reasons": "hw_thermal_slowdown", "sm_clock_mhz": 1100, "gpu_temp_c": 91}"#;
     let text = format!(
-        r#"{{"base": {{"sm_clock_mhz": 1980, "max_sm_clock_mhz": 1980, "util_pct": 100, "gpu_temp_c": 60}},
+        r#"{{"base": {{"sm_clock_mhz": 1980, "max_sm_clock_mhz": 1980, "util_pct": 100, "gpu_temp_c": 60, "power_w": 610, "power_limit_w": 700}},
             "events": [{{"at_ms": {onset}, "until_ms": {until}, "gpu": 3, {throttle}}},
                        {{"at_ms": {onset}, "until_ms": {until}, "gpu": 5, "set": {{"clock_reasons": "sw_power_cap"}}}}]}}"#
     );
@@ -146,6 +146,32 @@ fn a_throttle_that_slows_a_rank_is_named_live_and_alerted() -> Result<()> {
     ensure!(steps[0][0] == 16 * 800, "{} step receipts", steps[0][0]);
     let windows = c.query(&format!("SELECT COUNT(*) FROM gpu_samples WHERE job_id = {job}"))?[0][0];
     ensure!(windows >= 16 * 6, "{windows} telemetry windows stored");
+    // The job page marks the finding on the step-time plot and plots the node's telemetry.
+    match trainyard_tests::chromium() {
+        None => println!("skipped: the web view's bands and telemetry plots: chromium is not installed"),
+        Some(_) => {
+            let url = format!("http://{}/jobs/{job}", c.http_addr);
+            let shot = std::env::var_os("TRAINYARD_SCREENSHOTS")
+                .map(|d| std::path::PathBuf::from(d).join("job-telemetry.png"));
+            let page = trainyard_tests::browse(&url, Duration::from_secs(10), shot.as_deref())?;
+            ensure!(page.contains(r#"data-ready="1""#), "job page not ready: {page}");
+            let findings = page.split(r#"id="live-findings""#).nth(1).unwrap_or("");
+            ensure!(findings.contains("gpu.thermal_throttle") && findings.contains("node-b/gpu3"), "{page}");
+            let step_plot = page.split(r#"id="plot-step_ms""#).nth(1).unwrap_or("");
+            let attrs = &step_plot[..step_plot.find('>').unwrap_or(0)];
+            ensure!(
+                attrs.contains("data-bands=\"") && !attrs.contains("data-bands=\"0\""),
+                "no band: {attrs}"
+            );
+            for m in ["sm_clock", "power", "temp"] {
+                let plot = page.split(&format!(r#"id="plot-telemetry-{m}""#)).nth(1).unwrap_or("");
+                ensure!(
+                    plot.split(r#"id="plot-"#).next().unwrap_or("").contains("<canvas"),
+                    "no {m} plot: {page}"
+                );
+            }
+        }
+    }
     // The webhook got the finding opened, then closed (the throttle ended or the job did).
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

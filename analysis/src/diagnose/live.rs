@@ -53,6 +53,11 @@ impl Rolling {
         self.windows.retain(|w| w.end_ms >= newest - LIVE_SPAN_MS);
     }
 
+    /// The newest step any rank reported.
+    pub fn last_step(&self) -> i64 {
+        self.last_step
+    }
+
     /// (step receipts, windows) held.
     pub fn sizes(&self) -> (usize, usize) {
         (self.samples.len(), self.windows.len())

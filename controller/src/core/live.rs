@@ -237,6 +237,8 @@ impl Controller {
             summary: f.summary.clone(),
             evidence: evidence.join("; "),
             remedy: f.remedy.clone(),
+            first_step: Some(job.rolling.last_step()),
+            last_step: Some(job.rolling.last_step()),
             opened_at_ms: now,
             updated_at_ms: now,
             ..Default::default()

@@ -4,7 +4,7 @@
 //! core's lock.
 
 use trainyard_analysis::series::{Metric, RollupRow};
-use trainyard_store::{Allocation, JobEventRecord, JobId, JobRecord, StoredReceiptRecord};
+use trainyard_store::{Allocation, GpuWindowRecord, JobEventRecord, JobId, JobRecord, StoredReceiptRecord};
 
 use super::{Controller, Result};
 
@@ -43,6 +43,11 @@ impl Controller {
         limit: u32,
     ) -> Result<Vec<StoredReceiptRecord>> {
         Ok(self.store.receipts_after(job, after, limit).await?)
+    }
+
+    /// The GPU telemetry windows of one attempt, by start time, at most `limit`.
+    pub async fn gpu_windows(&self, job: JobId, attempt: u32, limit: u32) -> Result<Vec<GpuWindowRecord>> {
+        Ok(self.store.attempt_gpu_windows(job, attempt, limit).await?)
     }
 
     /// The folded steps of an attempt (first step, last step, ranks); `None` before any.

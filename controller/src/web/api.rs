@@ -35,6 +35,11 @@ macro_rules! tri {
     };
 }
 
+/// A 200 with `value` as its JSON body.
+pub(super) fn json_ok(value: Value) -> Response {
+    ok(value)
+}
+
 fn ok(value: Value) -> Response {
     (StatusCode::OK, [(axum::http::header::CONTENT_TYPE, "application/json")], value.to_string())
         .into_response()
@@ -42,7 +47,7 @@ fn ok(value: Value) -> Response {
 
 impl Web {
     /// The job, if `caller` may see it: 404 when unknown, 403 when it is someone else's.
-    async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Reject> {
+    pub(super) async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Reject> {
         let id = job_id(raw)?;
         let job = self.controller.job_record(id).await.map_err(store_error)?;
         let job = job.ok_or_else(|| reject(StatusCode::NOT_FOUND, format!("job {id} not found")))?;
@@ -128,6 +133,10 @@ pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<Str
     let ranks = allocations.len().max(folded_ranks as usize).max(1) as u64;
     let steps_stored = facts.as_ref().map_or(0, |f| f.steps) * ranks;
     let diagnosis = live_diagnosis(&web, id, steps_stored).await;
+    let findings: Vec<Value> = match web.controller.live_findings(id).await {
+        Ok(found) => found.iter().filter(|f| f.attempt == record.attempt).map(finding_json).collect(),
+        Err(_) => Vec::new(),
+    };
     let ranks: Vec<Value> = allocations.iter().map(rank_json).collect();
     let events: Vec<Value> = events.iter().map(event_json).collect();
     let logs = if allocations.is_empty() { Value::Null } else { log_tail(&web, id).await };
@@ -149,6 +158,7 @@ pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<Str
         "events": events,
         "ranks": ranks,
         "diagnosis": diagnosis,
+        "findings": findings,
         "logs": logs,
         "metrics": Metric::ALL.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
     }))
@@ -186,6 +196,23 @@ async fn live_diagnosis(web: &Web, id: u64, steps_stored: u64) -> Value {
         Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => diagnosis_json(&d),
         _ => Value::Null,
     }
+}
+
+/// A live finding as the page lists it and bands it on the step-time plot.
+fn finding_json(f: &trainyard_store::LiveFinding) -> Value {
+    json!({
+        "id": f.id,
+        "cause": f.cause,
+        "subject": f.subject,
+        "nodes": f.nodes,
+        "ranks": f.ranks,
+        "summary": f.summary,
+        "remedy": f.remedy,
+        "first_step": f.first_step,
+        "last_step": f.last_step,
+        "opened_at_ms": f.opened_at_ms,
+        "closed_at_ms": f.closed_at_ms,
+    })
 }
 
 fn rank_json(a: &Allocation) -> Value {

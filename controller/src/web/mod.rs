@@ -7,11 +7,13 @@
 //! - this module: the routes, authentication, the embedded assets (`controller/web/`, built
 //!   into the binary: nothing is fetched at run time).
 //! - `api`: the JSON of each endpoint, from the controller's views and the store.
+//! - `telemetry`: a node's GPU telemetry during a job, against its steps.
 //!
 //! Every bad input (unknown job, malformed or huge query values) is a 4xx with a one-line
 //! message, never a 500.
 
 mod api;
+mod telemetry;
 
 use std::sync::Arc;
 
@@ -42,6 +44,7 @@ pub fn routes(controller: Arc<Controller>, auth: Authenticator) -> Router {
         .route("/api/jobs", get(api::jobs))
         .route("/api/jobs/{id}", get(api::job))
         .route("/api/jobs/{id}/series", get(api::series))
+        .route("/api/jobs/{id}/telemetry", get(telemetry::telemetry))
         .route("/api/nodes", get(api::nodes))
         .route("/api/compare", get(api::compare))
         .with_state(Web { controller, auth })

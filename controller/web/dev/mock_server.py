@@ -496,6 +496,15 @@ class Handler(BaseHTTPRequestHandler):
                 if x not in JOBS_BY_ID:
                     return self.text(404, f"no job {x}")
             return self.json(compare(a, b))
+        m = re.fullmatch(r"/api/jobs/(\d+)/telemetry", path)
+        if m:
+            if int(m.group(1)) not in JOBS_BY_ID:
+                return self.text(404, f"no job {m.group(1)}")
+            # No telemetry in the fixtures: the page says so.
+            unit = {"sm_clock": "MHz", "power": "W", "temp": "°C"}.get(q.get("metric", ""))
+            if unit is None:
+                return self.text(400, "metric is required: sm_clock, power or temp")
+            return self.json({"metric": q["metric"], "unit": unit, "node": None, "nodes": [], "x": [], "series": []})
         m = re.fullmatch(r"/api/jobs/(\d+)(/series)?", path)
         if m:
             jid = int(m.group(1))
