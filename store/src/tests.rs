@@ -608,6 +608,7 @@ pub mod suite {
             cause: trainyard_model::domain::Cause::ShmDisabled,
             summary: "off".into(),
             subject: "job".into(),
+            steps: None,
             nodes: vec!["a".into()],
             ranks: vec![0, 1],
             evidence: vec![trainyard_analysis::diagnose::Measure {

@@ -236,6 +236,7 @@ mod tests {
             cause: Cause::NumaSplit,
             summary: "sxm-b runs 1.84x slower than the fastest node".into(),
             subject: "sxm-b".into(),
+            steps: None,
             nodes: vec!["sxm-b".into()],
             ranks: (8..16).collect(),
             evidence: vec![Measure { name: "slowdown".into(), value: 1.84, unit: "x" }],

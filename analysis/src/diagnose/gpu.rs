@@ -293,8 +293,10 @@ fn slow_gpu_finding(
     }
     let start = with.iter().map(|(w, _)| w.start_ms).min().unwrap_or(0);
     evidence.push(measure("first seen", start as f64, "ms since epoch"));
+    let last_step = with.iter().filter_map(|(w, _)| w.last_step).max();
     Finding {
         cause: c.cause(),
+        steps: first_step.zip(last_step),
         summary: format!(
             "GPU {gpu} of {node} ({rank_words}): {what}{from}; {rank_words} ran {ratio:.2}x the job's median meanwhile"
         ),
@@ -311,8 +313,14 @@ fn slow_gpu_finding(
 fn health(node: &str, gpu: u32, ws: &[&GpuWindowRecord]) -> Vec<Finding> {
     let ranks: Vec<u32> = ws.iter().filter_map(|w| w.rank).collect::<BTreeSet<_>>().into_iter().collect();
     let first = |pred: &dyn Fn(&GpuWindowRecord) -> bool| ws.iter().find(|w| pred(w)).map(|w| w.start_ms);
-    let finding = |cause, summary: String, evidence, cost, remedy: String| Finding {
+    // The steps of the windows that show a problem: a plot's band.
+    let steps_where = |pred: &dyn Fn(&GpuWindowRecord) -> bool| {
+        let hit: Vec<&&GpuWindowRecord> = ws.iter().filter(|w| pred(w)).collect();
+        hit.iter().filter_map(|w| w.first_step).min().zip(hit.iter().filter_map(|w| w.last_step).max())
+    };
+    let finding = |cause, steps, summary: String, evidence, cost, remedy: String| Finding {
         cause,
+        steps,
         summary,
         subject: format!("{node}/gpu{gpu}"),
         nodes: vec![node.to_string()],
@@ -335,6 +343,7 @@ fn health(node: &str, gpu: u32, ws: &[&GpuWindowRecord]) -> Vec<Finding> {
         let at = first(&|w| !w.xids.is_empty()).unwrap_or(0);
         out.push(finding(
             Cause::GpuXid,
+            steps_where(&|w| !w.xids.is_empty()),
             format!("GPU {gpu} of {node} reported {}", told.join(", ")),
             vec![measure("XIDs", xids.len() as f64, ""), measure("first seen", at as f64, "ms since epoch")],
             cost_of::XID,
@@ -350,6 +359,7 @@ fn health(node: &str, gpu: u32, ws: &[&GpuWindowRecord]) -> Vec<Finding> {
     if uncorrected > 0 || corrected_burst >= ECC_CORRECTED_PER_WINDOW {
         out.push(finding(
             Cause::GpuEcc,
+            steps_where(&|w| w.ecc_uncorrected > 0 || w.ecc_corrected >= ECC_CORRECTED_PER_WINDOW),
             format!("GPU {gpu} of {node}: {uncorrected} uncorrected ECC error(s), up to {corrected_burst} corrected in a window"),
             vec![measure("uncorrected ECC errors", uncorrected as f64, ""), measure("most corrected in a window", corrected_burst as f64, "")],
             cost_of::ECC,
@@ -360,6 +370,7 @@ fn health(node: &str, gpu: u32, ws: &[&GpuWindowRecord]) -> Vec<Finding> {
         let failed = ws.iter().any(|w| w.remap_failed);
         out.push(finding(
             Cause::GpuRowRemapPending,
+            steps_where(&|w| w.remap_pending || w.remap_failed),
             format!(
                 "GPU {gpu} of {node}: {}",
                 if failed { "a row remapping failed" } else { "a row remapping waits for a GPU reset" }

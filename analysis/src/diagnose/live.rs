@@ -141,6 +141,7 @@ mod tests {
             cause,
             summary: String::new(),
             subject: subject.into(),
+            steps: None,
             nodes: vec![],
             ranks: vec![],
             evidence: vec![],

@@ -123,6 +123,8 @@ pub struct Finding {
     /// What it is about: `job`, a node, `node/gpuN`, or `ranks 3,5` (the live diagnosis keeps
     /// one open finding per job, cause and subject).
     pub subject: String,
+    /// The steps it concerns, where a rule knows them (a GPU condition's windows): a plot's band.
+    pub steps: Option<(i64, i64)>,
     pub nodes: Vec<String>,
     pub ranks: Vec<u32>,
     pub evidence: Vec<Measure>,

@@ -108,6 +108,7 @@ impl Scene<'_> {
             cause: cause.0,
             summary,
             subject: "job".into(),
+            steps: None,
             nodes: self.all_nodes.clone(),
             ranks: self.all_ranks.clone(),
             evidence,
@@ -138,6 +139,7 @@ fn numa_split(s: &Scene<'_>, notes: &mut Vec<String>) -> Vec<Finding> {
         out.push(Finding {
             cause: Cause::NumaSplit,
             subject: n.agent_id.clone(),
+            steps: None,
             summary: format!(
                 "{} runs {:.2}x slower than the fastest node; the job's GPUs there sit on NUMA nodes {}",
                 n.agent_id,
@@ -179,6 +181,7 @@ fn binding_refused(s: &Scene<'_>) -> Option<Finding> {
             "ranks {}",
             refused.iter().map(|a| a.id.rank.to_string()).collect::<Vec<_>>().join(",")
         ),
+        steps: None,
         summary: format!(
             "{} rank(s) do not run on the CPUs and memory planned for them (rank {}: planned CPUs {} memory {}, got CPUs {} memory {})",
             refused.len(),
@@ -220,6 +223,7 @@ fn cpu_starved(s: &Scene<'_>, notes: &mut Vec<String>) -> Vec<Finding> {
         out.push(Finding {
             cause: Cause::CpuStarved,
             subject: n.agent_id.clone(),
+            steps: None,
             summary: format!(
                 "{} runs {:.2}x slower and its preflight found {}",
                 n.agent_id,
@@ -378,6 +382,7 @@ fn unexplained_stragglers(s: &Scene<'_>, so_far: &[Finding]) -> Option<Finding> 
             "ranks {}",
             unexplained.iter().map(|r| r.rank.to_string()).collect::<Vec<_>>().join(",")
         ),
+        steps: None,
         summary: format!(
             "{} persistently slower than the job's median, and nothing on its node explains it",
             names.join(", ")

@@ -358,6 +358,7 @@ fn a_throttle_that_slows_its_rank_is_named_with_node_gpu_and_rank() {
         f.summary
     );
     assert!(f.summary.contains("1.80x"), "{}", f.summary);
+    assert_eq!(f.steps, Some((100, 199)), "the steps of the throttled windows: a plot's band");
     assert!(d.verdict().starts_with("gpu.thermal_throttle"), "{}", d.verdict());
 }
 
@@ -413,6 +414,7 @@ fn health_problems_are_findings_whatever_the_pace() {
     assert!(xid.summary.contains("XID 79 (GPU has fallen off the bus"), "{}", xid.summary);
     assert!(xid.remedy.starts_with("drain a"), "{}", xid.remedy);
     assert_eq!(xid.subject, "a/gpu2");
+    assert_eq!(xid.steps, Some((70, 79)), "the window of the XID");
 }
 
 #[test]

@@ -237,8 +237,10 @@ impl Controller {
             summary: f.summary.clone(),
             evidence: evidence.join("; "),
             remedy: f.remedy.clone(),
-            first_step: Some(job.rolling.last_step()),
-            last_step: Some(job.rolling.last_step()),
+            // A rule that knows its steps (a GPU condition's windows) gives them; otherwise the
+            // job's newest step when the round saw it.
+            first_step: Some(f.steps.map_or(job.rolling.last_step(), |s| s.0)),
+            last_step: Some(f.steps.map_or(job.rolling.last_step(), |s| s.1)),
             opened_at_ms: now,
             updated_at_ms: now,
             ..Default::default()

@@ -128,5 +128,7 @@ pub(super) fn live_finding_message(f: &trainyard_store::LiveFinding) -> trainyar
         opened_at_ms: f.opened_at_ms,
         updated_at_ms: f.updated_at_ms,
         closed_at_ms: f.closed_at_ms.unwrap_or(0),
+        first_step: f.first_step.unwrap_or(-1),
+        last_step: f.last_step.unwrap_or(-1),
     }
 }

@@ -81,10 +81,13 @@ fn follow_line(event: &str, f: &LiveFinding, json: bool) -> anyhow::Result<Strin
             "subject": f.subject, "nodes": f.nodes, "ranks": f.ranks, "summary": f.summary,
             "evidence": f.evidence, "remedy": f.remedy, "opened_at_ms": f.opened_at_ms,
             "updated_at_ms": f.updated_at_ms, "closed_at_ms": (f.closed_at_ms != 0).then_some(f.closed_at_ms),
+            "first_step": (f.first_step >= 0).then_some(f.first_step), "last_step": (f.last_step >= 0).then_some(f.last_step),
         });
         return Ok(format!("{v}\n"));
     }
-    let mut line = format!("{event:>7} {} [{}] {}\n", f.cause, f.subject, f.summary);
+    let steps =
+        if f.first_step >= 0 { format!(" steps {}-{}", f.first_step, f.last_step) } else { String::new() };
+    let mut line = format!("{event:>7} {} [{}]{steps} {}\n", f.cause, f.subject, f.summary);
     if event == "opened" {
         line += &format!("        remedy: {}\n", f.remedy);
     }
