@@ -291,8 +291,6 @@ fn slow_gpu_finding(
     if let Some(clock) = with.iter().filter_map(|(w, _)| w.sm_clock_mean).reduce(f64::min) {
         evidence.push(measure("lowest mean SM clock in a window", clock, "MHz"));
     }
-    let start = with.iter().map(|(w, _)| w.start_ms).min().unwrap_or(0);
-    evidence.push(measure("first seen", start as f64, "ms since epoch"));
     let last_step = with.iter().filter_map(|(w, _)| w.last_step).max();
     Finding {
         cause: c.cause(),
@@ -312,7 +310,6 @@ fn slow_gpu_finding(
 /// XIDs, ECC errors and row remapping of one GPU: findings whatever the pace.
 fn health(node: &str, gpu: u32, ws: &[&GpuWindowRecord]) -> Vec<Finding> {
     let ranks: Vec<u32> = ws.iter().filter_map(|w| w.rank).collect::<BTreeSet<_>>().into_iter().collect();
-    let first = |pred: &dyn Fn(&GpuWindowRecord) -> bool| ws.iter().find(|w| pred(w)).map(|w| w.start_ms);
     // The steps of the windows that show a problem: a plot's band.
     let steps_where = |pred: &dyn Fn(&GpuWindowRecord) -> bool| {
         let hit: Vec<&&GpuWindowRecord> = ws.iter().filter(|w| pred(w)).collect();
@@ -340,12 +337,11 @@ fn health(node: &str, gpu: u32, ws: &[&GpuWindowRecord]) -> Vec<Finding> {
             })
             .collect();
         let drains = xids.iter().any(|n| tel::xid(*n).action.drains());
-        let at = first(&|w| !w.xids.is_empty()).unwrap_or(0);
         out.push(finding(
             Cause::GpuXid,
             steps_where(&|w| !w.xids.is_empty()),
             format!("GPU {gpu} of {node} reported {}", told.join(", ")),
-            vec![measure("XIDs", xids.len() as f64, ""), measure("first seen", at as f64, "ms since epoch")],
+            vec![measure("XIDs", xids.len() as f64, "")],
             cost_of::XID,
             if drains {
                 format!("drain {node} (`ctl drain {node}`), reset GPU {gpu} or reboot, then `ctl preflight {node} --run full`")

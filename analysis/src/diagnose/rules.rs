@@ -55,6 +55,8 @@ pub(super) fn findings(
         out.extend(fabric_fallback(&scene));
     }
     out.extend(gpu_health);
+    let slow = unexplained_slow_nodes(&scene, &out);
+    out.extend(slow);
     let stragglers = unexplained_stragglers(&scene, &out);
     out.extend(stragglers);
     out
@@ -396,6 +398,40 @@ fn unexplained_stragglers(s: &Scene<'_>, so_far: &[Finding]) -> Option<Finding> 
                  remapping; run `ctl preflight NODE --run full`; drain the node if it persists"
                 .into(),
     })
+}
+
+/// `straggler.unexplained` for a slow node (1.25x the fastest or more) that no finding so far
+/// places: "slow, cause not identified" is still worth naming, with the node's pace.
+fn unexplained_slow_nodes(s: &Scene<'_>, so_far: &[Finding]) -> Vec<Finding> {
+    let all_nodes = &s.all_nodes;
+    let placed: BTreeSet<&str> = so_far
+        .iter()
+        .filter(|f| f.nodes.len() < all_nodes.len())
+        .flat_map(|f| f.nodes.iter().map(String::as_str))
+        .collect();
+    s.slow_nodes
+        .iter()
+        .filter(|n| !placed.contains(n.agent_id.as_str()))
+        .map(|n| Finding {
+            cause: Cause::StragglerUnexplained,
+            subject: n.agent_id.clone(),
+            steps: None,
+            summary: format!(
+                "{} runs {:.2}x slower than the fastest node, and nothing the diagnosis can see explains it (slow, cause not identified)",
+                n.agent_id,
+                n.vs_fastest.unwrap_or(1.0)
+            ),
+            nodes: vec![n.agent_id.clone()],
+            ranks: n.ranks.clone(),
+            evidence: s.pace(n),
+            expected_cost: cost_of::STRAGGLER,
+            remedy: format!(
+                "look at {0}'s GPUs (`nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE`), its CPUs and memory \
+                 (another tenant, a BIOS power setting), and run `ctl preflight {0} --run full`; drain it if it persists",
+                n.agent_id
+            ),
+        })
+        .collect()
 }
 
 /// The job's median and each unexplained straggler's median, score and slow windows.

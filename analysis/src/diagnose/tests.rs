@@ -486,3 +486,33 @@ fn a_healthy_noisy_run_has_no_finding() {
         assert!(d.notes.is_empty(), "seed {seed}: {:?}", d.notes);
     }
 }
+
+#[test]
+fn a_slow_node_nothing_explains_is_still_named_with_its_slowdown() {
+    let mut case = Case::healthy();
+    // Node b's ranks all run 1.3x slower; its GPUs share one NUMA node and nothing is wrong
+    // that the diagnosis can see.
+    case.samples = samples(|r| if r >= 8 { 913.0 } else { 702.0 }, |_| 57.8);
+    let d = case.run();
+    assert_eq!(causes(&d), vec![Cause::StragglerUnexplained], "{:#?}", d.findings);
+    let f = &d.findings[0];
+    assert_eq!(f.nodes, vec!["b".to_string()]);
+    assert_eq!(f.ranks, (8..16).collect::<Vec<u32>>());
+    assert!(f.summary.contains("b runs 1.30x slower than the fastest node"), "{}", f.summary);
+    assert!(
+        f.evidence.iter().any(|m| m.name == "slowdown" && (m.value - 1.3).abs() < 0.01),
+        "{:?}",
+        f.evidence
+    );
+}
+
+#[test]
+fn cpu_starvation_every_node_shares_is_noted_not_blamed() {
+    let mut case = Case::healthy();
+    case.samples = samples(|r| if r >= 8 { 1_200.0 } else { 702.0 }, |_| 57.8);
+    let starved = [("numa.cpus_per_gpu", CheckStatus::Warn, "2 CPUs per GPU")];
+    case.nodes = [("a".to_string(), node(|_| 0, &starved)), ("b".to_string(), node(|_| 0, &starved))].into();
+    let d = case.run();
+    assert!(!causes(&d).contains(&Cause::CpuStarved), "{:#?}", d.findings);
+    assert!(d.notes.iter().any(|n| n.starts_with("b: its preflight found 2 CPUs per GPU")), "{:?}", d.notes);
+}
