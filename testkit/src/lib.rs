@@ -4,5 +4,7 @@
 //! # Layout
 //! - [`pg_server`]: a throwaway PostgreSQL server on loopback ([`pg_server::TempPostgres`]),
 //!   which the store's test suite, the end-to-end harness and the PostgreSQL benches run on.
+//! - [`noise`]: reproducible random numbers (uniform, normal) for noisy runs in tests and benches.
 
+pub mod noise;
 pub mod pg_server;

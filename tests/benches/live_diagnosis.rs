@@ -21,28 +21,12 @@ use trainyard_model::receipts;
 use trainyard_model::records::{Allocation, GpuWindowRecord, RankObserved};
 use trainyard_model::spec::{Engine, JobSpec, Resources};
 use trainyard_store::{DiagnosisStore, JobStore, NewReceipt, RankId, ReceiptStore, SqlStore, TelemetryStore};
+use trainyard_testkit::noise::Noise;
 
 const RANKS: u32 = 64;
 const STEP_MS: i64 = 500;
 const ROUND_MS: i64 = 10_000;
 const SLOW_RANK: u32 = 42;
-
-/// xorshift64* and Box-Muller: reproducible noise without a crate.
-struct Noise(u64);
-
-impl Noise {
-    fn uniform(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        ((self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform(), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
-    }
-}
 
 fn cpu_seconds() -> f64 {
     // SAFETY: getrusage fills the struct it is given.
@@ -161,7 +145,7 @@ async fn run(minutes: i64) -> anyhow::Result<()> {
             )
         })
         .collect();
-    let mut noise = Noise(7);
+    let mut noise = Noise::new(7);
     let mut next_step = vec![0i64; RANKS as usize];
     let mut clock = vec![0i64; RANKS as usize];
     let (mut rolling, mut tracker) = (Rolling::default(), Tracker::default());

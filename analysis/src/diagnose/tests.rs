@@ -431,30 +431,12 @@ fn a_numa_split_the_fast_nodes_share_is_noted_not_blamed() {
     );
 }
 
-/// A small deterministic generator (xorshift64*), so the noise test needs no crate.
-struct Noise(u64);
-
-impl Noise {
-    fn uniform(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        ((self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-
-    /// Standard normal (Box-Muller).
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform(), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
-    }
-}
-
 /// The noise target: 16 ranks, 240 steps, lognormal step times (sigma 0.15) and a 4x
 /// spike on a random rank about every 40 steps, with healthy telemetry: no finding at all.
 #[test]
 fn a_healthy_noisy_run_has_no_finding() {
     for seed in 1..=20u64 {
-        let mut noise = Noise(0x9E37_79B9_7F4A_7C15 ^ seed);
+        let mut noise = trainyard_testkit::noise::Noise::new(0x9E37_79B9_7F4A_7C15 ^ seed);
         let mut samples = Vec::new();
         for step in 0..240i64 {
             let spike_rank = (step % 40 == 17).then(|| (noise.uniform() * 16.0) as u32);
