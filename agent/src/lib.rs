@@ -20,6 +20,7 @@
 //!   host-description file behind it.
 //! - [`topology`]: the node's GPU/NUMA/NIC model, its interconnect class, `nvidia-smi topo -m`
 //!   rendering and parsing.
+//! - [`gpu_sample`]: one reading of one GPU (plain data the telemetry and the metrics share).
 //! - [`telemetry`]: GPU telemetry: a sampler thread (NVML, or a script on hosts without a GPU)
 //!   summarising each running rank's GPU per window, queued for the stream.
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
@@ -29,6 +30,7 @@ pub mod address;
 pub mod config;
 pub mod connection;
 pub mod env;
+pub mod gpu_sample;
 pub mod launcher;
 pub mod layout;
 pub mod logs;

@@ -28,9 +28,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use crate::gpu_sample::Sample;
 use crate::launcher::Launcher;
 use crate::layout::RankId;
-use crate::telemetry::Sample;
 use trainyard_proto::words::RankState;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

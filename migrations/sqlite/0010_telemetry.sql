@@ -39,6 +39,7 @@ CREATE TABLE gpu_samples (
     remap_pending   BOOLEAN NOT NULL,               -- a row remapping waits for a GPU reset
     remap_failed    BOOLEAN NOT NULL,
     xids            TEXT    NOT NULL,               -- XIDs in the window, comma-separated ('' none)
+    nvlink_detail   TEXT    NOT NULL,               -- links down or erring: 'link 3 down; link 7: 12 crc' ('' none)
     job_id          INTEGER,                        -- the rank on the GPU (NULL: idle)
     attempt         INTEGER,
     rank            INTEGER,

@@ -286,6 +286,9 @@ pub struct GpuWindowRecord {
     pub remap_pending: bool,
     pub remap_failed: bool,
     pub xids: Vec<u32>,
+    /// The NVLinks that were down or counted errors in the window, in words
+    /// (`link 3 down; link 7: 12 crc, 1 replay`); empty when all were up and clean.
+    pub nvlink_detail: String,
     /// The rank on the GPU, if one ran there in the window.
     pub job_id: Option<JobId>,
     pub attempt: Option<u32>,

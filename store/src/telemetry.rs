@@ -12,7 +12,7 @@ const WINDOW_COLUMNS: &str = "id, agent_id, gpu, uuid, start_ms, end_ms, samples
     sm_clock_max, sm_clock_limit, mem_clock_mean, power_mean, power_max, power_limit, gpu_temp_mean, gpu_temp_max, \
     mem_temp_max, util_mean, mem_used_max, clock_reasons, pcie_gen, pcie_gen_max, pcie_width, pcie_width_max, \
     pcie_replays, nvlinks_up, nvlinks_total, nvlink_crc_errors, nvlink_replay_errors, nvlink_recovery_errors, \
-    ecc_corrected, ecc_uncorrected, remap_pending, remap_failed, xids, job_id, attempt, rank, first_step, last_step";
+    ecc_corrected, ecc_uncorrected, remap_pending, remap_failed, xids, nvlink_detail, job_id, attempt, rank, first_step, last_step";
 
 const FINDING_COLUMNS: &str = "id, job_id, attempt, cause, subject, nodes, ranks, summary, evidence, remedy, \
     first_step, last_step, opened_at_ms, updated_at_ms, closed_at_ms, alerted_open_ms, alerted_close_ms";
@@ -27,7 +27,7 @@ async fn insert_window(c: &mut Conn<'_>, w: &GpuWindowRecord) -> Result<u64> {
     let sql = format!(
         "INSERT INTO gpu_samples ({columns}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
          $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, \
-         $36, $37, $38, $39, $40) ON CONFLICT (agent_id, gpu, start_ms) DO NOTHING"
+         $36, $37, $38, $39, $40, $41) ON CONFLICT (agent_id, gpu, start_ms) DO NOTHING"
     );
     let n = c
         .query(sql)
@@ -66,6 +66,7 @@ async fn insert_window(c: &mut Conn<'_>, w: &GpuWindowRecord) -> Result<u64> {
         .bind(w.remap_pending)
         .bind(w.remap_failed)
         .bind(xids)
+        .bind(w.nvlink_detail.as_str())
         .bind(w.job_id.map(int).transpose()?)
         .bind(w.attempt.map(i64::from))
         .bind(w.rank.map(i64::from))
@@ -121,6 +122,7 @@ fn window(row: &Row) -> Result<(u64, GpuWindowRecord)> {
         remap_pending: row.get(t, "remap_pending")?,
         remap_failed: row.get(t, "remap_failed")?,
         xids,
+        nvlink_detail: row.get(t, "nvlink_detail")?,
         job_id: row.opt_num(t, "job_id")?,
         attempt: row.opt_num(t, "attempt")?,
         rank: row.opt_num(t, "rank")?,

@@ -930,6 +930,7 @@ pub mod suite {
             nvlink_crc_errors: 12,
             remap_pending: true,
             xids: vec![79, 48],
+            nvlink_detail: "link 3 down; link 7: 12 crc".into(),
             job_id: Some(j.id),
             attempt: Some(0),
             rank: Some(1),
@@ -938,6 +939,7 @@ pub mod suite {
             ..Default::default()
         };
         let idle = crate::GpuWindowRecord {
+            nvlink_detail: String::new(),
             gpu: 4,
             job_id: None,
             attempt: None,

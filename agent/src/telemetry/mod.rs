@@ -26,8 +26,8 @@ use std::time::Duration;
 use tracing::{info, warn};
 use trainyard_proto::v1::{GpuWindow, RankKey, TelemetryBatch, WindowSteps};
 
+pub use crate::gpu_sample::{Counters, Sample};
 use crate::layout::RankId;
-pub use window::Counters;
 
 /// Windows kept while the controller does not take them: 8 GPUs x 10 s windows for ~6 hours.
 pub const MAX_QUEUED_WINDOWS: usize = 20_000;
@@ -38,34 +38,6 @@ const _: () = assert!(MAX_BATCH_WINDOWS <= trainyard_proto::limits::MAX_TELEMETR
 const MAX_STEP_STAMPS: usize = 4096;
 /// How long an ended rank's step stamps are kept, for its last window.
 const STEPS_KEPT_MS: i64 = 120_000;
-
-/// One reading of one GPU; `None` where the GPU does not support the query.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Sample {
-    pub gpu: u32,
-    pub uuid: String,
-    pub at_ms: i64,
-    pub sm_clock_mhz: Option<f64>,
-    pub mem_clock_mhz: Option<f64>,
-    pub max_sm_clock_mhz: Option<f64>,
-    pub power_w: Option<f64>,
-    pub power_limit_w: Option<f64>,
-    pub gpu_temp_c: Option<f64>,
-    pub mem_temp_c: Option<f64>,
-    pub util_pct: Option<f64>,
-    pub mem_used_bytes: Option<f64>,
-    /// NVML clocks-event reason bits (`trainyard_proto::telemetry`).
-    pub clock_reasons: u64,
-    /// (generation, max generation, width, max width) of the PCIe link.
-    pub pcie: Option<(u32, u32, u32, u32)>,
-    /// (active, total) NVLinks.
-    pub nvlinks: (u32, u32),
-    pub counters: Counters,
-    pub remap_pending: bool,
-    pub remap_failed: bool,
-    /// XIDs the driver reported for this GPU since the previous reading.
-    pub xids: Vec<u32>,
-}
 
 /// Reads GPUs. The real one is [`nvml::NvmlSampler`]; [`script::ScriptedSampler`] stands in
 /// where there is no GPU.

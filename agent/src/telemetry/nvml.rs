@@ -19,6 +19,7 @@ use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::{Device, Nvml};
 
 use super::{Counters, GpuSampler, Sample};
+use crate::gpu_sample::LinkReading;
 use crate::preflight::nvml::NOT_FOUND;
 
 const MAX_NVLINKS: u32 = 18;
@@ -109,7 +110,7 @@ fn read(d: &Device<'_>) -> Sample {
         (Ok(g), Ok(gm), Ok(w), Ok(wm)) => Some((g, gm, w, wm)),
         _ => None,
     };
-    let (nvlinks, nvlink_counters) = nvlinks(d);
+    let (nvlinks, nvlink_counters, links) = nvlinks(d);
     Sample {
         uuid: d.uuid().unwrap_or_default(),
         sm_clock_mhz: f(d.clock_info(Clock::SM)),
@@ -124,6 +125,7 @@ fn read(d: &Device<'_>) -> Sample {
         clock_reasons: d.current_throttle_reasons().map(|r| r.bits()).unwrap_or(0),
         pcie,
         nvlinks,
+        links,
         counters: Counters {
             pcie_replays: d.pcie_replay_counter().map(u64::from).unwrap_or(0),
             ecc_corrected: d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile).unwrap_or(0),
@@ -145,16 +147,18 @@ fn memory_temp(d: &Device<'_>) -> Option<f64> {
     .filter(|t| *t > 0.0)
 }
 
-/// (active, present) links and the error counters summed over the active ones.
-fn nvlinks(d: &Device<'_>) -> ((u32, u32), Counters) {
+/// (active, present) links, the error counters summed over the active ones, and each link.
+fn nvlinks(d: &Device<'_>) -> ((u32, u32), Counters, Vec<LinkReading>) {
     let (mut up, mut total) = (0, 0);
     let mut c = Counters::default();
+    let mut links = Vec::new();
     for link in 0..MAX_NVLINKS {
         let wrapper = d.link_wrapper_for(link);
         match wrapper.is_active() {
             Ok(active) => {
                 total += 1;
                 if !active {
+                    links.push((link, false, [0; 3]));
                     continue;
                 }
                 up += 1;
@@ -162,11 +166,17 @@ fn nvlinks(d: &Device<'_>) -> ((u32, u32), Counters) {
             Err(_) => continue, // no such link on this GPU
         }
         let count = |counter| wrapper.error_counter(counter).unwrap_or(0);
-        c.nvlink_crc += count(ErrorCounter::DlCrcFlit) + count(ErrorCounter::DlCrcData);
-        c.nvlink_replay += count(ErrorCounter::DlReplay);
-        c.nvlink_recovery += count(ErrorCounter::DlRecovery);
+        let errors = [
+            count(ErrorCounter::DlCrcFlit) + count(ErrorCounter::DlCrcData),
+            count(ErrorCounter::DlReplay),
+            count(ErrorCounter::DlRecovery),
+        ];
+        c.nvlink_crc += errors[0];
+        c.nvlink_replay += errors[1];
+        c.nvlink_recovery += errors[2];
+        links.push((link, true, errors));
     }
-    ((up, total), c)
+    ((up, total), c, links)
 }
 
 /// (pending, failed) row remapping; (false, false) where the GPU has none (pre-Ampere).

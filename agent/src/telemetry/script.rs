@@ -207,6 +207,10 @@ impl GpuSampler for ScriptedSampler {
         let reasons =
             reading.clock_reasons.as_deref().map(trainyard_proto::telemetry::reason_bits).transpose()?;
         let pcie_max = (reading.pcie_gen_max.unwrap_or(5), reading.pcie_width_max.unwrap_or(16));
+        let (up, total) = (reading.nvlinks_up.unwrap_or(18), reading.nvlinks_total.unwrap_or(18));
+        // The links down are the highest-numbered ones; scripted NVLink errors count on link 0.
+        let links =
+            (0..total).map(|l| (l, l < up, if l == 0 { [totals[1] as u64, 0, 0] } else { [0; 3] })).collect();
         Ok(Sample {
             gpu,
             uuid: format!("GPU-script-{gpu:02}"),
@@ -227,7 +231,8 @@ impl GpuSampler for ScriptedSampler {
                 reading.pcie_width.unwrap_or(pcie_max.1),
                 pcie_max.1,
             )),
-            nvlinks: (reading.nvlinks_up.unwrap_or(18), reading.nvlinks_total.unwrap_or(18)),
+            nvlinks: (up, total),
+            links,
             counters: Counters {
                 pcie_replays: totals[0] as u64,
                 nvlink_crc: totals[1] as u64,

@@ -8,9 +8,9 @@
 
 use std::collections::BTreeMap;
 
-use trainyard_proto::v1::{GpuWindow, Stat, WindowSteps};
+use trainyard_proto::v1::{GpuWindow, NvlinkLink, Stat, WindowSteps};
 
-use super::Sample;
+use super::{Counters, Sample};
 
 /// min / mean / max of the readings a window had (none: all zero).
 #[derive(Debug, Clone, Copy, Default)]
@@ -38,32 +38,6 @@ impl Gauge {
     }
 }
 
-/// The counters a sample carries, cumulative since the driver loaded.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counters {
-    pub pcie_replays: u64,
-    pub nvlink_crc: u64,
-    pub nvlink_replay: u64,
-    pub nvlink_recovery: u64,
-    pub ecc_corrected: u64,
-    pub ecc_uncorrected: u64,
-}
-
-impl Counters {
-    /// `self - base` per counter; a counter below its base restarted from zero.
-    fn since(&self, base: &Counters) -> Counters {
-        let d = |now: u64, then: u64| if now >= then { now - then } else { now };
-        Counters {
-            pcie_replays: d(self.pcie_replays, base.pcie_replays),
-            nvlink_crc: d(self.nvlink_crc, base.nvlink_crc),
-            nvlink_replay: d(self.nvlink_replay, base.nvlink_replay),
-            nvlink_recovery: d(self.nvlink_recovery, base.nvlink_recovery),
-            ecc_corrected: d(self.ecc_corrected, base.ecc_corrected),
-            ecc_uncorrected: d(self.ecc_uncorrected, base.ecc_uncorrected),
-        }
-    }
-}
-
 /// One GPU's open window.
 #[derive(Debug, Default)]
 struct Open {
@@ -83,6 +57,8 @@ struct Open {
     reasons: u64,
     pcie: Option<(u32, u32, u32, u32)>,
     nvlinks: (u32, u32),
+    /// Per link: down at some reading, and its error deltas.
+    links: BTreeMap<u32, (bool, [u64; 3])>,
     counters: Counters,
     remap_pending: bool,
     remap_failed: bool,
@@ -96,6 +72,8 @@ pub struct Windows {
     open: BTreeMap<u32, Open>,
     /// Each GPU's counters at the end of its previous window.
     base: BTreeMap<u32, Counters>,
+    /// Each GPU's per-link counters at its previous reading.
+    link_base: BTreeMap<(u32, u32), [u64; 3]>,
 }
 
 impl Windows {
@@ -104,6 +82,7 @@ impl Windows {
             window_ms: (window.as_millis() as i64).max(1),
             open: BTreeMap::new(),
             base: BTreeMap::new(),
+            link_base: BTreeMap::new(),
         }
     }
 
@@ -133,6 +112,14 @@ impl Windows {
             });
         }
         w.nvlinks = s.nvlinks;
+        for &(link, up, now) in &s.links {
+            let before = self.link_base.insert((s.gpu, link), now).unwrap_or(now);
+            let entry = w.links.entry(link).or_default();
+            entry.0 |= !up;
+            for i in 0..3 {
+                entry.1[i] += if now[i] >= before[i] { now[i] - before[i] } else { now[i] };
+            }
+        }
         w.counters = s.counters.since(&base);
         w.remap_pending |= s.remap_pending;
         w.remap_failed |= s.remap_failed;
@@ -168,7 +155,7 @@ impl Windows {
             let Some(w) = self.open.remove(&gpu) else { continue };
             let end_ms = now_ms.max(w.last_ms);
             let base = self.base.entry(gpu).or_default();
-            *base = add(base, &w.counters);
+            *base = base.plus(&w.counters);
             let (pcie_gen, pcie_gen_max, pcie_width, pcie_width_max) = w.pcie.unwrap_or_default();
             out.push(GpuWindow {
                 gpu,
@@ -202,6 +189,18 @@ impl Windows {
                 remap_failed: w.remap_failed,
                 xids: w.xids,
                 steps: steps(gpu, w.start_ms, end_ms),
+                nvlink_links: w
+                    .links
+                    .iter()
+                    .filter(|(_, (down, e))| *down || e.iter().any(|n| *n > 0))
+                    .map(|(&link, &(down, e))| NvlinkLink {
+                        link,
+                        down,
+                        crc_errors: e[0],
+                        replay_errors: e[1],
+                        recovery_errors: e[2],
+                    })
+                    .collect(),
             });
         }
         out
@@ -211,17 +210,7 @@ impl Windows {
     pub fn forget(&mut self, gpu: u32) {
         self.open.remove(&gpu);
         self.base.remove(&gpu);
-    }
-}
-
-fn add(a: &Counters, d: &Counters) -> Counters {
-    Counters {
-        pcie_replays: a.pcie_replays + d.pcie_replays,
-        nvlink_crc: a.nvlink_crc + d.nvlink_crc,
-        nvlink_replay: a.nvlink_replay + d.nvlink_replay,
-        nvlink_recovery: a.nvlink_recovery + d.nvlink_recovery,
-        ecc_corrected: a.ecc_corrected + d.ecc_corrected,
-        ecc_uncorrected: a.ecc_uncorrected + d.ecc_uncorrected,
+        self.link_base.retain(|(g, _), _| *g != gpu);
     }
 }
 
@@ -244,6 +233,7 @@ mod tests {
             s.clock_reasons = if i == 1 { HW_THERMAL.bit } else { SW_POWER_CAP.bit };
             s.pcie = Some((if i == 2 { 3 } else { 5 }, 5, 16, 16));
             s.counters.nvlink_crc = 10 + i as u64 * 4;
+            s.links = vec![(1, true, [0; 3]), (2, i != 1, [0; 3]), (5, true, [10 + i as u64 * 4, 0, 0])];
             s.xids = if i == 2 { vec![79] } else { vec![] };
             w.push(&s);
         }
@@ -260,6 +250,14 @@ mod tests {
         assert_eq!(g.clock_reasons, HW_THERMAL.bit | SW_POWER_CAP.bit);
         assert_eq!((g.pcie_gen, g.pcie_gen_max, g.pcie_width, g.pcie_width_max), (3, 5, 16, 16));
         assert_eq!(g.nvlink_crc_errors, 8, "delta within the window");
+        assert_eq!(
+            g.nvlink_links.len(),
+            2,
+            "the down link and the erring link, not the clean one: {:?}",
+            g.nvlink_links
+        );
+        assert_eq!((g.nvlink_links[0].link, g.nvlink_links[0].down), (2, true));
+        assert_eq!((g.nvlink_links[1].link, g.nvlink_links[1].crc_errors), (5, 8));
         assert_eq!(g.xids, vec![79]);
         assert_eq!(g.steps[0].last_step, 10_000);
         assert!(g.power_w.is_none(), "no power readings: no stat");

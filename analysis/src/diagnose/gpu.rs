@@ -148,11 +148,11 @@ impl Condition {
             }
             Condition::NvlinkDown => {
                 let up = ws.iter().map(|w| w.nvlinks_up).min().unwrap_or(0);
-                format!("{up} of {} NVLinks up", ws[0].nvlinks_total)
+                format!("{up} of {} NVLinks up{}", ws[0].nvlinks_total, links_of(ws))
             }
             Condition::NvlinkErrors => {
                 let n: u64 = ws.iter().map(|w| nvlink_errors(w)).sum();
-                format!("{n} NVLink errors (CRC, replay, recovery)")
+                format!("{n} NVLink errors (CRC, replay, recovery){}", links_of(ws))
             }
         }
     }
@@ -188,6 +188,14 @@ impl Condition {
 
 /// A window with its pace (`None`: its rank ran no step in it).
 type Paced<'a> = (&'a GpuWindowRecord, Option<f64>);
+
+/// Which links, from the last window that says: ` (link 3 down; link 7: 12 crc)`.
+fn links_of(ws: &[&GpuWindowRecord]) -> String {
+    ws.iter()
+        .rev()
+        .find(|w| !w.nvlink_detail.is_empty())
+        .map_or(String::new(), |w| format!(" ({})", w.nvlink_detail))
+}
 
 fn nvlink_errors(w: &GpuWindowRecord) -> u64 {
     w.nvlink_crc_errors + w.nvlink_replay_errors + w.nvlink_recovery_errors

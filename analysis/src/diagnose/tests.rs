@@ -498,3 +498,25 @@ fn cpu_starvation_every_node_shares_is_noted_not_blamed() {
     assert!(!causes(&d).contains(&Cause::CpuStarved), "{:#?}", d.findings);
     assert!(d.notes.iter().any(|n| n.starts_with("b: its preflight found 2 CPUs per GPU")), "{:?}", d.notes);
 }
+
+#[test]
+fn nvlinks_down_on_a_slow_ranks_gpu_name_the_links() {
+    let mut case = Case::healthy();
+    case.samples = samples(|_| 702.0, |_| 57.8);
+    for s in case.samples.iter_mut().filter(|s| s.rank == 6 && s.step >= 50) {
+        s.step_time_ms = s.step_time_ms.map(|t| t * 1.5);
+    }
+    case.windows = windows(|rank, w, g| {
+        if rank == 6 && w >= 5 {
+            g.nvlinks_up = 16;
+            g.nvlink_detail = "link 16 down; link 17 down".into();
+        }
+    });
+    let d = case.run();
+    assert_eq!(causes(&d), vec![Cause::NvlinkDown], "{:#?}", d.findings);
+    assert!(
+        d.findings[0].summary.contains("16 of 18 NVLinks up (link 16 down; link 17 down)"),
+        "{}",
+        d.findings[0].summary
+    );
+}

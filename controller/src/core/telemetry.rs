@@ -171,10 +171,32 @@ fn record(agent_id: &str, w: &GpuWindow, unknown: &[u64]) -> GpuWindowRecord {
         remap_pending: w.remap_pending,
         remap_failed: w.remap_failed,
         xids: w.xids.clone(),
+        nvlink_detail: nvlink_detail(&w.nvlink_links),
         job_id: user.map(|u| u.0.job_id),
         attempt: user.map(|u| u.0.attempt),
         rank: user.map(|u| u.0.rank),
         first_step: user.and_then(|u| step(u.1)),
         last_step: user.and_then(|u| step(u.2)),
     }
+}
+
+/// The links that were down or erring, in words: `link 3 down; link 7: 12 crc, 1 replay`.
+fn nvlink_detail(links: &[trainyard_proto::v1::NvlinkLink]) -> String {
+    links
+        .iter()
+        .map(|l| {
+            let counts: Vec<String> =
+                [(l.crc_errors, "crc"), (l.replay_errors, "replay"), (l.recovery_errors, "recovery")]
+                    .iter()
+                    .filter(|(n, _)| *n > 0)
+                    .map(|(n, what)| format!("{n} {what}"))
+                    .collect();
+            match (l.down, counts.is_empty()) {
+                (true, true) => format!("link {} down", l.link),
+                (true, false) => format!("link {} down: {}", l.link, counts.join(", ")),
+                (false, _) => format!("link {}: {}", l.link, counts.join(", ")),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
