@@ -108,9 +108,10 @@ if [ "$(id -u)" = 0 ]; then
     AGENT_FLAGS+=(--allow-root-ranks)
 fi
 for node in a b; do
-    say "Starting agent demo-node-$node (8 stand-in H100 SXM GPUs from deploy/hosts/demo-node-$node.json)"
+    say "Starting agent demo-node-$node (8 stand-in H100 SXM GPUs from deploy/hosts/demo-node-$node.json, telemetry replayed from deploy/hosts/demo-telemetry.json)"
     "$ROOT/target/debug/trainyard-agent" --controller "$URL" "${AGENT_FLAGS[@]}" \
         --host-file "$ROOT/deploy/hosts/demo-node-$node.json" --data-dir "$DATA/node-$node" \
+        --telemetry "script:$ROOT/deploy/hosts/demo-telemetry.json" \
         2>"$DATA/agent-$node.log" &
     PIDS+=($!)
 done

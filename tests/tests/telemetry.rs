@@ -220,6 +220,9 @@ fn an_xid_79_fails_the_attempt_as_the_gpus_and_cordons_the_node() -> Result<()> 
     ensure!(f["kind"] == "gpu_xid" && f["blamed"] == true && f["charged"] == false, "{status}");
     let evidence = f["evidence"].as_str().unwrap_or("");
     ensure!(evidence.contains("XID 79 (GPU has fallen off the bus) on GPU 1 of node-c"), "{evidence}");
+    let after = f["at_ms"].as_i64().unwrap_or(0) - at;
+    eprintln!("XID 79 failed the attempt {after} ms after the driver reported it (scripted)");
+    ensure!((0..30_000).contains(&after), "acted on {after} ms after the XID (target: 30 s)");
     let node = c.node("node-c")?;
     // Drained: a quick preflight cannot tell a reset GPU from a broken one; an operator can.
     ensure!(node["cordon_by"] == "drain", "{node}");
