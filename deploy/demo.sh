@@ -111,7 +111,7 @@ for node in a b; do
     say "Starting agent demo-node-$node (8 stand-in H100 SXM GPUs from deploy/hosts/demo-node-$node.json, telemetry replayed from deploy/hosts/demo-telemetry.json)"
     "$ROOT/target/debug/trainyard-agent" --controller "$URL" "${AGENT_FLAGS[@]}" \
         --host-file "$ROOT/deploy/hosts/demo-node-$node.json" --data-dir "$DATA/node-$node" \
-        --telemetry "script:$ROOT/deploy/hosts/demo-telemetry.json" \
+        --telemetry "script:$ROOT/deploy/hosts/demo-telemetry.json" --telemetry-window-secs 2 \
         2>"$DATA/agent-$node.log" &
     PIDS+=($!)
 done
