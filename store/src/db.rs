@@ -22,6 +22,9 @@ use crate::sqlite::{Mode, Sqlite};
 #[derive(Debug, Clone)]
 pub struct SqlStore {
     backend: Backend,
+    /// When set, every write transaction first checks that this lease still holds
+    /// (`lease::check_fence`); shared by the store's clones.
+    fence: std::sync::Arc<std::sync::RwLock<Option<crate::Fence>>>,
 }
 
 #[derive(Debug, Clone)]
@@ -44,22 +47,44 @@ impl SqlStore {
     /// SQLite at a `sqlite://...` URL (options in the URL are kept, ours are applied on top) or
     /// a plain file path.
     pub async fn open_sqlite(url_or_path: &str) -> Result<Self> {
-        Ok(SqlStore { backend: Backend::Sqlite(Sqlite::open(url_or_path).await?) })
+        Ok(SqlStore::of(Backend::Sqlite(Sqlite::open(url_or_path).await?)))
     }
 
     /// SQLite in the file at `path`, created if missing.
     pub async fn open_sqlite_file(path: &Path) -> Result<Self> {
-        Ok(SqlStore { backend: Backend::Sqlite(Sqlite::open_file(path).await?) })
+        Ok(SqlStore::of(Backend::Sqlite(Sqlite::open_file(path).await?)))
     }
 
     /// A private in-memory SQLite database, for tests.
     pub async fn sqlite_in_memory() -> Result<Self> {
-        Ok(SqlStore { backend: Backend::Sqlite(Sqlite::open_in_memory().await?) })
+        Ok(SqlStore::of(Backend::Sqlite(Sqlite::open_in_memory().await?)))
     }
 
     /// PostgreSQL at a `postgres://` URL; the database must exist.
     pub async fn open_postgres(url: &str) -> Result<Self> {
-        Ok(SqlStore { backend: Backend::Postgres(Postgres::open(url).await?) })
+        Ok(SqlStore::of(Backend::Postgres(Postgres::open(url).await?)))
+    }
+
+    fn of(backend: Backend) -> SqlStore {
+        SqlStore { backend, fence: Default::default() }
+    }
+
+    /// [`crate::LeaseStore::set_fence`].
+    pub(crate) fn fence(&self, fence: Option<crate::Fence>) {
+        *self.fence.write().unwrap_or_else(|e| e.into_inner()) = fence;
+    }
+
+    /// For the controller daemon: takes the one-controller claim on a SQLite file
+    /// ([`crate::SqliteClaim`]), held while the value lives. `Ok(None)` on PostgreSQL (where
+    /// several controllers share the database and a lease elects the leader) and in memory.
+    pub fn claim_for_controller(&self) -> Result<Option<crate::SqliteClaim>> {
+        match &self.backend {
+            Backend::Sqlite(s) => match s.path() {
+                Some(path) => crate::sqlite::claim(path).map(Some).map_err(crate::StoreError::InUse),
+                None => Ok(None),
+            },
+            Backend::Postgres(_) => Ok(None),
+        }
     }
 
     /// The SQLite pool, for read-only SQL that is not part of the store's contract (operator
@@ -88,8 +113,27 @@ impl SqlStore {
         self.run(op, Mode::Read, body).await
     }
 
-    /// Runs `body` in one write transaction.
+    /// Runs `body` in one write transaction, after the fence check when the store has a fence.
     pub(crate) async fn write<T>(
+        &self,
+        op: &'static str,
+        body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
+    ) -> Result<T> {
+        let fence = self.fence.read().unwrap_or_else(|e| e.into_inner()).clone();
+        match fence {
+            None => self.run(op, Mode::Write, body).await,
+            Some(fence) => {
+                self.run(op, Mode::Write, async move |c: &mut Conn<'_>| {
+                    crate::lease::check_fence(c, &fence).await?;
+                    body(c).await
+                })
+                .await
+            }
+        }
+    }
+
+    /// Runs `body` in one write transaction that is not fenced: the election itself.
+    pub(crate) async fn elect<T>(
         &self,
         op: &'static str,
         body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,

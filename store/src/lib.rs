@@ -50,6 +50,7 @@ mod db;
 mod diagnosis;
 mod fleet;
 mod jobs;
+mod lease;
 pub mod metrics;
 mod postgres;
 mod preflight;
@@ -70,6 +71,8 @@ pub use trainyard_model::domain::Inventory;
 pub use trainyard_model::spec::JobSpec;
 
 pub use db::SqlStore;
+pub use lease::{Election, Fence, Lease};
+pub use sqlite::SqliteClaim;
 pub use trainyard_model::domain::{
     AgentState, CheckStatus, FailureKind, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
 };
@@ -100,6 +103,13 @@ pub enum StoreError {
     /// even after the retries of the backend's one database helper.
     #[error("the database is unavailable: {0}")]
     Unavailable(String),
+    /// Another controller holds the SQLite file ([`SqliteClaim`]).
+    #[error("{0}")]
+    InUse(String),
+    /// This store's fence no longer holds: another controller leads, or the lease ran out.
+    /// Nothing was written.
+    #[error("fenced off: {0}")]
+    Fenced(String),
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     #[error("migration: {0}")]
@@ -528,6 +538,30 @@ pub trait TelemetryStore: Send + Sync {
     ) -> Result<Option<FailureRecord>>;
 }
 
+/// The leader lease of a controller group and its fence (`lease`; docs/ha.md). Every method is
+/// one transaction; none is itself fenced.
+#[async_trait]
+pub trait LeaseStore: Send + Sync {
+    /// Leads (renews the caller's unexpired lease, or takes over an expired one under a new
+    /// epoch) or reports who leads. `ttl_ms` by the database's clock.
+    async fn acquire_lease(&self, holder: &str, address: &str, ttl_ms: i64) -> Result<Election>;
+
+    /// Extends the lease of `fence` if it still holds; `false` when it was lost.
+    async fn renew_lease(&self, fence: &Fence, ttl_ms: i64) -> Result<bool>;
+
+    /// Ends the lease of `fence` now (a controller stopping on purpose), so another takes over
+    /// at once.
+    async fn resign_lease(&self, fence: &Fence) -> Result<()>;
+
+    /// The lease as it stands.
+    async fn lease(&self) -> Result<Option<Lease>>;
+
+    /// Fences every later write of this store on `fence` (the lease its controller leads
+    /// under), or lifts the fence with `None`. A write whose fence no longer holds fails with
+    /// [`StoreError::Fenced`] and writes nothing.
+    fn set_fence(&self, fence: Option<Fence>);
+}
+
 pub trait Store:
     JobStore
     + FleetStore
@@ -537,6 +571,7 @@ pub trait Store:
     + AuthStore
     + SeriesStore
     + TelemetryStore
+    + LeaseStore
     + 'static
 {
 }
@@ -550,6 +585,7 @@ impl<T> Store for T where
         + AuthStore
         + SeriesStore
         + TelemetryStore
+        + LeaseStore
         + 'static
 {
 }

@@ -63,6 +63,55 @@ pub(crate) struct Sqlite {
     /// lock over the moment the writer before commits (the busy handler still covers writers of
     /// other processes, such as `trainyard-controller admin`).
     writers: Arc<tokio::sync::Mutex<()>>,
+    /// The database file (`None` in memory).
+    path: Option<std::path::PathBuf>,
+}
+
+/// A controller's claim on a SQLite file: an exclusive lock on `<file>.controller-lock`, held
+/// for as long as this value lives (the kernel drops it when the process dies, SIGKILL
+/// included). SQLite serves one controller: two would each hold jobs, agents and scheduling
+/// decisions in memory that the other never sees. Tools that only read or edit rows (such as
+/// `trainyard-controller user`) do not claim.
+#[derive(Debug)]
+pub struct SqliteClaim {
+    _file: std::fs::File,
+}
+
+/// Takes the claim on the database at `db`; the error says who holds it and what to use
+/// instead.
+pub(crate) fn claim(db: &Path) -> std::result::Result<SqliteClaim, String> {
+    use std::io::{Read, Seek, Write};
+    let lock_path = std::path::PathBuf::from(format!("{}.controller-lock", db.display()));
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| format!("open {}: {e}", lock_path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {
+            // Who holds it, for the message a second controller prints.
+            let _ = file.set_len(0);
+            let _ = file.rewind();
+            let _ = write!(file, "{}", std::process::id());
+            let _ = file.flush();
+            Ok(SqliteClaim { _file: file })
+        }
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let who = if holder.is_empty() { String::new() } else { format!(" (pid {holder})") };
+            Err(format!(
+                "another trainyard-controller{who} already uses the SQLite database {}: SQLite serves one \
+                 controller. To run several controllers (one leads, the others take over when it dies), point \
+                 them all at one PostgreSQL with --db postgres://...; otherwise stop the other controller first",
+                db.display()
+            ))
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(format!("lock {}: {e}", lock_path.display())),
+    }
 }
 
 impl Sqlite {
@@ -84,6 +133,11 @@ impl Sqlite {
         Self::open_with(SqliteConnectOptions::new().filename(path), POOL_SIZE).await
     }
 
+    /// The database file, unless it is in memory.
+    pub(crate) fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
     /// A private in-memory database. One connection that never expires: every connection to
     /// `:memory:` would otherwise see its own empty database.
     pub(crate) async fn open_in_memory() -> Result<Self> {
@@ -91,6 +145,8 @@ impl Sqlite {
     }
 
     async fn open_with(options: SqliteConnectOptions, max_connections: u32) -> Result<Self> {
+        let path = Some(options.get_filename().to_path_buf())
+            .filter(|p| !p.as_os_str().is_empty() && p.as_os_str() != ":memory:" && max_connections > 1);
         let options = options
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
@@ -113,7 +169,7 @@ impl Sqlite {
             .connect_with(options)
             .await?;
         sqlx::migrate!("../migrations/sqlite").run(&pool).await?;
-        Ok(Sqlite { pool, writers: Arc::default() })
+        Ok(Sqlite { pool, writers: Arc::default(), path })
     }
 
     /// One transaction around `body`: committed if it succeeds, rolled back (by drop) if not.

@@ -49,6 +49,7 @@ macro_rules! store_suite {
             cordons_survive_hellos_and_reopen,
             gpu_windows_are_stored_once_read_back_and_pruned,
             live_findings_open_update_close_and_keep_their_alerts,
+            one_controller_leads_and_a_lost_lease_fences_its_writes,
         );
     };
     (@each $harness:ty: $($name:ident),+ $(,)?) => {
@@ -978,6 +979,50 @@ pub mod suite {
         );
         assert_eq!(s.prune_gpu_windows(20_000).await.unwrap(), 2, "windows that ended before the cut");
         assert_eq!(s.node_gpu_windows("sxm-a", 0, 100).await.unwrap(), vec![later]);
+    }
+
+    pub async fn one_controller_leads_and_a_lost_lease_fences_its_writes(h: &impl Harness) {
+        use crate::{Election, Fence, LeaseStore};
+        let (a, b) = (h.open().await, h.open().await);
+        assert_eq!(
+            a.lease().await.unwrap().map(|l| l.epoch),
+            Some(0),
+            "the row exists, expired, before any leader"
+        );
+        let Election::Leading(lease) = a.acquire_lease("ctl-a", "10.0.0.1:7070", 400).await.unwrap() else {
+            panic!("the first controller leads");
+        };
+        assert_eq!((lease.holder.as_str(), lease.epoch), ("ctl-a", 1));
+        let Election::Following(seen) = b.acquire_lease("ctl-b", "10.0.0.2:7070", 400).await.unwrap() else {
+            panic!("the second follows while the lease holds");
+        };
+        assert_eq!((seen.holder.as_str(), seen.epoch, seen.address.as_str()), ("ctl-a", 1, "10.0.0.1:7070"));
+        let fence_a = Fence { holder: "ctl-a".into(), epoch: 1 };
+        a.set_fence(Some(fence_a.clone()));
+        a.create_job(&spec("led", 1), None, "submitted", 1).await.expect("the leader writes");
+        assert!(a.renew_lease(&fence_a, 400).await.unwrap(), "renewed while it holds");
+        // The leader freezes past its lease; the follower takes over under a new epoch.
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        let Election::Leading(taken) = b.acquire_lease("ctl-b", "10.0.0.2:7070", 400).await.unwrap() else {
+            panic!("an expired lease is taken over");
+        };
+        assert_eq!(taken.epoch, 2);
+        // The old leader wakes: it can write nothing, and cannot renew.
+        let refused = a.create_job(&spec("late", 1), None, "submitted", 2).await;
+        assert!(matches!(refused, Err(StoreError::Fenced(_))), "{refused:?}");
+        assert!(!a.renew_lease(&fence_a, 400).await.unwrap());
+        let fence_b = Fence { holder: "ctl-b".into(), epoch: 2 };
+        b.set_fence(Some(fence_b.clone()));
+        b.create_job(&spec("new leader", 1), None, "submitted", 3).await.expect("the new leader writes");
+        let names: Vec<String> =
+            b.list_jobs(false, None, 10).await.unwrap().into_iter().map(|j| j.spec.name).collect();
+        assert!(!names.contains(&"late".to_string()), "the fenced write left nothing: {names:?}");
+        // Resigning hands over at once.
+        b.resign_lease(&fence_b).await.unwrap();
+        let Election::Leading(back) = a.acquire_lease("ctl-a", "10.0.0.1:7070", 400).await.unwrap() else {
+            panic!("a resigned lease is free");
+        };
+        assert_eq!(back.epoch, 3);
     }
 
     pub async fn live_findings_open_update_close_and_keep_their_alerts(h: &impl Harness) {

@@ -3,6 +3,7 @@
 //! token change is a row of the audit log.
 
 use std::time::{SystemTime, UNIX_EPOCH};
+use trainyard_store::AuthStore as _;
 
 use anyhow::{Context, bail};
 use clap::Subcommand;
@@ -85,7 +86,7 @@ pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::User { action } => user(action, &*super::open_store(cli).await?).await,
+        Command::User { action } => user(action, &super::open_store(cli).await?).await,
         Command::Audit { limit } => {
             let store = super::open_store(cli).await?;
             for e in store.audit_log(*limit).await?.iter().rev() {

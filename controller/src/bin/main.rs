@@ -287,20 +287,18 @@ fn http_exposure(cli: &Cli, bound: SocketAddr, security: &Security) -> anyhow::R
 }
 
 /// Opens the store the flags name (--db, else the SQLite file in --data-dir).
-async fn open_store(cli: &Cli) -> anyhow::Result<Arc<dyn trainyard_store::Store>> {
+async fn open_store(cli: &Cli) -> anyhow::Result<SqlStore> {
     Ok(match &cli.db {
         Some(url) => {
-            trainyard_store::open(url).await.with_context(|| format!("open the database {}", redact(url)))?
+            SqlStore::open(url).await.with_context(|| format!("open the database {}", redact(url)))?
         }
         None => {
             std::fs::create_dir_all(&cli.data_dir)
                 .with_context(|| format!("create the data directory {}", cli.data_dir.display()))?;
             let path = cli.data_dir.join("trainyard.db");
-            Arc::new(
-                SqlStore::open_sqlite_file(&path)
-                    .await
-                    .with_context(|| format!("open the database {}", path.display()))?,
-            )
+            SqlStore::open_sqlite_file(&path)
+                .await
+                .with_context(|| format!("open the database {}", path.display()))?
         }
     })
 }
@@ -308,6 +306,9 @@ async fn open_store(cli: &Cli) -> anyhow::Result<Arc<dyn trainyard_store::Store>
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let security = security(&cli)?;
     let store = open_store(&cli).await?;
+    // Held for the process's life: a second controller on the same SQLite file refuses to start.
+    let _claim = store.claim_for_controller().context("claim the SQLite database for this controller")?;
+    let store: Arc<dyn trainyard_store::Store> = Arc::new(store);
     let controller = Controller::start(store, ControllerConfig::from(&cli))
         .await
         .context("load jobs and agents from the store")?;
