@@ -100,20 +100,26 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     let telemetry = crate::telemetry::Telemetry::default();
     let _sampling = start_telemetry(&config, &telemetry)?;
     info!(agent_id = %identity.agent_id, adopted, controller = %config.controller, "agent started");
-    let endpoint = endpoint(&config)?;
+    // Several controllers (a group on PostgreSQL): the agent dials them in turn, moving on when
+    // one cannot be reached or its stream ends; only the leader listens.
+    let urls = controller_urls(&config.controller)?;
+    let endpoints = urls.iter().map(|url| endpoint(url, &config)).collect::<anyhow::Result<Vec<_>>>()?;
+    let mut at = 0;
 
     tokio::pin!(shutdown);
     let mut backoff = Backoff::default();
     loop {
+        let url = &urls[at];
         let channel: Result<Channel, _> = tokio::select! {
             biased;
             _ = &mut shutdown => return Ok(()),
-            channel = endpoint.connect() => channel,
+            channel = endpoints[at].connect() => channel,
         };
+        let mut next = true;
         let delay = match channel {
             Ok(channel) => {
                 if config.address.is_none() {
-                    identity.address = advertised_address(&config.controller, &identity.address).await;
+                    identity.address = advertised_address(url, &identity.address).await;
                 }
                 let client = AgentsClient::new(channel)
                     .max_decoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES)
@@ -140,17 +146,23 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
                     Ended::Disconnected { error, established } => {
                         if established {
                             backoff = Backoff::default();
+                            // The controller it was talking to may come back (a restart):
+                            // try it first, then the others.
+                            next = false;
                         }
-                        warn!(error = %format!("{error:#}"), "disconnected from controller");
+                        warn!(controller = %url, error = %format!("{error:#}"), "disconnected from controller");
                         backoff.next_delay()
                     }
                 }
             }
             Err(e) => {
-                warn!(controller = %config.controller, error = %e, "cannot reach controller");
+                warn!(controller = %url, error = %e, "cannot reach controller");
                 backoff.next_delay()
             }
         };
+        if next {
+            at = (at + 1) % urls.len();
+        }
         tokio::select! {
             biased;
             _ = &mut shutdown => return Ok(()),
@@ -215,17 +227,27 @@ async fn start_up_preflight(agent_id: &str, host: Arc<dyn HostProbe>) -> Runner 
     preflight
 }
 
-/// The controller's endpoint, with TLS when the agent has its files (an `https` URL without
+/// The controller URLs of `--controller`: one, or several separated by commas (a group).
+pub fn controller_urls(text: &str) -> anyhow::Result<Vec<String>> {
+    let urls: Vec<String> =
+        text.split(',').map(str::trim).filter(|u| !u.is_empty()).map(str::to_string).collect();
+    if urls.is_empty() {
+        anyhow::bail!("--controller {text:?} names no URL");
+    }
+    Ok(urls)
+}
+
+/// A controller's endpoint, with TLS when the agent has its files (an `https` URL without
 /// them is an error).
-fn endpoint(config: &AgentConfig) -> anyhow::Result<Endpoint> {
-    let endpoint = Endpoint::from_shared(config.controller.clone())
-        .with_context(|| format!("parse controller URL {:?}", config.controller))?
+fn endpoint(url: &str, config: &AgentConfig) -> anyhow::Result<Endpoint> {
+    let endpoint = Endpoint::from_shared(url.to_string())
+        .with_context(|| format!("parse controller URL {url:?}"))?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true);
     match &config.tls {
         Some(files) => endpoint.tls_config(client_tls(files)?).context("configure TLS"),
-        None if config.controller.starts_with("https://") => {
-            anyhow::bail!("the controller URL {} is https but no --tls-dir was given", config.controller)
+        None if url.starts_with("https://") => {
+            anyhow::bail!("the controller URL {url} is https but no --tls-dir was given")
         }
         None => Ok(endpoint),
     }

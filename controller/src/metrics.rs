@@ -22,6 +22,9 @@
 //! | `trainyard_job_finding{job,cause,node}` | gauge | 1 while the live diagnosis holds a finding open (alert on it: `deploy/prometheus/trainyard-alerts.yml`) |
 //! | `trainyard_alerts_total{outcome}` | counter | webhook alert deliveries: `delivered`, `failed` (retried later) |
 //! | `trainyard_live_diagnosis_seconds` | histogram | one round of the live diagnosis over every running job |
+//! | `trainyard_controller_is_leader` | gauge | 1 while this controller leads its group (on SQLite: 1) |
+//! | `trainyard_controller_epoch` | gauge | the epoch of the lease it leads under |
+//! | `trainyard_lease_renewals_total`, `trainyard_lease_failures_total` | counter | lease renewals that succeeded, and that could not reach the database |
 //! | `trainyard_connections_turned_away_total` | counter | new gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential |
 //!
 //! Metrics are process-wide ([`metrics`]): the store, the core and the services record into
@@ -89,6 +92,10 @@ pub struct Metrics {
     pub job_finding: Family<FindingLabel, Gauge>,
     pub alerts: Family<OutcomeLabel, Counter>,
     pub live_diagnosis: Histogram,
+    pub is_leader: Gauge,
+    pub epoch: Gauge,
+    pub lease_renewals: Counter,
+    pub lease_failures: Counter,
 }
 
 /// The process's metrics, registered on first use.
@@ -119,6 +126,10 @@ impl Metrics {
             job_finding: Family::default(),
             alerts: Family::default(),
             live_diagnosis: latency(),
+            is_leader: Gauge::default(),
+            epoch: Gauge::default(),
+            lease_renewals: Counter::default(),
+            lease_failures: Counter::default(),
             registry: Registry::default(),
         };
         registry.register("jobs", "Jobs the controller holds (not finished), by state", m.jobs.clone());
@@ -180,7 +191,29 @@ impl Metrics {
             "One round of the live diagnosis over every running job",
             m.live_diagnosis.clone(),
         );
+        registry.register(
+            "controller_is_leader",
+            "1 while this controller leads its group",
+            m.is_leader.clone(),
+        );
+        registry.register(
+            "controller_epoch",
+            "The epoch of the lease this controller leads under",
+            m.epoch.clone(),
+        );
+        registry.register("lease_renewals", "Lease renewals that succeeded", m.lease_renewals.clone());
+        registry.register(
+            "lease_failures",
+            "Lease renewals that could not reach the database",
+            m.lease_failures.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// Records whether this controller leads, and under which epoch.
+    pub fn leading(&self, leading: bool, epoch: u64) {
+        self.is_leader.set(i64::from(leading));
+        self.epoch.set(i64::try_from(epoch).unwrap_or(i64::MAX));
     }
 
     /// Counts an alert delivery.

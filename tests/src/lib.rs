@@ -297,6 +297,8 @@ pub struct Cluster {
     agent_hosts: HashMap<String, usize>,
     /// Controller flags that replace the harness's defaults (`--agent-timeout-secs 30`).
     controller_flags: Vec<(String, String)>,
+    /// What agents are given as `--controller`, when not the cluster's one controller (a group).
+    pub agent_controllers: Option<String>,
 }
 
 impl Cluster {
@@ -377,7 +379,13 @@ impl Cluster {
             lab: None,
             agent_hosts: HashMap::new(),
             controller_flags: Vec::new(),
+            agent_controllers: None,
         }
+    }
+
+    /// The PostgreSQL URL of a [`Backend::Postgres`] cluster.
+    pub fn db_url(&self) -> Option<&str> {
+        self.postgres.as_ref().map(|(_, url)| url.as_str())
     }
 
     /// A cluster whose agents run on `hosts` network-namespace hosts ([`NetLab`]); its
@@ -594,7 +602,7 @@ impl Cluster {
         let child = command
             .envs(env.iter().copied())
             .arg("--controller")
-            .arg(self.url())
+            .arg(self.agent_controllers.clone().unwrap_or_else(|| self.url()))
             .arg("--host-file")
             .arg(host)
             .arg("--data-dir")

@@ -55,3 +55,76 @@ fn a_second_controller_on_the_same_sqlite_file_refuses_to_start() -> Result<()> 
     ensure!(c.ctl_ok(&["status", &job.to_string()])?.contains("succeeded"));
     Ok(())
 }
+
+/// A standby controller process, killed when dropped.
+struct Standby(std::process::Child);
+
+impl Drop for Standby {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A free port on loopback (the standby listens only once it leads, so agents are told its
+/// address in advance).
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Two controllers on one PostgreSQL: the first leads, the second waits as a standby. The
+/// leader is killed mid-job: the standby takes over within the lease (5 s) plus its start, the
+/// agents (given both addresses) move to it and resend what was not acknowledged, and the job
+/// finishes on its first attempt with every receipt stored once.
+#[test]
+fn a_standby_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled() -> Result<()> {
+    let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
+    let url = c.db_url().expect("postgres").to_string();
+    let port = free_port()?;
+    let addr_file = c.path("standby.addr");
+    let log = std::fs::File::create(c.path("standby.log"))?;
+    let _standby = Standby(
+        Command::new(bin("trainyard-controller")?)
+            .args(["--db", &url, "--listen", &format!("127.0.0.1:{port}"), "--http-listen", "off"])
+            .args(["--controller-id", "standby", "--agent-timeout-secs", "30"])
+            .arg("--addr-file")
+            .arg(&addr_file)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?,
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let standby_log = std::fs::read_to_string(c.path("standby.log"))?;
+    ensure!(standby_log.contains("standby: another controller leads"), "{standby_log}");
+    ensure!(!addr_file.exists(), "a standby listens on nothing");
+    c.agent_controllers = Some(format!("{},http://127.0.0.1:{port}", c.url()));
+    c.start_agent("node-a", 2)?;
+    c.start_agent("node-b", 2)?;
+    let job = c.submit(&c.job_file("through", 4, 2, &["--steps", "300", "--step-ms", "50"], ""))?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    std::thread::sleep(Duration::from_secs(3));
+    let killed = Instant::now();
+    c.kill_controller();
+    let new_addr = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a.trim().to_string();
+        }
+        ensure!(killed.elapsed() < Duration::from_secs(20), "no takeover 20 s after the leader died");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let takeover = killed.elapsed();
+    eprintln!("the standby took over and listened {takeover:?} after the leader was killed (lease 5 s)");
+    ensure!(takeover < Duration::from_secs(10), "takeover took {takeover:?} (target 10 s)");
+    c.addr = new_addr;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
+    ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for a failover: {status}");
+    let rows = c.query(&format!(
+        "SELECT COUNT(*), COUNT(DISTINCT rank * 100000 + seq) FROM receipts WHERE job_id = {job} AND kind = 'step'"
+    ))?;
+    ensure!(rows[0][0] == 4 * 300, "{} step receipts stored (expected 1200: none lost)", rows[0][0]);
+    ensure!(rows[0][0] == rows[0][1], "a receipt stored twice");
+    let epoch = c.query("SELECT epoch FROM controller_lease")?[0][0];
+    ensure!(epoch == 2, "the standby leads under epoch 2, not {epoch}");
+    Ok(())
+}

@@ -14,7 +14,8 @@ use trainyard_proto::words::Verdict;
 #[derive(Debug, Parser)]
 #[command(name = "trainyard-agent", version, about = "trainyard's host agent")]
 struct Cli {
-    /// Controller URL.
+    /// Controller URL, or several separated by commas (a controller group: the agent dials them
+    /// in turn and stays with the one that leads).
     #[arg(long, env = "TRAINYARD_CONTROLLER", global = true)]
     controller: Option<String>,
     /// JSON host-description file standing in for NVML; without it the agent describes this

@@ -121,6 +121,18 @@ struct Cli {
     /// CA bundle for https webhooks (default: /etc/ssl/certs/ca-certificates.crt).
     #[arg(long)]
     alert_ca_file: Option<PathBuf>,
+    /// This controller's id in its group (several controllers on one PostgreSQL; default:
+    /// hostname and pid). Unused on SQLite, which serves one controller.
+    #[arg(long, env = "TRAINYARD_CONTROLLER_ID")]
+    controller_id: Option<String>,
+    /// Where agents and tools reach this controller, as the group's lease advertises it
+    /// (default: the --listen address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Seconds a leader's lease lasts without renewal (renewed every fifth of it); a standby
+    /// takes over this long after the leader died.
+    #[arg(long, default_value_t = 5.0)]
+    lease_ttl_secs: f64,
     /// Days GPU telemetry windows are kept (0: for ever).
     #[arg(long, default_value_t = 30)]
     telemetry_retention_days: u64,
@@ -307,9 +319,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let security = security(&cli)?;
     let store = open_store(&cli).await?;
     // Held for the process's life: a second controller on the same SQLite file refuses to start.
-    let _claim = store.claim_for_controller().context("claim the SQLite database for this controller")?;
+    let claim = store.claim_for_controller().context("claim the SQLite database for this controller")?;
     let store: Arc<dyn trainyard_store::Store> = Arc::new(store);
-    let controller = Controller::start(store, ControllerConfig::from(&cli))
+    // On PostgreSQL several controllers may share the database: lead or wait as a standby.
+    let group = match (&claim, cli.db.as_deref()) {
+        (None, Some(url)) if url.starts_with("postgres") => Some(group_config(&cli)?),
+        _ => {
+            trainyard_controller::metrics::metrics().leading(true, 0);
+            None
+        }
+    };
+    let fence = match &group {
+        Some(g) => match trainyard_controller::leader::lead(&store, g, shutdown_signal()).await? {
+            Some(fence) => Some(fence),
+            None => return Ok(()), // stopped while a standby
+        },
+        None => None,
+    };
+    let controller = Controller::start(store.clone(), ControllerConfig::from(&cli))
         .await
         .context("load jobs and agents from the store")?;
     let listener =
@@ -338,7 +365,41 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     };
     tracing::info!(%addr, "trainyard-controller listening");
-    server::run(listener, http, controller, security, shutdown_signal()).await.context("serve")
+    let (Some(group), Some(fence)) = (group, fence) else {
+        return server::run(listener, http, controller, security, shutdown_signal()).await.context("serve");
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let lost = trainyard_controller::leader::keep(store.clone(), group, fence.clone(), stop.clone());
+    let until = {
+        let lost = lost.clone();
+        async move {
+            tokio::select! {
+                _ = shutdown_signal() => {}
+                _ = lost.cancelled() => {}
+            }
+        }
+    };
+    server::run(listener, http, controller, security, until).await.context("serve")?;
+    stop.cancel();
+    if lost.is_cancelled() {
+        bail!("lead the controller group: the lease of epoch {} was lost; restart as a standby", fence.epoch);
+    }
+    trainyard_controller::leader::resign(&store, &fence).await;
+    Ok(())
+}
+
+/// The group settings of a controller on PostgreSQL.
+fn group_config(cli: &Cli) -> anyhow::Result<trainyard_controller::leader::GroupConfig> {
+    if !(cli.lease_ttl_secs.is_finite() && (1.0..=300.0).contains(&cli.lease_ttl_secs)) {
+        bail!("--lease-ttl-secs {}: give seconds between 1 and 300", cli.lease_ttl_secs);
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let id = cli.controller_id.clone().unwrap_or_else(|| format!("{}-{}", host.trim(), std::process::id()));
+    Ok(trainyard_controller::leader::GroupConfig {
+        id,
+        address: cli.advertise.clone().unwrap_or_else(|| cli.listen.to_string()),
+        ttl: Duration::from_secs_f64(cli.lease_ttl_secs),
+    })
 }
 
 /// The URL without its password, for messages and logs.

@@ -1,0 +1,127 @@
+//! Leadership of a controller group on one PostgreSQL (docs/ha.md): a controller that is not the
+//! leader waits as a standby, listening on nothing (agents and `ctl` given several addresses move
+//! on to the next), until the leader's lease runs out or is resigned; then it takes the lease
+//! under a new epoch, fences every write of its store on it, and starts. While it leads it
+//! renews the lease every fifth of its TTL; when a renewal finds the lease lost (it was paused
+//! past it, or cut off from the database for longer), it stops serving at once and exits so its
+//! supervisor restarts it as a standby. Its writes were refused from the moment the lease ran
+//! out (the store's fence), so two leaders never write.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use trainyard_store::{Election, Fence, Store};
+
+/// What a controller of a group needs to lead.
+#[derive(Debug, Clone)]
+pub struct GroupConfig {
+    /// This controller's id in the lease (unique in the group).
+    pub id: String,
+    /// Where it serves gRPC, as followers and tools should dial it.
+    pub address: String,
+    /// How long a lease lasts without renewal, by the database's clock.
+    pub ttl: Duration,
+}
+
+impl GroupConfig {
+    fn ttl_ms(&self) -> i64 {
+        self.ttl.as_millis() as i64
+    }
+
+    fn renew_every(&self) -> Duration {
+        (self.ttl / 5).max(Duration::from_millis(100))
+    }
+}
+
+/// Waits as a standby until this controller leads; returns its fence (already set on the
+/// store), or `None` when `shutdown` came first.
+pub async fn lead(
+    store: &Arc<dyn Store>,
+    group: &GroupConfig,
+    shutdown: impl Future,
+) -> anyhow::Result<Option<Fence>> {
+    tokio::pin!(shutdown);
+    let mut told = None;
+    loop {
+        match store.acquire_lease(&group.id, &group.address, group.ttl_ms()).await {
+            Ok(Election::Leading(lease)) => {
+                tracing::info!(id = %group.id, epoch = lease.epoch, "leading the controller group");
+                crate::metrics::metrics().leading(true, lease.epoch);
+                let fence = Fence { holder: lease.holder, epoch: lease.epoch };
+                store.set_fence(Some(fence.clone()));
+                return Ok(Some(fence));
+            }
+            Ok(Election::Following(lease)) => {
+                if told.as_ref() != Some(&(lease.holder.clone(), lease.epoch)) {
+                    tracing::info!(
+                        leader = %lease.holder, address = %lease.address, epoch = lease.epoch,
+                        "standby: another controller leads; taking over when its lease runs out"
+                    );
+                    told = Some((lease.holder, lease.epoch));
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot reach the database to elect a leader; trying again"),
+        }
+        tokio::select! {
+            _ = &mut shutdown => return Ok(None),
+            _ = tokio::time::sleep(group.renew_every()) => {}
+        }
+    }
+}
+
+/// Renews the lease of `fence` until `stop`; cancels the returned token when the lease is
+/// lost (a renewal refused, or none succeeded for a whole TTL).
+pub fn keep(
+    store: Arc<dyn Store>,
+    group: GroupConfig,
+    fence: Fence,
+    stop: CancellationToken,
+) -> CancellationToken {
+    let lost = CancellationToken::new();
+    let signal = lost.clone();
+    tokio::spawn(async move {
+        let mut last_ok = tokio::time::Instant::now();
+        let mut tick = tokio::time::interval(group.renew_every());
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            match store.renew_lease(&fence, group.ttl_ms()).await {
+                Ok(true) => {
+                    last_ok = tokio::time::Instant::now();
+                    crate::metrics::metrics().lease_renewals.inc();
+                }
+                Ok(false) => {
+                    tracing::error!(
+                        epoch = fence.epoch,
+                        "lost the lease: another controller leads; stepping down"
+                    );
+                    break;
+                }
+                Err(e) => {
+                    crate::metrics::metrics().lease_failures.inc();
+                    tracing::warn!(error = %e, "cannot renew the lease");
+                    if last_ok.elapsed() >= group.ttl {
+                        tracing::error!(epoch = fence.epoch, "no renewal for a whole lease: stepping down");
+                        break;
+                    }
+                }
+            }
+        }
+        crate::metrics::metrics().leading(false, fence.epoch);
+        signal.cancel();
+    });
+    lost
+}
+
+/// Ends the lease at once (a controller stopping on purpose), so a standby takes over now.
+pub async fn resign(store: &Arc<dyn Store>, fence: &Fence) {
+    match store.resign_lease(fence).await {
+        Ok(()) => tracing::info!(epoch = fence.epoch, "resigned the lease"),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not resign the lease; a standby takes over when it runs out")
+        }
+    }
+}
