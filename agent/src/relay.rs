@@ -59,6 +59,10 @@ async fn advertised_address(controller: &str, previous: &str) -> String {
     }
 }
 
+/// How often the agent pings its controller, and how long an answer may take.
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(2);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(5);
 const REFUSED_RETRY: Duration = Duration::from_secs(30);
@@ -240,9 +244,15 @@ pub fn controller_urls(text: &str) -> anyhow::Result<Vec<String>> {
 /// A controller's endpoint, with TLS when the agent has its files (an `https` URL without
 /// them is an error).
 fn endpoint(url: &str, config: &AgentConfig) -> anyhow::Result<Endpoint> {
+    // HTTP/2 pings find a controller that stopped answering although its socket stays open (a
+    // frozen process, a partition that drops packets): the stream ends and the agent dials the
+    // next controller instead of waiting on it.
     let endpoint = Endpoint::from_shared(url.to_string())
         .with_context(|| format!("parse controller URL {url:?}"))?
         .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(KEEPALIVE_EVERY)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
         .tcp_nodelay(true);
     match &config.tls {
         Some(files) => endpoint.tls_config(client_tls(files)?).context("configure TLS"),

@@ -1,6 +1,8 @@
-//! Several controllers (docs/architecture.md): SQLite serves one, so a second controller pointed
-//! at the same SQLite file refuses to start and says why and what to use instead; the first
-//! keeps serving. A controller killed with SIGKILL leaves no claim behind.
+//! Several controllers (docs/ha.md). SQLite serves one, so a second controller pointed at the
+//! same SQLite file refuses to start and says why and what to use instead; the first keeps
+//! serving, and one killed with SIGKILL leaves no claim behind. On PostgreSQL a standby takes
+//! over from a leader that died or froze past its lease, the agents follow, and no job restarts
+//! and no receipt is lost or stored twice.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -126,5 +128,71 @@ fn a_standby_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled()
     ensure!(rows[0][0] == rows[0][1], "a receipt stored twice");
     let epoch = c.query("SELECT epoch FROM controller_lease")?[0][0];
     ensure!(epoch == 2, "the standby leads under epoch 2, not {epoch}");
+    Ok(())
+}
+
+/// The leader frozen (SIGSTOP) past its lease: the standby takes over, the agents' pings find
+/// the frozen one and they move; thawed, the old leader finds its lease gone, writes nothing and
+/// exits. The job finishes on its first attempt, every receipt stored once.
+#[test]
+fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Result<()> {
+    let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
+    let url = c.db_url().expect("postgres").to_string();
+    let port = free_port()?;
+    let addr_file = c.path("standby.addr");
+    let _standby = Standby(
+        Command::new(bin("trainyard-controller")?)
+            .args(["--db", &url, "--listen", &format!("127.0.0.1:{port}"), "--http-listen", "off"])
+            .args(["--controller-id", "standby", "--agent-timeout-secs", "30"])
+            .arg("--addr-file")
+            .arg(&addr_file)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(c.path("standby.log"))?)
+            .spawn()?,
+    );
+    c.agent_controllers = Some(format!("{},http://127.0.0.1:{port}", c.url()));
+    c.start_agent("node-a", 2)?;
+    c.start_agent("node-b", 2)?;
+    let job = c.submit(&c.job_file("frozen", 4, 2, &["--steps", "400", "--step-ms", "50"], ""))?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    std::thread::sleep(Duration::from_secs(2));
+    let leader = c.controller_pid().expect("running") as i32;
+    // SAFETY: signalling a child process of this test.
+    unsafe { libc::kill(leader, libc::SIGSTOP) };
+    let frozen = Instant::now();
+    let new_addr = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a.trim().to_string();
+        }
+        ensure!(frozen.elapsed() < Duration::from_secs(20), "no takeover 20 s after the leader froze");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    eprintln!("the standby took over {:?} after the leader froze (lease 5 s)", frozen.elapsed());
+    std::thread::sleep(Duration::from_secs(8).saturating_sub(frozen.elapsed()));
+    unsafe { libc::kill(leader, libc::SIGCONT) };
+    c.addr = new_addr;
+    // Thawed, the old leader finds its lease gone and exits.
+    let thawed = Instant::now();
+    loop {
+        let log = c.logs("controller");
+        if log.contains("lost the lease") && log.contains("restart as a standby") {
+            break;
+        }
+        ensure!(thawed.elapsed() < Duration::from_secs(15), "the old leader did not step down: {log}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("the old leader stepped down {:?} after it was thawed", thawed.elapsed());
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
+    ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for a failover: {status}");
+    let rows = c.query(&format!(
+        "SELECT COUNT(*), COUNT(DISTINCT rank * 100000 + seq) FROM receipts WHERE job_id = {job} AND kind = 'step'"
+    ))?;
+    ensure!(
+        rows[0][0] == 4 * 400 && rows[0][0] == rows[0][1],
+        "step receipts stored: {:?} (expected 1600, once each)",
+        rows[0]
+    );
+    ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 2);
     Ok(())
 }
