@@ -66,7 +66,22 @@ impl Interceptor for Bearer {
 }
 
 /// Dials the controller at `url`; fails with the "cannot reach" message when nobody answers.
-pub async fn connect(url: &str, credentials: &Credentials) -> anyhow::Result<Controller> {
+/// Connects to the controller at `urls`: one URL, or several separated by commas (a controller
+/// group on PostgreSQL): the first that answers is the leader, since standbys listen on nothing.
+pub async fn connect(urls: &str, credentials: &Credentials) -> anyhow::Result<Controller> {
+    let list: Vec<&str> = urls.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
+    let Some((last, first)) = list.split_last() else {
+        anyhow::bail!("--controller {urls:?} names no URL");
+    };
+    for url in first {
+        if let Ok(controller) = connect_one(url, credentials).await {
+            return Ok(controller);
+        }
+    }
+    connect_one(last, credentials).await
+}
+
+async fn connect_one(url: &str, credentials: &Credentials) -> anyhow::Result<Controller> {
     let mut endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| anyhow!("invalid controller URL {url:?}: {e} (expected e.g. http://127.0.0.1:7070)"))?
         .connect_timeout(Duration::from_secs(5));

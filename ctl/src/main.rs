@@ -32,7 +32,8 @@ use clap::{Parser, Subcommand, ValueEnum};
     about = "Submit, inspect, watch and cancel trainyard jobs; inspect the fleet"
 )]
 struct Cli {
-    /// Address of the controller's gRPC endpoint.
+    /// Address of the controller's gRPC endpoint, or several separated by commas (a controller
+    /// group: the first that answers is the leader, standbys listen on nothing).
     #[arg(long, global = true, env = "TRAINYARD_CONTROLLER", default_value = "http://127.0.0.1:7070")]
     controller: String,
     /// The CA that signed the controller's certificate, for an https:// controller (the

@@ -118,6 +118,10 @@ fn a_standby_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled()
     let takeover = killed.elapsed();
     eprintln!("the standby took over and listened {takeover:?} after the leader was killed (lease 5 s)");
     ensure!(takeover < Duration::from_secs(10), "takeover took {takeover:?} (target 10 s)");
+    // ctl given both addresses finds the one that leads.
+    let both = c.agent_controllers.clone().expect("set above");
+    let out = Command::new(bin("ctl")?).args(["--controller", &both, "status", &job.to_string()]).output()?;
+    ensure!(out.status.success(), "ctl over both addresses: {}", String::from_utf8_lossy(&out.stderr));
     c.addr = new_addr;
     let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
     ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for a failover: {status}");
