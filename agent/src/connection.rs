@@ -420,12 +420,12 @@ impl Session<'_> {
             if receipts.is_empty() {
                 return Ok(());
             }
-            let at = crate::telemetry::now_ms();
-            for r in receipts.iter().filter(|r| r.step >= 0 && r.kind == "step") {
-                if let Some(key) = &r.key {
-                    self.telemetry.note_step(RankId::from(key), r.step, at);
-                }
-            }
+            // Which step each rank reached, for the telemetry windows: one lock per batch.
+            let steps = receipts
+                .iter()
+                .filter(|r| r.step >= 0 && r.kind == "step")
+                .filter_map(|r| r.key.as_ref().map(|k| (RankId::from(k), r.step)));
+            self.telemetry.note_steps(steps, crate::telemetry::now_ms());
             let bytes: usize = receipts.iter().map(|r| r.body.len()).sum();
             crate::logs::receipts_sent(bytes);
             let m = crate::metrics::metrics();

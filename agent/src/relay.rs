@@ -104,10 +104,21 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     let telemetry = crate::telemetry::Telemetry::default();
     let _sampling = start_telemetry(&config, &telemetry)?;
     info!(agent_id = %identity.agent_id, adopted, controller = %config.controller, "agent started");
-    // Several controllers (a group on PostgreSQL): the agent dials them in turn, moving on when
-    // one cannot be reached or its stream ends; only the leader listens.
+    relay(&config, &mut identity, &mut launcher, &telemetry, shutdown).await
+}
+
+/// Dials the controller(s) and serves one stream after another until `shutdown`. Several
+/// controllers (a group on PostgreSQL): the agent dials them in turn, moving on when one
+/// cannot be reached or its stream ends; only the leader listens.
+async fn relay(
+    config: &AgentConfig,
+    identity: &mut Identity,
+    launcher: &mut Launcher,
+    telemetry: &crate::telemetry::Telemetry,
+    shutdown: impl Future,
+) -> anyhow::Result<()> {
     let urls = controller_urls(&config.controller)?;
-    let endpoints = urls.iter().map(|url| endpoint(url, &config)).collect::<anyhow::Result<Vec<_>>>()?;
+    let endpoints = urls.iter().map(|url| endpoint(url, config)).collect::<anyhow::Result<Vec<_>>>()?;
     let mut at = 0;
 
     tokio::pin!(shutdown);
@@ -128,15 +139,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
                 let client = AgentsClient::new(channel)
                     .max_decoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES)
                     .max_encoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES);
-                match connection::serve(
-                    &config,
-                    &identity,
-                    &mut launcher,
-                    &telemetry,
-                    client,
-                    shutdown.as_mut(),
-                )
-                .await
+                match connection::serve(config, identity, launcher, telemetry, client, shutdown.as_mut())
+                    .await
                 {
                     Ended::Shutdown => {
                         info!("agent stopped; ranks keep running");

@@ -178,6 +178,13 @@ impl Metrics {
             "New gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential",
             m.connections_turned_away.clone(),
         );
+        m.register_telemetry_and_group(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// The GPU telemetry, live diagnosis and controller group metrics.
+    fn register_telemetry_and_group(&self, registry: &mut Registry) {
+        let m = self;
         registry.register("gpu_windows", "GPU telemetry windows stored", m.gpu_windows_stored.clone());
         registry.register("gpu_xids", "XIDs agents reported, by number", m.xids.clone());
         registry.register(
@@ -207,7 +214,6 @@ impl Metrics {
             "Lease renewals that could not reach the database",
             m.lease_failures.clone(),
         );
-        Metrics { registry, ..m }
     }
 
     /// Records whether this controller leads, and under which epoch.

@@ -96,18 +96,20 @@ impl Telemetry {
         s.gpus = gpus;
     }
 
-    /// A step receipt of `rank` was read at `at_ms`; steps not above the last one noted (a
-    /// re-read after a reconnect) are ignored.
-    pub fn note_step(&self, rank: RankId, step: i64, at_ms: i64) {
+    /// Step receipts of ranks were read at `at_ms`; steps not above the last one noted for
+    /// their rank (a re-read after a reconnect) are ignored.
+    pub fn note_steps(&self, steps: impl Iterator<Item = (RankId, i64)>, at_ms: i64) {
         let mut s = self.lock();
-        let stamps = s.steps.entry(rank).or_default();
-        if stamps.back().is_some_and(|&(_, last)| last >= step) {
-            return;
+        for (rank, step) in steps {
+            let stamps = s.steps.entry(rank).or_default();
+            if stamps.back().is_some_and(|&(_, last)| last >= step) {
+                continue;
+            }
+            if stamps.len() >= MAX_STEP_STAMPS {
+                stamps.pop_front();
+            }
+            stamps.push_back((at_ms, step));
         }
-        if stamps.len() >= MAX_STEP_STAMPS {
-            stamps.pop_front();
-        }
-        stamps.push_back((at_ms, step));
     }
 
     fn gpus(&self) -> Vec<GpuUse> {
@@ -259,7 +261,7 @@ mod tests {
         let t = Telemetry::default();
         t.set_gpus(vec![GpuUse { rank: rank(2), gpu: 5 }]);
         for (at, step) in [(100, 0), (900, 1), (1_500, 2), (1_400, 2), (2_100, 3)] {
-            t.note_step(rank(2), step, at);
+            t.note_steps([(rank(2), step)].into_iter(), at);
         }
         let steps = t.steps_in(5, 500, 2_000);
         assert_eq!((steps[0].first_step, steps[0].last_step), (1, 2), "{steps:?}");
