@@ -68,6 +68,22 @@ impl Drop for Standby {
     }
 }
 
+/// Starts a second controller on the cluster's PostgreSQL, to listen on `port` once it leads
+/// (writing `addr_file` then), logging to `standby.log`.
+fn standby(c: &Cluster, db: &str, port: u16, addr_file: &std::path::Path) -> Result<Standby> {
+    Ok(Standby(
+        Command::new(bin("trainyard-controller")?)
+            .args(["--db", db, "--listen", &format!("127.0.0.1:{port}"), "--http-listen", "off"])
+            .args(["--controller-id", "standby", "--agent-timeout-secs", "30"])
+            .arg("--addr-file")
+            .arg(addr_file)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(c.path("standby.log"))?)
+            .spawn()?,
+    ))
+}
+
 /// A free port on loopback (the standby listens only once it leads, so agents are told its
 /// address in advance).
 fn free_port() -> Result<u16> {
@@ -84,18 +100,7 @@ fn a_standby_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled()
     let url = c.db_url().expect("postgres").to_string();
     let port = free_port()?;
     let addr_file = c.path("standby.addr");
-    let log = std::fs::File::create(c.path("standby.log"))?;
-    let _standby = Standby(
-        Command::new(bin("trainyard-controller")?)
-            .args(["--db", &url, "--listen", &format!("127.0.0.1:{port}"), "--http-listen", "off"])
-            .args(["--controller-id", "standby", "--agent-timeout-secs", "30"])
-            .arg("--addr-file")
-            .arg(&addr_file)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()?,
-    );
+    let _standby = standby(&c, &url, port, &addr_file)?;
     std::thread::sleep(Duration::from_secs(1));
     let standby_log = std::fs::read_to_string(c.path("standby.log"))?;
     ensure!(standby_log.contains("standby: another controller leads"), "{standby_log}");
@@ -144,17 +149,7 @@ fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Re
     let url = c.db_url().expect("postgres").to_string();
     let port = free_port()?;
     let addr_file = c.path("standby.addr");
-    let _standby = Standby(
-        Command::new(bin("trainyard-controller")?)
-            .args(["--db", &url, "--listen", &format!("127.0.0.1:{port}"), "--http-listen", "off"])
-            .args(["--controller-id", "standby", "--agent-timeout-secs", "30"])
-            .arg("--addr-file")
-            .arg(&addr_file)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(c.path("standby.log"))?)
-            .spawn()?,
-    );
+    let _standby = standby(&c, &url, port, &addr_file)?;
     c.agent_controllers = Some(format!("{},http://127.0.0.1:{port}", c.url()));
     c.start_agent("node-a", 2)?;
     c.start_agent("node-b", 2)?;
