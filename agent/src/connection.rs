@@ -49,6 +49,9 @@ pub enum Ended {
     Disconnected { error: anyhow::Error, established: bool },
     /// The controller refused us (protocol mismatch).
     Refused(String),
+    /// The controller follows another in its group and named the leader's address (host:port):
+    /// dial it next.
+    NotLeader { leader: String },
 }
 
 /// Who this agent is, as `Hello` says it.
@@ -112,6 +115,7 @@ pub async fn serve<F: Future>(
             }
             info!(agent_id = %identity.agent_id, ranks = session.reported.len(), "connected to controller");
             crate::metrics::metrics().connected.set(1);
+            crate::metrics::metrics().connects.inc();
             session.apply_acks(&ack.acks);
         }
         Ok(Ok(Some(other))) => return disconnected(anyhow!("expected HelloAck, got {other:?}"), false),
@@ -132,7 +136,15 @@ fn disconnected(error: anyhow::Error, established: bool) -> Ended {
     Ended::Disconnected { error, established }
 }
 
+/// The metadata entry of a follower's refusal that names the leader (host:port).
+pub const LEADER_METADATA: &str = "trainyard-leader";
+
 fn from_status(status: Status, established: bool) -> Ended {
+    if status.code() == Code::Unavailable
+        && let Some(leader) = status.metadata().get(LEADER_METADATA).and_then(|v| v.to_str().ok())
+    {
+        return Ended::NotLeader { leader: leader.to_string() };
+    }
     if matches!(status.code(), Code::FailedPrecondition | Code::PermissionDenied | Code::Unauthenticated) {
         Ended::Refused(status.message().to_string())
     } else {

@@ -143,6 +143,10 @@ pub struct Metrics {
     registry: Registry,
     pub ranks: Family<PhaseLabel, Gauge>,
     pub connected: Gauge,
+    /// Streams opened to a controller (HelloAck received).
+    pub connects: Counter,
+    /// Followers of a controller group that named their leader, which the agent then dialed.
+    pub redirects: Counter,
     pub receipt_lag_bytes: Gauge,
     pub unacked_batches: Gauge,
     pub skipped_lines: Gauge,
@@ -175,6 +179,8 @@ impl Metrics {
             registry: Registry::default(),
             ranks: Family::default(),
             connected: Gauge::default(),
+            connects: Counter::default(),
+            redirects: Counter::default(),
             receipt_lag_bytes: Gauge::default(),
             unacked_batches: Gauge::default(),
             skipped_lines: Gauge::default(),
@@ -188,6 +194,16 @@ impl Metrics {
         };
         registry.register("ranks", "Ranks this agent holds, by phase", m.ranks.clone());
         registry.register("connected", "1 while the stream to the controller is open", m.connected.clone());
+        registry.register(
+            "connects",
+            "Streams opened to a controller (hello acknowledged)",
+            m.connects.clone(),
+        );
+        registry.register(
+            "controller_redirects",
+            "Times a follower of the controller group named its leader and the agent dialed it",
+            m.redirects.clone(),
+        );
         registry.register(
             "receipt_lag_bytes",
             "Bytes of receipts files not yet acknowledged by the controller",

@@ -117,24 +117,24 @@ async fn relay(
     telemetry: &crate::telemetry::Telemetry,
     shutdown: impl Future,
 ) -> anyhow::Result<()> {
-    let urls = controller_urls(&config.controller)?;
-    let endpoints = urls.iter().map(|url| endpoint(url, config)).collect::<anyhow::Result<Vec<_>>>()?;
+    let mut urls = controller_urls(&config.controller)?;
+    let mut endpoints = urls.iter().map(|url| endpoint(url, config)).collect::<anyhow::Result<Vec<_>>>()?;
     let mut at = 0;
 
     tokio::pin!(shutdown);
     let mut backoff = Backoff::default();
     loop {
-        let url = &urls[at];
+        let url = urls[at].clone();
         let channel: Result<Channel, _> = tokio::select! {
             biased;
             _ = &mut shutdown => return Ok(()),
             channel = endpoints[at].connect() => channel,
         };
-        let mut next = true;
+        let mut next = Some((at + 1) % urls.len());
         let delay = match channel {
             Ok(channel) => {
                 if config.address.is_none() {
-                    identity.address = advertised_address(url, &identity.address).await;
+                    identity.address = advertised_address(&url, &identity.address).await;
                 }
                 let client = AgentsClient::new(channel)
                     .max_decoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES)
@@ -151,12 +151,32 @@ async fn relay(
                             "controller refused this agent (a protocol mismatch or a credential it does not accept)");
                         REFUSED_RETRY
                     }
+                    Ended::NotLeader { leader } => {
+                        // A follower of the group: go to the leader it names, at once. A leader
+                        // outside the list (one DNS name for the group) is added to it.
+                        let leader_url = leader_url(&url, &leader);
+                        let known = urls.iter().position(|u| same_address(u, &leader_url));
+                        let to = match known {
+                            Some(i) => i,
+                            None if urls.len() < MAX_CONTROLLER_URLS => {
+                                endpoints.push(endpoint(&leader_url, config)?);
+                                urls.push(leader_url.clone());
+                                urls.len() - 1
+                            }
+                            None => (at + 1) % urls.len(),
+                        };
+                        info!(follower = %url, leader = %urls[to], "this controller follows; dialing the leader it names");
+                        crate::metrics::metrics().redirects.inc();
+                        next = Some(to);
+                        backoff = Backoff::default();
+                        REDIRECT_DELAY
+                    }
                     Ended::Disconnected { error, established } => {
                         if established {
                             backoff = Backoff::default();
                             // The controller it was talking to may come back (a restart):
                             // try it first, then the others.
-                            next = false;
+                            next = None;
                         }
                         warn!(controller = %url, error = %format!("{error:#}"), "disconnected from controller");
                         backoff.next_delay()
@@ -168,8 +188,8 @@ async fn relay(
                 backoff.next_delay()
             }
         };
-        if next {
-            at = (at + 1) % urls.len();
+        if let Some(to) = next {
+            at = to;
         }
         tokio::select! {
             biased;
@@ -177,6 +197,24 @@ async fn relay(
             _ = tokio::time::sleep(delay) => {}
         }
     }
+}
+
+/// Controller URLs an agent keeps at most: those given, plus leaders followers named.
+const MAX_CONTROLLER_URLS: usize = 16;
+/// Pause before dialing the leader a follower named (so a stale name cannot spin).
+const REDIRECT_DELAY: Duration = Duration::from_millis(100);
+
+/// The URL of a leader a follower at `follower_url` named by its address (host:port): the
+/// follower's scheme, the leader's address.
+fn leader_url(follower_url: &str, leader: &str) -> String {
+    let scheme = follower_url.split_once("://").map_or("http", |(s, _)| s);
+    format!("{scheme}://{}", leader.trim_end_matches('/'))
+}
+
+/// Two controller URLs name the same scheme, host and port.
+fn same_address(a: &str, b: &str) -> bool {
+    let norm = |u: &str| u.trim_end_matches('/').to_ascii_lowercase();
+    norm(a) == norm(b)
 }
 
 /// Stops the sampling thread when dropped (the agent returns).
@@ -324,6 +362,17 @@ fn jitter() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_leader_named_by_a_follower_gets_the_followers_scheme() {
+        assert_eq!(
+            leader_url("https://ctl-a.example:7070", "ctl-b.example:7070"),
+            "https://ctl-b.example:7070"
+        );
+        assert_eq!(leader_url("http://127.0.0.1:1", "127.0.0.1:2/"), "http://127.0.0.1:2");
+        assert!(same_address("http://127.0.0.1:2/", "HTTP://127.0.0.1:2"));
+        assert!(!same_address("http://127.0.0.1:2", "http://127.0.0.1:3"));
+    }
 
     #[test]
     fn backoff_grows_to_its_cap_with_jitter() {

@@ -52,10 +52,11 @@ pub fn router(controller: Arc<Controller>, auth: Authenticator, metrics_need_tok
     let scrape_state = Scrape { controller: controller.clone(), auth: auth.clone(), metrics_need_token };
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_HTTP_REQUESTS));
     let refusals = (controller.clone(), auth.clone());
+    let controller_for_health = controller.clone();
     Router::new()
         .route("/metrics", get(scrape))
         .with_state(scrape_state)
-        .route("/healthz", get(healthz))
+        .route("/healthz", get(move || healthz(controller_for_health)))
         .fallback(not_found)
         .merge(crate::web::routes(controller, auth))
         .layer(axum::middleware::from_fn_with_state(slots, limit))
@@ -155,10 +156,22 @@ async fn scrape(State(s): State<Scrape>, headers: HeaderMap) -> Response {
     ([(header::CONTENT_TYPE, CONTENT_TYPE)], metrics().encode()).into_response()
 }
 
-/// 200 while the controller serves; the store's health shows in `/metrics`
-/// (`trainyard_store_errors_total`).
-async fn healthz() -> &'static str {
-    "ok\n"
+/// 200 while the controller serves, leader or follower, and which it is: `ok: leads` (with its
+/// epoch in a group), or `ok: follows LEADER at ADDRESS` (probes that want the leader match
+/// `leads`). The store's health shows in `/metrics` (`trainyard_store_errors_total`).
+async fn healthz(controller: Arc<Controller>) -> String {
+    let l = controller.leadership();
+    match (l.leads, l.epoch) {
+        (true, 0) => "ok: leads\n".to_string(),
+        (true, epoch) => format!("ok: leads (controller {}, epoch {epoch})\n", l.controller_id),
+        (false, 0) => {
+            format!("ok: follows (controller {}); no leader is elected right now\n", l.controller_id)
+        }
+        (false, epoch) => format!(
+            "ok: follows (controller {}); the leader is {} at {} (epoch {epoch})\n",
+            l.controller_id, l.leader_id, l.leader_address
+        ),
+    }
 }
 
 async fn not_found(uri: axum::http::Uri) -> (StatusCode, String) {

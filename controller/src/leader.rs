@@ -1,7 +1,7 @@
 //! Leadership of a controller group on one PostgreSQL (docs/ha.md): a controller that is not the
-//! leader waits as a standby, listening on nothing (agents and `ctl` given several addresses move
-//! on to the next), until the leader's lease runs out or is resigned; then it takes the lease
-//! under a new epoch, fences every write of its store on it, and starts. While it leads it
+//! leader follows (it serves reads and refers writers and agents to the leader, `core::follow`)
+//! until the leader's lease runs out or is resigned; then it takes the lease under a new epoch,
+//! fences every write of its store on it, and starts. While it leads it
 //! renews the lease every fifth of its TTL; when a renewal finds the lease lost (it was paused
 //! past it, or cut off from the database for longer), it stops serving at once and exits so its
 //! supervisor restarts it as a standby. Its writes were refused from the moment the lease ran
@@ -10,8 +10,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use trainyard_store::{Election, Fence, Store};
+use trainyard_store::{Election, Fence, Lease, Store};
 
 /// What a controller of a group needs to lead.
 #[derive(Debug, Clone)]
@@ -34,13 +35,15 @@ impl GroupConfig {
     }
 }
 
-/// Waits as a standby until this controller leads; returns its fence (already set on the
-/// store), or `None` when `shutdown` came first.
+/// Takes part in elections until this controller leads; returns its lease (its fence already
+/// set on the store), or `None` when `shutdown` came first. Each election that finds another
+/// leader is sent on `seen`, for the follower to name it.
 pub async fn lead(
     store: &Arc<dyn Store>,
     group: &GroupConfig,
     shutdown: impl Future,
-) -> anyhow::Result<Option<Fence>> {
+    seen: &watch::Sender<Option<Lease>>,
+) -> anyhow::Result<Option<Lease>> {
     tokio::pin!(shutdown);
     let mut told = None;
     loop {
@@ -48,15 +51,16 @@ pub async fn lead(
             Ok(Election::Leading(lease)) => {
                 tracing::info!(id = %group.id, epoch = lease.epoch, "leading the controller group");
                 crate::metrics::metrics().leading(true, lease.epoch);
-                let fence = Fence { holder: lease.holder, epoch: lease.epoch };
-                store.set_fence(Some(fence.clone()));
-                return Ok(Some(fence));
+                store.set_fence(Some(fence_of(&lease)));
+                return Ok(Some(lease));
             }
             Ok(Election::Following(lease)) => {
+                crate::metrics::metrics().leading(false, lease.epoch);
+                seen.send_replace(Some(lease.clone()));
                 if told.as_ref() != Some(&(lease.holder.clone(), lease.epoch)) {
                     tracing::info!(
                         leader = %lease.holder, address = %lease.address, epoch = lease.epoch,
-                        "standby: another controller leads; taking over when its lease runs out"
+                        "following: another controller leads; serving reads, referring writes to it, and taking over when its lease runs out"
                     );
                     told = Some((lease.holder, lease.epoch));
                 }
@@ -68,6 +72,11 @@ pub async fn lead(
             _ = tokio::time::sleep(group.renew_every()) => {}
         }
     }
+}
+
+/// The fence of a lease: its holder and epoch.
+pub fn fence_of(lease: &Lease) -> Fence {
+    Fence { holder: lease.holder.clone(), epoch: lease.epoch }
 }
 
 /// Renews the lease of `fence` until `stop`; cancels the returned token when the lease is

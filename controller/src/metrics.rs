@@ -9,6 +9,7 @@
 //! | `trainyard_nodes_cordoned` | gauge | nodes that take no new work: cordoned by an operator or after repeated blamed failures |
 //! | `trainyard_agents_connected` | gauge | agents with an open stream |
 //! | `trainyard_agents_known` | gauge | agents ever seen |
+//! | `trainyard_agent_hellos_total` | counter | agent streams accepted (a hello stored): every connect and reconnect |
 //! | `trainyard_receipts_ingested_total` | counter | receipts stored (replays not counted) |
 //! | `trainyard_receipts_skipped_total` | counter | lines acknowledged but not stored (not JSON objects, replays) |
 //! | `trainyard_receipts_unknown_job_total` | counter | receipts of jobs this controller does not know: neither stored nor acknowledged (the agent keeps them) |
@@ -80,6 +81,7 @@ pub struct Metrics {
     pub nodes_cordoned: Gauge,
     pub agents_connected: Gauge,
     pub agents_known: Gauge,
+    pub agent_hellos: Counter,
     pub receipts_ingested: Counter,
     pub receipts_skipped: Counter,
     pub receipts_unknown_job: Counter,
@@ -114,6 +116,7 @@ impl Metrics {
             nodes_cordoned: Gauge::default(),
             agents_connected: Gauge::default(),
             agents_known: Gauge::default(),
+            agent_hellos: Counter::default(),
             receipts_ingested: Counter::default(),
             receipts_skipped: Counter::default(),
             receipts_unknown_job: Counter::default(),
@@ -149,6 +152,11 @@ impl Metrics {
             m.nodes_cordoned.clone(),
         );
         registry.register("agents_connected", "Agents with an open stream", m.agents_connected.clone());
+        registry.register(
+            "agent_hellos",
+            "Agent streams accepted (every connect and reconnect, after a failover too)",
+            m.agent_hellos.clone(),
+        );
         registry.register("agents_known", "Agents ever seen", m.agents_known.clone());
         registry.register("receipts_ingested", "Receipts stored", m.receipts_ingested.clone());
         registry.register(

@@ -29,6 +29,11 @@ pub const MAX_HEADER_BYTES: u32 = 16 << 10;
 /// bounds the time to a stream's first response only.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(150);
 
+/// The gRPC health service name that is `SERVING` on the leader of a group (or a lone
+/// controller) only; `trainyard.v1.Jobs` is served by every member, `trainyard.v1.Agents` by
+/// the leader alone.
+pub const LEADER_HEALTH_SERVICE: &str = "trainyard.v1.Leader";
+
 /// How the gRPC listener is secured: TLS (none on the loopback demo) and who must prove what.
 #[derive(Debug, Clone)]
 pub struct Security {
@@ -55,22 +60,36 @@ pub async fn run(
     shutdown: impl Future,
 ) -> anyhow::Result<()> {
     let auth = controller.authenticator(security.policy.clone());
-    auth.ensure_local_admin(controller.now_ms()).await.context("create the local admin user")?;
+    let leads = controller.leads();
+    if leads {
+        auth.ensure_local_admin(controller.now_ms()).await.context("create the local admin user")?;
+    }
     let (door, clock) = (auth.door(), controller.clone());
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &security.tls {
         builder = builder.tls_config(tls.load()?).context("configure TLS")?;
     }
     let token = CancellationToken::new();
-    let background = tokio::spawn(controller.clone().run_background(token.clone()));
-    let live = controller.spawn_live(token.clone()).map_err(anyhow::Error::msg)?;
+    // The leader reconciles and diagnoses; a follower only mirrors the store (`core::follow`).
+    let (background, live) = if leads {
+        let background = tokio::spawn(controller.clone().run_background(token.clone()));
+        (background, Some(controller.spawn_live(token.clone()).map_err(anyhow::Error::msg)?))
+    } else {
+        (tokio::spawn(controller.clone().mirror(token.clone())), None)
+    };
     let http_server = match http {
         Some((listener, exposure)) => Some(serve_http(listener, exposure, &controller, &auth, &token)?),
         None => None,
     };
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<JobsServer<JobsService>>().await;
-    health.set_serving::<AgentsServer<AgentsService>>().await;
+    if leads {
+        health.set_serving::<AgentsServer<AgentsService>>().await;
+        health.set_service_status(LEADER_HEALTH_SERVICE, tonic_health::ServingStatus::Serving).await;
+    } else {
+        health.set_not_serving::<AgentsServer<AgentsService>>().await;
+        health.set_service_status(LEADER_HEALTH_SERVICE, tonic_health::ServingStatus::NotServing).await;
+    }
     let jobs = JobsServer::new(JobsService::new(controller.clone(), auth, token.clone()))
         .max_decoding_message_size(limits::MAX_REQUEST_BYTES)
         .max_encoding_message_size(limits::MAX_RESPONSE_BYTES);
@@ -105,8 +124,11 @@ pub async fn run(
     token.cancel();
     // Probes see the controller go away before its port closes.
     health.set_not_serving::<JobsServer<JobsService>>().await;
+    health.set_service_status(LEADER_HEALTH_SERVICE, tonic_health::ServingStatus::NotServing).await;
     let _ = background.await;
-    let _ = live.await;
+    if let Some(live) = live {
+        let _ = live.await;
+    }
     if let Some(server) = http_server {
         let _ = server.await;
     }

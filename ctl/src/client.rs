@@ -11,6 +11,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
 use trainyard_proto::typed::Words;
+use trainyard_proto::v1::LeaderRequest;
 use trainyard_proto::v1::jobs_client::JobsClient;
 
 /// A connected Jobs client that remembers the address, for the error messages.
@@ -65,9 +66,9 @@ impl Interceptor for Bearer {
     }
 }
 
-/// Dials the controller at `url`; fails with the "cannot reach" message when nobody answers.
 /// Connects to the controller at `urls`: one URL, or several separated by commas (a controller
-/// group on PostgreSQL): the first that answers is the leader, since standbys listen on nothing.
+/// group on PostgreSQL): the first that answers, leader or follower (both serve reads). Fails
+/// with the "cannot reach" message when nobody answers.
 pub async fn connect(urls: &str, credentials: &Credentials) -> anyhow::Result<Controller> {
     let list: Vec<&str> = urls.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
     let Some((last, first)) = list.split_last() else {
@@ -79,6 +80,37 @@ pub async fn connect(urls: &str, credentials: &Credentials) -> anyhow::Result<Co
         }
     }
     connect_one(last, credentials).await
+}
+
+/// Connects to the controller that leads `urls`' group, for a call that writes: the first
+/// that answers, or the leader it names when it follows. A lone controller always leads.
+pub async fn connect_leader(urls: &str, credentials: &Credentials) -> anyhow::Result<Controller> {
+    let ctl = connect(urls, credentials).await?;
+    let reply = match ctl.jobs.clone().leader(LeaderRequest {}).await {
+        Ok(reply) => reply.into_inner(),
+        // A controller older than controller groups leads alone.
+        Err(status) if status.code() == Code::Unimplemented => return Ok(ctl),
+        Err(status) => return Err(ctl.error(status, None)),
+    };
+    if reply.leads {
+        return Ok(ctl);
+    }
+    if reply.leader_address.is_empty() {
+        anyhow::bail!(
+            "the controller at {} follows and no leader is elected right now; try again in a few seconds",
+            ctl.url
+        );
+    }
+    let url = leader_url(&ctl.url, &reply.leader_address);
+    connect_one(&url, credentials).await.with_context(|| {
+        format!("the controller at {} follows; it names the leader {} at {url}", ctl.url, reply.leader_id)
+    })
+}
+
+/// The URL of a leader named by its address (host:port), in the scheme of the follower's URL.
+fn leader_url(follower_url: &str, address: &str) -> String {
+    let scheme = follower_url.split_once("://").map_or("http", |(s, _)| s);
+    format!("{scheme}://{}", address.trim_end_matches('/'))
 }
 
 async fn connect_one(url: &str, credentials: &Credentials) -> anyhow::Result<Controller> {

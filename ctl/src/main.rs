@@ -200,7 +200,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         _ => None,
     };
     let credentials = client::Credentials::from_env(cli.ca.clone(), cli.token_file.clone())?;
-    let mut ctl = client::connect(&cli.controller, &credentials).await?;
+    // Writes go to the leader of a controller group; any member answers reads.
+    let writes = match &cli.command {
+        Command::Submit { .. }
+        | Command::Cancel { .. }
+        | Command::Cordon { .. }
+        | Command::Uncordon { .. }
+        | Command::Drain { .. }
+        | Command::Logs { .. } => true,
+        Command::Preflight { run, .. } => run.is_some(),
+        _ => false,
+    };
+    let mut ctl = if writes {
+        client::connect_leader(&cli.controller, &credentials).await?
+    } else {
+        client::connect(&cli.controller, &credentials).await?
+    };
     match cli.command {
         Command::Submit { follow, key, .. } => {
             let spec = spec.unwrap_or_default();

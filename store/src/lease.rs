@@ -28,6 +28,14 @@ pub struct Fence {
     pub epoch: u64,
 }
 
+impl Fence {
+    /// A fence no lease ever matches (epoch 0 is never led: the first leader takes epoch 1), for
+    /// a controller that follows: its store writes nothing.
+    pub fn read_only(holder: &str) -> Fence {
+        Fence { holder: holder.to_string(), epoch: 0 }
+    }
+}
+
 /// The lease as the database holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
@@ -91,6 +99,10 @@ pub(crate) async fn check_fence(c: &mut Conn<'_>, fence: &Fence) -> Result<()> {
     let held = c.query(sql).bind(LEADER).bind(fence.holder.as_str()).bind(epoch).optional().await?;
     match held {
         Some(_) => Ok(()),
+        None if fence.epoch == 0 => Err(StoreError::Fenced(format!(
+            "controller {} follows: its store is read-only until it leads",
+            fence.holder
+        ))),
         None => Err(StoreError::Fenced(format!(
             "controller {} no longer holds the lease of epoch {}: another controller leads, or the lease ran out",
             fence.holder, fence.epoch

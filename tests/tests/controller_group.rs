@@ -1,13 +1,13 @@
 //! Several controllers (docs/ha.md). SQLite serves one, so a second controller pointed at the
 //! same SQLite file refuses to start and says why and what to use instead; the first keeps
-//! serving, and one killed with SIGKILL leaves no claim behind. On PostgreSQL a standby takes
-//! over from a leader that died or froze past its lease, the agents follow, and no job restarts
-//! and no receipt is lost or stored twice.
+//! serving, and one killed with SIGKILL leaves no claim behind. On PostgreSQL a follower serves
+//! reads and sends writers and agents to the leader, takes over from a leader that died or froze
+//! past its lease, the agents follow, and no job restarts and no receipt is lost or stored twice.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use trainyard_tests::{Cluster, bin};
 
 /// Runs a second `trainyard-controller` on `data_dir`; (exit code, stderr) once it exits.
@@ -58,54 +58,84 @@ fn a_second_controller_on_the_same_sqlite_file_refuses_to_start() -> Result<()> 
     Ok(())
 }
 
-/// A standby controller process, killed when dropped.
-struct Standby(std::process::Child);
+/// A second controller of the group (a follower until it leads), killed when dropped.
+struct Member {
+    child: std::process::Child,
+    /// Its gRPC URL and HTTP address.
+    url: String,
+    http: String,
+    log: std::path::PathBuf,
+}
 
-impl Drop for Standby {
+impl Drop for Member {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
-/// Starts a second controller on the cluster's PostgreSQL, to listen on `port` once it leads
-/// (writing `addr_file` then), logging to `standby.log`.
-fn standby(c: &Cluster, db: &str, port: u16, addr_file: &std::path::Path) -> Result<Standby> {
-    Ok(Standby(
-        Command::new(bin("trainyard-controller")?)
-            .args(["--db", db, "--listen", &format!("127.0.0.1:{port}"), "--http-listen", "off"])
+impl Member {
+    /// Starts a controller with id `standby` on the cluster's PostgreSQL, logging to
+    /// `standby.log`; returns once it listens (a follower serves at once).
+    fn start(c: &Cluster) -> Result<Member> {
+        let db = c.db_url().expect("postgres").to_string();
+        let (addr_file, http_file, log) =
+            (c.path("standby.addr"), c.path("standby.http"), c.path("standby.log"));
+        let child = Command::new(bin("trainyard-controller")?)
+            .args(["--db", &db, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
             .args(["--controller-id", "standby", "--agent-timeout-secs", "30"])
             .arg("--addr-file")
-            .arg(addr_file)
+            .arg(&addr_file)
+            .arg("--http-addr-file")
+            .arg(&http_file)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(c.path("standby.log"))?)
-            .spawn()?,
-    ))
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        let mut member = Member { child, url: String::new(), http: String::new(), log };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while member.url.is_empty() || member.http.is_empty() {
+            ensure!(Instant::now() < deadline, "the second controller did not listen: {}", member.logs());
+            member.url = std::fs::read_to_string(&addr_file)
+                .map(|a| format!("http://{}", a.trim()))
+                .unwrap_or_default();
+            member.http =
+                std::fs::read_to_string(&http_file).map(|a| a.trim().to_string()).unwrap_or_default();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(member)
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until its log says `line`; the time it took.
+    fn wait_log(&self, line: &str, timeout: Duration) -> Result<Duration> {
+        let started = Instant::now();
+        while !self.logs().contains(line) {
+            ensure!(started.elapsed() < timeout, "no {line:?} within {timeout:?}: {}", self.logs());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(started.elapsed())
+    }
+
+    /// Its `/healthz` body.
+    fn health(&self) -> Result<String> {
+        Ok(trainyard_tests::http(&self.http, "GET", "/healthz")?.1)
+    }
 }
 
-/// A free port on loopback (the standby listens only once it leads, so agents are told its
-/// address in advance).
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// Two controllers on one PostgreSQL: the first leads, the second waits as a standby. The
-/// leader is killed mid-job: the standby takes over within the lease (5 s) plus its start, the
-/// agents (given both addresses) move to it and resend what was not acknowledged, and the job
-/// finishes on its first attempt with every receipt stored once.
+/// Two controllers on one PostgreSQL: the first leads, the second follows. The leader is
+/// killed mid-job: the follower takes over within the lease (5 s) plus its start, the agents
+/// (given both addresses) move to it and resend what was not acknowledged, and the job finishes
+/// on its first attempt with every receipt stored once.
 #[test]
-fn a_standby_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled() -> Result<()> {
+fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled() -> Result<()> {
     let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let url = c.db_url().expect("postgres").to_string();
-    let port = free_port()?;
-    let addr_file = c.path("standby.addr");
-    let _standby = standby(&c, &url, port, &addr_file)?;
-    std::thread::sleep(Duration::from_secs(1));
-    let standby_log = std::fs::read_to_string(c.path("standby.log"))?;
-    ensure!(standby_log.contains("standby: another controller leads"), "{standby_log}");
-    ensure!(!addr_file.exists(), "a standby listens on nothing");
-    c.agent_controllers = Some(format!("{},http://127.0.0.1:{port}", c.url()));
+    let member = Member::start(&c)?;
+    member.wait_log("following: another controller leads", Duration::from_secs(10))?;
+    c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
     c.start_agent("node-a", 2)?;
     c.start_agent("node-b", 2)?;
     let job = c.submit(&c.job_file("through", 4, 2, &["--steps", "300", "--step-ms", "50"], ""))?;
@@ -113,21 +143,16 @@ fn a_standby_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled()
     std::thread::sleep(Duration::from_secs(3));
     let killed = Instant::now();
     c.kill_controller();
-    let new_addr = loop {
-        if let Ok(a) = std::fs::read_to_string(&addr_file) {
-            break a.trim().to_string();
-        }
-        ensure!(killed.elapsed() < Duration::from_secs(20), "no takeover 20 s after the leader died");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    member.wait_log("leading the controller group", Duration::from_secs(20))?;
     let takeover = killed.elapsed();
-    eprintln!("the standby took over and listened {takeover:?} after the leader was killed (lease 5 s)");
+    eprintln!("the follower took over {takeover:?} after the leader was killed (lease 5 s)");
     ensure!(takeover < Duration::from_secs(10), "takeover took {takeover:?} (target 10 s)");
-    // ctl given both addresses finds the one that leads.
+    ensure!(member.health()?.contains("ok: leads (controller standby, epoch 2)"), "{}", member.health()?);
+    // ctl given both addresses finds one that answers.
     let both = c.agent_controllers.clone().expect("set above");
     let out = Command::new(bin("ctl")?).args(["--controller", &both, "status", &job.to_string()]).output()?;
     ensure!(out.status.success(), "ctl over both addresses: {}", String::from_utf8_lossy(&out.stderr));
-    c.addr = new_addr;
+    c.addr = member.url.trim_start_matches("http://").to_string();
     let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
     ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for a failover: {status}");
     let rows = c.query(&format!(
@@ -136,21 +161,79 @@ fn a_standby_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled()
     ensure!(rows[0][0] == 4 * 300, "{} step receipts stored (expected 1200: none lost)", rows[0][0]);
     ensure!(rows[0][0] == rows[0][1], "a receipt stored twice");
     let epoch = c.query("SELECT epoch FROM controller_lease")?[0][0];
-    ensure!(epoch == 2, "the standby leads under epoch 2, not {epoch}");
+    ensure!(epoch == 2, "the follower leads under epoch 2, not {epoch}");
     Ok(())
 }
 
-/// The leader frozen (SIGSTOP) past its lease: the standby takes over, the agents' pings find
+/// A follower serves reads (`ctl status`, `nodes`, the web API, `/metrics`, `/healthz`) from
+/// the store and sends writers to the leader: `ctl submit` and `cancel` given only the
+/// follower's address reach the leader it names, and agents that dial the follower first are
+/// told the leader's address and connect there.
+#[test]
+fn a_follower_serves_reads_and_sends_writers_and_agents_to_the_leader() -> Result<()> {
+    let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
+    let member = Member::start(&c)?;
+    member.wait_log("following: another controller leads", Duration::from_secs(10))?;
+    let leader = c.url();
+    let health = member.health()?;
+    ensure!(
+        health.contains("ok: follows (controller standby)") && health.contains(&format!("at {}", c.addr)),
+        "{health}"
+    );
+    ensure!(c.http("GET", "/healthz")?.1.starts_with("ok: leads"), "the leader's /healthz");
+    // Agents that know the follower first are sent to the leader.
+    c.agent_controllers = Some(format!("{},{leader}", member.url));
+    c.start_agent("node-a", 2)?;
+    c.wait_agent_connected("node-a", Duration::from_secs(20))?;
+    let agent_log = c.logs("agent-node-a");
+    ensure!(agent_log.contains("this controller follows; dialing the leader it names"), "{agent_log}");
+    // Writes given the follower alone reach the leader.
+    let follower_only = |args: &[&str]| -> Result<String> {
+        let out = Command::new(bin("ctl")?).args(["--controller", &member.url]).args(args).output()?;
+        ensure!(
+            out.status.success(),
+            "ctl {args:?} via the follower: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let file = c.job_file("via-follower", 2, 2, &["--steps", "400", "--step-ms", "50"], "");
+    let submitted = follower_only(&["submit", file.to_str().expect("utf-8")])?;
+    let job: u64 = submitted.split_whitespace().find_map(|w| w.parse().ok()).context("a job id")?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    // Reads on the follower: from the store, the nodes from the leader's records.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = follower_only(&["status", &job.to_string(), "-o", "json"])?;
+        let nodes = follower_only(&["nodes", "-o", "json"])?;
+        if status.contains("\"running\"") && nodes.contains("\"connected\"") {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "the follower's reads lag: {status} {nodes}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (code, body) = trainyard_tests::http(&member.http, "GET", &format!("/api/jobs/{job}"))?;
+    ensure!(code == 200 && body.contains("via-follower"), "web API on the follower: {code} {body}");
+    let metrics = trainyard_tests::http(&member.http, "GET", "/metrics")?.1;
+    ensure!(metrics.contains("trainyard_controller_is_leader 0"), "{metrics}");
+    follower_only(&["cancel", &job.to_string()])?;
+    let status = c.wait_state(job, &["cancelled"], Duration::from_secs(30))?;
+    ensure!(status["attempt"] == 0, "{status}");
+    // Nothing of the follower's own was written: the leader did all of it, under epoch 1.
+    ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 1);
+    ensure!(!member.logs().contains("ERROR"), "{}", member.logs());
+    Ok(())
+}
+
+/// The leader frozen (SIGSTOP) past its lease: the follower takes over, the agents' pings find
 /// the frozen one and they move; thawed, the old leader finds its lease gone, writes nothing and
-/// exits. The job finishes on its first attempt, every receipt stored once.
+/// steps down to follow the new one. The job finishes on its first attempt, every receipt stored
+/// once.
 #[test]
 fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Result<()> {
     let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let url = c.db_url().expect("postgres").to_string();
-    let port = free_port()?;
-    let addr_file = c.path("standby.addr");
-    let _standby = standby(&c, &url, port, &addr_file)?;
-    c.agent_controllers = Some(format!("{},http://127.0.0.1:{port}", c.url()));
+    let member = Member::start(&c)?;
+    c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
     c.start_agent("node-a", 2)?;
     c.start_agent("node-b", 2)?;
     let job = c.submit(&c.job_file("frozen", 4, 2, &["--steps", "400", "--step-ms", "50"], ""))?;
@@ -160,28 +243,32 @@ fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Re
     // SAFETY: signalling a child process of this test.
     unsafe { libc::kill(leader, libc::SIGSTOP) };
     let frozen = Instant::now();
-    let new_addr = loop {
-        if let Ok(a) = std::fs::read_to_string(&addr_file) {
-            break a.trim().to_string();
-        }
-        ensure!(frozen.elapsed() < Duration::from_secs(20), "no takeover 20 s after the leader froze");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    eprintln!("the standby took over {:?} after the leader froze (lease 5 s)", frozen.elapsed());
+    member.wait_log("leading the controller group", Duration::from_secs(20))?;
+    eprintln!("the follower took over {:?} after the leader froze (lease 5 s)", frozen.elapsed());
     std::thread::sleep(Duration::from_secs(8).saturating_sub(frozen.elapsed()));
     unsafe { libc::kill(leader, libc::SIGCONT) };
-    c.addr = new_addr;
-    // Thawed, the old leader finds its lease gone and exits.
+    let old_http = c.http_addr.clone();
+    c.addr = member.url.trim_start_matches("http://").to_string();
+    // Thawed, the old leader finds its lease gone, steps down and follows the new one.
     let thawed = Instant::now();
     loop {
         let log = c.logs("controller");
-        if log.contains("lost the lease") && log.contains("restart as a standby") {
+        if log.contains("lost the lease") && log.contains("stepped down") {
             break;
         }
         ensure!(thawed.elapsed() < Duration::from_secs(15), "the old leader did not step down: {log}");
         std::thread::sleep(Duration::from_millis(100));
     }
     eprintln!("the old leader stepped down {:?} after it was thawed", thawed.elapsed());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let health = trainyard_tests::http(&old_http, "GET", "/healthz").map(|r| r.1).unwrap_or_default();
+        if health.contains("follows") && health.contains("the leader is standby") {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "the old leader does not follow: {health}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
     ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for a failover: {status}");
     let rows = c.query(&format!(

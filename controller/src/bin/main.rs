@@ -125,8 +125,9 @@ struct Cli {
     /// hostname and pid). Unused on SQLite, which serves one controller.
     #[arg(long, env = "TRAINYARD_CONTROLLER_ID")]
     controller_id: Option<String>,
-    /// Where agents and tools reach this controller, as the group's lease advertises it
-    /// (default: the --listen address).
+    /// Where agents and tools reach this controller (host:port), as the group's lease
+    /// advertises it and followers name it to writers (default: the bound --listen address; give
+    /// a name in the TLS certificate when agents dial by name).
     #[arg(long)]
     advertise: Option<String>,
     /// Seconds a leader's lease lasts without renewal (renewed every fifth of it); a standby
@@ -321,75 +322,167 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     // Held for the process's life: a second controller on the same SQLite file refuses to start.
     let claim = store.claim_for_controller().context("claim the SQLite database for this controller")?;
     let store: Arc<dyn trainyard_store::Store> = Arc::new(store);
-    // On PostgreSQL several controllers may share the database: lead or wait as a standby.
+    let listeners = Listeners::bind(&cli, &security).await?;
+    // On PostgreSQL several controllers may share the database: lead or follow.
     let group = match (&claim, cli.db.as_deref()) {
-        (None, Some(url)) if url.starts_with("postgres") => Some(group_config(&cli)?),
+        (None, Some(url)) if url.starts_with("postgres") => {
+            Some(group_config(&cli, listeners.grpc.local_addr().context("read the bound address")?)?)
+        }
         _ => {
             trainyard_controller::metrics::metrics().leading(true, 0);
             None
         }
     };
-    let fence = match &group {
-        Some(g) => match trainyard_controller::leader::lead(&store, g, shutdown_signal()).await? {
-            Some(fence) => Some(fence),
-            None => return Ok(()), // stopped while a standby
-        },
-        None => None,
+    let Some(group) = group else {
+        let controller = Controller::start(store.clone(), ControllerConfig::from(&cli))
+            .await
+            .context("load jobs and agents from the store")?;
+        let (grpc, http) = listeners.dup()?;
+        return server::run(grpc, http, controller, security, shutdown_signal()).await.context("serve");
     };
-    let controller = Controller::start(store.clone(), ControllerConfig::from(&cli))
-        .await
-        .context("load jobs and agents from the store")?;
-    let listener =
-        TcpListener::bind(cli.listen).await.with_context(|| format!("listen on {}", cli.listen))?;
-    let addr = listener.local_addr().context("read the bound address")?;
-    if let Some(path) = &cli.addr_file {
-        write_atomically(path, &addr.to_string()).with_context(|| format!("write {}", path.display()))?;
-    }
-    let http = match cli.http_listen.as_str() {
-        "off" => None,
-        text => {
-            let at: SocketAddr = text
-                .parse()
-                .with_context(|| format!("--http-listen {text:?} is not an address like 127.0.0.1:7071"))?;
-            let listener =
-                TcpListener::bind(at).await.with_context(|| format!("listen on {at} (--http-listen)"))?;
-            let bound = listener.local_addr().context("read the bound HTTP address")?;
-            let exposure = http_exposure(&cli, bound, &security)?;
-            if let Some(path) = &cli.http_addr_file {
-                write_atomically(path, &bound.to_string())
-                    .with_context(|| format!("write {}", path.display()))?;
+    // A member of a group follows until it leads, leads until it loses its lease (it was
+    // frozen, or cut off from the database), then follows again.
+    loop {
+        let Some(lease) = follow_until_leading(&store, &group, &cli, &listeners, &security).await? else {
+            return Ok(()); // stopped while following
+        };
+        let fence = trainyard_controller::leader::fence_of(&lease);
+        // The follower's read-only fence is gone with it: this controller writes under its epoch.
+        store.set_fence(Some(fence.clone()));
+        let controller = Controller::start_leading(store.clone(), ControllerConfig::from(&cli), lease)
+            .await
+            .context("load jobs and agents from the store")?;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let lost =
+            trainyard_controller::leader::keep(store.clone(), group.clone(), fence.clone(), stop.clone());
+        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let until = {
+            let (lost, stopping) = (lost.clone(), stopping.clone());
+            async move {
+                tokio::select! {
+                    _ = shutdown_signal() => stopping.store(true, std::sync::atomic::Ordering::Relaxed),
+                    _ = lost.cancelled() => {}
+                }
             }
-            let scheme = if exposure.tls.is_some() { "https" } else { "http" };
-            tracing::info!(addr = %bound, scheme, "serving the web view, /metrics and /healthz");
-            Some((listener, exposure))
+        };
+        let (grpc, http) = listeners.dup()?;
+        server::run(grpc, http, controller, security.clone(), until).await.context("serve")?;
+        stop.cancel();
+        if stopping.load(std::sync::atomic::Ordering::Relaxed) {
+            trainyard_controller::leader::resign(&store, &fence).await;
+            return Ok(());
         }
-    };
-    tracing::info!(%addr, "trainyard-controller listening");
-    let (Some(group), Some(fence)) = (group, fence) else {
-        return server::run(listener, http, controller, security, shutdown_signal()).await.context("serve");
-    };
+        tracing::error!(
+            epoch = fence.epoch,
+            "stepped down: the lease of epoch {} was lost and nothing more was written under it; following again",
+            fence.epoch
+        );
+    }
+}
+
+/// The gRPC and HTTP listeners, bound once for the process's life: a follower and then a
+/// leader serve on duplicates of the same sockets, so connections that arrive while one hands
+/// over to the other wait in the kernel's backlog instead of being refused.
+struct Listeners {
+    grpc: TcpListener,
+    http: Option<(TcpListener, Exposure)>,
+}
+
+impl Listeners {
+    async fn bind(cli: &Cli, security: &Security) -> anyhow::Result<Listeners> {
+        let grpc =
+            TcpListener::bind(cli.listen).await.with_context(|| format!("listen on {}", cli.listen))?;
+        let addr = grpc.local_addr().context("read the bound address")?;
+        if let Some(path) = &cli.addr_file {
+            write_atomically(path, &addr.to_string()).with_context(|| format!("write {}", path.display()))?;
+        }
+        let http = match cli.http_listen.as_str() {
+            "off" => None,
+            text => {
+                let at: SocketAddr = text.parse().with_context(|| {
+                    format!("--http-listen {text:?} is not an address like 127.0.0.1:7071")
+                })?;
+                let listener =
+                    TcpListener::bind(at).await.with_context(|| format!("listen on {at} (--http-listen)"))?;
+                let bound = listener.local_addr().context("read the bound HTTP address")?;
+                let exposure = http_exposure(cli, bound, security)?;
+                if let Some(path) = &cli.http_addr_file {
+                    write_atomically(path, &bound.to_string())
+                        .with_context(|| format!("write {}", path.display()))?;
+                }
+                let scheme = if exposure.tls.is_some() { "https" } else { "http" };
+                tracing::info!(addr = %bound, scheme, "serving the web view, /metrics and /healthz");
+                Some((listener, exposure))
+            }
+        };
+        tracing::info!(%addr, "trainyard-controller listening");
+        Ok(Listeners { grpc, http })
+    }
+
+    /// Duplicates of the sockets (the same listening socket under new descriptors), for one
+    /// server's life.
+    fn dup(&self) -> anyhow::Result<(TcpListener, Option<(TcpListener, Exposure)>)> {
+        let http = match &self.http {
+            Some((l, exposure)) => Some((dup_listener(l)?, exposure.clone())),
+            None => None,
+        };
+        Ok((dup_listener(&self.grpc)?, http))
+    }
+}
+
+fn dup_listener(listener: &TcpListener) -> anyhow::Result<TcpListener> {
+    use std::os::fd::AsFd;
+    let fd = listener.as_fd().try_clone_to_owned().context("duplicate a listening socket")?;
+    let std = std::net::TcpListener::from(fd);
+    std.set_nonblocking(true).context("set a listening socket non-blocking")?;
+    TcpListener::from_std(std).context("register a listening socket")
+}
+
+/// Takes part in the group's elections, serving as a follower on the listeners from the first
+/// election that finds another leader; returns this controller's lease once it leads (the
+/// follower stopped), or `None` on ctrl-c or SIGTERM.
+async fn follow_until_leading(
+    store: &Arc<dyn trainyard_store::Store>,
+    group: &trainyard_controller::leader::GroupConfig,
+    cli: &Cli,
+    listeners: &Listeners,
+    security: &Security,
+) -> anyhow::Result<Option<trainyard_store::Lease>> {
+    let (seen, mut leader) = tokio::sync::watch::channel(None);
     let stop = tokio_util::sync::CancellationToken::new();
-    let lost = trainyard_controller::leader::keep(store.clone(), group, fence.clone(), stop.clone());
-    let until = {
-        let lost = lost.clone();
-        async move {
+    let mut follower = {
+        let (store, config, id) = (store.clone(), ControllerConfig::from(cli), group.id.clone());
+        let (grpc, http) = listeners.dup()?;
+        let (security, stop) = (security.clone(), stop.clone());
+        tokio::spawn(async move {
             tokio::select! {
-                _ = shutdown_signal() => {}
-                _ = lost.cancelled() => {}
+                _ = stop.cancelled() => return Ok(()),
+                found = leader.wait_for(Option::is_some) => if found.is_err() { return Ok(()) },
             }
-        }
+            let follower = Controller::follow(store, config, id, leader)
+                .await
+                .context("load jobs and agents from the store")?;
+            server::run(grpc, http, follower, security, stop.cancelled_owned())
+                .await
+                .context("serve as a follower")
+        })
     };
-    server::run(listener, http, controller, security, until).await.context("serve")?;
+    let lease = trainyard_controller::leader::lead(store, group, shutdown_signal(), &seen).await;
     stop.cancel();
-    if lost.is_cancelled() {
-        bail!("lead the controller group: the lease of epoch {} was lost; restart as a standby", fence.epoch);
+    match tokio::time::timeout(Duration::from_secs(10), &mut follower).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::error!(error = %format!("{e:#}"), "the follower failed"),
+        Ok(Err(e)) => tracing::error!(error = %e, "the follower panicked"),
+        Err(_) => {
+            tracing::warn!("the follower did not stop within 10 s; stopping it now");
+            follower.abort();
+        }
     }
-    trainyard_controller::leader::resign(&store, &fence).await;
-    Ok(())
+    lease
 }
 
 /// The group settings of a controller on PostgreSQL.
-fn group_config(cli: &Cli) -> anyhow::Result<trainyard_controller::leader::GroupConfig> {
+fn group_config(cli: &Cli, bound: SocketAddr) -> anyhow::Result<trainyard_controller::leader::GroupConfig> {
     if !(cli.lease_ttl_secs.is_finite() && (1.0..=300.0).contains(&cli.lease_ttl_secs)) {
         bail!("--lease-ttl-secs {}: give seconds between 1 and 300", cli.lease_ttl_secs);
     }
@@ -397,7 +490,11 @@ fn group_config(cli: &Cli) -> anyhow::Result<trainyard_controller::leader::Group
     let id = cli.controller_id.clone().unwrap_or_else(|| format!("{}-{}", host.trim(), std::process::id()));
     Ok(trainyard_controller::leader::GroupConfig {
         id,
-        address: cli.advertise.clone().unwrap_or_else(|| cli.listen.to_string()),
+        // A wildcard address names no host: the hostname stands in for it.
+        address: cli.advertise.clone().unwrap_or_else(|| match bound.ip().is_unspecified() {
+            true => format!("{}:{}", host.trim(), bound.port()),
+            false => bound.to_string(),
+        }),
         ttl: Duration::from_secs_f64(cli.lease_ttl_secs),
     })
 }

@@ -39,6 +39,7 @@ impl Controller {
             cordon: None,
         };
         self.store.upsert_agent(&record).await?;
+        crate::metrics::metrics().agent_hellos.inc();
         let preflight = match hello.preflight.clone() {
             Some(report) => self.store_preflight(&agent_id, report).await?,
             None => None,

@@ -32,12 +32,16 @@
 //! - `resume`: the checkpoints a restarted attempt resumes from.
 //! - `live`: the live diagnosis of running jobs: findings opened, updated, closed, alerted.
 //! - `telemetry`: GPU telemetry in (stored once, acknowledged), XIDs that drain a node, retention.
+//! - `follow`: a follower of a controller group: reads mirrored from the store, writers
+//!   referred to the leader.
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
 mod diagnosis;
 mod evict;
 mod faults;
+mod follow;
+pub use follow::{MIRROR_EVERY, NotLeader, Role};
 #[cfg(test)]
 mod faults_tests;
 pub use agents::MAX_BATCH;
@@ -111,6 +115,9 @@ pub enum ControllerError {
     /// A per-user cap on a shared resource (pending jobs, open streams) is reached.
     #[error("{0}")]
     TooMany(String),
+    /// This controller follows another in its group: writes go to the leader.
+    #[error("{0}")]
+    NotLeader(follow::NotLeader),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -122,6 +129,8 @@ pub type Result<T, E = ControllerError> = std::result::Result<T, E>;
 pub struct Controller {
     store: Arc<dyn Store>,
     config: ControllerConfig,
+    /// Leader (the one writer) or follower (reads only; `follow`).
+    role: Role,
     /// Never held across an `.await` (see the module documentation).
     core: Mutex<Core>,
     /// Wakes the reconciler: a job or an agent changed and it may have work.
@@ -233,46 +242,39 @@ struct ActiveJob {
 impl Controller {
     /// Rebuilds the in-memory state from the store. Agents count as disconnected until they
     /// say hello again; those that do not come back within `agent_timeout` lose their ranks.
+    /// The controller leads: alone (SQLite), or under `lease` in a group ([`Controller::follow`]
+    /// builds one that does not).
     pub async fn start(store: Arc<dyn Store>, config: ControllerConfig) -> Result<Arc<Controller>> {
-        let snapshot = store.snapshot().await?;
+        Controller::start_as(store, config, Role::Leader(None)).await
+    }
+
+    /// As [`Controller::start`], for the leader of a group under `lease`.
+    pub async fn start_leading(
+        store: Arc<dyn Store>,
+        config: ControllerConfig,
+        lease: trainyard_store::Lease,
+    ) -> Result<Arc<Controller>> {
+        Controller::start_as(store, config, Role::Leader(Some(lease))).await
+    }
+
+    async fn start_as(
+        store: Arc<dyn Store>,
+        config: ControllerConfig,
+        role: Role,
+    ) -> Result<Arc<Controller>> {
         let clock = Clock::new();
         let now = Instant::now();
-        let mut core = Core::default();
-        for record in snapshot.agents {
-            let entry = AgentEntry {
-                record,
-                link: None,
-                leaving: false,
-                disconnected_since: Some(now),
-                preflight: None,
-                unresponsive: false,
-                seen_since_start: false,
-            };
-            core.agents.insert(entry.record.agent_id.clone(), entry);
-        }
-        // Verdicts survive a restart: a node that failed stays unscheduled until it reports again.
-        for report in store.latest_preflights().await? {
-            if let Some(entry) = core.agents.get_mut(&report.agent_id) {
-                entry.preflight = Some(report);
-            }
-        }
-        for record in snapshot.active_jobs {
-            core.jobs.insert(record.id, ActiveJob::new(record));
-        }
-        for alloc in snapshot.allocations {
-            if let Some(job) = core.jobs.get_mut(&alloc.id.job_id) {
-                job.allocations.push(alloc);
-            }
-        }
-        for job in core.jobs.values_mut() {
-            job.allocations.sort_by_key(|a| a.id.rank);
-        }
-        let watches = faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?;
+        let mut core = Core::load(store.as_ref(), now).await?;
+        let watches = match role {
+            Role::Leader(_) => faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?,
+            Role::Follower { .. } => HashMap::new(),
+        };
         tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
         let (changes, _) = watch::channel(0);
         Ok(Arc::new(Controller {
             store,
             config,
+            role,
             core: Mutex::new(core),
             wake: Notify::new(),
             clock,
@@ -354,6 +356,45 @@ impl Controller {
                 tokio::spawn(async move { controller.record_outcome(job_id).await });
             }
         }
+    }
+}
+
+impl Core {
+    /// The jobs and agents the store holds, agents counted disconnected since `now` (until they
+    /// say hello), with their latest preflight verdicts (a node that failed stays unscheduled
+    /// until it reports again).
+    async fn load(store: &dyn Store, now: Instant) -> Result<Core> {
+        let snapshot = store.snapshot().await?;
+        let mut core = Core::default();
+        for record in snapshot.agents {
+            let entry = AgentEntry {
+                record,
+                link: None,
+                leaving: false,
+                disconnected_since: Some(now),
+                preflight: None,
+                unresponsive: false,
+                seen_since_start: false,
+            };
+            core.agents.insert(entry.record.agent_id.clone(), entry);
+        }
+        for report in store.latest_preflights().await? {
+            if let Some(entry) = core.agents.get_mut(&report.agent_id) {
+                entry.preflight = Some(report);
+            }
+        }
+        for record in snapshot.active_jobs {
+            core.jobs.insert(record.id, ActiveJob::new(record));
+        }
+        for alloc in snapshot.allocations {
+            if let Some(job) = core.jobs.get_mut(&alloc.id.job_id) {
+                job.allocations.push(alloc);
+            }
+        }
+        for job in core.jobs.values_mut() {
+            job.allocations.sort_by_key(|a| a.id.rank);
+        }
+        Ok(core)
     }
 }
 

@@ -29,6 +29,15 @@ impl AgentEntry {
         self.preflight.as_ref().is_some_and(|r| r.verdict == Verdict::Fail)
     }
 
+    /// The node's state as the leader recorded it in the store (what a follower shows).
+    fn recorded_state(&self) -> NodeState {
+        match self.record.state {
+            AgentState::Connected => NodeState::Connected,
+            AgentState::Disconnected => NodeState::Disconnected,
+            AgentState::Leaving => NodeState::Leaving,
+        }
+    }
+
     /// The node's state as the fleet table shows it.
     fn state(&self) -> NodeState {
         match (self.link.is_some(), self.leaving || self.record.state == AgentState::Leaving) {
@@ -44,6 +53,7 @@ impl Controller {
     /// One row per known agent, by agent id.
     pub async fn nodes(&self) -> Vec<NodeInfo> {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let follower = !self.leads();
         let core = self.lock();
         let busy = core.busy_gpus();
         core.agents
@@ -51,7 +61,10 @@ impl Controller {
             .map(|e| {
                 // A connected agent's newest message may be younger than the last liveness pass.
                 let heard = seen.get(&e.record.agent_id).copied().filter(|_| e.link.is_some());
-                node_info(e, &busy, heard.map_or(e.record.last_seen_ms, |at| at.max(e.record.last_seen_ms)))
+                let last_seen = heard.map_or(e.record.last_seen_ms, |at| at.max(e.record.last_seen_ms));
+                // A follower holds no agent's stream: the leader's record of it is the state.
+                let state = if follower { e.recorded_state() } else { e.state() };
+                node_info(e, state, &busy, last_seen)
             })
             .collect::<BTreeMap<_, _>>()
             .into_values()
@@ -158,12 +171,16 @@ impl Core {
 }
 
 /// (agent id, row of the fleet table) for one agent.
-fn node_info(e: &AgentEntry, busy: &BTreeSet<(String, u32)>, last_seen_ms: i64) -> (String, NodeInfo) {
+fn node_info(
+    e: &AgentEntry,
+    state: NodeState,
+    busy: &BTreeSet<(String, u32)>,
+    last_seen_ms: i64,
+) -> (String, NodeInfo) {
     let inv = &e.record.inventory;
     let id = &e.record.agent_id;
     let report = e.preflight.as_ref();
     let free = inv.gpus.iter().filter(|g| !busy.contains(&(id.clone(), g.index))).count();
-    let state = e.state();
     let info = NodeInfo {
         agent_id: id.clone(),
         hostname: inv.hostname.clone(),

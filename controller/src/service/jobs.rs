@@ -13,10 +13,10 @@ use tonic::{Request, Response, Status};
 use trainyard_proto::v1::jobs_server::Jobs;
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
-    DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, GetJobRequest, Job, JobStateChange,
-    ListJobsRequest, ListJobsResponse, LiveFindingsRequest, LiveFindingsResponse, LogChunk, LogsRequest,
-    NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt, SubmitRequest,
-    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, GetJobRequest, Job, JobStateChange, LeaderReply,
+    LeaderRequest, ListJobsRequest, ListJobsResponse, LiveFindingsRequest, LiveFindingsResponse, LogChunk,
+    LogsRequest, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt,
+    SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use trainyard_proto::limits;
@@ -153,6 +153,7 @@ type LogsStream = Pin<Box<dyn Stream<Item = Result<LogChunk, Status>> + Send>>;
 #[tonic::async_trait]
 impl Jobs for JobsService {
     async fn submit(&self, request: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
+        self.controller.writable().map_err(to_status)?;
         let caller = self.caller(&request, "job.submit", "job:new").await?;
         let request = request.into_inner();
         let spec = request
@@ -206,6 +207,7 @@ impl Jobs for JobsService {
     }
 
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
+        self.controller.writable().map_err(to_status)?;
         let mut req = request.get_ref().clone();
         if req.reason.len() > limits::MAX_SHORT_STRING_BYTES {
             req.reason = auth::clip_to(&req.reason, limits::MAX_SHORT_STRING_BYTES);
@@ -223,6 +225,11 @@ impl Jobs for JobsService {
         Ok(Response::new(CancelResponse { job: Some(job) }))
     }
 
+    async fn leader(&self, request: Request<LeaderRequest>) -> Result<Response<LeaderReply>, Status> {
+        self.caller(&request, "controller.leader", "controller").await?;
+        Ok(Response::new(self.controller.leadership()))
+    }
+
     async fn nodes(&self, request: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
         self.caller(&request, "node.list", "nodes").await?;
         Ok(Response::new(NodesResponse { nodes: self.controller.nodes().await }))
@@ -230,6 +237,7 @@ impl Jobs for JobsService {
 
     /// Cordons a node or lifts its cordon (admins only; audited).
     async fn cordon(&self, request: Request<CordonRequest>) -> Result<Response<CordonResponse>, Status> {
+        self.controller.writable().map_err(to_status)?;
         let target = format!("node:{}", request.get_ref().agent_id);
         let action = if request.get_ref().cordon { "node.cordon" } else { "node.uncordon" };
         let caller = self.caller(&request, action, &target).await?;
@@ -265,6 +273,7 @@ impl Jobs for JobsService {
 
     /// Drains a node (admins only; audited): cordon, checkpoint, move.
     async fn drain(&self, request: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        self.controller.writable().map_err(to_status)?;
         let target = format!("node:{}", request.get_ref().agent_id);
         let caller = self.caller(&request, "node.drain", &target).await?;
         if !caller.admin {
@@ -312,6 +321,9 @@ impl Jobs for JobsService {
         let target = format!("node:{}", request.get_ref().agent_id);
         let action =
             if request.get_ref().run_level.is_empty() { "node.preflight.read" } else { "node.preflight" };
+        if !request.get_ref().run_level.is_empty() {
+            self.controller.writable().map_err(to_status)?;
+        }
         let caller = self.caller(&request, action, &target).await?;
         let req = request.into_inner();
         let report = if req.run_level.is_empty() {
@@ -362,6 +374,8 @@ impl Jobs for JobsService {
     type LogsStream = LogsStream;
 
     async fn logs(&self, request: Request<LogsRequest>) -> Result<Response<LogsStream>, Status> {
+        // Logs come over the agent's stream, which only the leader holds.
+        self.controller.writable().map_err(to_status)?;
         let caller = self.job_caller(&request, "job.logs", request.get_ref().job_id).await?;
         let slot = self.streams.take(&caller.name)?;
         let req = request.into_inner();

@@ -33,6 +33,7 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
         ControllerError::AlreadyConnected(_) => tonic::Status::already_exists(e.to_string()),
         ControllerError::NotYours(_) => tonic::Status::permission_denied(e.to_string()),
         ControllerError::TooMany(_) => tonic::Status::resource_exhausted(e.to_string()),
+        ControllerError::NotLeader(refusal) => not_leader(&refusal),
         ControllerError::Store(StoreError::JobNotFound(_)) => tonic::Status::not_found(e.to_string()),
         ControllerError::Store(StoreError::StateConflict { .. }) => tonic::Status::aborted(e.to_string()),
         // Database text (SQL, constraint names, server messages) stays in the controller's log:
@@ -49,6 +50,20 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
             ))
         }
     }
+}
+
+/// The metadata entry of a follower's refusal that names the leader's gRPC address (host:port):
+/// agents and `ctl` dial it next.
+pub const LEADER_METADATA: &str = "trainyard-leader";
+
+/// A follower's refusal of a write: `UNAVAILABLE` (try elsewhere), naming the leader in the
+/// message and in [`LEADER_METADATA`].
+fn not_leader(refusal: &crate::core::NotLeader) -> tonic::Status {
+    let mut status = tonic::Status::unavailable(refusal.to_string());
+    if let Some(value) = refusal.address().and_then(|a| a.parse().ok()) {
+        status.metadata_mut().insert(LEADER_METADATA, value);
+    }
+    status
 }
 
 /// Authentication and permission refusals, as statuses.

@@ -8,10 +8,10 @@ use trainyard_proto::v1::jobs_server::{Jobs, JobsServer};
 use trainyard_proto::v1::{
     CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
     DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, Finding, GetJobRequest, Job, JobSpec,
-    JobStateChange, ListJobsRequest, ListJobsResponse, LiveFinding, LiveFindingsRequest,
-    LiveFindingsResponse, LogChunk, LogsRequest, Measure, NodeInfo, NodesRequest, NodesResponse,
-    PreflightReport, PreflightRequest, RankStatus, StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent,
-    WatchRequest, watch_event::Event,
+    JobStateChange, LeaderReply, LeaderRequest, ListJobsRequest, ListJobsResponse, LiveFinding,
+    LiveFindingsRequest, LiveFindingsResponse, LogChunk, LogsRequest, Measure, NodeInfo, NodesRequest,
+    NodesResponse, PreflightReport, PreflightRequest, RankStatus, StoredReceipt, SubmitRequest,
+    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -26,6 +26,11 @@ struct Fake {
 
 #[tonic::async_trait]
 impl Jobs for Fake {
+    /// As a controller older than groups: it answers no `Leader` (ctl then takes it as leading).
+    async fn leader(&self, _: Request<LeaderRequest>) -> Result<Response<LeaderReply>, Status> {
+        Err(Status::unimplemented("not in this fake"))
+    }
+
     async fn cordon(&self, _: Request<CordonRequest>) -> Result<Response<CordonResponse>, Status> {
         Err(Status::unimplemented("not in this fake"))
     }

@@ -1,0 +1,137 @@
+//! A follower: a controller of a group on PostgreSQL that does not lead (docs/ha.md).
+//!
+//! It serves everything that reads (`ctl status`, `watch`, `nodes`, `diagnose`, the web view,
+//! `/metrics`) from the store and from a mirror of the jobs and agents that it reloads every
+//! [`MIRROR_EVERY`]; it refers every write (submits, cancels, cordons, drains, preflight runs,
+//! logs, which need the agent's stream, and the agents' streams themselves) to the leader the
+//! elections name, as [`ControllerError::NotLeader`]. It runs no reconciler and none of the
+//! liveness, hang or live-diagnosis clocks, and its store carries a fence no lease matches
+//! ([`Fence::read_only`]), so nothing it does can write. When it wins the lease, the daemon
+//! stops it and starts a leader over the same listeners.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use trainyard_proto::v1::LeaderReply;
+use trainyard_store::{Fence, Lease, Store};
+
+use super::{Controller, ControllerError, Core, Result};
+use crate::config::ControllerConfig;
+
+/// How often a follower reloads its mirror of the jobs and agents from the store.
+pub const MIRROR_EVERY: Duration = Duration::from_secs(2);
+
+/// Who a controller is in its group.
+pub enum Role {
+    /// The one writer: alone (SQLite, no lease), or the leader of a group under this lease.
+    Leader(Option<Lease>),
+    /// Another controller leads; `leader` is the lease as the latest election saw it.
+    Follower { id: String, leader: watch::Receiver<Option<Lease>> },
+}
+
+/// A write refused by a follower, naming the leader when one is known.
+#[derive(Debug, Clone)]
+pub struct NotLeader {
+    pub leader: Option<Lease>,
+}
+
+impl std::fmt::Display for NotLeader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.leader {
+            Some(l) => write!(
+                f,
+                "this controller does not lead its group: the leader is {} at {} (epoch {}); send writes \
+                 there (ctl and agents given several controller addresses go there themselves)",
+                l.holder, l.address, l.epoch
+            ),
+            None => f.write_str(
+                "this controller does not lead its group and no leader is elected right now; try again in \
+                 a few seconds",
+            ),
+        }
+    }
+}
+
+impl NotLeader {
+    /// The leader's gRPC address (host:port), when known.
+    pub fn address(&self) -> Option<&str> {
+        self.leader.as_ref().map(|l| l.address.as_str()).filter(|a| !a.is_empty())
+    }
+}
+
+impl Controller {
+    /// A follower over `store`: the mirror loaded once, its store fenced read-only. `leader`
+    /// follows the elections ([`crate::leader::lead`] sends what each one finds).
+    pub async fn follow(
+        store: Arc<dyn Store>,
+        config: ControllerConfig,
+        id: String,
+        leader: watch::Receiver<Option<Lease>>,
+    ) -> Result<Arc<Controller>> {
+        store.set_fence(Some(Fence::read_only(&id)));
+        Controller::start_as(store, config, Role::Follower { id, leader }).await
+    }
+
+    /// This controller leads (or serves alone): it takes writes and runs the reconciler.
+    pub fn leads(&self) -> bool {
+        matches!(self.role, Role::Leader(_))
+    }
+
+    /// `Ok` on the leader; on a follower, the refusal every write starts with.
+    pub fn writable(&self) -> Result<()> {
+        match &self.role {
+            Role::Leader(_) => Ok(()),
+            Role::Follower { leader, .. } => {
+                Err(ControllerError::NotLeader(NotLeader { leader: leader.borrow().clone() }))
+            }
+        }
+    }
+
+    /// Who leads, as this controller sees it (`Jobs.Leader`, `/healthz`).
+    pub fn leadership(&self) -> LeaderReply {
+        let reply = |leads, controller_id: &str, lease: Option<&Lease>| LeaderReply {
+            leads,
+            controller_id: controller_id.to_string(),
+            leader_id: lease.map(|l| l.holder.clone()).unwrap_or_default(),
+            leader_address: lease.map(|l| l.address.clone()).unwrap_or_default(),
+            epoch: lease.map_or(0, |l| l.epoch),
+        };
+        match &self.role {
+            Role::Leader(lease) => {
+                reply(true, lease.as_ref().map_or("", |l| l.holder.as_str()), lease.as_ref())
+            }
+            Role::Follower { id, leader } => reply(false, id, leader.borrow().as_ref()),
+        }
+    }
+
+    /// A follower's loop: reloads the mirror every [`MIRROR_EVERY`] until `shutdown`. A store
+    /// error keeps the previous mirror and is logged once per outage.
+    pub async fn mirror(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(MIRROR_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            match Core::load(self.store.as_ref(), tokio::time::Instant::now()).await {
+                Ok(fresh) => {
+                    failing = false;
+                    let mut core = self.lock();
+                    core.agents = fresh.agents;
+                    core.jobs = fresh.jobs;
+                    drop(core);
+                    self.bump();
+                }
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!(error = %e, "follower: cannot reload jobs and agents from the store; serving the last copy");
+                }
+                Err(_) => {}
+            }
+        }
+    }
+}
