@@ -80,7 +80,8 @@ pub fn fence_of(lease: &Lease) -> Fence {
 }
 
 /// Renews the lease of `fence` until `stop`; cancels the returned token when the lease is
-/// lost (a renewal refused, or none succeeded for a whole TTL).
+/// lost (a renewal refused, or none succeeded for a whole TTL). A write refused by the fence
+/// makes it check at once rather than at the next renewal.
 pub fn keep(
     store: Arc<dyn Store>,
     group: GroupConfig,
@@ -92,10 +93,15 @@ pub fn keep(
     tokio::spawn(async move {
         let mut last_ok = tokio::time::Instant::now();
         let mut tick = tokio::time::interval(group.renew_every());
+        let fenced = store.fenced();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {}
+                // A write was refused by the fence: renew now, which finds the lease gone.
+                _ = fenced.notified() => {
+                    tracing::warn!(epoch = fence.epoch, "a write was refused by the fence; checking the lease now");
+                }
             }
             match store.renew_lease(&fence, group.ttl_ms()).await {
                 Ok(true) => {

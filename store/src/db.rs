@@ -25,6 +25,8 @@ pub struct SqlStore {
     /// When set, every write transaction first checks that this lease still holds
     /// (`lease::check_fence`); shared by the store's clones.
     fence: std::sync::Arc<std::sync::RwLock<Option<crate::Fence>>>,
+    /// Notified when a leader's write is refused by its fence ([`crate::LeaseStore::fenced`]).
+    fenced: std::sync::Arc<tokio::sync::Notify>,
 }
 
 #[derive(Debug, Clone)]
@@ -66,10 +68,14 @@ impl SqlStore {
     }
 
     fn of(backend: Backend) -> SqlStore {
-        SqlStore { backend, fence: Default::default() }
+        SqlStore { backend, fence: Default::default(), fenced: Default::default() }
     }
 
     /// [`crate::LeaseStore::set_fence`].
+    pub(crate) fn fenced_notify(&self) -> std::sync::Arc<tokio::sync::Notify> {
+        self.fenced.clone()
+    }
+
     pub(crate) fn fence(&self, fence: Option<crate::Fence>) {
         *self.fence.write().unwrap_or_else(|e| e.into_inner()) = fence;
     }
@@ -123,11 +129,17 @@ impl SqlStore {
         match fence {
             None => self.run(op, Mode::Write, body).await,
             Some(fence) => {
-                self.run(op, Mode::Write, async move |c: &mut Conn<'_>| {
-                    crate::lease::check_fence(c, &fence).await?;
-                    body(c).await
-                })
-                .await
+                let leads = fence.epoch > 0;
+                let result = self
+                    .run(op, Mode::Write, async move |c: &mut Conn<'_>| {
+                        crate::lease::check_fence(c, &fence).await?;
+                        body(c).await
+                    })
+                    .await;
+                if leads && matches!(result, Err(crate::StoreError::Fenced(_))) {
+                    self.fenced.notify_one();
+                }
+                result
             }
         }
     }

@@ -196,4 +196,8 @@ impl LeaseStore for SqlStore {
     fn set_fence(&self, fence: Option<Fence>) {
         self.fence(fence);
     }
+
+    fn fenced(&self) -> std::sync::Arc<tokio::sync::Notify> {
+        self.fenced_notify()
+    }
 }

@@ -560,6 +560,10 @@ pub trait LeaseStore: Send + Sync {
     /// under), or lifts the fence with `None`. A write whose fence no longer holds fails with
     /// [`StoreError::Fenced`] and writes nothing.
     fn set_fence(&self, fence: Option<Fence>);
+
+    /// Notified (one stored permit) whenever a write of a leader is refused by its fence: its
+    /// lease is gone, and it should step down now rather than at its next renewal.
+    fn fenced(&self) -> std::sync::Arc<tokio::sync::Notify>;
 }
 
 pub trait Store:

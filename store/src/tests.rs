@@ -1010,7 +1010,16 @@ pub mod suite {
         // The old leader wakes: it can write nothing, and cannot renew.
         let refused = a.create_job(&spec("late", 1), None, "submitted", 2).await;
         assert!(matches!(refused, Err(StoreError::Fenced(_))), "{refused:?}");
+        // ... and is told at once, to step down without waiting for its next renewal.
+        tokio::time::timeout(std::time::Duration::from_secs(1), a.fenced().notified())
+            .await
+            .expect("a refused write notifies the fenced leader");
         assert!(!a.renew_lease(&fence_a, 400).await.unwrap());
+        // A follower's read-only fence refuses every write, whatever the lease.
+        let follower = h.open().await;
+        follower.set_fence(Some(Fence::read_only("ctl-c")));
+        let refused = follower.create_job(&spec("follower", 1), None, "submitted", 2).await;
+        assert!(matches!(&refused, Err(StoreError::Fenced(m)) if m.contains("ctl-c follows")), "{refused:?}");
         let fence_b = Fence { holder: "ctl-b".into(), epoch: 2 };
         b.set_fence(Some(fence_b.clone()));
         b.create_job(&spec("new leader", 1), None, "submitted", 3).await.expect("the new leader writes");
