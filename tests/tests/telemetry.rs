@@ -96,6 +96,12 @@ fn a_throttle_that_slows_a_rank_is_named_live_and_alerted() -> Result<()> {
     ];
     let job = c.submit(&c.job_file("hot", 16, 8, &args, ""))?;
     c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    // An operator follows the live diagnosis from the start; it ends with the job.
+    let follow = std::process::Command::new(trainyard_tests::bin("ctl")?)
+        .args(["--controller", &c.url(), "diagnose", &job.to_string(), "--follow", "-o", "json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
     // Both agents replay the same script, so GPU 3 of node-a (rank 3) throttles too, and GPU 5
     // of both nodes (ranks 5 and 13) sits at its power cap. Only rank 11 slows: only
     // node-b/gpu3 explains anything.
@@ -131,6 +137,18 @@ fn a_throttle_that_slows_a_rank_is_named_live_and_alerted() -> Result<()> {
     );
     let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(120))?;
     ensure!(status["state"] == "succeeded", "{status}");
+    // `ctl diagnose --follow` printed the finding when it opened and when it closed, then
+    // returned when the job ended.
+    let followed = follow.wait_with_output()?;
+    let lines = String::from_utf8_lossy(&followed.stdout).into_owned();
+    ensure!(followed.status.success(), "diagnose --follow: {}", String::from_utf8_lossy(&followed.stderr));
+    let events: Vec<serde_json::Value> = lines.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let thermal = |event: &str| {
+        events.iter().any(|e| {
+            e["event"] == event && e["cause"] == "gpu.thermal_throttle" && e["subject"] == "node-b/gpu3"
+        })
+    };
+    ensure!(thermal("opened") && (thermal("closed") || thermal("was")), "diagnose --follow printed: {lines}");
     // The other throttles explained nothing: no finding names them.
     let causes = c.query_text(&format!("SELECT cause, subject FROM live_findings WHERE job_id = {job}"))?;
     ensure!(

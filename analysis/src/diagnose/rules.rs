@@ -45,7 +45,7 @@ pub(super) fn findings(
     let (gpu_health, mut out): (Vec<Finding>, Vec<Finding>) =
         gpu.into_iter().partition(|f| health.contains(&f.cause));
     out.extend(numa_split(&scene, notes));
-    out.extend(binding_refused(&scene));
+    out.extend(binding_refused(&scene, notes));
     out.extend(cpu_starved(&scene, notes));
     out.extend(shm_disabled(&scene));
     out.extend(p2p_disabled(&scene));
@@ -163,8 +163,24 @@ fn numa_split(s: &Scene<'_>, notes: &mut Vec<String>) -> Vec<Finding> {
     out
 }
 
-/// `numa.binding_refused`: ranks whose binding read back from `/proc` differs from the plan.
-fn binding_refused(s: &Scene<'_>) -> Option<Finding> {
+/// `numa.binding_refused`: ranks whose binding read back from `/proc` differs from the plan, on
+/// a node that is slow (or where no pace is measured to tell). On nodes that keep pace it
+/// explains nothing: a note.
+fn binding_refused(s: &Scene<'_>, notes: &mut Vec<String>) -> Option<Finding> {
+    let f = refused_binding(s)?;
+    let measured = s.d.nodes.iter().any(|n| n.vs_fastest.is_some());
+    let slow = s.slow_nodes.iter().any(|n| f.nodes.contains(&n.agent_id));
+    if measured && !slow {
+        notes.push(format!(
+            "{}; their nodes keep the job's pace, so it is not a cause of slowness",
+            f.summary
+        ));
+        return None;
+    }
+    Some(f)
+}
+
+fn refused_binding(s: &Scene<'_>) -> Option<Finding> {
     let refused: Vec<&Allocation> = s
         .input
         .allocations

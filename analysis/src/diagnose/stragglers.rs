@@ -27,6 +27,8 @@ impl Default for StragglerPolicy {
 
 /// Fewest steps in a window.
 pub const MIN_WINDOW: i64 = 5;
+/// Fewest full windows a rank needs before it can be called a straggler.
+pub const MIN_WINDOWS: usize = 2;
 
 /// Steps treated as warm-up: the first tenth of the steps seen, at least 3 and at most 100.
 pub fn warmup_steps(steps_seen: i64) -> i64 {
@@ -76,7 +78,10 @@ pub fn score_ranks(series: &BTreeMap<u32, Vec<(i64, f64)>>, policy: StragglerPol
             for &(step, ms) in v {
                 buckets.entry((step - warmup) / window).or_default().push(ms);
             }
-            (*rank, buckets.into_iter().map(|(w, mut xs)| (w, median(&mut xs))).collect())
+            // A window of fewer than MIN_WINDOW steps (the run's newest, still filling) is
+            // noise, not evidence.
+            let full = buckets.into_iter().filter(|(_, xs)| xs.len() as i64 >= MIN_WINDOW);
+            (*rank, full.map(|(w, mut xs)| (w, median(&mut xs))).collect())
         })
         .collect();
     let mut job_median: BTreeMap<i64, f64> = BTreeMap::new();
@@ -105,7 +110,9 @@ pub fn score_ranks(series: &BTreeMap<u32, Vec<(i64, f64)>>, policy: StragglerPol
                 individual: median(&mut individual),
                 windows,
                 slow_windows,
-                straggler: windows > 0 && slow_windows as f64 >= policy.persistence * windows as f64,
+                // One window is one sample of the pace: persistence needs two at least.
+                straggler: windows >= MIN_WINDOWS
+                    && slow_windows as f64 >= policy.persistence * windows as f64,
             }
         })
         .collect()
@@ -170,8 +177,12 @@ mod tests {
     fn short_runs_use_small_windows_and_empty_input_gives_nothing() {
         let s = series(2, 20, |r, _| if r == 0 { 100.0 } else { 200.0 });
         let scores = score_ranks(&s, StragglerPolicy::default());
-        assert_eq!(scores[1].windows, 4, "17 steady steps in windows of 5");
+        assert_eq!(scores[1].windows, 3, "17 steady steps: three full windows of 5 (2 steps still filling)");
         assert!(scores[1].straggler && scores[1].relative < 0.8);
+        // 7 steady steps make one full window: one sample of the pace is not persistence.
+        let s = series(2, 10, |r, _| if r == 0 { 100.0 } else { 200.0 });
+        let scores = score_ranks(&s, StragglerPolicy::default());
+        assert_eq!((scores[1].windows, scores[1].straggler), (1, false), "{scores:?}");
         assert!(score_ranks(&BTreeMap::new(), StragglerPolicy::default()).is_empty());
         assert_eq!(median(&mut [3.0, 1.0, 2.0, 10.0]), 2.5);
         assert_eq!(warmup_steps(5), 3);

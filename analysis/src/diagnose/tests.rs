@@ -114,7 +114,11 @@ impl Case {
     }
 
     fn run(&self) -> Diagnosis {
-        diagnose(&Input {
+        diagnose(&self.input())
+    }
+
+    fn input(&self) -> Input<'_> {
+        Input {
             spec: &self.spec,
             attempt: 0,
             allocations: &self.allocations,
@@ -122,7 +126,7 @@ impl Case {
             nodes: &self.nodes,
             predicted_comm_ms: self.predicted,
             windows: &self.windows,
-        })
+        }
     }
 }
 
@@ -257,6 +261,16 @@ fn binding_refused_p2p_connections_and_cpu_starvation() {
     assert_eq!(d.findings[0].ranks, vec![9], "the same CPUs written another way are the plan");
     assert!(
         d.verdict().starts_with("numa.binding_refused:") && d.verdict().ends_with("(and 3 more finding(s))")
+    );
+    // The same refused binding on nodes that all keep pace explains nothing: a note.
+    c.samples = samples(|_| 702.0, |_| 57.8);
+    c.spec = spec(&[]);
+    let d = c.run();
+    assert!(!causes(&d).contains(&Cause::NumaBindingRefused), "{:#?}", d.findings);
+    assert!(
+        d.notes.iter().any(|n| n.contains("rank 9: planned CPUs 8-15") && n.contains("not a cause")),
+        "{:?}",
+        d.notes
     );
 }
 
@@ -466,6 +480,18 @@ fn a_healthy_noisy_run_has_no_finding() {
         let d = case.run();
         assert_eq!(causes(&d), vec![], "seed {seed}: {:#?}", d.findings);
         assert!(d.notes.is_empty(), "seed {seed}: {:?}", d.notes);
+        // The live path: the same run fed to the rolling data 10 steps a round (as a 10-s round
+        // of 1-s steps would), judged and tracked each round, opens nothing either.
+        let mut rolling = super::live::Rolling::default();
+        let mut tracker = super::live::Tracker::default();
+        rolling.add_windows(case.windows.iter().cloned());
+        for round in 0..24i64 {
+            let new = case.samples.iter().filter(|s| s.step / 10 == round).copied();
+            rolling.add_samples(new.collect::<Vec<_>>());
+            let live = rolling.judge(&Input { samples: &[], windows: &[], ..case.input() });
+            let opened = tracker.round(live.findings).opened;
+            assert!(opened.is_empty(), "seed {seed}, round {round}: {opened:#?}");
+        }
     }
 }
 

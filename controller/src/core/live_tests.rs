@@ -14,6 +14,12 @@ use crate::config::ControllerConfig;
 
 /// A webhook receiver on port 0 answering 200: the `event` of every alert it got.
 async fn receiver() -> (String, Arc<Mutex<Vec<String>>>) {
+    flaky_receiver(0).await
+}
+
+/// A webhook receiver that answers 503 to its first `failures` posts (recorded as
+/// `refused:EVENT`), then 200.
+async fn flaky_receiver(failures: usize) -> (String, Arc<Mutex<Vec<String>>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/hook", listener.local_addr().unwrap());
     let got = Arc::new(Mutex::new(Vec::new()));
@@ -31,8 +37,15 @@ async fn receiver() -> (String, Arc<Mutex<Vec<String>>>) {
             let text = String::from_utf8_lossy(&request);
             let body = text.split("\r\n\r\n").nth(1).unwrap_or("{}");
             let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
-            sink.lock().unwrap().push(v["event"].as_str().unwrap_or("?").to_string());
-            let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await;
+            let event = v["event"].as_str().unwrap_or("?").to_string();
+            let refuse = sink.lock().unwrap().len() < failures;
+            if refuse {
+                sink.lock().unwrap().push(format!("refused:{event}"));
+                let _ = s.write_all(b"HTTP/1.1 503 Service Unavailable\r\n\r\n").await;
+            } else {
+                sink.lock().unwrap().push(event);
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await;
+            }
         }
     });
     (url, got)
@@ -71,23 +84,57 @@ async fn an_alert_delivered_before_a_restart_is_not_sent_again_and_the_close_is_
     assert!(after[0].closed_at_ms.is_some() && after[0].alerted_close_ms.is_some(), "{after:?}");
     stop.cancel();
     live.await.unwrap();
-    // Another restart sends nothing more.
+    // Another restart, with a second receiver, sends nothing more: nothing is left to deliver.
+    let (hook2, got2) = receiver().await;
     let again = Controller::start(
         store.clone(),
-        ControllerConfig::default().with_live(
-            Duration::from_millis(100),
-            vec![format!("http://{}", "127.0.0.1:9")],
-            None,
-        ),
+        ControllerConfig::default().with_live(Duration::from_millis(100), vec![hook2], None),
     )
     .await
     .unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
     let live = again.spawn_live(stop.clone()).unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     stop.cancel();
     live.await.unwrap();
+    assert!(got2.lock().unwrap().is_empty(), "sent again after a restart: {:?}", got2.lock().unwrap());
+    assert!(store.unalerted_findings(10).await.unwrap().is_empty());
     assert_eq!(got.lock().unwrap().len(), 1);
+}
+
+/// A target that refuses is tried again (after 1 s, then 2 s) until it takes the alert; the
+/// alert is recorded delivered only then, and sent once more to nobody.
+#[tokio::test]
+async fn an_alert_a_target_refuses_is_retried_until_it_is_delivered() {
+    let store = store().await;
+    let job = store.create_job(&spec(2).try_into().unwrap(), None, "submitted", 1).await.unwrap().id;
+    let open = LiveFinding {
+        job_id: job,
+        cause: "gpu.power_capped".into(),
+        subject: "a/gpu1".into(),
+        nodes: vec!["a".into()],
+        summary: "GPU 1 of a at its power cap".into(),
+        opened_at_ms: 10,
+        updated_at_ms: 10,
+        ..Default::default()
+    };
+    let stored = store.upsert_live_finding(&open).await.unwrap();
+    store.mark_alerted(stored.id, true, 11).await.unwrap();
+    let (hook, got) = flaky_receiver(2).await;
+    let config = ControllerConfig::default().with_live(Duration::from_millis(100), vec![hook], None);
+    let c = Controller::start(store.clone(), config).await.unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let live = c.spawn_live(stop.clone()).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while !got.lock().unwrap().contains(&"closed".to_string()) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    live.await.unwrap();
+    assert_eq!(*got.lock().unwrap(), vec!["refused:closed", "refused:closed", "closed"]);
+    let after = c.live_findings(job).await.unwrap();
+    assert!(after[0].alerted_close_ms.is_some(), "delivered at last: {after:?}");
 }
 
 #[tokio::test]
