@@ -37,7 +37,8 @@ impl GroupConfig {
 
 /// Takes part in elections until this controller leads; returns its lease (its fence already
 /// set on the store), or `None` when `shutdown` came first. Each election that finds another
-/// leader is sent on `seen`, for the follower to name it.
+/// leader is sent on `seen`, for the follower to name it; one that cannot reach the database
+/// touches `seen` without a new value (this controller does not lead: it follows meanwhile).
 pub async fn lead(
     store: &Arc<dyn Store>,
     group: &GroupConfig,
@@ -65,7 +66,11 @@ pub async fn lead(
                     told = Some((lease.holder, lease.epoch));
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "cannot reach the database to elect a leader; trying again"),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot reach the database to elect a leader; trying again");
+                // Not leading: serve as a follower meanwhile (it knows no more of the leader).
+                seen.send_modify(|_| {});
+            }
         }
         tokio::select! {
             _ = &mut shutdown => return Ok(None),
@@ -103,25 +108,34 @@ pub fn keep(
                     tracing::warn!(epoch = fence.epoch, "a write was refused by the fence; checking the lease now");
                 }
             }
-            match store.renew_lease(&fence, group.ttl_ms()).await {
-                Ok(true) => {
+            // A renewal that hangs (a database gone away: the pool waits for a connection) must
+            // not outlast the lease: the lease's end bounds it.
+            let renewal =
+                tokio::time::timeout_at(last_ok + group.ttl, store.renew_lease(&fence, group.ttl_ms()));
+            match renewal.await {
+                Ok(Ok(true)) => {
                     last_ok = tokio::time::Instant::now();
                     crate::metrics::metrics().lease_renewals.inc();
                 }
-                Ok(false) => {
+                Ok(Ok(false)) => {
                     tracing::error!(
                         epoch = fence.epoch,
                         "lost the lease: another controller leads; stepping down"
                     );
                     break;
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     crate::metrics::metrics().lease_failures.inc();
                     tracing::warn!(error = %e, "cannot renew the lease");
                     if last_ok.elapsed() >= group.ttl {
                         tracing::error!(epoch = fence.epoch, "no renewal for a whole lease: stepping down");
                         break;
                     }
+                }
+                Err(_) => {
+                    crate::metrics::metrics().lease_failures.inc();
+                    tracing::error!(epoch = fence.epoch, "no renewal for a whole lease: stepping down");
+                    break;
                 }
             }
         }

@@ -83,7 +83,8 @@ impl TempPostgres {
         let script = format!(
             "while :; do \"$0/postgres\" -D \"$1/data\" -p \"$2\" -k \"$1\" -c listen_addresses=127.0.0.1 \
              -c max_connections=300 {settings} >>\"$1/server.log\" 2>&1 & pid=$!; \
-             read cmd; kill -INT $pid; wait $pid; [ \"$cmd\" = restart ] || break; done; rm -rf \"$1\""
+             read cmd down; kill -INT $pid; wait $pid; [ \"$cmd\" = restart ] || break; sleep \"${{down:-0}}\"; done; \
+             rm -rf \"$1\""
         );
         let mut guardian = if as_postgres {
             let mut c = Command::new("runuser");
@@ -128,9 +129,15 @@ impl TempPostgres {
     /// Stops the server (fast shutdown: open connections are cut) and starts it again on the
     /// same port and data; returns once it accepts connections.
     pub fn restart(&mut self) -> Result<(), String> {
+        self.outage(Duration::ZERO)
+    }
+
+    /// Stops the server (fast shutdown) for `down` (whole seconds), then starts it again on the
+    /// same port and data; returns once it accepts connections: a database lost for a while.
+    pub fn outage(&mut self, down: Duration) -> Result<(), String> {
         let control = self.control.as_mut().ok_or("the server is stopped")?;
         control
-            .write_all(b"restart\n")
+            .write_all(format!("restart {}\n", down.as_secs()).as_bytes())
             .and_then(|_| control.flush())
             .map_err(|e| format!("restart postgres: {e}"))?;
         // Wait for the old server to go away before polling, or the poll sees it.
@@ -141,6 +148,7 @@ impl TempPostgres {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        std::thread::sleep(Duration::from_secs(down.as_secs()));
         self.wait_ready()
     }
 

@@ -473,8 +473,13 @@ impl Cluster {
     /// Restarts the cluster's PostgreSQL server under the running controller
     /// ([`Backend::Postgres`] only).
     pub fn restart_postgres(&mut self) -> Result<()> {
+        self.postgres_outage(Duration::ZERO)
+    }
+
+    /// Stops the cluster's PostgreSQL for `down` (whole seconds), then starts it again.
+    pub fn postgres_outage(&mut self, down: Duration) -> Result<()> {
         let (server, _) = self.postgres.as_mut().context("this cluster runs on SQLite")?;
-        server.restart().map_err(anyhow::Error::msg)
+        server.outage(down).map_err(anyhow::Error::msg)
     }
 
     pub fn path(&self, name: &str) -> PathBuf {

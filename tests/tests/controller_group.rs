@@ -282,3 +282,55 @@ fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Re
     ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 2);
     Ok(())
 }
+
+/// PostgreSQL lost for 8 s under a running job (lease 5 s): the leader cannot renew, steps down
+/// and follows; when the database is back exactly one controller leads under a new epoch, the
+/// agents find it, and the job finishes on its first attempt with every receipt stored once.
+#[test]
+fn a_leader_that_loses_postgres_steps_down_and_one_leads_when_it_is_back() -> Result<()> {
+    let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
+    let member = Member::start(&c)?;
+    member.wait_log("following: another controller leads", Duration::from_secs(10))?;
+    c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
+    c.start_agent("node-a", 2)?;
+    c.start_agent("node-b", 2)?;
+    let job = c.submit(&c.job_file("outage", 4, 2, &["--steps", "500", "--step-ms", "50"], ""))?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    std::thread::sleep(Duration::from_secs(2));
+    let lost = Instant::now();
+    c.postgres_outage(Duration::from_secs(8))?;
+    loop {
+        let log = c.logs("controller");
+        if log.contains("no renewal for a whole lease: stepping down") && log.contains("stepped down") {
+            break;
+        }
+        ensure!(lost.elapsed() < Duration::from_secs(30), "the leader did not step down: {log}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Back: one leads, the other follows, never both.
+    let health = |http: &str| trainyard_tests::http(http, "GET", "/healthz").map(|r| r.1).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (first, second) = loop {
+        let pair = (health(&c.http_addr), health(&member.http));
+        ensure!(
+            !(pair.0.starts_with("ok: leads") && pair.1.starts_with("ok: leads")),
+            "two leaders: {pair:?}"
+        );
+        if pair.0.starts_with("ok: leads") ^ pair.1.starts_with("ok: leads") && pair.0.contains("epoch 2")
+            || pair.1.contains("epoch 2")
+        {
+            break pair;
+        }
+        ensure!(Instant::now() < deadline, "no leader 30 s after the database came back: {pair:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!("after the outage: {} / {}", first.trim(), second.trim());
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
+    ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for an outage: {status}");
+    let rows = c.query(&format!(
+        "SELECT COUNT(*), COUNT(DISTINCT rank * 100000 + seq) FROM receipts WHERE job_id = {job} AND kind = 'step'"
+    ))?;
+    ensure!(rows[0][0] == 4 * 500 && rows[0][0] == rows[0][1], "step receipts stored: {:?}", rows[0]);
+    ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 2);
+    Ok(())
+}

@@ -366,7 +366,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         };
         let (grpc, http) = listeners.dup()?;
-        server::run(grpc, http, controller, security.clone(), until).await.context("serve")?;
+        let mut serving = tokio::spawn(server::run(grpc, http, controller, security.clone(), until));
+        let served = tokio::select! {
+            served = &mut serving => served,
+            // A lost lease ends the service at once: requests stuck on a database that went
+            // away get STEP_DOWN_GRACE, then their connections are cut.
+            _ = lost.cancelled() => match tokio::time::timeout(STEP_DOWN_GRACE, &mut serving).await {
+                Ok(served) => served,
+                Err(_) => {
+                    serving.abort();
+                    Ok(Ok(()))
+                }
+            },
+        };
+        served.context("the server task failed")?.context("serve")?;
         stop.cancel();
         if stopping.load(std::sync::atomic::Ordering::Relaxed) {
             trainyard_controller::leader::resign(&store, &fence).await;
@@ -379,6 +392,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
 }
+
+/// How long a leader that lost its lease waits for requests in flight before it cuts them.
+const STEP_DOWN_GRACE: Duration = Duration::from_secs(3);
 
 /// The gRPC and HTTP listeners, bound once for the process's life: a follower and then a
 /// leader serve on duplicates of the same sockets, so connections that arrive while one hands
@@ -457,7 +473,8 @@ async fn follow_until_leading(
         tokio::spawn(async move {
             tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
-                found = leader.wait_for(Option::is_some) => if found.is_err() { return Ok(()) },
+                // The first election that did not make this controller lead.
+                told = leader.changed() => if told.is_err() { return Ok(()) },
             }
             let follower = Controller::follow(store, config, id, leader)
                 .await

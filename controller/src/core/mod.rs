@@ -264,7 +264,15 @@ impl Controller {
     ) -> Result<Arc<Controller>> {
         let clock = Clock::new();
         let now = Instant::now();
-        let mut core = Core::load(store.as_ref(), now).await?;
+        let mut core = match (Core::load(store.as_ref(), now).await, &role) {
+            (Ok(core), _) => core,
+            // A follower may start while the database is away: its mirror fills in later.
+            (Err(e), Role::Follower { .. }) => {
+                tracing::warn!(error = %e, "follower: the store cannot be read yet; serving an empty mirror until it can");
+                Core::default()
+            }
+            (Err(e), Role::Leader(_)) => return Err(e),
+        };
         let watches = match role {
             Role::Leader(_) => faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?,
             Role::Follower { .. } => HashMap::new(),
