@@ -61,15 +61,7 @@ pub fn flood(c: &Cluster, name: &str, per_rank: i64, rate_per_rank: i64) -> Resu
 
 /// Submits a flood job, waits for it to succeed and checks that every receipt was stored.
 pub fn flood_job(c: &Cluster, name: &str, per_rank: i64, rate_per_rank: i64) -> Result<u64> {
-    let file = c.job_file(name, 8, 4, &[], "");
-    let text = std::fs::read_to_string(&file)?.replace(
-        r#"argv = ["python3", "examples/rank.py"]"#,
-        &format!(
-            r#"argv = ["python3", "examples/flood.py", "--receipts", "{per_rank}", "--rate", "{rate_per_rank}", "--chunk", "100"]"#
-        ),
-    );
-    std::fs::write(&file, text)?;
-    let job = c.submit(&file)?;
+    let job = c.submit(&flood_file(c, name, (8, 4), per_rank, rate_per_rank)?)?;
     // Generous: a flood of 50,000 receipts per rank takes seconds, the soak's minutes.
     let timeout = Duration::from_secs(300 + per_rank as u64 / 1_000);
     let state = wait_ended(c, job, timeout)?;
@@ -77,6 +69,26 @@ pub fn flood_job(c: &Cluster, name: &str, per_rank: i64, rate_per_rank: i64) -> 
     let count = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job}"))?[0][0];
     anyhow::ensure!(count == 8 * per_rank, "stored {count} receipts, expected {}", 8 * per_rank);
     Ok(job)
+}
+
+/// A job file of `examples/flood.py` ranks, `(gpus, per node)`, each writing `per_rank`
+/// receipts at `rate_per_rank` a second (0: as fast as it can), in chunks of 100.
+pub fn flood_file(
+    c: &Cluster,
+    name: &str,
+    (gpus, per_node): (u32, u32),
+    per_rank: i64,
+    rate_per_rank: i64,
+) -> Result<std::path::PathBuf> {
+    let file = c.job_file(name, gpus, per_node, &[], "");
+    let text = std::fs::read_to_string(&file)?.replace(
+        r#"argv = ["python3", "examples/rank.py"]"#,
+        &format!(
+            r#"argv = ["python3", "examples/flood.py", "--receipts", "{per_rank}", "--rate", "{rate_per_rank}", "--chunk", "100"]"#
+        ),
+    );
+    std::fs::write(&file, text)?;
+    Ok(file)
 }
 
 /// For each whole minute from the job's first `stored_at_ms` (a last, partial minute left
@@ -105,7 +117,7 @@ pub fn rate_per_minute(c: &Cluster, job: u64) -> Result<Vec<(f64, i64)>> {
 /// Waits for the job to end by reading its row, not through `ctl status`: a status of a job of
 /// hundreds of thousands of receipts computes its progress and goodput, and polling it ten times
 /// a second would load the controller the bench measures.
-fn wait_ended(c: &Cluster, job: u64, timeout: Duration) -> Result<String> {
+pub fn wait_ended(c: &Cluster, job: u64, timeout: Duration) -> Result<String> {
     let deadline = std::time::Instant::now() + timeout;
     loop {
         let rows = c.query_text(&format!("SELECT state FROM jobs WHERE id = {job}"))?;

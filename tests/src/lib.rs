@@ -25,6 +25,7 @@ use sqlx::Row;
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
 pub mod flood;
+pub mod group;
 pub mod netlab;
 pub mod raw_insert;
 

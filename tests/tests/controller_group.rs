@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
+use trainyard_tests::group::Member;
 use trainyard_tests::{Cluster, bin};
 
 /// Runs a second `trainyard-controller` on `data_dir`; (exit code, stderr) once it exits.
@@ -58,74 +59,6 @@ fn a_second_controller_on_the_same_sqlite_file_refuses_to_start() -> Result<()> 
     Ok(())
 }
 
-/// A second controller of the group (a follower until it leads), killed when dropped.
-struct Member {
-    child: std::process::Child,
-    /// Its gRPC URL and HTTP address.
-    url: String,
-    http: String,
-    log: std::path::PathBuf,
-}
-
-impl Drop for Member {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Member {
-    /// Starts a controller with id `standby` on the cluster's PostgreSQL, logging to
-    /// `standby.log`; returns once it listens (a follower serves at once).
-    fn start(c: &Cluster) -> Result<Member> {
-        let db = c.db_url().expect("postgres").to_string();
-        let (addr_file, http_file, log) =
-            (c.path("standby.addr"), c.path("standby.http"), c.path("standby.log"));
-        let child = Command::new(bin("trainyard-controller")?)
-            .args(["--db", &db, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
-            .args(["--controller-id", "standby", "--agent-timeout-secs", "30"])
-            .arg("--addr-file")
-            .arg(&addr_file)
-            .arg("--http-addr-file")
-            .arg(&http_file)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()?;
-        let mut member = Member { child, url: String::new(), http: String::new(), log };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while member.url.is_empty() || member.http.is_empty() {
-            ensure!(Instant::now() < deadline, "the second controller did not listen: {}", member.logs());
-            member.url = std::fs::read_to_string(&addr_file)
-                .map(|a| format!("http://{}", a.trim()))
-                .unwrap_or_default();
-            member.http =
-                std::fs::read_to_string(&http_file).map(|a| a.trim().to_string()).unwrap_or_default();
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(member)
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits until its log says `line`; the time it took.
-    fn wait_log(&self, line: &str, timeout: Duration) -> Result<Duration> {
-        let started = Instant::now();
-        while !self.logs().contains(line) {
-            ensure!(started.elapsed() < timeout, "no {line:?} within {timeout:?}: {}", self.logs());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(started.elapsed())
-    }
-
-    /// Its `/healthz` body.
-    fn health(&self) -> Result<String> {
-        Ok(trainyard_tests::http(&self.http, "GET", "/healthz")?.1)
-    }
-}
-
 /// Two controllers on one PostgreSQL: the first leads, the second follows. The leader is
 /// killed mid-job: the follower takes over within the lease (5 s) plus its start, the agents
 /// (given both addresses) move to it and resend what was not acknowledged, and the job finishes
@@ -133,7 +66,7 @@ impl Member {
 #[test]
 fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled() -> Result<()> {
     let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let member = Member::start(&c)?;
+    let member = Member::start(&c, "standby")?;
     member.wait_log("following: another controller leads", Duration::from_secs(10))?;
     c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
     c.start_agent("node-a", 2)?;
@@ -172,7 +105,7 @@ fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled(
 #[test]
 fn a_follower_serves_reads_and_sends_writers_and_agents_to_the_leader() -> Result<()> {
     let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let member = Member::start(&c)?;
+    let member = Member::start(&c, "standby")?;
     member.wait_log("following: another controller leads", Duration::from_secs(10))?;
     let leader = c.url();
     let health = member.health()?;
@@ -232,7 +165,7 @@ fn a_follower_serves_reads_and_sends_writers_and_agents_to_the_leader() -> Resul
 #[test]
 fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Result<()> {
     let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let member = Member::start(&c)?;
+    let member = Member::start(&c, "standby")?;
     c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
     c.start_agent("node-a", 2)?;
     c.start_agent("node-b", 2)?;
@@ -291,7 +224,7 @@ fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Re
 #[test]
 fn a_leader_that_loses_postgres_steps_down_and_one_leads_when_it_is_back() -> Result<()> {
     let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let member = Member::start(&c)?;
+    let member = Member::start(&c, "standby")?;
     member.wait_log("following: another controller leads", Duration::from_secs(10))?;
     c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
     c.start_agent("node-a", 2)?;
