@@ -23,6 +23,9 @@ pub struct GroupConfig {
     pub address: String,
     /// How long a lease lasts without renewal, by the database's clock.
     pub ttl: Duration,
+    /// The SHA-256 (hex) of the TLS CA this controller serves under (its agents' CA), or empty
+    /// for plaintext: every member of a group must have the same.
+    pub tls_ca: String,
 }
 
 impl GroupConfig {
@@ -48,7 +51,7 @@ pub async fn lead(
     tokio::pin!(shutdown);
     let mut told = None;
     loop {
-        match store.acquire_lease(&group.id, &group.address, group.ttl_ms()).await {
+        match store.acquire_lease(&group.id, &group.address, &group.tls_ca, group.ttl_ms()).await {
             Ok(Election::Leading(lease)) => {
                 tracing::info!(id = %group.id, epoch = lease.epoch, "leading the controller group");
                 crate::metrics::metrics().leading(true, lease.epoch);
@@ -56,6 +59,9 @@ pub async fn lead(
                 return Ok(Some(lease));
             }
             Ok(Election::Following(lease)) => {
+                if lease.tls_ca != group.tls_ca {
+                    anyhow::bail!("{}", ca_mismatch(group, &lease));
+                }
                 crate::metrics::metrics().leading(false, lease.epoch);
                 seen.send_replace(Some(lease.clone()));
                 if told.as_ref() != Some(&(lease.holder.clone(), lease.epoch)) {
@@ -77,6 +83,24 @@ pub async fn lead(
             _ = tokio::time::sleep(group.renew_every()) => {}
         }
     }
+}
+
+/// Why a controller whose TLS CA differs from the leader's cannot join its group.
+fn ca_mismatch(group: &GroupConfig, lease: &Lease) -> String {
+    let name = |ca: &str| match ca {
+        "" => "plaintext (no --tls-dir)".to_string(),
+        ca => format!("the TLS CA with SHA-256 {}", &ca[..ca.len().min(16)]),
+    };
+    format!(
+        "join the controller group: this controller ({}) serves under {}, but the leader {} at {} serves \
+         under {}; agents that trust one CA cannot reach a controller whose certificate another signed. \
+         Give every controller of the group the same --tls-dir (the same ca.pem)",
+        group.id,
+        name(&group.tls_ca),
+        lease.holder,
+        lease.address,
+        name(&lease.tls_ca)
+    )
 }
 
 /// The fence of a lease: its holder and epoch.

@@ -45,6 +45,8 @@ pub struct Lease {
     pub address: String,
     /// Milliseconds of lease left by the database's clock (0 or less: expired).
     pub remaining_ms: i64,
+    /// The SHA-256 (hex) of the TLS CA the leader serves under; empty for plaintext.
+    pub tls_ca: String,
 }
 
 /// What [`LeaseStore::acquire_lease`] found.
@@ -73,7 +75,7 @@ fn share_lock(c: &Conn<'_>) -> &'static str {
 
 async fn read_lease(c: &mut Conn<'_>, lock: &str) -> Result<Option<Lease>> {
     let sql = format!(
-        "SELECT holder, epoch, address, expires_at_ms - {} AS remaining_ms FROM controller_lease WHERE name = $1{lock}",
+        "SELECT holder, epoch, address, tls_ca, expires_at_ms - {} AS remaining_ms FROM controller_lease WHERE name = $1{lock}",
         now_ms(c)
     );
     let Some(row) = c.query(sql).bind(LEADER).optional().await? else { return Ok(None) };
@@ -83,6 +85,7 @@ async fn read_lease(c: &mut Conn<'_>, lock: &str) -> Result<Option<Lease>> {
         epoch: row.num(t, "epoch")?,
         address: row.get(t, "address")?,
         remaining_ms: row.get(t, "remaining_ms")?,
+        tls_ca: row.get(t, "tls_ca")?,
     }))
 }
 
@@ -112,7 +115,13 @@ pub(crate) async fn check_fence(c: &mut Conn<'_>, fence: &Fence) -> Result<()> {
 
 #[async_trait::async_trait]
 impl LeaseStore for SqlStore {
-    async fn acquire_lease(&self, holder: &str, address: &str, ttl_ms: i64) -> Result<Election> {
+    async fn acquire_lease(
+        &self,
+        holder: &str,
+        address: &str,
+        tls_ca: &str,
+        ttl_ms: i64,
+    ) -> Result<Election> {
         self.elect("acquire_lease", async |c| {
             // The row exists from the migration on (epoch 0, expired), so there is always a row
             // to lock: two controllers starting at once queue on it instead of racing an insert.
@@ -126,24 +135,25 @@ impl LeaseStore for SqlStore {
                 None => return Err(crate::corrupt("controller_lease", "the leader row is missing")),
                 Some(l) if l.holder == holder && l.remaining_ms > 0 => {
                     let sql = format!(
-                        "UPDATE controller_lease SET expires_at_ms = {now} + $1, address = $2 WHERE name = $3"
+                        "UPDATE controller_lease SET expires_at_ms = {now} + $1, address = $2, tls_ca = $3 WHERE name = $4"
                     );
-                    c.query(sql).bind(ttl_ms).bind(address).bind(LEADER).execute().await?;
-                    Lease { address: address.into(), remaining_ms: ttl_ms, ..l }
+                    c.query(sql).bind(ttl_ms).bind(address).bind(tls_ca).bind(LEADER).execute().await?;
+                    Lease { address: address.into(), remaining_ms: ttl_ms, tls_ca: tls_ca.into(), ..l }
                 }
                 Some(l) if l.remaining_ms > 0 => return Ok(Election::Following(l)),
                 Some(l) => {
                     // Expired: whoever takes it (its old holder too, after a pause) starts an epoch.
                     let sql = format!(
-                        "UPDATE controller_lease SET holder = $1, epoch = epoch + 1, address = $2, \
-                         expires_at_ms = {now} + $3 WHERE name = $4"
+                        "UPDATE controller_lease SET holder = $1, epoch = epoch + 1, address = $2, tls_ca = $3, \
+                         expires_at_ms = {now} + $4 WHERE name = $5"
                     );
-                    c.query(sql).bind(holder).bind(address).bind(ttl_ms).bind(LEADER).execute().await?;
+                    c.query(sql).bind(holder).bind(address).bind(tls_ca).bind(ttl_ms).bind(LEADER).execute().await?;
                     Lease {
                         holder: holder.into(),
                         epoch: l.epoch + 1,
                         address: address.into(),
                         remaining_ms: ttl_ms,
+                        tls_ca: tls_ca.into(),
                     }
                 }
             };

@@ -543,8 +543,10 @@ pub trait TelemetryStore: Send + Sync {
 #[async_trait]
 pub trait LeaseStore: Send + Sync {
     /// Leads (renews the caller's unexpired lease, or takes over an expired one under a new
-    /// epoch) or reports who leads. `ttl_ms` by the database's clock.
-    async fn acquire_lease(&self, holder: &str, address: &str, ttl_ms: i64) -> Result<Election>;
+    /// epoch) or reports who leads. `tls_ca`: the SHA-256 of the TLS CA the caller serves under
+    /// ('' for plaintext), recorded with its lease. `ttl_ms` by the database's clock.
+    async fn acquire_lease(&self, holder: &str, address: &str, tls_ca: &str, ttl_ms: i64)
+    -> Result<Election>;
 
     /// Extends the lease of `fence` if it still holds; `false` when it was lost.
     async fn renew_lease(&self, fence: &Fence, ttl_ms: i64) -> Result<bool>;

@@ -989,21 +989,27 @@ pub mod suite {
             Some(0),
             "the row exists, expired, before any leader"
         );
-        let Election::Leading(lease) = a.acquire_lease("ctl-a", "10.0.0.1:7070", 400).await.unwrap() else {
+        let Election::Leading(lease) = a.acquire_lease("ctl-a", "10.0.0.1:7070", "ca-1", 400).await.unwrap()
+        else {
             panic!("the first controller leads");
         };
         assert_eq!((lease.holder.as_str(), lease.epoch), ("ctl-a", 1));
-        let Election::Following(seen) = b.acquire_lease("ctl-b", "10.0.0.2:7070", 400).await.unwrap() else {
+        let Election::Following(seen) = b.acquire_lease("ctl-b", "10.0.0.2:7070", "ca-1", 400).await.unwrap()
+        else {
             panic!("the second follows while the lease holds");
         };
-        assert_eq!((seen.holder.as_str(), seen.epoch, seen.address.as_str()), ("ctl-a", 1, "10.0.0.1:7070"));
+        assert_eq!(
+            (seen.holder.as_str(), seen.epoch, seen.address.as_str(), seen.tls_ca.as_str()),
+            ("ctl-a", 1, "10.0.0.1:7070", "ca-1")
+        );
         let fence_a = Fence { holder: "ctl-a".into(), epoch: 1 };
         a.set_fence(Some(fence_a.clone()));
         a.create_job(&spec("led", 1), None, "submitted", 1).await.expect("the leader writes");
         assert!(a.renew_lease(&fence_a, 400).await.unwrap(), "renewed while it holds");
         // The leader freezes past its lease; the follower takes over under a new epoch.
         tokio::time::sleep(std::time::Duration::from_millis(600)).await;
-        let Election::Leading(taken) = b.acquire_lease("ctl-b", "10.0.0.2:7070", 400).await.unwrap() else {
+        let Election::Leading(taken) = b.acquire_lease("ctl-b", "10.0.0.2:7070", "ca-1", 400).await.unwrap()
+        else {
             panic!("an expired lease is taken over");
         };
         assert_eq!(taken.epoch, 2);
@@ -1028,7 +1034,8 @@ pub mod suite {
         assert!(!names.contains(&"late".to_string()), "the fenced write left nothing: {names:?}");
         // Resigning hands over at once.
         b.resign_lease(&fence_b).await.unwrap();
-        let Election::Leading(back) = a.acquire_lease("ctl-a", "10.0.0.1:7070", 400).await.unwrap() else {
+        let Election::Leading(back) = a.acquire_lease("ctl-a", "10.0.0.1:7070", "ca-1", 400).await.unwrap()
+        else {
             panic!("a resigned lease is free");
         };
         assert_eq!(back.epoch, 3);

@@ -11,11 +11,10 @@ use anyhow::{Context, Result, ensure};
 use trainyard_tests::group::Member;
 use trainyard_tests::{Cluster, bin};
 
-/// Runs a second `trainyard-controller` on `data_dir`; (exit code, stderr) once it exits.
-fn second_controller(data_dir: &std::path::Path) -> Result<(Option<i32>, String)> {
+/// Runs a second `trainyard-controller` with `args`; (exit code, stderr) once it exits.
+fn second_controller(args: &[&std::ffi::OsStr]) -> Result<(Option<i32>, String)> {
     let mut child = Command::new(bin("trainyard-controller")?)
-        .arg("--data-dir")
-        .arg(data_dir)
+        .args(args)
         .args(["--listen", "127.0.0.1:0", "--http-listen", "off"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -30,7 +29,7 @@ fn second_controller(data_dir: &std::path::Path) -> Result<(Option<i32>, String)
         if Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            anyhow::bail!("a second controller on the same SQLite file kept running");
+            anyhow::bail!("the second controller kept running");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -41,7 +40,8 @@ fn a_second_controller_on_the_same_sqlite_file_refuses_to_start() -> Result<()> 
     let mut c = Cluster::start()?;
     c.start_agent("node-a", 2)?;
     let pid = c.controller_pid().expect("running");
-    let (code, err) = second_controller(&c.path("controller"))?;
+    let data_dir = c.path("controller");
+    let (code, err) = second_controller(&["--data-dir".as_ref(), data_dir.as_os_str()])?;
     ensure!(code == Some(1), "exit code {code:?}: {err}");
     ensure!(
         err.contains(&format!("another trainyard-controller (pid {pid}) already uses the SQLite database"))
@@ -267,5 +267,28 @@ fn a_leader_that_loses_postgres_steps_down_and_one_leads_when_it_is_back() -> Re
     ))?;
     ensure!(rows[0][0] == 4 * 500 && rows[0][0] == rows[0][1], "step receipts stored: {:?}", rows[0]);
     ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 2);
+    Ok(())
+}
+
+/// A controller whose TLS CA differs from the leader's (here: TLS against a plaintext leader)
+/// refuses to join the group, saying why, and the leader leads on.
+#[test]
+fn a_controller_with_another_tls_ca_refuses_to_join_the_group() -> Result<()> {
+    let c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
+    let pki = c.path("other-pki");
+    let made = Command::new(bin("trainyard-controller")?).arg("init-pki").arg("--dir").arg(&pki).output()?;
+    ensure!(made.status.success(), "init-pki: {}", String::from_utf8_lossy(&made.stderr));
+    let db = c.db_url().expect("postgres").to_string();
+    let (code, err) =
+        second_controller(&["--db".as_ref(), db.as_ref(), "--tls-dir".as_ref(), pki.as_os_str()])?;
+    ensure!(code == Some(1), "exit code {code:?}: {err}");
+    ensure!(
+        err.contains("serves under the TLS CA with SHA-256")
+            && err.contains("serves under plaintext (no --tls-dir)")
+            && err.contains("Give every controller of the group the same --tls-dir"),
+        "{err}"
+    );
+    ensure!(c.http("GET", "/healthz")?.1.starts_with("ok: leads"), "the leader leads on");
+    ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 1);
     Ok(())
 }

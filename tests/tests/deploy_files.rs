@@ -8,6 +8,8 @@
 //!   the build is one of theirs, its final stages run as a non-root user, and it installs the
 //!   torch version deploy/setup.sh installs.
 //!
+//! - The example environment files of a controller group (deploy/group/) set only variables
+//!   their unit or their binary reads (`[env: NAME=]` in its `--help`).
 //! - deploy/prometheus/trainyard-alerts.yml names only metrics the controller or the agent
 //!   exports (their `/metrics` tables, and the DCGM exporter names the agent uses).
 //!
@@ -54,6 +56,38 @@ fn alerting_rules_name_metrics_that_exist() -> Result<()> {
     }
     ensure!(named >= 5, "only {named} metric names found in the rules");
     ensure!(rules.starts_with("# ") && rules.contains("\ngroups:\n"), "not a rules file");
+    Ok(())
+}
+
+#[test]
+fn group_env_files_set_only_variables_their_unit_or_binary_reads() -> Result<()> {
+    let root = repo_root();
+    let dir = root.join("deploy/group");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("list {}", dir.display()))? {
+        let path = entry?.path();
+        let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let Some(stem) = file.strip_suffix(".env") else { continue };
+        let role = if stem.starts_with("controller") { "controller" } else { "agent" };
+        let unit = read(&root.join(format!("deploy/systemd/trainyard-{role}.service")))?;
+        let help = Command::new(bin(&format!("trainyard-{role}"))?).arg("--help").output()?;
+        let help = String::from_utf8_lossy(&help.stdout).into_owned();
+        for line in read(&path)?.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+            let (name, value) =
+                line.split_once('=').with_context(|| format!("{file}: {line:?} is not NAME=value"))?;
+            ensure!(is_variable_name(name) && !value.is_empty(), "{file}: {line:?}");
+            let read_by_unit = unit.contains(&format!("${{{name}}}")) || unit.contains(&format!("${name}"));
+            // `[env: NAME=value]`, or `[env: NAME]` where the value is hidden.
+            let read_by_binary =
+                help.contains(&format!("[env: {name}=")) || help.contains(&format!("[env: {name}]"));
+            ensure!(
+                read_by_unit || read_by_binary,
+                "{file}: {name} is read neither by trainyard-{role}.service nor by trainyard-{role} (no [env: {name}=] in its --help)"
+            );
+            checked += 1;
+        }
+    }
+    ensure!(checked >= 8, "only {checked} variables in {}", dir.display());
     Ok(())
 }
 
@@ -137,6 +171,30 @@ fn unit_command_lines_are_read_the_way_systemd_reads_them() -> Result<()> {
     let argv = unit.command_line(&unit.exec_start[0])?;
     assert_eq!(argv, ["/usr/bin/prog", "--a", "1", "--b", "two words", "--x", "1", "--c=$HOME", ""]);
     assert!(unit.command_line("/usr/bin/prog a$A").is_err(), "a braceless variable inside a word");
+    Ok(())
+}
+
+/// Every `ENTRYPOINT` of the Containerfile starts a binary of this workspace with flags it has
+/// (run with `--help` after them, as the units are).
+#[test]
+fn containerfile_entrypoints_pass_flags_the_binaries_have() -> Result<()> {
+    let text = read(&repo_root().join("deploy/Containerfile"))?;
+    let mut checked = 0;
+    for line in logical_lines(&text, Syntax::Containerfile) {
+        let Some(array) = line.trim().strip_prefix("ENTRYPOINT ") else { continue };
+        let argv: Vec<String> = serde_json::from_str(array.trim())
+            .with_context(|| format!("ENTRYPOINT {array}: not the exec (JSON array) form"))?;
+        let (program, args) = argv.split_first().context("an empty ENTRYPOINT")?;
+        let out = Command::new(bin(program)?).args(args).arg("--help").output()?;
+        ensure!(
+            out.status.success(),
+            "Containerfile: `{} --help` fails: {}",
+            argv.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        checked += 1;
+    }
+    ensure!(checked == 2, "{checked} ENTRYPOINT lines, expected the controller's and the agent's");
     Ok(())
 }
 

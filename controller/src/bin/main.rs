@@ -128,7 +128,7 @@ struct Cli {
     /// Where agents and tools reach this controller (host:port), as the group's lease
     /// advertises it and followers name it to writers (default: the bound --listen address; give
     /// a name in the TLS certificate when agents dial by name).
-    #[arg(long)]
+    #[arg(long, env = "TRAINYARD_ADVERTISE")]
     advertise: Option<String>,
     /// Seconds a leader's lease lasts without renewal (renewed every fifth of it); a standby
     /// takes over this long after the leader died.
@@ -326,7 +326,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     // On PostgreSQL several controllers may share the database: lead or follow.
     let group = match (&claim, cli.db.as_deref()) {
         (None, Some(url)) if url.starts_with("postgres") => {
-            Some(group_config(&cli, listeners.grpc.local_addr().context("read the bound address")?)?)
+            let bound = listeners.grpc.local_addr().context("read the bound address")?;
+            Some(group_config(&cli, bound, &security)?)
         }
         _ => {
             trainyard_controller::metrics::metrics().leading(true, 0);
@@ -499,7 +500,11 @@ async fn follow_until_leading(
 }
 
 /// The group settings of a controller on PostgreSQL.
-fn group_config(cli: &Cli, bound: SocketAddr) -> anyhow::Result<trainyard_controller::leader::GroupConfig> {
+fn group_config(
+    cli: &Cli,
+    bound: SocketAddr,
+    security: &Security,
+) -> anyhow::Result<trainyard_controller::leader::GroupConfig> {
     if !(cli.lease_ttl_secs.is_finite() && (1.0..=300.0).contains(&cli.lease_ttl_secs)) {
         bail!("--lease-ttl-secs {}: give seconds between 1 and 300", cli.lease_ttl_secs);
     }
@@ -513,6 +518,15 @@ fn group_config(cli: &Cli, bound: SocketAddr) -> anyhow::Result<trainyard_contro
             false => bound.to_string(),
         }),
         ttl: Duration::from_secs_f64(cli.lease_ttl_secs),
+        tls_ca: match &security.tls {
+            Some(tls) => {
+                let pem = std::fs::read(&tls.client_ca)
+                    .with_context(|| format!("read the CA {}", tls.client_ca.display()))?;
+                let digest = <sha2::Sha256 as sha2::Digest>::digest(pem.trim_ascii());
+                digest.iter().map(|b| format!("{b:02x}")).collect()
+            }
+            None => String::new(),
+        },
     })
 }
 
