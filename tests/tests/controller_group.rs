@@ -292,3 +292,21 @@ fn a_controller_with_another_tls_ca_refuses_to_join_the_group() -> Result<()> {
     ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 1);
     Ok(())
 }
+
+/// A controller that cannot reach its PostgreSQL at start refuses to start, naming the
+/// database (its password hidden) and why; it never serves without its store.
+#[test]
+fn a_controller_that_cannot_reach_postgres_refuses_to_start() -> Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(); // closed once dropped
+    let db = format!("postgres://trainyard:secret@127.0.0.1:{port}/trainyard");
+    let (code, err) = second_controller(&["--db".as_ref(), db.as_ref()])?;
+    ensure!(code == Some(1), "exit code {code:?}: {err}");
+    ensure!(
+        err.contains(&format!(
+            "failed to open the database postgres://trainyard:***@127.0.0.1:{port}/trainyard"
+        )) && err.contains("the database is unavailable")
+            && !err.contains("secret"),
+        "{err}"
+    );
+    Ok(())
+}
