@@ -59,15 +59,38 @@ fn a_second_controller_on_the_same_sqlite_file_refuses_to_start() -> Result<()> 
     Ok(())
 }
 
+/// A cluster on PostgreSQL whose controller leads, and a second controller (`standby`) that
+/// follows it.
+fn group_of_two() -> Result<(Cluster, Member)> {
+    let c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
+    let member = Member::start(&c, "standby")?;
+    member.wait_log("following: another controller leads", Duration::from_secs(10))?;
+    Ok((c, member))
+}
+
+/// The job succeeds on its first attempt (a failover restarts nothing), every one of its
+/// `expected` step receipts is stored once (none lost, none twice), and the group leads under
+/// epoch 2 (one takeover).
+fn finished_once_on_epoch_2(c: &Cluster, job: u64, expected: i64) -> Result<()> {
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
+    ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for a failover: {status}");
+    let rows = c.query(&format!(
+        "SELECT COUNT(*), COUNT(DISTINCT rank * 100000 + seq) FROM receipts WHERE job_id = {job} AND kind = 'step'"
+    ))?;
+    ensure!(rows[0][0] == expected, "{} step receipts stored (expected {expected}: none lost)", rows[0][0]);
+    ensure!(rows[0][0] == rows[0][1], "a receipt stored twice: {:?}", rows[0]);
+    let epoch = c.query("SELECT epoch FROM controller_lease")?[0][0];
+    ensure!(epoch == 2, "the group leads under epoch 2 (one takeover), not {epoch}");
+    Ok(())
+}
+
 /// Two controllers on one PostgreSQL: the first leads, the second follows. The leader is
 /// killed mid-job: the follower takes over within the lease (5 s) plus its start, the agents
 /// (given both addresses) move to it and resend what was not acknowledged, and the job finishes
 /// on its first attempt with every receipt stored once.
 #[test]
 fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled() -> Result<()> {
-    let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let member = Member::start(&c, "standby")?;
-    member.wait_log("following: another controller leads", Duration::from_secs(10))?;
+    let (mut c, member) = group_of_two()?;
     c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
     c.start_agent("node-a", 2)?;
     c.start_agent("node-b", 2)?;
@@ -86,15 +109,7 @@ fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled(
     let out = Command::new(bin("ctl")?).args(["--controller", &both, "status", &job.to_string()]).output()?;
     ensure!(out.status.success(), "ctl over both addresses: {}", String::from_utf8_lossy(&out.stderr));
     c.addr = member.url.trim_start_matches("http://").to_string();
-    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
-    ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for a failover: {status}");
-    let rows = c.query(&format!(
-        "SELECT COUNT(*), COUNT(DISTINCT rank * 100000 + seq) FROM receipts WHERE job_id = {job} AND kind = 'step'"
-    ))?;
-    ensure!(rows[0][0] == 4 * 300, "{} step receipts stored (expected 1200: none lost)", rows[0][0]);
-    ensure!(rows[0][0] == rows[0][1], "a receipt stored twice");
-    let epoch = c.query("SELECT epoch FROM controller_lease")?[0][0];
-    ensure!(epoch == 2, "the follower leads under epoch 2, not {epoch}");
+    finished_once_on_epoch_2(&c, job, 4 * 300)?;
     Ok(())
 }
 
@@ -104,9 +119,7 @@ fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled(
 /// told the leader's address and connect there.
 #[test]
 fn a_follower_serves_reads_and_sends_writers_and_agents_to_the_leader() -> Result<()> {
-    let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let member = Member::start(&c, "standby")?;
-    member.wait_log("following: another controller leads", Duration::from_secs(10))?;
+    let (mut c, member) = group_of_two()?;
     let leader = c.url();
     let health = member.health()?;
     ensure!(
@@ -164,8 +177,7 @@ fn a_follower_serves_reads_and_sends_writers_and_agents_to_the_leader() -> Resul
 /// once.
 #[test]
 fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Result<()> {
-    let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let member = Member::start(&c, "standby")?;
+    let (mut c, member) = group_of_two()?;
     c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
     c.start_agent("node-a", 2)?;
     c.start_agent("node-b", 2)?;
@@ -204,17 +216,7 @@ fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Re
         ensure!(Instant::now() < deadline, "the old leader does not follow: {health}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
-    ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for a failover: {status}");
-    let rows = c.query(&format!(
-        "SELECT COUNT(*), COUNT(DISTINCT rank * 100000 + seq) FROM receipts WHERE job_id = {job} AND kind = 'step'"
-    ))?;
-    ensure!(
-        rows[0][0] == 4 * 400 && rows[0][0] == rows[0][1],
-        "step receipts stored: {:?} (expected 1600, once each)",
-        rows[0]
-    );
-    ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 2);
+    finished_once_on_epoch_2(&c, job, 4 * 400)?;
     Ok(())
 }
 
@@ -223,9 +225,7 @@ fn a_leader_frozen_past_its_lease_is_replaced_and_steps_down_when_thawed() -> Re
 /// agents find it, and the job finishes on its first attempt with every receipt stored once.
 #[test]
 fn a_leader_that_loses_postgres_steps_down_and_one_leads_when_it_is_back() -> Result<()> {
-    let mut c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
-    let member = Member::start(&c, "standby")?;
-    member.wait_log("following: another controller leads", Duration::from_secs(10))?;
+    let (mut c, member) = group_of_two()?;
     c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
     c.start_agent("node-a", 2)?;
     c.start_agent("node-b", 2)?;
@@ -260,13 +260,7 @@ fn a_leader_that_loses_postgres_steps_down_and_one_leads_when_it_is_back() -> Re
         std::thread::sleep(Duration::from_millis(100));
     };
     eprintln!("after the outage: {} / {}", first.trim(), second.trim());
-    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
-    ensure!(status["state"] == "succeeded" && status["attempt"] == 0, "no restart for an outage: {status}");
-    let rows = c.query(&format!(
-        "SELECT COUNT(*), COUNT(DISTINCT rank * 100000 + seq) FROM receipts WHERE job_id = {job} AND kind = 'step'"
-    ))?;
-    ensure!(rows[0][0] == 4 * 500 && rows[0][0] == rows[0][1], "step receipts stored: {:?}", rows[0]);
-    ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 2);
+    finished_once_on_epoch_2(&c, job, 4 * 500)?;
     Ok(())
 }
 
