@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::pin::Pin;
 use std::time::Duration;
+use trainyard_proto::contract::LEADER_METADATA;
 
 use anyhow::anyhow;
 use tokio::sync::mpsc;
@@ -135,9 +136,6 @@ const METRICS_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 fn disconnected(error: anyhow::Error, established: bool) -> Ended {
     Ended::Disconnected { error, established }
 }
-
-/// The metadata entry of a follower's refusal that names the leader (host:port).
-pub const LEADER_METADATA: &str = "trainyard-leader";
 
 fn from_status(status: Status, established: bool) -> Ended {
     if status.code() == Code::Unavailable

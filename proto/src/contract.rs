@@ -1,6 +1,11 @@
 //! Values the contract defines beyond the message types, shared by both ends of the wire so
-//! that they cannot drift apart: the names of the rank environment, and the kernel's CPU list
-//! format used by `NumaNode.cpus` and `RankAssignment.cpus`.
+//! that they cannot drift apart: the names of the rank environment, the kernel's CPU list
+//! format used by `NumaNode.cpus` and `RankAssignment.cpus`, and the metadata entry in which a
+//! follower of a controller group names its leader.
+
+/// The metadata entry of a follower's `UNAVAILABLE` refusal (a write, an agent's stream) that
+/// holds the leader's gRPC address, `host:port`; agents dial it next (docs/ha.md).
+pub const LEADER_METADATA: &str = "trainyard-leader";
 
 /// Variables trainyard sets for every rank (torchrun's, then trainyard's own); a job's
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only

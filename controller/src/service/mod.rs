@@ -52,9 +52,7 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
     }
 }
 
-/// The metadata entry of a follower's refusal that names the leader's gRPC address (host:port):
-/// agents and `ctl` dial it next.
-pub const LEADER_METADATA: &str = "trainyard-leader";
+pub use trainyard_proto::contract::LEADER_METADATA;
 
 /// A follower's refusal of a write: `UNAVAILABLE` (try elsewhere), naming the leader in the
 /// message and in [`LEADER_METADATA`].
@@ -109,5 +107,27 @@ mod tests {
         )));
         assert_eq!((down.code(), down.message()), (tonic::Code::Unavailable, DATABASE_UNAVAILABLE));
         assert_ne!(incident_id(), incident_id());
+    }
+
+    #[test]
+    fn a_followers_refusal_names_the_leader_in_its_message_and_metadata() {
+        let lease = trainyard_store::Lease {
+            holder: "ctl-a".into(),
+            epoch: 7,
+            address: "ctl-a.example.net:7070".into(),
+            remaining_ms: 4_000,
+            tls_ca: String::new(),
+        };
+        let status = to_status(ControllerError::NotLeader(crate::core::NotLeader { leader: Some(lease) }));
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(status.message().contains("the leader is ctl-a at ctl-a.example.net:7070 (epoch 7)"));
+        assert_eq!(
+            status.metadata().get(LEADER_METADATA).unwrap().to_str().unwrap(),
+            "ctl-a.example.net:7070"
+        );
+        let none = to_status(ControllerError::NotLeader(crate::core::NotLeader { leader: None }));
+        assert_eq!(none.code(), tonic::Code::Unavailable);
+        assert!(none.message().contains("no leader is elected right now"), "{}", none.message());
+        assert!(none.metadata().get(LEADER_METADATA).is_none());
     }
 }
