@@ -123,6 +123,10 @@ async fn relay(
 
     tokio::pin!(shutdown);
     let mut backoff = Backoff::default();
+    // The controller whose open stream just ended (it died, froze or stepped down), and when:
+    // for a while a follower that still names it as the leader is asked again rather than
+    // believed, since its lease may not have run out yet.
+    let mut suspect: Option<(usize, std::time::Instant)> = None;
     loop {
         let url = urls[at].clone();
         let channel: Result<Channel, _> = tokio::select! {
@@ -157,6 +161,19 @@ async fn relay(
                         let leader_url = leader_url(&url, &leader);
                         let known = urls.iter().position(|u| same_address(u, &leader_url));
                         let to = match known {
+                            Some(i)
+                                if suspect
+                                    .is_some_and(|(s, since)| s == i && since.elapsed() < SUSPECT_FOR) =>
+                            {
+                                info!(follower = %url, leader = %urls[i],
+                                    "the follower still names a leader whose stream just ended; asking it again shortly");
+                                tokio::select! {
+                                    biased;
+                                    _ = &mut shutdown => return Ok(()),
+                                    _ = tokio::time::sleep(SUSPECT_RETRY) => {}
+                                }
+                                continue;
+                            }
                             Some(i) => i,
                             None if urls.len() < MAX_CONTROLLER_URLS => {
                                 endpoints.push(endpoint(&leader_url, config)?);
@@ -174,9 +191,14 @@ async fn relay(
                     Ended::Disconnected { error, established } => {
                         if established {
                             backoff = Backoff::default();
-                            // The controller it was talking to may come back (a restart):
-                            // try it first, then the others.
-                            next = None;
+                            if urls.len() == 1 {
+                                // The one controller may come back (a restart): dial it again.
+                                next = None;
+                            } else {
+                                // A group: another member leads now, or names who does. The one
+                                // that just went away may be frozen: dialing it would hang.
+                                suspect = Some((at, std::time::Instant::now()));
+                            }
                         }
                         warn!(controller = %url, error = %format!("{error:#}"), "disconnected from controller");
                         backoff.next_delay()
@@ -203,6 +225,11 @@ async fn relay(
 const MAX_CONTROLLER_URLS: usize = 16;
 /// Pause before dialing the leader a follower named (so a stale name cannot spin).
 const REDIRECT_DELAY: Duration = Duration::from_millis(100);
+/// How long a controller whose stream ended stays suspect (longer than a default lease of 5 s:
+/// a frozen leader's runs out meanwhile; one that is alive is believed again after it), and how
+/// long to wait before asking a follower that names it again.
+const SUSPECT_FOR: Duration = Duration::from_secs(8);
+const SUSPECT_RETRY: Duration = Duration::from_millis(500);
 
 /// The URL of a leader a follower at `follower_url` named by its address (host:port): the
 /// follower's scheme, the leader's address.

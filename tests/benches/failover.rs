@@ -127,17 +127,27 @@ fn main() -> Result<()> {
     std::thread::sleep(Duration::from_secs(10));
     // 2. The new leader freezes for 30 s, then thaws.
     let frozen_at = group.iter().position(|g| g.name == killed.by).context("a new leader")?;
+    let member = if frozen_at == 1 { &b } else { &d };
+    let steps_before = member.logs().matches("stepped down").count();
     signal(group[frozen_at].pid, libc::SIGSTOP);
+    let froze = Instant::now();
     let frozen = measure(&c, &group, frozen_at, job, agents)?;
     report("SIGSTOP of the leader", &frozen);
-    std::thread::sleep(
-        Duration::from_secs(30).saturating_sub(Duration::from_secs_f64(frozen.led_s.unwrap_or(0.0))),
-    );
+    std::thread::sleep(Duration::from_secs(30).saturating_sub(froze.elapsed()));
     signal(group[frozen_at].pid, libc::SIGCONT);
     let thawed = Instant::now();
-    let member = if frozen_at == 1 { &b } else { &d };
-    let stepped = member.wait_log("stepped down", Duration::from_secs(30)).map(|_| thawed.elapsed());
-    println!("thawed after 30 s, the old leader stepped down after {stepped:?}");
+    let frozen_for = froze.elapsed().as_secs_f64();
+    let deadline = thawed + Duration::from_secs(30);
+    while member.logs().matches("stepped down").count() == steps_before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match member.logs().matches("stepped down").count() > steps_before {
+        true => println!(
+            "thawed after {frozen_for:.1} s frozen, the old leader stepped down {:.2} s later",
+            thawed.elapsed().as_secs_f64()
+        ),
+        false => println!("thawed, the old leader did not step down within 30 s: {}", member.logs()),
+    }
     let state = trainyard_tests::flood::wait_ended(&c, job, Duration::from_secs(600))?;
     let attempt = c.query(&format!("SELECT attempt FROM jobs WHERE id = {job}"))?[0][0];
     let rows = c.query(&format!(
