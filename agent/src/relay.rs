@@ -59,9 +59,12 @@ async fn advertised_address(controller: &str, previous: &str) -> String {
     }
 }
 
-/// How often the agent pings its controller, and how long an answer may take.
+/// How often the agent pings its controller, and how long an answer may take: a frozen leader
+/// is left within 5 s, about when its lease (5 s by default) lets another take over. HTTP/2
+/// pings are answered by the connection's task, not by request handlers, so a busy controller
+/// still answers in time.
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(2);
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(5);
