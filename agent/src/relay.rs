@@ -159,37 +159,19 @@ async fn relay(
                         REFUSED_RETRY
                     }
                     Ended::NotLeader { leader } => {
-                        // A follower of the group: go to the leader it names, at once. A leader
-                        // outside the list (one DNS name for the group) is added to it.
-                        let leader_url = leader_url(&url, &leader);
-                        let known = urls.iter().position(|u| same_address(u, &leader_url));
-                        let to = match known {
-                            Some(i)
-                                if suspect
-                                    .is_some_and(|(s, since)| s == i && since.elapsed() < SUSPECT_FOR) =>
-                            {
-                                info!(follower = %url, leader = %urls[i],
-                                    "the follower still names a leader whose stream just ended; asking it again shortly");
-                                tokio::select! {
-                                    biased;
-                                    _ = &mut shutdown => return Ok(()),
-                                    _ = tokio::time::sleep(SUSPECT_RETRY) => {}
-                                }
-                                continue;
-                            }
-                            Some(i) => i,
-                            None if urls.len() < MAX_CONTROLLER_URLS => {
-                                endpoints.push(endpoint(&leader_url, config)?);
-                                urls.push(leader_url.clone());
-                                urls.len() - 1
-                            }
-                            None => (at + 1) % urls.len(),
-                        };
-                        info!(follower = %url, leader = %urls[to], "this controller follows; dialing the leader it names");
-                        crate::metrics::metrics().redirects.inc();
-                        next = Some(to);
                         backoff = Backoff::default();
-                        REDIRECT_DELAY
+                        match redirect(&mut urls, &mut endpoints, config, at, &leader, suspect)? {
+                            Some(to) => {
+                                next = Some(to);
+                                REDIRECT_DELAY
+                            }
+                            // A follower that still names the leader that just went away: ask it
+                            // again shortly.
+                            None => {
+                                next = Some(at);
+                                SUSPECT_RETRY
+                            }
+                        }
                     }
                     Ended::Disconnected { error, established } => {
                         if established {
@@ -222,6 +204,38 @@ async fn relay(
             _ = tokio::time::sleep(delay) => {}
         }
     }
+}
+
+/// Where to dial after the follower at `urls[at]` named `leader` (host:port): the leader's
+/// index, added to the list (in the follower's scheme) when it is not there, as with one DNS
+/// name for the group; `None` while `suspect`, the controller whose stream just ended, is the
+/// one named (the follower's view may be a lease that has not run out yet).
+fn redirect(
+    urls: &mut Vec<String>,
+    endpoints: &mut Vec<Endpoint>,
+    config: &AgentConfig,
+    at: usize,
+    leader: &str,
+    suspect: Option<(usize, std::time::Instant)>,
+) -> anyhow::Result<Option<usize>> {
+    let leader_url = leader_url(&urls[at], leader);
+    let to = match urls.iter().position(|u| same_address(u, &leader_url)) {
+        Some(i) if suspect.is_some_and(|(s, since)| s == i && since.elapsed() < SUSPECT_FOR) => {
+            info!(follower = %urls[at], leader = %urls[i],
+                "the follower still names a leader whose stream just ended; asking it again shortly");
+            return Ok(None);
+        }
+        Some(i) => i,
+        None if urls.len() < MAX_CONTROLLER_URLS => {
+            endpoints.push(endpoint(&leader_url, config)?);
+            urls.push(leader_url);
+            urls.len() - 1
+        }
+        None => (at + 1) % urls.len(),
+    };
+    info!(follower = %urls[at], leader = %urls[to], "this controller follows; dialing the leader it names");
+    crate::metrics::metrics().redirects.inc();
+    Ok(Some(to))
 }
 
 /// Controller URLs an agent keeps at most: those given, plus leaders followers named.
