@@ -1,11 +1,11 @@
 //! Leadership of a controller group on one PostgreSQL (docs/ha.md): a controller that is not the
 //! leader follows (it serves reads and refers writers and agents to the leader, `core::follow`)
 //! until the leader's lease runs out or is resigned; then it takes the lease under a new epoch,
-//! fences every write of its store on it, and starts. While it leads it
-//! renews the lease every fifth of its TTL; when a renewal finds the lease lost (it was paused
-//! past it, or cut off from the database for longer), it stops serving at once and exits so its
-//! supervisor restarts it as a standby. Its writes were refused from the moment the lease ran
-//! out (the store's fence), so two leaders never write.
+//! fences every write of its store on it, and starts. While it leads it renews the lease every
+//! fifth of its TTL; when a renewal finds the lease lost (it was paused past it), none lands
+//! within the TTL (cut off from the database), or a write is refused by the fence, it stops
+//! serving and follows again. Its writes were refused from the moment the lease ran out (the
+//! store's fence), so two leaders never write.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -169,12 +169,12 @@ pub fn keep(
     lost
 }
 
-/// Ends the lease at once (a controller stopping on purpose), so a standby takes over now.
+/// Ends the lease at once (a controller stopping on purpose), so a follower takes over now.
 pub async fn resign(store: &Arc<dyn Store>, fence: &Fence) {
     match store.resign_lease(fence).await {
         Ok(()) => tracing::info!(epoch = fence.epoch, "resigned the lease"),
         Err(e) => {
-            tracing::warn!(error = %e, "could not resign the lease; a standby takes over when it runs out")
+            tracing::warn!(error = %e, "could not resign the lease; a follower takes over when it runs out")
         }
     }
 }

@@ -14,7 +14,7 @@
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`http`] and [`web`]: the HTTP listener: `/metrics`, `/healthz` and the web view.
 //! - [`alerts`]: the alert webhooks live findings are posted to (opened, closed).
-//! - [`leader`]: leadership of a controller group on PostgreSQL: standby, lease, step-down.
+//! - [`leader`]: leadership of a controller group on PostgreSQL: elections, lease, step-down.
 //! - [`tls`]: the certificate, key and client CA both listeners load.
 //! - [`server`]: `run(listener, http, controller, security, shutdown)`, the entry point.
 pub mod alerts;

@@ -33,7 +33,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 )]
 struct Cli {
     /// Address of the controller's gRPC endpoint, or several separated by commas (a controller
-    /// group: the first that answers is the leader, standbys listen on nothing).
+    /// group: reads go to the first that answers, writes to the leader it names).
     #[arg(long, global = true, env = "TRAINYARD_CONTROLLER", default_value = "http://127.0.0.1:7070")]
     controller: String,
     /// The CA that signed the controller's certificate, for an https:// controller (the

@@ -130,7 +130,7 @@ struct Cli {
     /// a name in the TLS certificate when agents dial by name).
     #[arg(long, env = "TRAINYARD_ADVERTISE")]
     advertise: Option<String>,
-    /// Seconds a leader's lease lasts without renewal (renewed every fifth of it); a standby
+    /// Seconds a leader's lease lasts without renewal (renewed every fifth of it); a follower
     /// takes over this long after the leader died.
     #[arg(long, default_value_t = 5.0)]
     lease_ttl_secs: f64,
