@@ -218,7 +218,7 @@ fn redirect(
     leader: &str,
     suspect: Option<(usize, std::time::Instant)>,
 ) -> anyhow::Result<Option<usize>> {
-    let leader_url = leader_url(&urls[at], leader);
+    let leader_url = trainyard_proto::contract::leader_url(&urls[at], leader);
     let to = match urls.iter().position(|u| same_address(u, &leader_url)) {
         Some(i) if suspect.is_some_and(|(s, since)| s == i && since.elapsed() < SUSPECT_FOR) => {
             info!(follower = %urls[at], leader = %urls[i],
@@ -247,13 +247,6 @@ const REDIRECT_DELAY: Duration = Duration::from_millis(100);
 /// long to wait before asking a follower that names it again.
 const SUSPECT_FOR: Duration = Duration::from_secs(8);
 const SUSPECT_RETRY: Duration = Duration::from_millis(500);
-
-/// The URL of a leader a follower at `follower_url` named by its address (host:port): the
-/// follower's scheme, the leader's address.
-fn leader_url(follower_url: &str, leader: &str) -> String {
-    let scheme = follower_url.split_once("://").map_or("http", |(s, _)| s);
-    format!("{scheme}://{}", leader.trim_end_matches('/'))
-}
 
 /// Two controller URLs name the same scheme, host and port.
 fn same_address(a: &str, b: &str) -> bool {
@@ -410,10 +403,13 @@ mod tests {
     #[test]
     fn a_leader_named_by_a_follower_gets_the_followers_scheme() {
         assert_eq!(
-            leader_url("https://ctl-a.example:7070", "ctl-b.example:7070"),
+            trainyard_proto::contract::leader_url("https://ctl-a.example:7070", "ctl-b.example:7070"),
             "https://ctl-b.example:7070"
         );
-        assert_eq!(leader_url("http://127.0.0.1:1", "127.0.0.1:2/"), "http://127.0.0.1:2");
+        assert_eq!(
+            trainyard_proto::contract::leader_url("http://127.0.0.1:1", "127.0.0.1:2/"),
+            "http://127.0.0.1:2"
+        );
         assert!(same_address("http://127.0.0.1:2/", "HTTP://127.0.0.1:2"));
         assert!(!same_address("http://127.0.0.1:2", "http://127.0.0.1:3"));
     }

@@ -101,16 +101,10 @@ pub async fn connect_leader(urls: &str, credentials: &Credentials) -> anyhow::Re
             ctl.url
         );
     }
-    let url = leader_url(&ctl.url, &reply.leader_address);
+    let url = trainyard_proto::contract::leader_url(&ctl.url, &reply.leader_address);
     connect_one(&url, credentials).await.with_context(|| {
         format!("the controller at {} follows; it names the leader {} at {url}", ctl.url, reply.leader_id)
     })
-}
-
-/// The URL of a leader named by its address (host:port), in the scheme of the follower's URL.
-fn leader_url(follower_url: &str, address: &str) -> String {
-    let scheme = follower_url.split_once("://").map_or("http", |(s, _)| s);
-    format!("{scheme}://{}", address.trim_end_matches('/'))
 }
 
 async fn connect_one(url: &str, credentials: &Credentials) -> anyhow::Result<Controller> {

@@ -7,6 +7,13 @@
 /// holds the leader's gRPC address, `host:port`; agents dial it next (docs/ha.md).
 pub const LEADER_METADATA: &str = "trainyard-leader";
 
+/// The URL of a leader named by its address (`host:port`, as [`LEADER_METADATA`] and
+/// `LeaderReply.leader_address` give it), in the scheme of the URL of the follower that named it.
+pub fn leader_url(follower_url: &str, address: &str) -> String {
+    let scheme = follower_url.split_once("://").map_or("http", |(s, _)| s);
+    format!("{scheme}://{}", address.trim_end_matches('/'))
+}
+
 /// Variables trainyard sets for every rank (torchrun's, then trainyard's own); a job's
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
 /// when the rank is pinned, `CUDA_VISIBLE_DEVICES` only when the job holds part of a host.
