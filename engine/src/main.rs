@@ -116,6 +116,10 @@ struct TrainArgs {
     /// Write the initial weights (safetensors) before training.
     #[arg(long)]
     export_init: Option<PathBuf>,
+    /// Run the output layer and the loss unfused, through autograd over fp32 logits (as eager
+    /// PyTorch does), instead of the chunked fused path.
+    #[arg(long)]
+    unfused_loss: bool,
     /// Stop after this step as if the rank had been killed (tests of resume).
     #[arg(long, hide = true)]
     stop_after: Option<i64>,
@@ -192,6 +196,7 @@ fn main() -> Result<()> {
                 init_weights: a.init_weights,
                 export_init: a.export_init,
                 stop_after: a.stop_after,
+                unfused_loss: a.unfused_loss,
             };
             trainyard_engine::train::run(spec, env)?;
         }

@@ -152,6 +152,28 @@ pub struct RunSpec {
     pub export_init: Option<PathBuf>,
     /// Stop (exit 0) after this step, as if killed; tests of resume use it.
     pub stop_after: Option<i64>,
+    /// The output layer and loss through autograd over fp32 logits, not [`crate::fused_loss`].
+    pub unfused_loss: bool,
+}
+
+/// How the output layer and loss run, and what the launch receipt says of it: the fused
+/// kernel on a GPU where NVRTC loads (else its tensor-op reference, with the reason), the
+/// tensor-op reference on the CPU, or autograd when asked for.
+fn loss_path(spec: &RunSpec, device: Device) -> (Option<crate::fused_loss::Path>, String) {
+    use crate::fused_loss::Path;
+    if spec.unfused_loss {
+        return (None, "unfused (autograd over fp32 logits)".into());
+    }
+    if !device.is_cuda() {
+        return (Some(Path::TensorOps), "chunked, tensor ops (CPU)".into());
+    }
+    match crate::kernels::available(device) {
+        Ok(()) => (Some(Path::Kernel), "chunked, NVRTC kernel".into()),
+        Err(why) => {
+            eprintln!("trainyard-engine: the fused loss kernel is unavailable, using tensor ops: {why}");
+            (Some(Path::TensorOps), format!("chunked, tensor ops ({why})"))
+        }
+    }
 }
 
 /// The rank's GPU is `cuda:LOCAL_RANK`: the agent's device rule makes that the allocated GPU
@@ -245,6 +267,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         }
         _ => ("cpu".to_string(), None),
     };
+    let (loss_path, loss_kernel) = loss_path(&spec, device);
     let info = crate::runtime_info();
     receipts.emit(
         "launch",
@@ -275,6 +298,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
             "resumed_from": if start_step > 0 { json!(start_step) } else { Value::Null },
             "env": recorded_env(),
             "binding": binding(),
+            "loss_kernel": loss_kernel,
         }),
     )?;
 
@@ -320,9 +344,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         for micro in 0..accum {
             let rows = train.random_rows(cfg.seed, first_row(step, micro, accum, world, rank, b), b as usize);
             let (x, y) = to_batch(&rows, b, seq_len, device);
-            let loss = model.loss(&x, &y);
-            let micro_grads =
-                model.grads(&if accum == 1 { loss.shallow_clone() } else { &loss / accum as f64 });
+            let (loss, micro_grads) = model.loss_and_grads(&x, &y, 1.0 / accum as f64, loss_path)?;
             if grads.is_empty() {
                 grads = micro_grads;
             } else {
@@ -330,7 +352,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
                     *sum += g;
                 }
             }
-            loss_sum += loss.detach();
+            loss_sum += loss;
         }
         coll.synchronize();
         let fwd_bwd_s = tf.elapsed().as_secs_f64();

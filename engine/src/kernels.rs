@@ -1,0 +1,178 @@
+//! Our own CUDA kernels, compiled at run time by NVRTC (through cudarc, loaded with dlopen, so the
+//! engine builds and its CPU tests run without CUDA) and launched on libtorch's tensors.
+//!
+//! Every kernel here has a reference in tensor ops ([`crate::fused_loss::softcap_xent_reference`])
+//! that the normal test suite checks on the CPU; the GPU tests launch the kernel and compare it
+//! with that reference, and [`launches`] lets them assert that the kernel really ran.
+//!
+//! Streams: libtorch launches on the legacy default stream unless told otherwise, and the engine
+//! never changes the current stream, so our kernels go to the same stream (cudarc's
+//! `default_stream`, the null stream of the primary context libtorch also uses) and need no
+//! synchronisation with the tensor ops around them.
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use anyhow::{Context, Result, anyhow, bail};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use tch::{Device, Kind, Tensor};
+
+/// The soft-capped cross-entropy of one row of bf16 logits per block, forward and backward in
+/// one kernel: it reads the row twice (the sum of `exp(z - cap)`, where `z = cap * tanh(x /
+/// cap)` is at most `cap`, so no running maximum is needed; then the gradient) and overwrites
+/// it with `dL/dx = (softmax(z) - onehot(t)) * (1 - (z/cap)^2) * scale` in bf16. Intermediates
+/// are fp32, as `torch.compile`'s fused kernels keep them. A negative target is ignored: loss 0,
+/// gradient 0. bf16 is handled as raw bits (no CUDA headers needed by NVRTC).
+const SOFTCAP_XENT: &str = r#"
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+__device__ float block_sum(float v, float* buf) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? buf[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) buf[32] = v;
+    }
+    __syncthreads();
+    return buf[32];
+}
+extern "C" __global__ void softcap_xent(unsigned short* logits, const long long* targets,
+                                        float* row_loss, const float* scale_ptr, int vocab,
+                                        float cap) {
+    __shared__ float buf[33];
+    __shared__ float target_z;
+    unsigned short* x = logits + (long long)blockIdx.x * vocab;
+    const long long t = targets[blockIdx.x];
+    const bool valid = t >= 0 && t < vocab;
+    const float inv_cap = 1.f / cap;
+    if (threadIdx.x == 0) target_z = valid ? cap * tanhf(bf16_to_f32(x[t]) * inv_cap) : 0.f;
+    float s = 0.f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        const float z = cap * tanhf(bf16_to_f32(x[j]) * inv_cap);
+        s += expf(z - cap);
+    }
+    s = block_sum(s, buf);
+    const float lse = cap + logf(s);
+    const float scale = valid ? *scale_ptr : 0.f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        const float z = cap * tanhf(bf16_to_f32(x[j]) * inv_cap);
+        const float p = expf(z - lse) - (j == t ? 1.f : 0.f);
+        const float r = z * inv_cap;
+        x[j] = f32_to_bf16(p * (1.f - r * r) * scale);
+    }
+    if (threadIdx.x == 0) row_loss[blockIdx.x] = valid ? lse - target_z : 0.f;
+}
+"#;
+
+/// Threads per row of `softcap_xent`.
+const XENT_THREADS: u32 = 1024;
+
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// How many of our kernels this process has launched (the GPU tests assert it grew).
+pub fn launches() -> u64 {
+    LAUNCHES.load(Ordering::Relaxed)
+}
+
+struct Loaded {
+    stream: Arc<CudaStream>,
+    softcap_xent: CudaFunction,
+}
+
+// cudarc's handles are plain pointers into the driver; the driver API is thread-safe.
+unsafe impl Send for Loaded {}
+
+/// Compiled kernels per GPU ordinal: compiled once per process (NVRTC takes ~0.1-0.3 s; the
+/// driver caches the PTX's machine code on disk).
+fn loaded(gpu: usize) -> Result<Arc<Mutex<Loaded>>> {
+    static CACHE: OnceLock<Mutex<BTreeMap<usize, Arc<Mutex<Loaded>>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let mut cache = cache.lock().map_err(|_| anyhow!("kernel cache poisoned"))?;
+    if let Some(k) = cache.get(&gpu) {
+        return Ok(k.clone());
+    }
+    let k = Arc::new(Mutex::new(compile(gpu)?));
+    cache.insert(gpu, k.clone());
+    Ok(k)
+}
+
+fn compile(gpu: usize) -> Result<Loaded> {
+    // cudarc panics when it cannot dlopen libnvrtc.so: turn that into an error that says what
+    // to install.
+    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx(SOFTCAP_XENT))
+        .map_err(|_| {
+            anyhow!(
+                "cannot load NVRTC (libnvrtc.so): put the CUDA runtime compiler's directory on \
+                 LD_LIBRARY_PATH (deploy/setup.sh links the torch wheel's into .venv/nccl-lib)"
+            )
+        })?
+        .map_err(|e| anyhow!("NVRTC could not compile the soft-capped cross-entropy kernel: {e:?}"))?;
+    let ctx = CudaContext::new(gpu).with_context(|| format!("CUDA context of GPU {gpu}"))?;
+    let module = ctx.load_module(ptx).context("load the NVRTC-compiled kernels")?;
+    let softcap_xent = module.load_function("softcap_xent").context("kernel softcap_xent")?;
+    Ok(Loaded { stream: ctx.default_stream(), softcap_xent })
+}
+
+/// Whether our kernels can run on `device` (a CUDA device whose NVRTC loads); the reason when
+/// not, for the launch receipt.
+pub fn available(device: Device) -> std::result::Result<(), String> {
+    match device {
+        Device::Cuda(gpu) => loaded(gpu).map(|_| ()).map_err(|e| format!("{e:#}")),
+        _ => Err("not a CUDA device".into()),
+    }
+}
+
+/// Runs `softcap_xent` over `logits` (rows x vocab, bf16, contiguous, on a GPU) in place: each
+/// row becomes its gradient, times the 0-d fp32 `scale` on the same device. Returns the rows'
+/// losses (fp32).
+pub fn softcap_xent(logits: &Tensor, targets: &Tensor, scale: &Tensor, cap: f64) -> Result<Tensor> {
+    let Device::Cuda(gpu) = logits.device() else { bail!("softcap_xent: logits are not on a GPU") };
+    let (rows, vocab) = logits.size2().context("softcap_xent: logits are not 2-D")?;
+    if logits.kind() != Kind::BFloat16 || !logits.is_contiguous() {
+        bail!("softcap_xent: logits must be contiguous bf16, got {:?}", logits.kind());
+    }
+    if targets.kind() != Kind::Int64 || targets.size() != [rows] || targets.device() != logits.device() {
+        bail!("softcap_xent: targets must be {rows} int64 values on the logits' device");
+    }
+    if scale.kind() != Kind::Float || scale.numel() != 1 || scale.device() != logits.device() {
+        bail!("softcap_xent: scale must be one fp32 value on the logits' device");
+    }
+    if cap <= 0.0 {
+        bail!("softcap_xent: the soft-cap must be positive, got {cap}");
+    }
+    let vocab = i32::try_from(vocab).context("vocabulary over 2^31")?;
+    let blocks = u32::try_from(rows).context("more than 2^32 rows in one chunk")?;
+    let targets = targets.contiguous();
+    let loss = Tensor::empty([rows], (Kind::Float, logits.device()));
+    if rows == 0 {
+        return Ok(loss);
+    }
+    let k = loaded(gpu)?;
+    let k = k.lock().map_err(|_| anyhow!("kernel handle poisoned"))?;
+    let (x, t, l, s) = (
+        logits.data_ptr() as u64,
+        targets.data_ptr() as u64,
+        loss.data_ptr() as u64,
+        scale.data_ptr() as u64,
+    );
+    let cap = cap as f32;
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (XENT_THREADS, 1, 1), shared_mem_bytes: 0 };
+    let mut launch = k.stream.launch_builder(&k.softcap_xent);
+    launch.arg(&x).arg(&t).arg(&l).arg(&s).arg(&vocab).arg(&cap);
+    // Safety: the pointers are live tensors of the checked shapes and kinds on this GPU, kept
+    // alive by the caller until the stream has run the kernel (the tensors' storage returns to
+    // libtorch's caching allocator, which orders reuse on this same stream).
+    unsafe { launch.launch(cfg) }.context("launch softcap_xent")?;
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    Ok(loss)
+}
