@@ -104,6 +104,13 @@ NCCL_SO="$(dirname "$TORCH_DIR")/nvidia/nccl/lib/libnccl.so.2"
 if [ -e "$NCCL_SO" ]; then
     ln -sfnr "$NCCL_SO" "$VENV/nccl-lib/libnccl.so"
 fi
+# Likewise NVRTC (the engine compiles its own CUDA kernels at run time): cudarc looks for
+# libnvrtc.so, the wheel ships libnvrtc.so.13 (the engine loads NVRTC's builtins from the
+# link's real directory itself, see engine/src/kernels.rs).
+NVRTC_SO="$(ls "$(dirname "$TORCH_DIR")"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1)"
+if [ -n "$NVRTC_SO" ]; then
+    ln -sfnr "$NVRTC_SO" "$VENV/nccl-lib/libnvrtc.so"
+fi
 
 echo "setup: building the workspace binaries (cargo build --workspace --bins)"
 cargo build --workspace --bins

@@ -10,7 +10,8 @@
 //! 3. `csrc/gpu_memory.cpp`: a small C++17 shim (the `cc` crate) that reads the CUDA caching
 //!    allocator's statistics, which tch does not expose (see `src/gpu_memory.rs`); and
 //!    `csrc/fused_adamw.cpp`, libtorch's fused AdamW kernel, which tch does not bind either
-//!    (see `src/fused_adamw.rs`). Compiled
+//!    (see `src/fused_adamw.rs`); and `csrc/window_attention.cpp`, FlashAttention with a
+//!    sliding window (see `src/attention.rs`). Compiled
 //!    against the wheel's c10 headers only (no CUDA toolkit headers: the wheel lacks
 //!    `crt/host_config.h`), linked against the wheel's `libc10` and, when present,
 //!    `libc10_cuda` (whose static initialiser registers the CUDA allocator). About a second.
@@ -58,7 +59,7 @@ fn main() {
     println!("cargo:rerun-if-changed=../.git/logs/HEAD");
 }
 
-/// Compiles the shims (`csrc/gpu_memory.cpp`, `csrc/fused_adamw.cpp`) into a static library of
+/// Compiles the shims (`csrc/gpu_memory.cpp`, `csrc/fused_adamw.cpp`, `csrc/window_attention.cpp`) into a static library of
 /// this crate and links `c10` and `torch_cpu`.
 fn build_gpu_memory_shim() {
     println!("cargo:rerun-if-changed=csrc/gpu_memory.cpp");
@@ -77,10 +78,12 @@ fn build_gpu_memory_shim() {
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     // The wheel's headers as system headers: their own warnings are not ours to print.
     println!("cargo:rerun-if-changed=csrc/fused_adamw.cpp");
+    println!("cargo:rerun-if-changed=csrc/window_attention.cpp");
     cc::Build::new()
         .cpp(true)
         .file("csrc/gpu_memory.cpp")
         .file("csrc/fused_adamw.cpp")
+        .file("csrc/window_attention.cpp")
         .std("c++17")
         .flag("-isystem")
         .flag(include.to_str().expect("utf-8 libtorch path"))

@@ -52,6 +52,9 @@ TORCH_DIR="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))'
 NCCL_SO="$(dirname "$TORCH_DIR")/nvidia/nccl/lib/libnccl.so.2"
 mkdir -p "$WORK/nccl-lib"
 [[ -e "$NCCL_SO" ]] && ln -sf "$NCCL_SO" "$WORK/nccl-lib/libnccl.so"
+# NVRTC, which compiles the engine's own kernels at run time: libnvrtc.so likewise.
+NVRTC_SO="$(ls "$(dirname "$TORCH_DIR")"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1)"
+[[ -n "$NVRTC_SO" ]] && ln -sf "$NVRTC_SO" "$WORK/nccl-lib/libnvrtc.so"
 export LD_LIBRARY_PATH="$TORCH_DIR/lib:$WORK/nccl-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TRAINYARD_NCCL_LIBRARY="$NCCL_SO"
 say "binaries $BIN; libtorch $TORCH_DIR/lib; NCCL $NCCL_SO; results $RES"

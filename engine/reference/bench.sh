@@ -19,7 +19,7 @@ TRAINYARD_RECEIPTS="$WORK/r.jsonl" "$BIN" train --device cpu --threads "$THREADS
 python3 - "$WORK/r.jsonl" "$WORK/py.json" <<'PY'
 import json, sys
 steps = [json.loads(l) for l in open(sys.argv[1])]
-dts = [s["step_time_s"] for s in steps if s["kind"] == "step"][2:]
+dts = [s["step_time_ms"] / 1e3 for s in steps if s["kind"] == "step"][2:]
 engine = 2048 * len(dts) / sum(dts)
 ref = json.load(open(sys.argv[2]))["tokens_per_s"]
 print(f"engine    {engine:10.0f} tokens/s")

@@ -28,6 +28,16 @@ pub struct GptConfig {
     pub vocab_size: i64,
     pub seq_len: i64,
     pub softcap: f64,
+    /// nanochat's attention window pattern, one letter per layer, repeated: `L` attends the
+    /// whole context, `S` a quarter of it rounded up to 128 tokens (512 of 2048); the last
+    /// layer is always `L`. `L` alone (the default) is full causal attention everywhere;
+    /// nanochat trains with `SSSL`.
+    #[serde(default = "full_window")]
+    pub window_pattern: String,
+}
+
+fn full_window() -> String {
+    "L".into()
 }
 
 impl GptConfig {
@@ -53,7 +63,41 @@ impl GptConfig {
         }
         let head_dim = 128;
         let n_embd = (depth * 64 + head_dim - 1) / head_dim * head_dim;
-        Ok(Self { depth, n_embd, n_head: n_embd / head_dim, head_dim, vocab_size, seq_len, softcap: 15.0 })
+        Ok(Self {
+            depth,
+            n_embd,
+            n_head: n_embd / head_dim,
+            head_dim,
+            vocab_size,
+            seq_len,
+            softcap: 15.0,
+            window_pattern: full_window(),
+        })
+    }
+
+    /// Sets the attention window pattern (see [`GptConfig::window_pattern`]).
+    pub fn with_window_pattern(mut self, pattern: &str) -> Result<Self, ConfigError> {
+        let p = pattern.trim().to_ascii_uppercase();
+        if p.is_empty() || !p.chars().all(|c| c == 'L' || c == 'S') {
+            return Err(ConfigError::Invalid {
+                field: "window_pattern",
+                reason: format!("{pattern:?}: expected letters L (full context) and S (half), e.g. SSSL"),
+            });
+        }
+        self.window_pattern = p;
+        Ok(self)
+    }
+
+    /// How far back layer `layer` attends: `None` for the whole context, `Some(w)` for the
+    /// `w` tokens before each query (FlashAttention's `window_size_left`).
+    pub fn window(&self, layer: i64) -> Option<i64> {
+        let p = self.window_pattern.as_bytes();
+        if layer == self.depth - 1 || p.is_empty() || p[layer as usize % p.len()] != b'S' {
+            return None;
+        }
+        // nanochat: -(-seq_len // 4 // 128) * 128, i.e. ceil(seq_len / 512) * 128.
+        let short = (self.seq_len + 511) / 512 * 128;
+        (short < self.seq_len).then_some(short)
     }
 
     /// A preset by name: `d4` (tests) ... `d26` (GPT-2 grade).
@@ -78,9 +122,16 @@ impl GptConfig {
         self.depth * per_block + gates + self.vocab_size * d
     }
 
-    /// nanochat's FLOPs per token (forward + backward), every layer attending the full context.
+    /// nanochat's FLOPs per token (forward + backward): each layer's attention counts the
+    /// context it sees (its window, or the whole sequence).
     pub fn flops_per_token(&self) -> f64 {
-        let attn = self.depth * 12 * self.n_head * self.head_dim * self.seq_len;
+        let attn: i64 = (0..self.depth)
+            .map(|i| {
+                12 * self.n_head
+                    * self.head_dim
+                    * self.window(i).map_or(self.seq_len, |w| w.min(self.seq_len))
+            })
+            .sum();
         6.0 * self.matmul_params() as f64 + attn as f64
     }
 }
@@ -222,6 +273,20 @@ mod tests {
         // SSSL windows; all-long windows here give a little more).
         let c = GptConfig::preset("d12", 2048, 32768).unwrap();
         assert_eq!(c.matmul_params(), 12 * 12 * 768 * 768 + 6 * 6 * 12 + 32768 * 768);
+        // With nanochat's SSSL windows (512 of 2048; layers 3, 7 and 11 long), the 7.60e8 of
+        // nanochat's own table.
+        let c = c.with_window_pattern("sssl").unwrap();
+        let long: Vec<i64> = (0..12).filter(|&i| c.window(i).is_none()).collect();
+        assert_eq!(long, vec![3, 7, 11]);
+        assert_eq!(c.window(0), Some(512));
+        assert!((c.flops_per_token() / 7.60e8 - 1.0).abs() < 1e-3, "{}", c.flops_per_token());
+        // A window no shorter than the sequence is the whole context.
+        let short_seq = GptConfig::preset("d4", 128, 100).unwrap().with_window_pattern("S").unwrap();
+        assert_eq!(short_seq.window(0), None);
+        assert!(matches!(
+            c.with_window_pattern("SXL"),
+            Err(ConfigError::Invalid { field: "window_pattern", .. })
+        ));
     }
 
     fn train(n: i64) -> TrainConfig {

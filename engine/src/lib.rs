@@ -1,5 +1,6 @@
 //! trainyard's built-in training engine: a nanochat-class GPT on tch.
 
+pub mod attention;
 pub mod checkpoint;
 pub mod collectives;
 pub mod config;

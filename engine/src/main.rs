@@ -116,8 +116,12 @@ struct TrainArgs {
     /// Write the initial weights (safetensors) before training.
     #[arg(long)]
     export_init: Option<PathBuf>,
+    /// Attention windows per layer, repeated over the layers: L = the whole context, S = a
+    /// quarter of it rounded up to 128 tokens; the last layer is always L. nanochat: SSSL.
+    #[arg(long, default_value = "L")]
+    window_pattern: String,
     /// Run the output layer and the loss unfused, through autograd over fp32 logits (as eager
-    /// PyTorch does), instead of the chunked fused path.
+    /// PyTorch does), instead of the chunked fused path (GPU; the CPU always runs unfused).
     #[arg(long)]
     unfused_loss: bool,
     /// Stop after this step as if the rank had been killed (tests of resume).
@@ -162,7 +166,8 @@ fn main() -> Result<()> {
                 a.val.extend(list("val_")?);
             }
             anyhow::ensure!(!a.train.is_empty(), "no training shards (--train FILES or --data DIR)");
-            let model = GptConfig::preset(&a.preset, a.seq_len, a.vocab_size)?;
+            let model = GptConfig::preset(&a.preset, a.seq_len, a.vocab_size)?
+                .with_window_pattern(&a.window_pattern)?;
             let total = a.total_batch_size.unwrap_or(a.device_batch_size * a.seq_len * env.world as i64);
             let cfg = TrainConfig {
                 model,

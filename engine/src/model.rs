@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::attention;
 use crate::config::GptConfig;
 use crate::fused_loss;
 
@@ -153,7 +154,7 @@ impl Gpt {
         Tensor::cat(&[y1, y2], 3)
     }
 
-    fn attention(&self, b: &Block, x: &Tensor, ve: Option<&Tensor>) -> Tensor {
+    fn attention(&self, layer: i64, b: &Block, x: &Tensor, ve: Option<&Tensor>) -> anyhow::Result<Tensor> {
         let (bs, t, _) = x.size3().expect("(B, T, C)");
         let (h, hd) = (self.cfg.n_head, self.cfg.head_dim);
         let q = self.linear(x, b.c_q).view([bs, t, h, hd]);
@@ -169,29 +170,20 @@ impl Gpt {
         };
         let q = norm(&self.rope(&q)) * 1.2;
         let k = norm(&self.rope(&k)) * 1.2;
-        let y = Tensor::scaled_dot_product_attention(
-            &q.transpose(1, 2),
-            &k.transpose(1, 2),
-            &v.transpose(1, 2),
-            None::<Tensor>,
-            0.0,
-            true,
-            None,
-            false,
-        );
-        let y = y.transpose(1, 2).contiguous().view([bs, t, h * hd]);
-        self.linear(&y, b.c_proj)
+        let y = attention::causal(&q, &k, &v, self.cfg.window(layer))?;
+        let y = y.contiguous().view([bs, t, h * hd]);
+        Ok(self.linear(&y, b.c_proj))
     }
 
     /// Logits (B, T, V) in fp32 after the soft-cap.
-    pub fn logits(&self, idx: &Tensor) -> Tensor {
-        let logits = self.linear(&self.hidden(idx), self.lm_head).to_kind(Kind::Float);
+    pub fn logits(&self, idx: &Tensor) -> anyhow::Result<Tensor> {
+        let logits = self.linear(&self.hidden(idx)?, self.lm_head).to_kind(Kind::Float);
         let cap = self.cfg.softcap;
-        (logits / cap).tanh() * cap
+        Ok((logits / cap).tanh() * cap)
     }
 
     /// The final normed hidden states (B, T, d) in the compute kind: the LM head's input.
-    pub fn hidden(&self, idx: &Tensor) -> Tensor {
+    pub fn hidden(&self, idx: &Tensor) -> anyhow::Result<Tensor> {
         let c = self.compute;
         let mut x = Tensor::embedding(self.p(self.wte), idx, -1, false, false).to_kind(c);
         x = norm(&x);
@@ -204,24 +196,24 @@ impl Gpt {
                 .value_embeds
                 .get(&(i as i64))
                 .map(|&p| Tensor::embedding(self.p(p), idx, -1, false, false).to_kind(c));
-            x = &x + self.attention(b, &norm(&x), ve.as_ref());
+            x = &x + self.attention(i as i64, b, &norm(&x), ve.as_ref())?;
             let h = self.linear(&norm(&x), b.c_fc).relu().square();
             x = &x + self.linear(&h, b.mlp_proj);
         }
-        norm(&x)
+        Ok(norm(&x))
     }
 
     /// Mean cross-entropy of `targets` (B, T) given `idx` (B, T).
-    pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Tensor {
-        let logits = self.logits(idx);
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> anyhow::Result<Tensor> {
+        let logits = self.logits(idx)?;
         let v = self.cfg.vocab_size;
-        logits.reshape([-1, v]).cross_entropy_loss(
+        Ok(logits.reshape([-1, v]).cross_entropy_loss(
             &targets.reshape([-1]),
             None::<Tensor>,
             tch::Reduction::Mean,
             -1,
             0.0,
-        )
+        ))
     }
 
     /// The mean loss (0-d, detached) and the gradient of `scale * loss` for every parameter, in
@@ -236,11 +228,11 @@ impl Gpt {
         fused: Option<fused_loss::Path>,
     ) -> anyhow::Result<(Tensor, Vec<Tensor>)> {
         let Some(path) = fused else {
-            let loss = self.loss(idx, targets);
+            let loss = self.loss(idx, targets)?;
             let grads = self.grads(&if scale == 1.0 { loss.shallow_clone() } else { &loss * scale });
             return Ok((loss.detach(), grads));
         };
-        let h = self.hidden(idx);
+        let h = self.hidden(idx)?;
         let d = self.cfg.n_embd;
         let h = h.reshape([-1, d]);
         let rows = fused_loss::chunk_rows(self.cfg.vocab_size, self.compute);
@@ -331,10 +323,10 @@ mod tests {
         assert!(m.params.iter().any(|p| p.name == "ve.1"));
         assert!(!m.params.iter().any(|p| p.name == "ve.0"));
         let idx = Tensor::randint(256, [2, 16], (Kind::Int64, Device::Cpu));
-        let logits = m.logits(&idx);
+        let logits = m.logits(&idx).unwrap();
         assert_eq!(logits.size(), vec![2, 16, 256]);
         // Tiny LM head init: the loss starts at ln(V).
-        let loss = m.loss(&idx, &idx).double_value(&[]);
+        let loss = m.loss(&idx, &idx).unwrap().double_value(&[]);
         assert!((loss - 256f64.ln()).abs() < 0.05, "{loss}");
         loss_backward_reaches_every_param(&m, &idx);
     }
@@ -382,7 +374,7 @@ mod tests {
     }
 
     fn loss_backward_reaches_every_param(m: &Gpt, idx: &Tensor) {
-        let grads = m.grads(&m.loss(idx, idx));
+        let grads = m.grads(&m.loss(idx, idx).unwrap());
         assert_eq!(grads.len(), m.params.len());
         for (p, g) in m.params.iter().zip(&grads) {
             assert!(g.defined(), "{} has no gradient", p.name);
