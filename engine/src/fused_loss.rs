@@ -119,7 +119,7 @@ pub fn softcap_xent_reference(logits: &Tensor, targets: &Tensor, scale: &Tensor,
     let row_scale = valid.to_kind(Kind::Float).unsqueeze(1) * scale;
     let g = ((z - lse).exp() - onehot) * (1.0 - r.square()) * row_scale;
     let mut out = logits.shallow_clone();
-    let _ = out.copy_(&g);
+    out.copy_(&g);
     row_loss
 }
 
