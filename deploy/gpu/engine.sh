@@ -7,7 +7,8 @@
 #
 # BIN_DIR holds a release trainyard-engine; each TEST_BINARY (a `cargo test --release --no-run`
 # binary of the engine) is run whole, its output in RESULTS_DIR/gpu-tests.log. BENCH_ARGS are
-# passed to engine_bench.py (e.g. "--rounds 1 --skip d20").
+# passed to engine_bench.py (e.g. "--rounds 1 --skip d20"). PROFILE=1 then profiles a d12 step of
+# eager and compiled PyTorch (deploy/gpu/profile_ref.py) into RESULTS_DIR/profile-*.txt.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -24,7 +25,8 @@ TORCH_DIR="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))'
 }
 NV="$(dirname "$TORCH_DIR")/nvidia"
 LIBS="$(mktemp -d)"
-trap 'rm -rf "$LIBS"' EXIT
+WORK="$(mktemp -d)"
+trap 'rm -rf "$LIBS" "$WORK"' EXIT
 ln -sf "$NV/nccl/lib/libnccl.so.2" "$LIBS/libnccl.so"
 NVRTC_SO="$(ls "$NV"/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1)"
 [[ -n "$NVRTC_SO" ]] && ln -sf "$NVRTC_SO" "$LIBS/libnvrtc.so"
@@ -37,4 +39,15 @@ for t in "$@"; do
     "$t" --test-threads 1 --nocapture 2>&1 | tee -a "$RES/gpu-tests.log" | grep -E "^test |skipped|panicked|test result"
 done
 # shellcheck disable=SC2086
-"$PY" deploy/gpu/engine_bench.py --bin "$BIN" "$RES" ${BENCH_ARGS:-}
+"$PY" deploy/gpu/engine_bench.py --bin "$BIN" --work "$WORK" "$RES" ${BENCH_ARGS:-}
+if [[ "${PROFILE:-0}" == 1 && -e "$WORK/init-d12.safetensors" ]]; then
+    for mode in eager compile; do
+        echo "profile: d12 $mode"
+        flag=(); [[ $mode == compile ]] && flag=(--compile)
+        "$PY" deploy/gpu/profile_ref.py -- --device cuda "${flag[@]}" --weights "$WORK/init-d12.safetensors" \
+            --depth 12 --train "$WORK/shards/train_000000.bin" --seq-len 2048 --device-batch-size 16 \
+            --total-batch-size 32768 --num-iterations 8 --warmup-steps 5 \
+            >"$RES/profile-$mode.json" 2>"$RES/profile-$mode.txt"
+        grep -A 14 "profiled steps" "$RES/profile-$mode.txt" | cut -c1-160
+    done
+fi

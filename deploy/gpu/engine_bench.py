@@ -39,8 +39,9 @@ def run_engine(a, res, tag, depth, batch, shards, init, extra, export=False):
     args = [str(a.bin / "trainyard-engine"), "train", "--device", "cuda", "--preset", f"d{depth}",
             "--vocab-size", "50257", "--train", str(shards), "--seq-len", "2048",
             "--device-batch-size", str(batch), "--total-batch-size", str(batch * 2048),
-            "--num-iterations", str(a.steps), "--warmup-steps", "5", "--lr-scale", "1", *extra]
-    args += ["--export-init", str(init)] if export else ["--init-weights", str(init)]
+            "--num-iterations", str(a.steps), "--warmup-steps", "5", *a.lr, *extra]
+    if init is not None:
+        args += ["--export-init", str(init)] if export else ["--init-weights", str(init)]
     env = dict(os.environ, TRAINYARD_RECEIPTS=str(receipts))
     log(f"engine {tag}: {' '.join(extra) or 'default'}")
     t0 = time.time()
@@ -52,13 +53,16 @@ def run_engine(a, res, tag, depth, batch, shards, init, extra, export=False):
     rows = [json.loads(line) for line in receipts.read_text().splitlines() if line.strip()]
     launch = next(r for r in rows if r["kind"] == "launch")
     steps = [r for r in rows if r["kind"] == "step"]
-    if len(steps) <= FIRST:
+    if not steps:
         return None
+    if len(steps) <= FIRST:
+        return {"startup_to_step1_s": steps[0]["time"] - t0, "startup_to_launch_s": launch["time"] - t0}
     ms = [s["step_time_ms"] for s in steps]
     return {
         "step_ms": statistics.median(ms[FIRST:]),
         "losses": [s["loss"] for s in steps],
         "startup_to_step1_s": steps[0]["time"] - t0,
+        "startup_to_launch_s": launch["time"] - t0,
         "peak_allocated_bytes": max(s.get("mem_peak_allocated_bytes") or 0 for s in steps),
         "peak_reserved_bytes": max(s.get("mem_peak_reserved_bytes") or 0 for s in steps),
         "flops_per_token": launch["flops_per_token"],
@@ -76,7 +80,7 @@ def run_reference(a, res, tag, depth, batch, shards, init, compile_):
     args = [sys.executable, str(ROOT / "engine/reference/gpt_ref.py"), "--device", "cuda",
             "--weights", str(init), "--depth", str(depth), "--train", str(shards), "--seq-len", "2048",
             "--device-batch-size", str(batch), "--total-batch-size", str(batch * 2048),
-            "--num-iterations", str(a.steps), "--warmup-steps", "5", "--lr-scale", "1"]
+            "--num-iterations", str(a.steps), "--warmup-steps", "5", *a.lr]
     if compile_:
         args.append("--compile")
     log(f"reference {tag} ({mode})")
@@ -107,13 +111,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--timeout", type=int, default=300)
-    ap.add_argument("--skip", default="", help="space-separated: eager unfused sssl d20")
+    ap.add_argument("--work", type=Path, help="where shards and initial weights go (default: a new temporary directory)")
+    ap.add_argument("--skip", default="", help="space-separated: eager unfused sssl d20 startup")
+    ap.add_argument("--lr-scale", type=float, default=None,
+                    help="LR multiplier of every run (default: nanochat's sqrt(batch / 2^19), whose "
+                         "first steps are stable enough to compare losses; 1 diverges chaotically)")
     a = ap.parse_args()
+    a.lr = ["--lr-scale", str(a.lr_scale)] if a.lr_scale is not None else []
     a.bin = a.bin.resolve()
     res = a.results.resolve()
     res.mkdir(parents=True, exist_ok=True)
     skip = set(a.skip.split())
-    work = Path(tempfile.mkdtemp())
+    work = a.work.resolve() if a.work else Path(tempfile.mkdtemp())
+    work.mkdir(parents=True, exist_ok=True)
     subprocess.run([str(a.bin / "trainyard-engine"), "tokenize", "--out", str(work / "shards"),
                     *map(str, sorted((ROOT / "engine/corpus").glob("*.txt")))], check=True,
                    stdout=subprocess.DEVNULL)
@@ -132,6 +142,12 @@ def main():
         once["engine_unfused_loss"] = run_engine(a, res, "d12-unfused", 12, 16, shards, init, ["--unfused-loss"])
     if "sssl" not in skip:
         once["engine_sssl"] = run_engine(a, res, "d12-sssl", 12, 16, shards, init, ["--window-pattern", "SSSL"])
+    if "startup" not in skip:
+        # A plain start (no weights file to read), twice: the second with every cache warm.
+        for r in (1, 2):
+            steps, a.steps = a.steps, 1
+            once[f"startup_run{r}"] = run_engine(a, res, f"d12-startup{r}", 12, 16, shards, None, [])
+            a.steps = steps
     d20 = {}
     if "d20" not in skip:
         init20 = work / "init-d20.safetensors"
@@ -162,6 +178,8 @@ def summarize(res, eng, comp, once, d20):
     row("d12 engine", e, fpt, peak)
     row("d12 torch.compile", c, fpt, peak)
     for k, r in once.items():
+        if k.startswith("startup"):
+            continue
         f = r["flops_per_token"] if r and "flops_per_token" in r else fpt
         row(f"d12 {k}", r, f, peak)
     if d20.get("engine"):
@@ -176,10 +194,10 @@ def summarize(res, eng, comp, once, d20):
         print(f"  losses, first {n} steps, max relative difference vs compile: {out['loss_max_rel_diff_first20_vs_compile']:.3g}")
         print(f"  peak allocated: engine {e['peak_allocated_bytes'] / 2**30:.1f} GiB, compile {(c['peak_allocated_bytes'] or 0) / 2**30:.1f} GiB")
         print(f"  loss kernel: {e['loss_kernel']}; fwd+bwd {e['fwd_bwd_ms']:.1f} ms, optimizer {e['optimizer_ms']:.1f} ms")
-    starts = [r["startup_to_step1_s"] for r in eng[1:] if r]
-    if starts:
-        out["startup_to_step1_s"] = starts
-        print(f"  start-up, process start to the end of step 1 (cached kernels): {', '.join(f'{s:.2f} s' for s in starts)}")
+    for k, r in once.items():
+        if k.startswith("startup") and r:
+            print(f"  start-up ({k}, no weights file): process start to launch receipt {r['startup_to_launch_s']:.2f} s, "
+                  f"to the end of step 1 {r['startup_to_step1_s']:.2f} s")
     if once.get("eager") and e:
         out["ratio_vs_eager"] = once["eager"]["step_ms"] / e["step_ms"]
         print(f"  tokens/s ratio engine / eager: {out['ratio_vs_eager']:.3f}")
