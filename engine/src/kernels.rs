@@ -22,7 +22,9 @@ use tch::{Device, Kind, Tensor};
 /// cap)` is at most `cap`, so no running maximum is needed; then the gradient) and overwrites
 /// it with `dL/dx = (softmax(z) - onehot(t)) * (1 - (z/cap)^2) * scale` in bf16. Intermediates
 /// are fp32, as `torch.compile`'s fused kernels keep them. A negative target is ignored: loss 0,
-/// gradient 0. bf16 is handled as raw bits (no CUDA headers needed by NVRTC).
+/// gradient 0. Rows are `stride` apart; the columns from `vocab` to `stride` (the padding that
+/// keeps rows 16-byte aligned for the tensor cores) are not logits and get gradient 0. bf16 is
+/// handled as raw bits (no CUDA headers needed by NVRTC).
 const SOFTCAP_XENT: &str = r#"
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
@@ -48,10 +50,10 @@ __device__ float block_sum(float v, float* buf) {
 }
 extern "C" __global__ void softcap_xent(unsigned short* logits, const long long* targets,
                                         float* row_loss, const float* scale_ptr, int vocab,
-                                        float cap) {
+                                        int stride, float cap) {
     __shared__ float buf[33];
     __shared__ float target_z;
-    unsigned short* x = logits + (long long)blockIdx.x * vocab;
+    unsigned short* x = logits + (long long)blockIdx.x * stride;
     const long long t = targets[blockIdx.x];
     const bool valid = t >= 0 && t < vocab;
     const float inv_cap = 1.f / cap;
@@ -70,6 +72,7 @@ extern "C" __global__ void softcap_xent(unsigned short* logits, const long long*
         const float r = z * inv_cap;
         x[j] = f32_to_bf16(p * (1.f - r * r) * scale);
     }
+    for (int j = vocab + threadIdx.x; j < stride; j += blockDim.x) x[j] = 0;
     if (threadIdx.x == 0) row_loss[blockIdx.x] = valid ? lse - target_z : 0.f;
 }
 "#;
@@ -209,12 +212,21 @@ pub fn available(device: Device) -> std::result::Result<(), String> {
     }
 }
 
-/// Runs `softcap_xent` over `logits` (rows x vocab, bf16, contiguous, on a GPU) in place: each
-/// row becomes its gradient, times the 0-d fp32 `scale` on the same device. Returns the rows'
-/// losses (fp32).
-pub fn softcap_xent(logits: &Tensor, targets: &Tensor, scale: &Tensor, cap: f64) -> Result<Tensor> {
+/// Runs `softcap_xent` over `logits` (rows x padded vocabulary, bf16, contiguous, on a GPU) in
+/// place: the first `vocab` columns of each row become their gradient, times the 0-d fp32
+/// `scale` on the same device, and the padding columns 0. Returns the rows' losses (fp32).
+pub fn softcap_xent(
+    logits: &Tensor,
+    vocab: i64,
+    targets: &Tensor,
+    scale: &Tensor,
+    cap: f64,
+) -> Result<Tensor> {
     let Device::Cuda(gpu) = logits.device() else { bail!("softcap_xent: logits are not on a GPU") };
-    let (rows, vocab) = logits.size2().context("softcap_xent: logits are not 2-D")?;
+    let (rows, stride) = logits.size2().context("softcap_xent: logits are not 2-D")?;
+    if vocab < 1 || vocab > stride {
+        bail!("softcap_xent: vocabulary {vocab} outside the {stride} columns of the logits");
+    }
     if logits.kind() != Kind::BFloat16 || !logits.is_contiguous() {
         bail!("softcap_xent: logits must be contiguous bf16, got {:?}", logits.kind());
     }
@@ -228,6 +240,7 @@ pub fn softcap_xent(logits: &Tensor, targets: &Tensor, scale: &Tensor, cap: f64)
         bail!("softcap_xent: the soft-cap must be positive, got {cap}");
     }
     let vocab = i32::try_from(vocab).context("vocabulary over 2^31")?;
+    let stride = i32::try_from(stride).context("vocabulary over 2^31")?;
     let blocks = u32::try_from(rows).context("more than 2^32 rows in one chunk")?;
     let targets = targets.contiguous();
     let loss = Tensor::empty([rows], (Kind::Float, logits.device()));
@@ -245,7 +258,7 @@ pub fn softcap_xent(logits: &Tensor, targets: &Tensor, scale: &Tensor, cap: f64)
     let cap = cap as f32;
     let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (XENT_THREADS, 1, 1), shared_mem_bytes: 0 };
     let mut launch = k.stream.launch_builder(&k.softcap_xent);
-    launch.arg(&x).arg(&t).arg(&l).arg(&s).arg(&vocab).arg(&cap);
+    launch.arg(&x).arg(&t).arg(&l).arg(&s).arg(&vocab).arg(&stride).arg(&cap);
     // Safety: the pointers are live tensors of the checked shapes and kinds on this GPU, kept
     // alive by the caller until the stream has run the kernel (the tensors' storage returns to
     // libtorch's caching allocator, which orders reuse on this same stream).
