@@ -9,6 +9,7 @@ pub mod fused_adamw;
 pub mod fused_loss;
 pub mod gpu_memory;
 pub mod kernels;
+pub mod launch;
 pub mod model;
 pub mod optim;
 pub mod train;

@@ -164,13 +164,42 @@ impl MuonAdamW {
         muon_wd: f64,
     ) -> Result<(Phases, f64)> {
         let _guard = tch::no_grad_guard();
-        let (rank, world) = (self.rank, self.world);
+        let world = self.world;
         let mut phases = Phases::default();
         let mut sq = Tensor::zeros([], (Kind::Float, model.device));
         coll.synchronize();
         let t0 = Instant::now();
 
         // Phase 1: reductions, in group order.
+        let adam_reduced = self.reduce_adam(model, &grads, coll, &mut sq)?;
+        let muon_reduced = self.reduce_muon(model, &grads, coll, &mut sq)?;
+        coll.synchronize();
+        let t1 = Instant::now();
+        phases.reduce_s = (t1 - t0).as_secs_f64();
+
+        // Phase 2: update the owned shard (one fused AdamW kernel per group), gather.
+        self.update_adam(model, &grads, &adam_reduced, coll, lrm)?;
+        self.update_muon(model, &muon_reduced, coll, lrm, momentum, muon_wd)?;
+        let t2 = Instant::now();
+        coll.all_reduce_avg(&mut sq)?;
+        coll.synchronize();
+        let grad_norm = (sq.double_value(&[]) * world as f64).sqrt();
+        phases.compute_gather_s = (t2 - t1).as_secs_f64();
+        phases.wait_s = t2.elapsed().as_secs_f64();
+        Ok((phases, grad_norm))
+    }
+
+    /// AdamW gradients averaged over the ranks: small tensors (and every tensor in a world of
+    /// one) whole, large ones reduce-scattered into this rank's row slice. Adds their squared
+    /// norm (rank 0 counts the whole ones) to `sq`.
+    fn reduce_adam(
+        &self,
+        model: &Gpt,
+        grads: &[Tensor],
+        coll: &mut dyn Collectives,
+        sq: &mut Tensor,
+    ) -> Result<Vec<Vec<Reduced>>> {
+        let (rank, world) = (self.rank, self.world);
         let mut adam_reduced: Vec<Vec<Reduced>> = Vec::new();
         for g in &self.adam {
             let mut v = Vec::new();
@@ -181,27 +210,41 @@ impl MuonAdamW {
                 if p.numel() < SMALL || world == 1 {
                     coll.all_reduce_avg(&mut grad)?;
                     if rank == 0 {
-                        sq += sq_norm(&grad);
+                        *sq += sq_norm(&grad);
                     }
                     v.push(Reduced::Full);
                 } else {
                     let rs = p.size()[0] / world as i64;
                     let mut slice = grad.narrow(0, 0, rs).empty_like();
                     coll.reduce_scatter_avg(&grad, &mut slice)?;
-                    sq += sq_norm(&slice);
+                    *sq += sq_norm(&slice);
                     v.push(Reduced::Slice(slice));
                 }
             }
             adam_reduced.push(v);
         }
+        Ok(adam_reduced)
+    }
+
+    /// Each Muon group's gradients stacked (padded to a multiple of the world size) and
+    /// reduce-scattered: (the stacked gradients, this rank's averaged chunk). Adds the chunk's
+    /// squared norm to `sq`.
+    fn reduce_muon(
+        &self,
+        model: &Gpt,
+        grads: &[Tensor],
+        coll: &mut dyn Collectives,
+        sq: &mut Tensor,
+    ) -> Result<Vec<(Tensor, Tensor)>> {
+        let world = self.world as i64;
         let mut muon_reduced: Vec<(Tensor, Tensor)> = Vec::new();
         for g in &self.muon {
             let k = g.params.len() as i64;
-            let chunk = (k + world as i64 - 1) / world as i64;
-            let mut shape = vec![chunk * world as i64];
+            let chunk = (k + world - 1) / world;
+            let mut shape = vec![chunk * world];
             shape.extend(&g.shape);
             let group: Vec<&Tensor> = g.params.iter().map(|&i| &grads[i]).collect();
-            let stacked = if chunk * world as i64 == k {
+            let stacked = if chunk * world == k {
                 Tensor::stack(&group, 0)
             } else {
                 // Padded to a multiple of the world size; the padding stays zero.
@@ -217,14 +260,23 @@ impl MuonAdamW {
                 coll.reduce_scatter_avg(&stacked, &mut grad_chunk)?;
                 grad_chunk
             };
-            sq += sq_norm(&grad_chunk);
+            *sq += sq_norm(&grad_chunk);
             muon_reduced.push((stacked, grad_chunk));
         }
-        coll.synchronize();
-        let t1 = Instant::now();
-        phases.reduce_s = (t1 - t0).as_secs_f64();
+        Ok(muon_reduced)
+    }
 
-        // Phase 2: update the owned shard (one fused AdamW kernel per group), gather.
+    /// One fused AdamW kernel per group over the parameters (or row slices) this rank owns,
+    /// then the slices gathered back into every rank's whole parameter.
+    fn update_adam(
+        &mut self,
+        model: &mut Gpt,
+        grads: &[Tensor],
+        adam_reduced: &[Vec<Reduced>],
+        coll: &mut dyn Collectives,
+        lrm: f64,
+    ) -> Result<()> {
+        let rank = self.rank;
         for (gi, g) in self.adam.iter().enumerate() {
             // (parameter index, owned view of the parameter, its reduced gradient, gathered?)
             let mut owned: Vec<(usize, Tensor, Tensor, bool)> = Vec::with_capacity(g.params.len());
@@ -266,6 +318,21 @@ impl MuonAdamW {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Muon over the chunk of each group's matrices this rank owns, then the updated matrices
+    /// gathered into every rank (a world of one writes them straight back).
+    fn update_muon(
+        &mut self,
+        model: &mut Gpt,
+        muon_reduced: &[(Tensor, Tensor)],
+        coll: &mut dyn Collectives,
+        lrm: f64,
+        momentum: f64,
+        muon_wd: f64,
+    ) -> Result<()> {
+        let (rank, world) = (self.rank, self.world);
         for (gi, g) in self.muon.iter().enumerate() {
             let (stacked, grad_chunk) = &muon_reduced[gi];
             let k = g.params.len() as i64;
@@ -318,13 +385,7 @@ impl MuonAdamW {
                 model.params[i].tensor.detach().copy_(&gathered.get(j as i64));
             }
         }
-        let t2 = Instant::now();
-        coll.all_reduce_avg(&mut sq)?;
-        coll.synchronize();
-        let grad_norm = (sq.double_value(&[]) * world as f64).sqrt();
-        phases.compute_gather_s = (t2 - t1).as_secs_f64();
-        phases.wait_s = t2.elapsed().as_secs_f64();
-        Ok((phases, grad_norm))
+        Ok(())
     }
 
     /// This rank's optimizer state by name (checkpoints).
