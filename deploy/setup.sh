@@ -107,7 +107,7 @@ fi
 # Likewise NVRTC (the engine compiles its own CUDA kernels at run time): cudarc looks for
 # libnvrtc.so, the wheel ships libnvrtc.so.13 (the engine loads NVRTC's builtins from the
 # link's real directory itself, see engine/src/kernels.rs).
-NVRTC_SO="$(ls "$(dirname "$TORCH_DIR")"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1)"
+NVRTC_SO="$(ls "$(dirname "$TORCH_DIR")"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1 || true)"
 if [ -n "$NVRTC_SO" ]; then
     ln -sfnr "$NVRTC_SO" "$VENV/nccl-lib/libnvrtc.so"
 fi

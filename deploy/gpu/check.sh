@@ -53,7 +53,7 @@ NCCL_SO="$(dirname "$TORCH_DIR")/nvidia/nccl/lib/libnccl.so.2"
 mkdir -p "$WORK/nccl-lib"
 [[ -e "$NCCL_SO" ]] && ln -sf "$NCCL_SO" "$WORK/nccl-lib/libnccl.so"
 # NVRTC, which compiles the engine's own kernels at run time: libnvrtc.so likewise.
-NVRTC_SO="$(ls "$(dirname "$TORCH_DIR")"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1)"
+NVRTC_SO="$(ls "$(dirname "$TORCH_DIR")"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1 || true)"
 [[ -n "$NVRTC_SO" ]] && ln -sf "$NVRTC_SO" "$WORK/nccl-lib/libnvrtc.so"
 export LD_LIBRARY_PATH="$TORCH_DIR/lib:$WORK/nccl-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TRAINYARD_NCCL_LIBRARY="$NCCL_SO"

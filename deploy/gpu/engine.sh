@@ -28,7 +28,7 @@ LIBS="$(mktemp -d)"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$LIBS" "$WORK"' EXIT
 ln -sf "$NV/nccl/lib/libnccl.so.2" "$LIBS/libnccl.so"
-NVRTC_SO="$(ls "$NV"/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1)"
+NVRTC_SO="$(ls "$NV"/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1 || true)"
 [[ -n "$NVRTC_SO" ]] && ln -sf "$NVRTC_SO" "$LIBS/libnvrtc.so"
 export LD_LIBRARY_PATH="$TORCH_DIR/lib:$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TRAINYARD_NCCL_LIBRARY="$NV/nccl/lib/libnccl.so.2"
