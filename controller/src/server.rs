@@ -175,3 +175,37 @@ fn serve_http(
         }),
     })
 }
+
+/// Raises this process's open-file limit to its hard limit: every agent holds a connection, and
+/// a fleet of 1,000 hosts with `ctl` clients, the web view and the database pool is past the
+/// 1,024 many systems give a process by default. Returns (before, after).
+pub fn raise_open_file_limit() -> std::io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit of this process with a valid struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let before = lim.rlim_cur as u64;
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: as above; the soft limit is raised to the hard limit, which needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok((before, lim.rlim_cur as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_open_file_limit_is_raised_to_the_hard_limit() {
+        let (before, after) = super::raise_open_file_limit().expect("getrlimit works");
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit of this process with a valid struct.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+        assert!(after >= before);
+        assert_eq!(lim.rlim_cur as u64, after);
+        assert_eq!(lim.rlim_cur, lim.rlim_max, "the soft limit is the hard limit now");
+    }
+}

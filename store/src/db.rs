@@ -27,6 +27,8 @@ pub struct SqlStore {
     fence: std::sync::Arc<std::sync::RwLock<Option<crate::Fence>>>,
     /// Notified when a leader's write is refused by its fence ([`crate::LeaseStore::fenced`]).
     fenced: std::sync::Arc<tokio::sync::Notify>,
+    /// Receipt batches waiting to be written together ([`crate::receipts`]).
+    pub(crate) receipt_group: std::sync::Arc<crate::receipts::Group>,
 }
 
 #[derive(Debug, Clone)]
@@ -68,7 +70,12 @@ impl SqlStore {
     }
 
     fn of(backend: Backend) -> SqlStore {
-        SqlStore { backend, fence: Default::default(), fenced: Default::default() }
+        SqlStore {
+            backend,
+            fence: Default::default(),
+            fenced: Default::default(),
+            receipt_group: Default::default(),
+        }
     }
 
     /// [`crate::LeaseStore::set_fence`].
@@ -125,23 +132,42 @@ impl SqlStore {
         op: &'static str,
         body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
     ) -> Result<T> {
+        self.write_with(op, false, body).await
+    }
+
+    /// [`SqlStore::write`] for receipt batches: on PostgreSQL the receipts lock is taken first,
+    /// then the fence is checked (see `postgres::lock_receipts`).
+    pub(crate) async fn write_receipts<T>(
+        &self,
+        op: &'static str,
+        body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
+    ) -> Result<T> {
+        self.write_with(op, true, body).await
+    }
+
+    async fn write_with<T>(
+        &self,
+        op: &'static str,
+        receipts_lock: bool,
+        body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
+    ) -> Result<T> {
         let fence = self.fence.read().unwrap_or_else(|e| e.into_inner()).clone();
-        match fence {
-            None => self.run(op, Mode::Write, body).await,
-            Some(fence) => {
-                let leads = fence.epoch > 0;
-                let result = self
-                    .run(op, Mode::Write, async move |c: &mut Conn<'_>| {
-                        crate::lease::check_fence(c, &fence).await?;
-                        body(c).await
-                    })
-                    .await;
-                if leads && matches!(result, Err(crate::StoreError::Fenced(_))) {
-                    self.fenced.notify_one();
+        let leads = fence.as_ref().is_some_and(|f| f.epoch > 0);
+        let result = self
+            .run(op, Mode::Write, async move |c: &mut Conn<'_>| {
+                if let (true, Conn::Postgres(pg)) = (receipts_lock, &mut *c) {
+                    crate::postgres::lock_receipts(pg).await?;
                 }
-                result
-            }
+                if let Some(fence) = &fence {
+                    crate::lease::check_fence(c, fence).await?;
+                }
+                body(c).await
+            })
+            .await;
+        if leads && matches!(result, Err(crate::StoreError::Fenced(_))) {
+            self.fenced.notify_one();
         }
+        result
     }
 
     /// Runs `body` in one write transaction that is not fenced: the election itself.
@@ -150,7 +176,17 @@ impl SqlStore {
         op: &'static str,
         body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
     ) -> Result<T> {
-        self.run(op, Mode::Write, body).await
+        match &self.backend {
+            // On its own connections: see postgres::ELECTION_POOL_SIZE.
+            Backend::Postgres(p) => {
+                let started = std::time::Instant::now();
+                let result =
+                    p.election_transaction(op, body).instrument(tracing::debug_span!("store", op)).await;
+                crate::metrics::metrics().store_op(op, started.elapsed(), result.is_ok());
+                result
+            }
+            Backend::Sqlite(_) => self.run(op, Mode::Write, body).await,
+        }
     }
 
     /// The one helper every operation goes through: a span with the operation's label, one

@@ -68,7 +68,11 @@ fn now_ms(c: &Conn<'_>) -> &'static str {
 
 fn share_lock(c: &Conn<'_>) -> &'static str {
     match c {
-        Conn::Postgres(_) => " FOR SHARE",
+        // KEY SHARE: a takeover (`FOR UPDATE`, below) waits for every write that passed its
+        // fence, but the leader's renewal (an UPDATE of no key column) does not. Under `FOR
+        // SHARE` a stream of writes held the row share-locked without pause, the renewal
+        // queued behind them until the lease ran out, and leadership flapped under load.
+        Conn::Postgres(_) => " FOR KEY SHARE",
         Conn::Sqlite(_) => "",
     }
 }
@@ -123,6 +127,15 @@ impl LeaseStore for SqlStore {
         ttl_ms: i64,
     ) -> Result<Election> {
         self.elect("acquire_lease", async |c| {
+            // A lease another controller holds is read without a lock: a follower's attempt
+            // must not queue a `FOR UPDATE` on the row, behind the leader's writes and ahead of
+            // its renewal.
+            if let Some(l) = read_lease(c, "").await?
+                && l.holder != holder
+                && l.remaining_ms > 0
+            {
+                return Ok(Election::Following(l));
+            }
             // The row exists from the migration on (epoch 0, expired), so there is always a row
             // to lock: two controllers starting at once queue on it instead of racing an insert.
             let lock = match c {

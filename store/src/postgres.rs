@@ -38,10 +38,16 @@ const MAX_BACKOFF: Duration = Duration::from_secs(3);
 /// to differ from other users' advisory locks in the same database).
 const RECEIPTS_LOCK: i64 = 0x7472_6169_6e79_6172; // "trainyar"
 
-/// The PostgreSQL pool.
+/// Connections kept for the election alone (acquire, renew, resign the lease): a leader's
+/// renewal must never queue for a connection behind a flood of receipt batches, or the lease
+/// runs out under load and leadership flaps (1,000 agents flooding did exactly that).
+const ELECTION_POOL_SIZE: u32 = 2;
+
+/// The PostgreSQL pools: one for the store's work, one for the election.
 #[derive(Debug, Clone)]
 pub(crate) struct Postgres {
     pub(crate) pool: PgPool,
+    election: PgPool,
 }
 
 impl Postgres {
@@ -51,11 +57,15 @@ impl Postgres {
         let pool = PgPoolOptions::new()
             .max_connections(POOL_SIZE)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options.application_name("trainyard-controller"))
+            .connect_with(options.clone().application_name("trainyard-controller"))
             .await
             .map_err(classify)?;
         sqlx::migrate!("../migrations/postgres").run(&pool).await?;
-        Ok(Postgres { pool })
+        let election = PgPoolOptions::new()
+            .max_connections(ELECTION_POOL_SIZE)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(options.application_name("trainyard-controller-election"));
+        Ok(Postgres { pool, election })
     }
 
     /// One transaction around `body`, committed if it succeeds, rolled back (by drop) if it
@@ -66,11 +76,29 @@ impl Postgres {
         op: &'static str,
         body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
     ) -> Result<T> {
+        self.transaction_on(&self.pool, op, body).await
+    }
+
+    /// [`Postgres::transaction`] on the election's own connections.
+    pub(crate) async fn election_transaction<T>(
+        &self,
+        op: &'static str,
+        body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
+    ) -> Result<T> {
+        self.transaction_on(&self.election, op, body).await
+    }
+
+    async fn transaction_on<T>(
+        &self,
+        pool: &PgPool,
+        op: &'static str,
+        body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T> + Clone,
+    ) -> Result<T> {
         let mut pause = FIRST_BACKOFF;
         let mut tries = 0;
         loop {
             tries += 1;
-            match self.try_once(body.clone()).await {
+            match try_once(pool, body.clone()).await {
                 Err(StoreError::Database(e)) if tries < TRIES && retryable(&e) => {
                     tracing::warn!(op, tries, error = %e, "database transaction failed, trying again");
                     tokio::time::sleep(pause).await;
@@ -81,13 +109,21 @@ impl Postgres {
             }
         }
     }
+}
 
-    async fn try_once<T>(&self, body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T>) -> Result<T> {
-        let mut tx = self.pool.begin().await?;
-        let value = body(&mut Conn::Postgres(&mut tx)).await?;
-        tx.commit().await?;
-        Ok(value)
-    }
+async fn try_once<T>(pool: &PgPool, body: impl AsyncFnOnce(&mut Conn<'_>) -> Result<T>) -> Result<T> {
+    let mut tx = pool.begin().await?;
+    let value = body(&mut Conn::Postgres(&mut tx)).await?;
+    tx.commit().await?;
+    Ok(value)
+}
+
+/// Takes the receipts lock for the rest of the transaction: receipt writers commit one at a
+/// time (see [`insert_receipts`]). Taken before the fence check, so that writers waiting for it
+/// hold no lock on the lease row and a renewal waits for one batch at most.
+pub(crate) async fn lock_receipts(c: &mut PgConnection) -> Result<()> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RECEIPTS_LOCK).execute(&mut *c).await?;
+    Ok(())
 }
 
 /// The SQLSTATE of a database error, if the server sent one.
@@ -122,15 +158,14 @@ fn classify(e: sqlx::Error) -> StoreError {
     StoreError::Database(e)
 }
 
-/// Stores a receipt batch in one `UNNEST` insert under the receipts lock; returns how many
-/// rows were new.
+/// Stores a receipt batch in one `UNNEST` insert; the caller holds the receipts lock
+/// ([`lock_receipts`], taken by `SqlStore::write_receipts`). Returns how many rows were new.
 pub(crate) async fn insert_receipts(
     c: &mut PgConnection,
     receipts: &[NewReceipt],
     now_ms: i64,
 ) -> Result<u64> {
     let columns = ReceiptColumns::of(receipts)?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RECEIPTS_LOCK).execute(&mut *c).await?;
     let [t0, t1, t2, t3, t4, t5, t6, t7, t8] = &columns.times;
     let [b0, b1, b2] = &columns.bytes;
     let done = sqlx::query(

@@ -4,7 +4,9 @@ use async_trait::async_trait;
 
 use crate::rows::{self, int};
 use crate::sql::Conn;
-use crate::{JobId, NewReceipt, ReceiptStore, Result, SqlStore, StoredReceiptRecord, postgres, sqlite};
+use crate::{
+    JobId, NewReceipt, ReceiptStore, Result, SqlStore, StoreError, StoredReceiptRecord, postgres, sqlite,
+};
 
 #[async_trait]
 impl ReceiptStore for SqlStore {
@@ -12,12 +14,25 @@ impl ReceiptStore for SqlStore {
         if receipts.is_empty() {
             return Ok(0);
         }
-        // The hot path: each database gets the batch in the form it takes fastest.
-        self.write("insert_receipts", async |c| match c {
-            Conn::Sqlite(c) => sqlite::insert_receipts(c, receipts, now_ms).await,
-            Conn::Postgres(c) => postgres::insert_receipts(c, receipts, now_ms).await,
-        })
-        .await
+        let (done, mut answer) = tokio::sync::oneshot::channel();
+        self.receipt_group.queue().push(Pending { rows: receipts.to_vec(), now_ms, done });
+        loop {
+            tokio::select! {
+                biased;
+                result = &mut answer => {
+                    return result.unwrap_or_else(|_| Err(StoreError::Unavailable(
+                        "the receipt batch's writer stopped before it committed".into(),
+                    )));
+                }
+                writer = self.receipt_group.writer.lock() => {
+                    let group = std::mem::take(&mut *self.receipt_group.queue());
+                    if !group.is_empty() {
+                        self.write_group(group).await;
+                    }
+                    drop(writer);
+                }
+            }
+        }
     }
 
     async fn receipts_after(&self, job: JobId, after: u64, limit: u32) -> Result<Vec<StoredReceiptRecord>> {
@@ -92,5 +107,87 @@ impl ReceiptStore for SqlStore {
             Ok((row.num("receipts", "n")?, row.get("receipts", "newest")?))
         })
         .await
+    }
+}
+
+/// Group commit of receipt batches. Every agent's stream stores its batches in order, and a
+/// fleet of 1,000 agents sends thousands of small batches a second; one transaction each (a
+/// fence check, the receipts lock and a commit that waits for the disk) capped the fleet at a
+/// few thousand batches a second, and receipts queued for tens of seconds. Batches that arrive
+/// while one transaction commits wait together, and the next caller to take the writer's turn
+/// writes all of them in one transaction: one statement per batch (so each batch learns how
+/// many of its rows were new), one fence check, one commit.
+#[derive(Debug, Default)]
+pub(crate) struct Group {
+    queue: std::sync::Mutex<Vec<Pending>>,
+    /// Held by the caller that is writing a group.
+    writer: tokio::sync::Mutex<()>,
+}
+
+/// Rows in one group at most: a group's transaction stays short.
+const GROUP_ROWS: usize = 50_000;
+
+#[derive(Debug)]
+struct Pending {
+    rows: Vec<NewReceipt>,
+    now_ms: i64,
+    done: tokio::sync::oneshot::Sender<Result<u64>>,
+}
+
+impl Group {
+    fn queue(&self) -> std::sync::MutexGuard<'_, Vec<Pending>> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl SqlStore {
+    /// Writes `group` (in rounds of at most [`GROUP_ROWS`] rows) and answers every batch.
+    async fn write_group(&self, mut group: Vec<Pending>) {
+        while !group.is_empty() {
+            let mut rows = 0;
+            let take = group.iter().take_while(|p| {
+                rows += p.rows.len();
+                rows <= GROUP_ROWS || rows == p.rows.len()
+            });
+            let n = take.count().max(1);
+            let round: Vec<Pending> = group.drain(..n).collect();
+            let batches: Vec<(&[NewReceipt], i64)> =
+                round.iter().map(|p| (p.rows.as_slice(), p.now_ms)).collect();
+            // The hot path: each database gets each batch in the form it takes fastest.
+            let result = self
+                .write_receipts("insert_receipts", async |c| {
+                    let mut counts = Vec::with_capacity(batches.len());
+                    for (rows, now_ms) in &batches {
+                        counts.push(match c {
+                            Conn::Sqlite(c) => sqlite::insert_receipts(c, rows, *now_ms).await?,
+                            Conn::Postgres(c) => postgres::insert_receipts(c, rows, *now_ms).await?,
+                        });
+                    }
+                    Ok(counts)
+                })
+                .await;
+            match result {
+                Ok(counts) => {
+                    for (p, n) in round.into_iter().zip(counts) {
+                        let _ = p.done.send(Ok(n));
+                    }
+                }
+                Err(e) => {
+                    for p in round {
+                        let _ = p.done.send(Err(copy_error(&e)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The same error for every batch of a failed group: the fence keeps its kind (the core steps
+/// down on it), anything else says what the database said.
+fn copy_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Fenced(m) => StoreError::Fenced(m.clone()),
+        StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
+        other => StoreError::Unavailable(other.to_string()),
     }
 }

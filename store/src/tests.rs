@@ -15,7 +15,7 @@ use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
 /// Opens a backend's store; `open` called twice opens the same database (restart tests).
 pub trait Harness: Sized {
-    type S: Store;
+    type S: Store + Clone + 'static;
     async fn new() -> Self;
     async fn open(&self) -> Self::S;
 }
@@ -33,6 +33,7 @@ macro_rules! store_suite {
             agents_upsert_with_gpus,
             snapshot_after_reopen,
             receipts_dedup,
+            concurrent_batches_commit_together_and_each_learns_its_count,
             receipts_after_pages_by_cursor,
             last_seqs_and_counts,
             preflight_round_trip_with_checks_in_order,
@@ -646,6 +647,32 @@ pub mod suite {
         // The same seq in another attempt is another receipt.
         let next = receipts(RankId { job_id: j.id, attempt: 1, rank: 0 }, 0, 7);
         assert_eq!(s.insert_receipts(&next, 14).await.unwrap(), 7);
+    }
+
+    /// Group commit: 40 streams storing at once, each batch half replayed, each learns
+    /// exactly how many of its own rows were new, and every row is stored once.
+    pub async fn concurrent_batches_commit_together_and_each_learns_its_count(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("group", 40), None, "submitted", 1).await.unwrap();
+        let mut tasks = Vec::new();
+        for rank in 0..40u32 {
+            let s = s.clone();
+            tasks.push(tokio::spawn(async move {
+                let id = RankId { job_id: j.id, attempt: 0, rank };
+                let mut counts = Vec::new();
+                for round in 0..5u64 {
+                    // Rows round*100 .. round*100+200: the first half repeats the last round.
+                    let first = round.saturating_sub(1) * 100;
+                    let n = if round == 0 { 100 } else { 200 };
+                    counts.push(s.insert_receipts(&receipts(id, first, n), 10 + round as i64).await.unwrap());
+                }
+                counts
+            }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), vec![100, 100, 100, 100, 100]);
+        }
+        assert_eq!(s.receipt_count(j.id).await.unwrap(), 40 * 500);
     }
 
     pub async fn step_rollups_fold_each_receipt_once(h: &impl Harness) {

@@ -317,6 +317,11 @@ async fn open_store(cli: &Cli) -> anyhow::Result<SqlStore> {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    match trainyard_controller::server::raise_open_file_limit() {
+        Ok((before, after)) if after > before => tracing::info!(before, after, "raised the open-file limit"),
+        Ok((_, limit)) => tracing::info!(limit, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "could not read or raise the open-file limit"),
+    }
     let security = security(&cli)?;
     let store = open_store(&cli).await?;
     // Held for the process's life: a second controller on the same SQLite file refuses to start.
