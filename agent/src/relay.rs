@@ -120,8 +120,12 @@ async fn relay(
     telemetry: &crate::telemetry::Telemetry,
     shutdown: impl Future,
 ) -> anyhow::Result<()> {
-    let mut urls = controller_urls(&config.controller)?;
-    let mut endpoints = urls.iter().map(|url| endpoint(url, config)).collect::<anyhow::Result<Vec<_>>>()?;
+    let dials = resolve_controllers(controller_urls(&config.controller)?).await;
+    let mut urls: Vec<String> = dials.iter().map(|(url, _)| url.clone()).collect();
+    let mut endpoints = dials
+        .iter()
+        .map(|(url, name)| endpoint(url, config, name.as_deref()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let mut at = 0;
 
     tokio::pin!(shutdown);
@@ -227,7 +231,7 @@ fn redirect(
         }
         Some(i) => i,
         None if urls.len() < MAX_CONTROLLER_URLS => {
-            endpoints.push(endpoint(&leader_url, config)?);
+            endpoints.push(endpoint(&leader_url, config, None)?);
             urls.push(leader_url);
             urls.len() - 1
         }
@@ -320,9 +324,40 @@ pub fn controller_urls(text: &str) -> anyhow::Result<Vec<String>> {
     Ok(urls)
 }
 
+/// `--controller`'s URLs with each DNS name expanded into every address it resolves to (one
+/// name for a whole controller group), each with the name TLS checks the certificate against.
+/// A name that does not resolve now is kept as it is: the dialer resolves it when it dials.
+pub async fn resolve_controllers(urls: Vec<String>) -> Vec<(String, Option<String>)> {
+    let mut out = Vec::new();
+    for url in urls {
+        let Some((host, port)) = trainyard_proto::contract::dns_name(&url) else {
+            out.push((url, None));
+            continue;
+        };
+        let addrs: Vec<std::net::SocketAddr> = match tokio::net::lookup_host((host, port)).await {
+            Ok(addrs) => addrs.collect(),
+            Err(e) => {
+                warn!(controller = %url, error = %e, "cannot resolve the controller's name now; dialing it by name");
+                Vec::new()
+            }
+        };
+        let expanded = trainyard_proto::contract::expand_url(&url, &addrs);
+        if expanded.is_empty() {
+            out.push((url, None));
+            continue;
+        }
+        if expanded.len() > 1 {
+            info!(controller = %url, addresses = ?expanded, "the controller name resolves to several addresses: dialing each in turn");
+        }
+        out.extend(expanded.into_iter().map(|u| (u, Some(host.to_string()))));
+    }
+    out
+}
+
 /// A controller's endpoint, with TLS when the agent has its files (an `https` URL without
-/// them is an error).
-fn endpoint(url: &str, config: &AgentConfig) -> anyhow::Result<Endpoint> {
+/// them is an error); `name` is the host name the certificate must carry when the URL holds
+/// an address the name resolved to.
+fn endpoint(url: &str, config: &AgentConfig, name: Option<&str>) -> anyhow::Result<Endpoint> {
     // HTTP/2 pings find a controller that stopped answering although its socket stays open (a
     // frozen process, a partition that drops packets): the stream ends and the agent dials the
     // next controller instead of waiting on it.
@@ -334,7 +369,14 @@ fn endpoint(url: &str, config: &AgentConfig) -> anyhow::Result<Endpoint> {
         .keep_alive_while_idle(true)
         .tcp_nodelay(true);
     match &config.tls {
-        Some(files) => endpoint.tls_config(client_tls(files)?).context("configure TLS"),
+        Some(files) => {
+            let tls = client_tls(files)?;
+            let tls = match name {
+                Some(name) => tls.domain_name(name),
+                None => tls,
+            };
+            endpoint.tls_config(tls).context("configure TLS")
+        }
         None if url.starts_with("https://") => {
             anyhow::bail!("the controller URL {url} is https but no --tls-dir was given")
         }
@@ -399,6 +441,24 @@ fn jitter() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The real resolver: `localhost` becomes each address it has here (127.0.0.1 at least),
+    /// each dialed with the name TLS checks; an address stays as it is.
+    #[tokio::test]
+    async fn a_controller_name_is_dialed_at_each_of_its_addresses() {
+        let dials =
+            resolve_controllers(vec!["https://localhost:7070".into(), "http://10.1.2.3:7070".into()]).await;
+        let (named, plain): (Vec<_>, Vec<_>) = dials.iter().partition(|(_, name)| name.is_some());
+        assert!(named.iter().any(|(u, _)| u == "https://127.0.0.1:7070"), "{dials:?}");
+        assert!(
+            named.iter().all(|(u, n)| u.starts_with("https://") && n.as_deref() == Some("localhost")),
+            "{dials:?}"
+        );
+        assert_eq!(plain, vec![&("http://10.1.2.3:7070".to_string(), None)]);
+        // A name that does not resolve is kept for the dialer (and its error).
+        let kept = resolve_controllers(vec!["http://no-such-host.invalid:7070".into()]).await;
+        assert_eq!(kept, vec![("http://no-such-host.invalid:7070".to_string(), None)]);
+    }
 
     #[test]
     fn a_leader_named_by_a_follower_gets_the_followers_scheme() {

@@ -185,7 +185,7 @@ pub fn raise_open_file_limit() -> std::io::Result<(u64, u64)> {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let before = lim.rlim_cur as u64;
+    let before = lim.rlim_cur;
     if lim.rlim_cur < lim.rlim_max {
         lim.rlim_cur = lim.rlim_max;
         // SAFETY: as above; the soft limit is raised to the hard limit, which needs no privilege.
@@ -193,7 +193,7 @@ pub fn raise_open_file_limit() -> std::io::Result<(u64, u64)> {
             return Err(std::io::Error::last_os_error());
         }
     }
-    Ok((before, lim.rlim_cur as u64))
+    Ok((before, lim.rlim_cur))
 }
 
 #[cfg(test)]
@@ -205,7 +205,7 @@ mod tests {
         // SAFETY: getrlimit of this process with a valid struct.
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
         assert!(after >= before);
-        assert_eq!(lim.rlim_cur as u64, after);
+        assert_eq!(lim.rlim_cur, after);
         assert_eq!(lim.rlim_cur, lim.rlim_max, "the soft limit is the hard limit now");
     }
 }

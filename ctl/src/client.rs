@@ -71,15 +71,43 @@ impl Interceptor for Bearer {
 /// with the "cannot reach" message when nobody answers.
 pub async fn connect(urls: &str, credentials: &Credentials) -> anyhow::Result<Controller> {
     let list: Vec<&str> = urls.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
-    let Some((last, first)) = list.split_last() else {
+    if list.is_empty() {
         anyhow::bail!("--controller {urls:?} names no URL");
-    };
-    for url in first {
-        if let Ok(controller) = connect_one(url, credentials).await {
+    }
+    let dials = resolve(&list).await;
+    let (last, first) = dials.split_last().expect("one per URL at least");
+    for (url, name) in first {
+        if let Ok(controller) = connect_one(url, name.as_deref(), credentials).await {
             return Ok(controller);
         }
     }
-    connect_one(last, credentials).await
+    connect_one(&last.0, last.1.as_deref(), credentials).await
+}
+
+/// Each URL whose host is a DNS name expanded into every address the name resolves to (one
+/// name for a whole controller group), with the name TLS checks; a name that does not resolve
+/// is kept, so the error names it.
+async fn resolve(urls: &[&str]) -> Vec<(String, Option<String>)> {
+    let mut out = Vec::new();
+    for url in urls {
+        let expanded = match trainyard_proto::contract::dns_name(url) {
+            Some((host, port)) => match tokio::net::lookup_host((host, port)).await {
+                Ok(addrs) => {
+                    let addrs: Vec<std::net::SocketAddr> = addrs.collect();
+                    let urls = trainyard_proto::contract::expand_url(url, &addrs);
+                    urls.into_iter().map(|u| (u, Some(host.to_string()))).collect()
+                }
+                Err(_) => Vec::new(),
+            },
+            None => Vec::new(),
+        };
+        if expanded.is_empty() {
+            out.push((url.to_string(), None));
+        } else {
+            out.extend(expanded);
+        }
+    }
+    out
 }
 
 /// Connects to the controller that leads `urls`' group, for a call that writes: the first
@@ -102,12 +130,14 @@ pub async fn connect_leader(urls: &str, credentials: &Credentials) -> anyhow::Re
         );
     }
     let url = trainyard_proto::contract::leader_url(&ctl.url, &reply.leader_address);
-    connect_one(&url, credentials).await.with_context(|| {
+    connect_one(&url, None, credentials).await.with_context(|| {
         format!("the controller at {} follows; it names the leader {} at {url}", ctl.url, reply.leader_id)
     })
 }
 
-async fn connect_one(url: &str, credentials: &Credentials) -> anyhow::Result<Controller> {
+/// Connects to `url`; `name` is the host name the certificate must carry when the URL holds an
+/// address a name resolved to.
+async fn connect_one(url: &str, name: Option<&str>, credentials: &Credentials) -> anyhow::Result<Controller> {
     let mut endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| anyhow!("invalid controller URL {url:?}: {e} (expected e.g. http://127.0.0.1:7070)"))?
         .connect_timeout(Duration::from_secs(5));
@@ -116,9 +146,12 @@ async fn connect_one(url: &str, credentials: &Credentials) -> anyhow::Result<Con
             "an https:// controller needs the CA of its certificate: --ca FILE or TRAINYARD_CA (init-pki's ca.pem)",
         )?;
         let pem = std::fs::read(ca).with_context(|| format!("read the CA {}", ca.display()))?;
-        endpoint = endpoint
-            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))
-            .context("configure TLS")?;
+        let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem));
+        let tls = match name {
+            Some(name) => tls.domain_name(name),
+            None => tls,
+        };
+        endpoint = endpoint.tls_config(tls).context("configure TLS")?;
     }
     let bearer = match &credentials.token {
         Some(token) => Some(
@@ -216,6 +249,21 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The real resolver, as the agent's: a name becomes each of its addresses with the name
+    /// TLS checks; an address or an unknown name stays.
+    #[tokio::test]
+    async fn a_controller_name_is_tried_at_each_of_its_addresses() {
+        let dials =
+            resolve(&["https://localhost:7070", "http://10.1.2.3:7070", "http://no-such-host.invalid:1"])
+                .await;
+        assert!(
+            dials.iter().any(|(u, n)| u == "https://127.0.0.1:7070" && n.as_deref() == Some("localhost")),
+            "{dials:?}"
+        );
+        assert!(dials.contains(&("http://10.1.2.3:7070".to_string(), None)), "{dials:?}");
+        assert_eq!(dials.last(), Some(&("http://no-such-host.invalid:1".to_string(), None)));
+    }
 
     const URL: &str = "http://127.0.0.1:7070";
 

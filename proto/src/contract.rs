@@ -14,6 +14,37 @@ pub fn leader_url(follower_url: &str, address: &str) -> String {
     format!("{scheme}://{}", address.trim_end_matches('/'))
 }
 
+/// A controller URL's host and port when the host is a name to resolve (not an IP literal) and
+/// the port is explicit: `https://controllers.example:7070` gives `("controllers.example",
+/// 7070)`. Such a name may stand for every controller of a group.
+pub fn dns_name(url: &str) -> Option<(&str, u16)> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next()?;
+    if authority.starts_with('[') {
+        return None;
+    }
+    let (host, port) = authority.rsplit_once(':')?;
+    if host.is_empty() || host.parse::<std::net::IpAddr>().is_ok() {
+        return None;
+    }
+    Some((host, port.parse().ok()?))
+}
+
+/// The URLs to dial for `url` whose name resolved to `addrs`: one per distinct address, in the
+/// URL's scheme (IPv6 in brackets). A TLS client keeps checking the certificate against the
+/// name (the controller's certificate names it, not each address).
+pub fn expand_url(url: &str, addrs: &[std::net::SocketAddr]) -> Vec<String> {
+    let scheme = url.split_once("://").map_or("http", |(s, _)| s);
+    let mut out: Vec<String> = Vec::new();
+    for a in addrs {
+        let u = format!("{scheme}://{a}");
+        if !out.contains(&u) {
+            out.push(u);
+        }
+    }
+    out
+}
+
 /// Variables trainyard sets for every rank (torchrun's, then trainyard's own); a job's
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
 /// when the rank is pinned, `CUDA_VISIBLE_DEVICES` only when the job holds part of a host.

@@ -235,8 +235,11 @@ struct Soak {
     started_ms: i64,
     samples: Vec<String>,
     submitted: u64,
-    outcomes: Vec<(f64, Option<String>)>,
+    outcomes: Vec<Outcome>,
 }
+
+/// One submit call: how long it took (ms), and its error if it failed.
+type Outcome = (f64, Option<String>);
 
 fn soak(
     c: &Cluster,
@@ -249,7 +252,7 @@ fn soak(
     let (mut url, mut http_addr, mut leader) = self::leader(c, b);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     // (milliseconds, error) of every submit.
-    let outcomes: Arc<std::sync::Mutex<Vec<(f64, Option<String>)>>> = Arc::default();
+    let outcomes: Arc<std::sync::Mutex<Vec<Outcome>>> = Arc::default();
     let mut seen_failures = 0;
     let started = Instant::now();
     let started_ms = now_ms();
