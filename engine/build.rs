@@ -79,6 +79,7 @@ fn build_gpu_memory_shim() {
     // The wheel's headers as system headers: their own warnings are not ours to print.
     println!("cargo:rerun-if-changed=csrc/fused_adamw.cpp");
     println!("cargo:rerun-if-changed=csrc/window_attention.cpp");
+    println!("cargo:rerun-if-changed=csrc/ffi_error.h");
     cc::Build::new()
         .cpp(true)
         .file("csrc/gpu_memory.cpp")

@@ -15,6 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adamw.h>
 
+#include "ffi_error.h"
+
 namespace {
 
 std::vector<at::Tensor> list(const void* const* handles, size_t n) {
@@ -39,10 +41,6 @@ extern "C" int trainyard_fused_adamw(const void* const* params, const void* cons
                           /*amsgrad=*/false, /*maximize=*/false);
         return 0;
     } catch (const std::exception& e) {
-        if (error != nullptr && error_len > 0) {
-            std::strncpy(error, e.what(), error_len - 1);
-            error[error_len - 1] = '\0';
-        }
-        return 1;
+        return trainyard_ffi_error(e, error, error_len);
     }
 }

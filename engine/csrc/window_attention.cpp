@@ -15,6 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_flash_attention_forward.h>
 
+#include "ffi_error.h"
+
 extern "C" int trainyard_window_attention(const void* q, const void* k, const void* v,
                                           int64_t window_left, void** out, char* error,
                                           size_t error_len) {
@@ -31,10 +33,6 @@ extern "C" int trainyard_window_attention(const void* q, const void* k, const vo
         *out = new at::Tensor(std::get<0>(result));
         return 0;
     } catch (const std::exception& e) {
-        if (error != nullptr && error_len > 0) {
-            std::strncpy(error, e.what(), error_len - 1);
-            error[error_len - 1] = '\0';
-        }
-        return 1;
+        return trainyard_ffi_error(e, error, error_len);
     }
 }
