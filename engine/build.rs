@@ -11,7 +11,9 @@
 //!    allocator's statistics, which tch does not expose (see `src/gpu_memory.rs`); and
 //!    `csrc/fused_adamw.cpp`, libtorch's fused AdamW kernel, which tch does not bind either
 //!    (see `src/fused_adamw.rs`); and `csrc/window_attention.cpp`, FlashAttention with a
-//!    sliding window (see `src/attention.rs`). Compiled
+//!    sliding window (see `src/attention.rs`); and `csrc/profiler.cpp`, libtorch's Kineto
+//!    profiler (see `src/profiler.rs`); and `csrc/custom_op.cpp`, a libtorch autograd Function
+//!    whose forward and backward call back into the engine (see `src/custom_op.rs`). Compiled
 //!    against the wheel's c10 headers only (no CUDA toolkit headers: the wheel lacks
 //!    `crt/host_config.h`), linked against the wheel's `libc10` and, when present,
 //!    `libc10_cuda` (whose static initialiser registers the CUDA allocator). About a second.
@@ -80,11 +82,15 @@ fn build_gpu_memory_shim() {
     println!("cargo:rerun-if-changed=csrc/fused_adamw.cpp");
     println!("cargo:rerun-if-changed=csrc/window_attention.cpp");
     println!("cargo:rerun-if-changed=csrc/ffi_error.h");
+    println!("cargo:rerun-if-changed=csrc/profiler.cpp");
+    println!("cargo:rerun-if-changed=csrc/custom_op.cpp");
     cc::Build::new()
         .cpp(true)
         .file("csrc/gpu_memory.cpp")
         .file("csrc/fused_adamw.cpp")
         .file("csrc/window_attention.cpp")
+        .file("csrc/profiler.cpp")
+        .file("csrc/custom_op.cpp")
         .std("c++17")
         .flag("-isystem")
         .flag(include.to_str().expect("utf-8 libtorch path"))

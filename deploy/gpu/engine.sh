@@ -7,8 +7,10 @@
 #
 # BIN_DIR holds a release trainyard-engine; each TEST_BINARY (a `cargo test --release --no-run`
 # binary of the engine) is run whole, its output in RESULTS_DIR/gpu-tests.log. BENCH_ARGS are
-# passed to engine_bench.py (e.g. "--rounds 1 --skip d20"). PROFILE=1 then profiles a d12 step of
-# eager and compiled PyTorch (deploy/gpu/profile_ref.py) into RESULTS_DIR/profile-*.txt.
+# passed to engine_bench.py (e.g. "--rounds 1 --skip d20"). PROFILE=1 then profiles d12 steps of
+# the engine (--profile-steps) and of eager and compiled PyTorch (deploy/gpu/profile_ref.py), and
+# sums each trace the same way (deploy/gpu/trace_table.py) into RESULTS_DIR/profile-*.txt;
+# PROFILE_MODES picks the PyTorch modes (default "eager compile"; "none" for the engine alone).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -41,13 +43,23 @@ done
 # shellcheck disable=SC2086
 "$PY" deploy/gpu/engine_bench.py --bin "$BIN" --work "$WORK" "$RES" ${BENCH_ARGS:-}
 if [[ "${PROFILE:-0}" == 1 && -e "$WORK/init-d12.safetensors" ]]; then
-    for mode in eager compile; do
+    echo "profile: d12 engine, steps 6-9"
+    TRAINYARD_RECEIPTS="$WORK/profile-engine.jsonl" "$BIN/trainyard-engine" train --device cuda \
+        --preset d12 --vocab-size 50257 --train "$WORK/shards/train_000000.bin" --seq-len 2048 \
+        --device-batch-size 16 --total-batch-size 32768 --num-iterations 9 --warmup-steps 5 \
+        --init-weights "$WORK/init-d12.safetensors" ${PROFILE_ENGINE_ARGS:-} \
+        --profile-steps 6-9 --profile-out "$WORK/trace-engine.json" >"$RES/profile-engine.log" 2>&1
+    "$PY" deploy/gpu/trace_table.py "$WORK/trace-engine.json" 4 >"$RES/profile-engine.txt" 2>&1
+    head -n 30 "$RES/profile-engine.txt" | cut -c1-160
+    for mode in ${PROFILE_MODES:-eager compile}; do
+        [[ $mode == none ]] && continue
         echo "profile: d12 $mode"
         flag=(); [[ $mode == compile ]] && flag=(--compile)
-        "$PY" deploy/gpu/profile_ref.py -- --device cuda "${flag[@]}" --weights "$WORK/init-d12.safetensors" \
-            --depth 12 --train "$WORK/shards/train_000000.bin" --seq-len 2048 --device-batch-size 16 \
-            --total-batch-size 32768 --num-iterations 8 --warmup-steps 5 \
-            >"$RES/profile-$mode.json" 2>"$RES/profile-$mode.txt"
-        grep -A 14 "profiled steps" "$RES/profile-$mode.txt" | cut -c1-160
+        "$PY" deploy/gpu/profile_ref.py --trace "$WORK/trace-$mode.json" -- --device cuda "${flag[@]}" \
+            --weights "$WORK/init-d12.safetensors" --depth 12 --train "$WORK/shards/train_000000.bin" \
+            --seq-len 2048 --device-batch-size 16 --total-batch-size 32768 --num-iterations 8 \
+            --warmup-steps 5 >"$RES/profile-$mode.json" 2>"$RES/profile-$mode.log"
+        "$PY" deploy/gpu/trace_table.py "$WORK/trace-$mode.json" 4 >"$RES/profile-$mode.txt" 2>&1
+        head -n 30 "$RES/profile-$mode.txt" | cut -c1-160
     done
 fi

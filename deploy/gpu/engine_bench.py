@@ -69,6 +69,7 @@ def run_engine(a, res, tag, depth, batch, shards, init, extra, export=False):
         "peak_flops": steps[-1].get("mfu_peak_flops"),
         "device": launch["device"],
         "loss_kernel": launch.get("loss_kernel"),
+        "block_kernels": launch.get("block_kernels"),
         "fwd_bwd_ms": statistics.median(s["fwd_bwd_ms"] for s in steps[FIRST:]),
         "optimizer_ms": statistics.median(s.get("optimizer_ms", float("nan")) for s in steps[FIRST:]),
     }
@@ -112,7 +113,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--work", type=Path, help="where shards and initial weights go (default: a new temporary directory)")
-    ap.add_argument("--skip", default="", help="space-separated: eager unfused sssl d20 startup")
+    ap.add_argument("--skip", default="", help="comma- or space-separated: eager unfused blocks sssl d20 startup")
     ap.add_argument("--lr-scale", type=float, default=None,
                     help="LR multiplier of every run (default: nanochat's sqrt(batch / 2^19), whose "
                          "first steps are stable enough to compare losses; 1 diverges chaotically)")
@@ -121,7 +122,7 @@ def main():
     a.bin = a.bin.resolve()
     res = a.results.resolve()
     res.mkdir(parents=True, exist_ok=True)
-    skip = set(a.skip.split())
+    skip = set(a.skip.replace(",", " ").split())
     work = a.work.resolve() if a.work else Path(tempfile.mkdtemp())
     work.mkdir(parents=True, exist_ok=True)
     subprocess.run([str(a.bin / "trainyard-engine"), "tokenize", "--out", str(work / "shards"),
@@ -140,6 +141,8 @@ def main():
         once["eager"] = run_reference(a, res, "d12-eager", 12, 16, shards, init, False)
     if "unfused" not in skip:
         once["engine_unfused_loss"] = run_engine(a, res, "d12-unfused", 12, 16, shards, init, ["--unfused-loss"])
+    if "blocks" not in skip:
+        once["engine_unfused_blocks"] = run_engine(a, res, "d12-unfused-blocks", 12, 16, shards, init, ["--unfused-blocks"])
     if "sssl" not in skip:
         once["engine_sssl"] = run_engine(a, res, "d12-sssl", 12, 16, shards, init, ["--window-pattern", "SSSL"])
     if "startup" not in skip:
@@ -194,12 +197,17 @@ def summarize(res, eng, comp, once, d20):
         print(f"  losses, first {n} steps, max relative difference vs compile: {out['loss_max_rel_diff_first20_vs_compile']:.3g}")
         print(f"  peak allocated: engine {e['peak_allocated_bytes'] / 2**30:.1f} GiB, compile {(c['peak_allocated_bytes'] or 0) / 2**30:.1f} GiB")
         print(f"  loss kernel: {e['loss_kernel']}; fwd+bwd {e['fwd_bwd_ms']:.1f} ms, optimizer {e['optimizer_ms']:.1f} ms")
+        print(f"  block kernels: {e.get('block_kernels')}")
     for k, r in once.items():
         if k.startswith("startup") and r:
             print(f"  start-up ({k}, no weights file): process start to launch receipt {r['startup_to_launch_s']:.2f} s, "
                   f"to the end of step 1 {r['startup_to_step1_s']:.2f} s")
     if once.get("eager") and e:
         out["ratio_vs_eager"] = once["eager"]["step_ms"] / e["step_ms"]
+        n = min(20, len(e["losses"]), len(once["eager"]["losses"]))
+        out["loss_max_rel_diff_first20_vs_eager"] = max(
+            abs(x - y) / abs(y) for x, y in zip(e["losses"][:n], once["eager"]["losses"][:n]))
+        print(f"  losses, first {n} steps, max relative difference vs eager: {out['loss_max_rel_diff_first20_vs_eager']:.3g}")
         print(f"  tokens/s ratio engine / eager: {out['ratio_vs_eager']:.3f}")
     if d20.get("engine") and d20.get("eager"):
         out["d20_ratio_vs_eager"] = d20["eager"]["step_ms"] / d20["engine"]["step_ms"]

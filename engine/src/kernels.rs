@@ -17,15 +17,9 @@ use anyhow::{Context, Result, anyhow, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
-/// The soft-capped cross-entropy of one row of bf16 logits per block, forward and backward in
-/// one kernel: it reads the row twice (the sum of `exp(z - cap)`, where `z = cap * tanh(x /
-/// cap)` is at most `cap`, so no running maximum is needed; then the gradient) and overwrites
-/// it with `dL/dx = (softmax(z) - onehot(t)) * (1 - (z/cap)^2) * scale` in bf16. Intermediates
-/// are fp32, as `torch.compile`'s fused kernels keep them. A negative target is ignored: loss 0,
-/// gradient 0. Rows are `stride` apart; the columns from `vocab` to `stride` (the padding that
-/// keeps rows 16-byte aligned for the tensor cores) are not logits and get gradient 0. bf16 is
-/// handled as raw bits (no CUDA headers needed by NVRTC).
-const SOFTCAP_XENT: &str = r#"
+/// What every kernel source shares: bf16 as raw bits (no CUDA headers needed by NVRTC) and
+/// sums over a warp and over a block.
+const PRELUDE: &str = r#"
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
 }
@@ -34,6 +28,10 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
 }
 __device__ float block_sum(float v, float* buf) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -48,6 +46,17 @@ __device__ float block_sum(float v, float* buf) {
     __syncthreads();
     return buf[32];
 }
+"#;
+
+/// The soft-capped cross-entropy of one row of bf16 logits per block, forward and backward in
+/// one kernel: it reads the row twice (the sum of `exp(z - cap)`, where `z = cap * tanh(x /
+/// cap)` is at most `cap`, so no running maximum is needed; then the gradient) and overwrites
+/// it with `dL/dx = (softmax(z) - onehot(t)) * (1 - (z/cap)^2) * scale` in bf16. Intermediates
+/// are fp32, as `torch.compile`'s fused kernels keep them. A negative target is ignored: loss 0,
+/// gradient 0. Rows are `stride` apart; the columns from `vocab` to `stride` (the padding that
+/// keeps rows 16-byte aligned for the tensor cores) are not logits and get gradient 0. bf16 is
+/// handled as raw bits ([`PRELUDE`]).
+const SOFTCAP_XENT: &str = r#"
 extern "C" __global__ void softcap_xent(unsigned short* logits, const long long* targets,
                                         float* row_loss, const float* scale_ptr, int vocab,
                                         int stride, float cap) {
@@ -87,9 +96,25 @@ pub fn launches() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)
 }
 
+/// Every kernel's source, as one NVRTC program.
+fn source() -> String {
+    [PRELUDE, SOFTCAP_XENT, crate::block_kernels::SOURCE].concat()
+}
+
+/// The kernels' entry points (each `extern "C" __global__` in [`source`]).
+const ENTRIES: [&str; 7] = [
+    "softcap_xent",
+    "rope_norm_fwd",
+    "rope_norm_bwd",
+    "relu_square_fwd",
+    "relu_square_bwd",
+    "resid_mix_fwd",
+    "resid_mix_bwd",
+];
+
 struct Loaded {
     stream: Arc<CudaStream>,
-    softcap_xent: CudaFunction,
+    functions: BTreeMap<&'static str, CudaFunction>,
 }
 
 // cudarc's handles are plain pointers into the driver; the driver API is thread-safe.
@@ -196,11 +221,29 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 fn compile(gpu: usize) -> Result<Loaded> {
-    let ptx = cached_ptx(SOFTCAP_XENT, cache_dir().as_deref())?;
+    let ptx = cached_ptx(&source(), cache_dir().as_deref())?;
     let ctx = CudaContext::new(gpu).with_context(|| format!("CUDA context of GPU {gpu}"))?;
     let module = ctx.load_module(ptx).context("load the NVRTC-compiled kernels")?;
-    let softcap_xent = module.load_function("softcap_xent").context("kernel softcap_xent")?;
-    Ok(Loaded { stream: ctx.default_stream(), softcap_xent })
+    let mut functions = BTreeMap::new();
+    for name in ENTRIES {
+        functions.insert(name, module.load_function(name).with_context(|| format!("kernel {name}"))?);
+    }
+    Ok(Loaded { stream: ctx.default_stream(), functions })
+}
+
+/// Runs `f` with the stream and the kernel `name` of GPU `gpu` (compiled on first use), and
+/// counts a launch when it succeeds.
+pub(crate) fn with_kernel<R>(
+    gpu: usize,
+    name: &str,
+    f: impl FnOnce(&CudaStream, &CudaFunction) -> Result<R>,
+) -> Result<R> {
+    let k = loaded(gpu)?;
+    let k = k.lock().map_err(|_| anyhow!("kernel handle poisoned"))?;
+    let func = k.functions.get(name).ok_or_else(|| anyhow!("no kernel {name}"))?;
+    let r = f(&k.stream, func).with_context(|| format!("launch {name}"))?;
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    Ok(r)
 }
 
 /// Whether our kernels can run on `device` (a CUDA device whose NVRTC loads); the reason when
@@ -247,8 +290,6 @@ pub fn softcap_xent(
     if rows == 0 {
         return Ok(loss);
     }
-    let k = loaded(gpu)?;
-    let k = k.lock().map_err(|_| anyhow!("kernel handle poisoned"))?;
     let (x, t, l, s) = (
         logits.data_ptr() as u64,
         targets.data_ptr() as u64,
@@ -257,13 +298,15 @@ pub fn softcap_xent(
     );
     let cap = cap as f32;
     let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (XENT_THREADS, 1, 1), shared_mem_bytes: 0 };
-    let mut launch = k.stream.launch_builder(&k.softcap_xent);
-    launch.arg(&x).arg(&t).arg(&l).arg(&s).arg(&vocab).arg(&stride).arg(&cap);
-    // Safety: the pointers are live tensors of the checked shapes and kinds on this GPU, kept
-    // alive by the caller until the stream has run the kernel (the tensors' storage returns to
-    // libtorch's caching allocator, which orders reuse on this same stream).
-    unsafe { launch.launch(cfg) }.context("launch softcap_xent")?;
-    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    with_kernel(gpu, "softcap_xent", |stream, func| {
+        let mut launch = stream.launch_builder(func);
+        launch.arg(&x).arg(&t).arg(&l).arg(&s).arg(&vocab).arg(&stride).arg(&cap);
+        // Safety: the pointers are live tensors of the checked shapes and kinds on this GPU,
+        // kept alive by the caller until the stream has run the kernel (the tensors' storage
+        // returns to libtorch's caching allocator, which orders reuse on this same stream).
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    })?;
     Ok(loss)
 }
 
@@ -273,13 +316,15 @@ mod tests {
     /// setup.sh links the torch wheel's). Without it the test says skipped.
     #[test]
     fn the_kernels_compile_with_nvrtc() {
-        match super::nvrtc_compile(super::SOFTCAP_XENT) {
+        match super::nvrtc_compile(&super::source()) {
             Err(e) if format!("{e}").contains("cannot load NVRTC") => {
                 eprintln!("skipped: libnvrtc.so cannot be loaded here (run deploy/setup.sh): {e}")
             }
             Err(e) => panic!("{e:#}"),
             Ok(ptx) => {
-                assert!(ptx.to_src().contains(".entry softcap_xent"), "no softcap_xent entry in the PTX")
+                for name in super::ENTRIES {
+                    assert!(ptx.to_src().contains(&format!(".entry {name}")), "no {name} entry in the PTX")
+                }
             }
         }
     }

@@ -132,6 +132,7 @@ pub(crate) struct Launch<'a> {
     pub device_name: &'a str,
     pub start_step: i64,
     pub loss_kernel: &'a str,
+    pub block_kernels: &'a str,
 }
 
 pub(crate) fn launch_receipt(l: &Launch<'_>, model: &Gpt, train: &TokenSet) -> Value {
@@ -165,6 +166,7 @@ pub(crate) fn launch_receipt(l: &Launch<'_>, model: &Gpt, train: &TokenSet) -> V
         "env": recorded_env(),
         "binding": binding(),
         "loss_kernel": l.loss_kernel,
+        "block_kernels": l.block_kernels,
     })
 }
 

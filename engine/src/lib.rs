@@ -1,17 +1,21 @@
 //! trainyard's built-in training engine: a nanochat-class GPT on tch.
 
 pub mod attention;
+pub mod block_kernels;
 pub mod checkpoint;
 pub mod collectives;
 pub mod config;
+pub mod custom_op;
 pub mod data;
 pub mod fused_adamw;
 pub mod fused_loss;
+pub mod fused_ops;
 pub mod gpu_memory;
 pub mod kernels;
 pub mod launch;
 pub mod model;
 pub mod optim;
+pub mod profiler;
 pub mod train;
 
 use serde::Serialize;

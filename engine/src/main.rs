@@ -124,6 +124,17 @@ struct TrainArgs {
     /// PyTorch does), instead of the chunked fused path (GPU; the CPU always runs unfused).
     #[arg(long)]
     unfused_loss: bool,
+    /// Run the blocks' rotary embedding, QK-norm, ReLU^2 and residual mix as separate libtorch
+    /// ops (as eager PyTorch does) instead of the fused kernels (GPU; the CPU always runs them so).
+    #[arg(long)]
+    unfused_blocks: bool,
+    /// Record these steps (A-B or A, counted from 1) with libtorch's profiler: CPU ops and, on
+    /// a GPU, every kernel; written as a Chrome trace to --profile-out.
+    #[arg(long)]
+    profile_steps: Option<String>,
+    /// Where --profile-steps writes its trace.
+    #[arg(long, default_value = "trainyard-profile.json")]
+    profile_out: PathBuf,
     /// Stop after this step as if the rank had been killed (tests of resume).
     #[arg(long, hide = true)]
     stop_after: Option<i64>,
@@ -202,6 +213,12 @@ fn main() -> Result<()> {
                 export_init: a.export_init,
                 stop_after: a.stop_after,
                 unfused_loss: a.unfused_loss,
+                unfused_blocks: a.unfused_blocks,
+                profile: a
+                    .profile_steps
+                    .as_deref()
+                    .map(|s| trainyard_engine::profiler::ProfileSpec::parse(s, a.profile_out.clone()))
+                    .transpose()?,
             };
             trainyard_engine::train::run(spec, env)?;
         }

@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor};
 use crate::attention;
 use crate::config::GptConfig;
 use crate::fused_loss;
+use crate::fused_ops;
 
 /// Which optimizer group a parameter belongs to (nanochat's split).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +54,8 @@ pub struct Gpt {
     blocks: Vec<Block>,
     cos: Tensor,
     sin: Tensor,
+    /// Rotary + QK-norm, ReLU^2 and the residual mix as [`crate::fused_ops`] (a GPU's kernels).
+    fused_blocks: bool,
 }
 
 /// Width of the input slice the value-embedding gate reads.
@@ -131,7 +134,14 @@ impl Gpt {
             blocks,
             cos,
             sin,
+            fused_blocks: false,
         }
+    }
+
+    /// Runs the blocks' elementwise ops fused ([`crate::fused_ops`]); only where their kernels
+    /// load (see `train::block_path`).
+    pub fn set_fused_blocks(&mut self, on: bool) {
+        self.fused_blocks = on;
     }
 
     fn p(&self, i: usize) -> &Tensor {
@@ -168,8 +178,13 @@ impl Gpt {
             }
             _ => v,
         };
-        let q = norm(&self.rope(&q)) * 1.2;
-        let k = norm(&self.rope(&k)) * 1.2;
+        let (q, k) = if self.fused_blocks {
+            let half = [-1, hd / 2];
+            let (cos, sin) = (self.cos.view(half), self.sin.view(half));
+            (fused_ops::rope_norm(&q, &cos, &sin)?, fused_ops::rope_norm(&k, &cos, &sin)?)
+        } else {
+            (norm(&self.rope(&q)) * fused_ops::QK_SCALE, norm(&self.rope(&k)) * fused_ops::QK_SCALE)
+        };
         let y = attention::causal(&q, &k, &v, self.cfg.window(layer))?;
         let y = y.contiguous().view([bs, t, h * hd]);
         Ok(self.linear(&y, b.c_proj))
@@ -191,13 +206,15 @@ impl Gpt {
         let resid = self.p(self.resid_lambdas).to_kind(c);
         let x0l = self.p(self.x0_lambdas).to_kind(c);
         for (i, b) in self.blocks.iter().enumerate() {
-            x = &x * resid.get(i as i64) + &x0 * x0l.get(i as i64);
+            let (r, l) = (resid.get(i as i64), x0l.get(i as i64));
+            x = if self.fused_blocks { fused_ops::resid_mix(&x, &x0, &r, &l)? } else { &x * r + &x0 * l };
             let ve = self
                 .value_embeds
                 .get(&(i as i64))
                 .map(|&p| Tensor::embedding(self.p(p), idx, -1, false, false).to_kind(c));
             x = &x + self.attention(i as i64, b, &norm(&x), ve.as_ref())?;
-            let h = self.linear(&norm(&x), b.c_fc).relu().square();
+            let u = self.linear(&norm(&x), b.c_fc);
+            let h = if self.fused_blocks { fused_ops::relu_square(&u)? } else { u.relu().square() };
             x = &x + self.linear(&h, b.mlp_proj);
         }
         Ok(norm(&x))
@@ -370,6 +387,33 @@ mod tests {
             let scale = a.abs().max().double_value(&[]);
             let err = (a - b).abs().max().double_value(&[]);
             assert!(err < 1e-4 * scale + 1e-6, "{}: {err} of {scale}", p.name);
+        }
+    }
+
+    /// The fused block ops (their tensor-op references here, through the custom autograd op)
+    /// give the unfused model's loss and gradients; on a GPU the same wiring runs the kernels.
+    #[test]
+    fn the_fused_blocks_equal_the_unfused_ones() {
+        let cfg = GptConfig::preset("d2", 16, 256).unwrap();
+        let mut m = Gpt::new(&cfg, Device::Cpu, 3);
+        tch::no_grad(|| {
+            // Non-zero output projections, so every op's gradient reaches the loss.
+            for p in &m.params {
+                if p.name.ends_with("c_proj") || p.name.ends_with("mlp_proj") {
+                    let _ = p.tensor.shallow_clone().normal_(0.0, 0.05);
+                }
+            }
+        });
+        let idx = Tensor::randint(256, [2, 16], (Kind::Int64, Device::Cpu));
+        let (l0, g0) = m.loss_and_grads(&idx, &idx, 1.0, None).unwrap();
+        m.set_fused_blocks(true);
+        let (l1, g1) = m.loss_and_grads(&idx, &idx, 1.0, None).unwrap();
+        let (l0, l1) = (l0.double_value(&[]), l1.double_value(&[]));
+        assert!((l0 - l1).abs() < 1e-5 * l0, "{l0} vs {l1}");
+        for ((p, a), b) in m.params.iter().zip(&g0).zip(&g1) {
+            let scale = a.abs().max().double_value(&[]);
+            let err = (a - b).abs().max().double_value(&[]);
+            assert!(err < 1e-4 * scale + 1e-7, "{}: {err} of {scale}", p.name);
         }
     }
 

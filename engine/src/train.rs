@@ -46,6 +46,11 @@ pub struct RunSpec {
     pub stop_after: Option<i64>,
     /// The output layer and loss through autograd over fp32 logits, not [`crate::fused_loss`].
     pub unfused_loss: bool,
+    /// The blocks' rotary, norms, ReLU^2 and residual mix as separate libtorch ops, not
+    /// [`crate::fused_ops`].
+    pub unfused_blocks: bool,
+    /// Steps to record with libtorch's profiler, and where the trace goes.
+    pub profile: Option<crate::profiler::ProfileSpec>,
 }
 
 /// How the output layer and loss run, and what the launch receipt says of it: on a GPU the
@@ -63,6 +68,21 @@ fn loss_path(spec: &RunSpec, device: Device) -> (Option<crate::fused_loss::Path>
             eprintln!("trainyard-engine: the fused loss kernel is unavailable, using tensor ops: {why}");
             (Some(Path::TensorOps), format!("chunked, tensor ops ({why})"))
         }
+    }
+}
+
+/// Whether the blocks' elementwise ops run fused (a GPU whose kernels load, unless asked not
+/// to), and what the launch receipt says of it. The CPU runs them unfused, as PyTorch does.
+fn block_path(spec: &RunSpec, device: Device, model: &mut Gpt) -> String {
+    if spec.unfused_blocks || !device.is_cuda() {
+        return "unfused (libtorch ops)".into();
+    }
+    match crate::fused_ops::available(device) {
+        Ok(()) => {
+            model.set_fused_blocks(true);
+            "fused: rotary+QK-norm, ReLU^2, residual mix (NVRTC kernels)".into()
+        }
+        Err(why) => format!("unfused (kernels unavailable: {why})"),
     }
 }
 
@@ -134,6 +154,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     let mut coll = open_collectives(&env, device)?;
     let start_step = resume(&spec, &env, &mut model, &mut opt)?;
     let (loss_path, loss_kernel) = loss_path(&spec, device);
+    let block_kernels = block_path(&spec, device, &mut model);
     let ctx = Ctx { cfg: &cfg, spec: &spec, env: &env, device, accum, loss_path };
     let (device_name, peak) = device_facts(device);
     let launch = launch_receipt(
@@ -146,6 +167,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
             device_name: &device_name,
             start_step,
             loss_kernel: &loss_kernel,
+            block_kernels: &block_kernels,
         },
         &model,
         &train,
@@ -162,7 +184,9 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     let mut last_loss = f64::NAN;
     let mut requests = checkpoint::Requests::from_env();
     let mut step = start_step;
+    let mut profiler = crate::profiler::Profiler::new(spec.profile.clone(), device.is_cuda());
     while step < cfg.num_iterations {
+        profiler.before(step + 1)?;
         let t0 = Instant::now();
         coll.synchronize();
         let tf = Instant::now();
@@ -185,6 +209,9 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         step += 1;
         let facts = StepFacts { step, loss, lrm, momentum, wd, dt, fwd_bwd_s, phases, grad_norm };
         receipts.emit("step", step_receipt(&ctx, &opt, &facts, peak, &mut memory))?;
+        if let Some(trace) = profiler.after(step)? {
+            eprintln!("rank {}: profile of steps to {step} written to {}", env.rank, trace.display());
+        }
         if let Some(receipt) = eval_if_due(&ctx, &model, val.as_ref(), coll.as_mut(), step, &mut totals)? {
             receipts.emit("eval", receipt)?;
         }
