@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a step's GPU time goes, from a Chrome trace of libtorch's profiler (the engine's
 --profile-steps, or torch.profiler's export_chrome_trace): GPU time per step by kernel, and by
-the op that launched it (the innermost CPU op, joined on the trace's "External id").
+the op that launched it (the innermost CPU op, joined on the trace's "External id"), and by that
+op with its input shapes.
 
 usage: trace_table.py TRACE.json STEPS [--top N]
 """
@@ -20,14 +21,17 @@ def main():
     a = ap.parse_args()
     with open(a.trace) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    ops = {}
+    ops, shapes = {}, {}
     for e in events:
         if e.get("cat") == "cpu_op":
-            ext = (e.get("args") or {}).get("External id")
+            args = e.get("args") or {}
+            ext = args.get("External id")
             if ext is not None:
                 ops[ext] = e["name"]
+                shapes[ext] = f'{e["name"]} {args.get("Input Dims", "")}'[:140]
     by_kernel = collections.defaultdict(lambda: [0.0, 0])
     by_op = collections.defaultdict(lambda: [0.0, 0])
+    by_shape = collections.defaultdict(lambda: [0.0, 0])
     total = 0.0
     for e in events:
         if e.get("cat") not in GPU:
@@ -37,15 +41,15 @@ def main():
         k = by_kernel[e["name"][:110]]
         k[0] += dur
         k[1] += 1
-        op = ops.get((e.get("args") or {}).get("External id"), "(no op)")
-        o = by_op[op]
-        o[0] += dur
-        o[1] += 1
+        ext = (e.get("args") or {}).get("External id")
+        for table, key in ((by_op, ops.get(ext, "(no op)")), (by_shape, shapes.get(ext, "(no op)"))):
+            table[key][0] += dur
+            table[key][1] += 1
     n = a.steps
     if total == 0:
         raise SystemExit(f"{a.trace}: no GPU kernels, copies or sets in the trace (a CPU run?)")
     print(f"# {a.trace}: {n} steps, GPU busy {total / n / 1e3:.2f} ms per step (kernels, copies, sets)")
-    for title, table in (("kernel", by_kernel), ("launching op", by_op)):
+    for title, table in (("kernel", by_kernel), ("launching op", by_op), ("launching op and its input shapes", by_shape)):
         print(f"\n## by {title}: ms per step, share, launches per step")
         rows = sorted(table.items(), key=lambda kv: -kv[1][0])
         for name, (dur, count) in rows[: a.top]:

@@ -13,9 +13,12 @@ use crate::kernels::with_kernel;
 
 pub(crate) const SOURCE: &str = r#"
 // Rotary embedding, then RMSNorm over the head dimension, then a scale: y = scale * n(rope(x)),
-// one warp per row of D (a head of a token). x is (B, T, H, D) with strides sb, st, sh (D
-// contiguous); cos and sin are (T, D/2); y is contiguous. rope: (x1, x2) -> (x1 c + x2 s,
-// x2 c - x1 s) over the two halves.
+// one warp per row of D (a head of a token; D a multiple of 4, at most 256). x is (B, T, H, D)
+// with even strides sb, st, sh (D contiguous); cos and sin are (T, D/2); y is contiguous. rope:
+// (x1, x2) -> (x1 c + x2 s, x2 c - x1 s) over the two halves. Each lane reads two neighbouring
+// values of each half at a time (a warp reads 128 contiguous bytes) and keeps the row in
+// registers between the sum of squares and the write.
+#define ROPE_ITERS 2
 __device__ __forceinline__ long long rope_row(long long row, int T, int H, long long sb,
                                               long long st, long long sh, int* t_out) {
     const int h = (int)(row % H);
@@ -23,6 +26,37 @@ __device__ __forceinline__ long long rope_row(long long row, int T, int H, long 
     const int t = (int)(bt % T);
     *t_out = t;
     return (bt / T) * sb + (long long)t * st + (long long)h * sh;
+}
+__device__ __forceinline__ float lo16(unsigned int v) { return bf16_to_f32((unsigned short)(v & 0xffffu)); }
+__device__ __forceinline__ float hi16(unsigned int v) { return bf16_to_f32((unsigned short)(v >> 16)); }
+__device__ __forceinline__ unsigned int pack2(float a, float b) {
+    return (unsigned int)f32_to_bf16(a) | ((unsigned int)f32_to_bf16(b) << 16);
+}
+__device__ __forceinline__ unsigned int ld2(const unsigned short* p) {
+    return *(const unsigned int*)p;
+}
+// r[k] = rope of the lane's two pairs at p = 2 lane + 64 k: r[k][0..2] first half, [2..4] second.
+__device__ __forceinline__ void rope_load(const unsigned short* xr, const unsigned short* c,
+                                          const unsigned short* s, int half, int lane,
+                                          float r[ROPE_ITERS][4], float cs[ROPE_ITERS][4]) {
+#pragma unroll
+    for (int k = 0; k < ROPE_ITERS; ++k) {
+        const int p = 2 * lane + 64 * k;
+        if (p < half) {
+            const unsigned int a = ld2(xr + p), b = ld2(xr + half + p);
+            const unsigned int cw = ld2(c + p), sw = ld2(s + p);
+            const float x1[2] = {lo16(a), hi16(a)}, x2[2] = {lo16(b), hi16(b)};
+            const float cc[2] = {lo16(cw), hi16(cw)}, sv[2] = {lo16(sw), hi16(sw)};
+            for (int j = 0; j < 2; ++j) {
+                r[k][j] = x1[j] * cc[j] + x2[j] * sv[j];
+                r[k][2 + j] = x2[j] * cc[j] - x1[j] * sv[j];
+                cs[k][j] = cc[j];
+                cs[k][2 + j] = sv[j];
+            }
+        } else {
+            for (int j = 0; j < 4; ++j) r[k][j] = cs[k][j] = 0.f;
+        }
+    }
 }
 extern "C" __global__ void rope_norm_fwd(const unsigned short* x, long long sb, long long st,
                                          long long sh, const unsigned short* cs,
@@ -34,26 +68,25 @@ extern "C" __global__ void rope_norm_fwd(const unsigned short* x, long long sb, 
     const int lane = threadIdx.x & 31, half = D >> 1;
     int t;
     const unsigned short* xr = x + rope_row(row, T, H, sb, st, sh, &t);
-    const unsigned short* c = cs + (long long)t * half;
-    const unsigned short* s = sn + (long long)t * half;
+    float r[ROPE_ITERS][4], tab[ROPE_ITERS][4];
+    rope_load(xr, cs + (long long)t * half, sn + (long long)t * half, half, lane, r, tab);
     float ss = 0.f;
-    for (int p = lane; p < half; p += 32) {
-        const float x1 = bf16_to_f32(xr[p]), x2 = bf16_to_f32(xr[p + half]);
-        const float cc = bf16_to_f32(c[p]), sv = bf16_to_f32(s[p]);
-        const float r1 = x1 * cc + x2 * sv, r2 = x2 * cc - x1 * sv;
-        ss += r1 * r1 + r2 * r2;
-    }
-    const float k = rsqrtf(warp_sum(ss) / D + eps) * scale;
+#pragma unroll
+    for (int k = 0; k < ROPE_ITERS; ++k)
+        for (int j = 0; j < 4; ++j) ss += r[k][j] * r[k][j];
+    const float m = rsqrtf(warp_sum(ss) / D + eps) * scale;
     unsigned short* yr = y + row * D;
-    for (int p = lane; p < half; p += 32) {
-        const float x1 = bf16_to_f32(xr[p]), x2 = bf16_to_f32(xr[p + half]);
-        const float cc = bf16_to_f32(c[p]), sv = bf16_to_f32(s[p]);
-        yr[p] = f32_to_bf16((x1 * cc + x2 * sv) * k);
-        yr[p + half] = f32_to_bf16((x2 * cc - x1 * sv) * k);
+#pragma unroll
+    for (int k = 0; k < ROPE_ITERS; ++k) {
+        const int p = 2 * lane + 64 * k;
+        if (p < half) {
+            *(unsigned int*)(yr + p) = pack2(r[k][0] * m, r[k][1] * m);
+            *(unsigned int*)(yr + half + p) = pack2(r[k][2] * m, r[k][3] * m);
+        }
     }
 }
-// dL/dx from x and g = dL/dy (strides gb, gt, gh): with r = rope(x), rstd = (mean r^2 + eps)^-1/2,
-// dL/dr = scale rstd (g - r rstd^2 <g, r> / D), then rope's transpose.
+// dL/dx from x and g = dL/dy (strides gb, gt, gh, even): with r = rope(x), rstd = (mean r^2 +
+// eps)^-1/2, dL/dr = scale rstd (g - r rstd^2 <g, r> / D), then rope's transpose.
 extern "C" __global__ void rope_norm_bwd(const unsigned short* x, long long sb, long long st,
                                          long long sh, const unsigned short* g, long long gb,
                                          long long gt, long long gh, const unsigned short* cs,
@@ -66,29 +99,43 @@ extern "C" __global__ void rope_norm_bwd(const unsigned short* x, long long sb, 
     int t;
     const unsigned short* xr = x + rope_row(row, T, H, sb, st, sh, &t);
     const unsigned short* gr = g + rope_row(row, T, H, gb, gt, gh, &t);
-    const unsigned short* c = cs + (long long)t * half;
-    const unsigned short* s = sn + (long long)t * half;
+    float r[ROPE_ITERS][4], tab[ROPE_ITERS][4], gv[ROPE_ITERS][4];
+    rope_load(xr, cs + (long long)t * half, sn + (long long)t * half, half, lane, r, tab);
     float ss = 0.f, dot = 0.f;
-    for (int p = lane; p < half; p += 32) {
-        const float x1 = bf16_to_f32(xr[p]), x2 = bf16_to_f32(xr[p + half]);
-        const float cc = bf16_to_f32(c[p]), sv = bf16_to_f32(s[p]);
-        const float r1 = x1 * cc + x2 * sv, r2 = x2 * cc - x1 * sv;
-        ss += r1 * r1 + r2 * r2;
-        dot += bf16_to_f32(gr[p]) * r1 + bf16_to_f32(gr[p + half]) * r2;
+#pragma unroll
+    for (int k = 0; k < ROPE_ITERS; ++k) {
+        const int p = 2 * lane + 64 * k;
+        if (p < half) {
+            const unsigned int a = ld2(gr + p), b = ld2(gr + half + p);
+            gv[k][0] = lo16(a); gv[k][1] = hi16(a); gv[k][2] = lo16(b); gv[k][3] = hi16(b);
+        } else {
+            for (int j = 0; j < 4; ++j) gv[k][j] = 0.f;
+        }
+        for (int j = 0; j < 4; ++j) {
+            ss += r[k][j] * r[k][j];
+            dot += gv[k][j] * r[k][j];
+        }
     }
     ss = warp_sum(ss);
     dot = warp_sum(dot);
     const float rstd = rsqrtf(ss / D + eps);
-    const float coef = rstd * rstd * dot / D, k = scale * rstd;
+    const float coef = rstd * rstd * dot / D, m = scale * rstd;
     unsigned short* o = dx + row * D;
-    for (int p = lane; p < half; p += 32) {
-        const float x1 = bf16_to_f32(xr[p]), x2 = bf16_to_f32(xr[p + half]);
-        const float cc = bf16_to_f32(c[p]), sv = bf16_to_f32(s[p]);
-        const float r1 = x1 * cc + x2 * sv, r2 = x2 * cc - x1 * sv;
-        const float d1 = k * (bf16_to_f32(gr[p]) - r1 * coef);
-        const float d2 = k * (bf16_to_f32(gr[p + half]) - r2 * coef);
-        o[p] = f32_to_bf16(d1 * cc - d2 * sv);
-        o[p + half] = f32_to_bf16(d1 * sv + d2 * cc);
+#pragma unroll
+    for (int k = 0; k < ROPE_ITERS; ++k) {
+        const int p = 2 * lane + 64 * k;
+        if (p < half) {
+            float d1[2], d2[2];
+            for (int j = 0; j < 2; ++j) {
+                const float a1 = m * (gv[k][j] - r[k][j] * coef);
+                const float a2 = m * (gv[k][2 + j] - r[k][2 + j] * coef);
+                const float cc = tab[k][j], sv = tab[k][2 + j];
+                d1[j] = a1 * cc - a2 * sv;
+                d2[j] = a1 * sv + a2 * cc;
+            }
+            *(unsigned int*)(o + p) = pack2(d1[0], d1[1]);
+            *(unsigned int*)(o + half + p) = pack2(d2[0], d2[1]);
+        }
     }
 }
 // Four bf16 values in 8 bytes.
@@ -103,31 +150,40 @@ __device__ __forceinline__ unsigned long long pack4(const float* f) {
 #define GRID_STRIDE(i, n) \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (long long)gridDim.x * blockDim.x)
-// h = relu(u)^2 over n4 groups of four.
-extern "C" __global__ void relu_square_fwd(const unsigned long long* u, unsigned long long* h,
-                                           long long n4) {
-    GRID_STRIDE(i, n4) {
-        const unsigned long long a = u[i];
-        float f[4];
-        for (int k = 0; k < 4; ++k) {
-            const float v = lane4(a, k);
+// Eight bf16 values in 16 bytes.
+struct __attribute__((aligned(16))) bf16x8 { unsigned long long lo, hi; };
+__device__ __forceinline__ float lane8(const bf16x8& v, int k) {
+    return lane4(k < 4 ? v.lo : v.hi, k & 3);
+}
+// h = relu(u)^2 over n8 groups of eight.
+extern "C" __global__ void relu_square_fwd(const bf16x8* u, bf16x8* h, long long n8) {
+    GRID_STRIDE(i, n8) {
+        const bf16x8 a = u[i];
+        float f[8];
+        for (int k = 0; k < 8; ++k) {
+            const float v = lane8(a, k);
             f[k] = v > 0.f ? v * v : 0.f;
         }
-        h[i] = pack4(f);
+        bf16x8 o;
+        o.lo = pack4(f);
+        o.hi = pack4(f + 4);
+        h[i] = o;
     }
 }
 // du = 2 relu(u) dh.
-extern "C" __global__ void relu_square_bwd(const unsigned long long* u,
-                                           const unsigned long long* dh,
-                                           unsigned long long* du, long long n4) {
-    GRID_STRIDE(i, n4) {
-        const unsigned long long a = u[i], g = dh[i];
-        float f[4];
-        for (int k = 0; k < 4; ++k) {
-            const float v = lane4(a, k);
-            f[k] = v > 0.f ? 2.f * v * lane4(g, k) : 0.f;
+extern "C" __global__ void relu_square_bwd(const bf16x8* u, const bf16x8* dh, bf16x8* du,
+                                           long long n8) {
+    GRID_STRIDE(i, n8) {
+        const bf16x8 a = u[i], g = dh[i];
+        float f[8];
+        for (int k = 0; k < 8; ++k) {
+            const float v = lane8(a, k);
+            f[k] = v > 0.f ? 2.f * v * lane8(g, k) : 0.f;
         }
-        du[i] = pack4(f);
+        bf16x8 o;
+        o.lo = pack4(f);
+        o.hi = pack4(f + 4);
+        du[i] = o;
     }
 }
 // The residual stream's mix: y = a x + b x0 (a, b: one bf16 each, on the device).
@@ -191,9 +247,22 @@ fn check_bf16(t: &Tensor, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether `t` can be read four bf16 at a time: contiguous, a multiple of 4 long, 8-byte aligned.
-pub(crate) fn vectorizable(t: &Tensor) -> bool {
-    t.is_contiguous() && t.numel().is_multiple_of(4) && (t.data_ptr() as usize).is_multiple_of(8)
+/// Whether `t` can be read `n` bf16 at a time: contiguous, a multiple of `n` long, aligned.
+pub(crate) fn vectorizable(t: &Tensor, n: usize) -> bool {
+    t.is_contiguous() && t.numel().is_multiple_of(n) && (t.data_ptr() as usize).is_multiple_of(2 * n)
+}
+
+/// Whether the rope kernels take `x` (B, T, H, D) and tables `cos`/`sin`: D a multiple of 4 and
+/// at most 256 (two passes of a warp), D contiguous, even strides, 4-byte aligned.
+pub(crate) fn rope_fits(x: &Tensor, tables: &[&Tensor]) -> bool {
+    let (s, d) = (x.stride(), x.size().last().copied().unwrap_or(0));
+    s.len() == 4
+        && s[3] == 1
+        && s[..3].iter().all(|v| v % 2 == 0)
+        && d % 4 == 0
+        && d <= 256
+        && (x.data_ptr() as usize).is_multiple_of(4)
+        && tables.iter().all(|t| t.is_contiguous() && (t.data_ptr() as usize).is_multiple_of(4))
 }
 
 fn grid_for(n4: i64, cap: i64) -> u32 {
@@ -283,40 +352,40 @@ pub(crate) fn rope_norm_bwd(
     Ok(dx)
 }
 
-/// relu(u)^2 (u contiguous bf16, [`vectorizable`]).
+/// relu(u)^2 (u contiguous bf16, [`vectorizable`] by 8).
 pub(crate) fn relu_square_fwd(u: &Tensor) -> Result<Tensor> {
     let gpu = gpu_of(u, "relu_square")?;
     check_bf16(u, "relu_square")?;
     let h = Tensor::empty_like(u);
-    let n4 = u.numel() as i64 / 4;
+    let n8 = u.numel() as i64 / 8;
     let (up, hp) = (u.data_ptr() as u64, h.data_ptr() as u64);
     with_kernel(gpu, "relu_square_fwd", |stream, f| {
         let mut l = stream.launch_builder(f);
-        l.arg(&up).arg(&hp).arg(&n4);
-        // SAFETY: as in rope_norm_fwd; both tensors hold 4 * n4 bf16 values, 8-byte aligned.
-        unsafe { l.launch(config(grid_for(n4, 1 << 20))) }?;
+        l.arg(&up).arg(&hp).arg(&n8);
+        // SAFETY: as in rope_norm_fwd; both tensors hold 8 * n8 bf16 values, 16-byte aligned.
+        unsafe { l.launch(config(grid_for(n8, 1 << 20))) }?;
         Ok(())
     })?;
     Ok(h)
 }
 
-/// 2 relu(u) dh (both contiguous bf16 of one shape, [`vectorizable`]).
+/// 2 relu(u) dh (both contiguous bf16 of one shape, [`vectorizable`] by 8).
 pub(crate) fn relu_square_bwd(u: &Tensor, dh: &Tensor) -> Result<Tensor> {
     let gpu = gpu_of(u, "relu_square")?;
     let du = Tensor::empty_like(u);
-    let n4 = u.numel() as i64 / 4;
+    let n8 = u.numel() as i64 / 8;
     let (up, gp, dp) = (u.data_ptr() as u64, dh.data_ptr() as u64, du.data_ptr() as u64);
     with_kernel(gpu, "relu_square_bwd", |stream, f| {
         let mut l = stream.launch_builder(f);
-        l.arg(&up).arg(&gp).arg(&dp).arg(&n4);
+        l.arg(&up).arg(&gp).arg(&dp).arg(&n8);
         // SAFETY: as in relu_square_fwd.
-        unsafe { l.launch(config(grid_for(n4, 1 << 20))) }?;
+        unsafe { l.launch(config(grid_for(n8, 1 << 20))) }?;
         Ok(())
     })?;
     Ok(du)
 }
 
-/// a x + b x0 (x, x0 contiguous bf16 of one shape, [`vectorizable`]; a, b one bf16 each).
+/// a x + b x0 (x, x0 contiguous bf16 of one shape, [`vectorizable`] by 4; a, b one bf16 each).
 pub(crate) fn resid_mix_fwd(x: &Tensor, x0: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let gpu = gpu_of(x, "resid_mix")?;
     let y = Tensor::empty_like(x);

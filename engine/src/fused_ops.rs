@@ -56,7 +56,7 @@ impl Op for RopeNorm {
     }
     fn forward(&self, i: &[Tensor]) -> Result<Vec<Tensor>> {
         let (x, cos, sin) = (&i[0], &i[1], &i[2]);
-        if on_gpu_bf16(&[x, cos, sin]) && x.size()[3] % 2 == 0 {
+        if on_gpu_bf16(&[x, cos, sin]) && k::rope_fits(x, &[cos, sin]) {
             return Ok(vec![k::rope_norm_fwd(x, cos, sin, self.scale, EPS)?]);
         }
         let r = rope_f32(x, cos, sin, false);
@@ -64,8 +64,8 @@ impl Op for RopeNorm {
     }
     fn backward(&self, i: &[Tensor], _: &[Tensor], g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         let (x, cos, sin) = (&i[0], &i[1], &i[2]);
-        if on_gpu_bf16(&[x, cos, sin, &g[0]]) && x.size()[3] % 2 == 0 {
-            let g = if g[0].stride()[3] == 1 { g[0].shallow_clone() } else { g[0].contiguous() };
+        if on_gpu_bf16(&[x, cos, sin, &g[0]]) && k::rope_fits(x, &[cos, sin]) {
+            let g = if k::rope_fits(&g[0], &[]) { g[0].shallow_clone() } else { g[0].contiguous() };
             return Ok(vec![Some(k::rope_norm_bwd(x, &g, cos, sin, self.scale, EPS)?), None, None]);
         }
         let d = x.size()[3] as f64;
@@ -90,7 +90,7 @@ impl Op for ReluSquare {
     }
     fn forward(&self, i: &[Tensor]) -> Result<Vec<Tensor>> {
         let u = &i[0];
-        if on_gpu_bf16(&[u]) && k::vectorizable(u) {
+        if on_gpu_bf16(&[u]) && k::vectorizable(u, 8) {
             return Ok(vec![k::relu_square_fwd(u)?]);
         }
         Ok(vec![u.to_kind(Kind::Float).relu().square().to_kind(u.kind())])
@@ -98,7 +98,7 @@ impl Op for ReluSquare {
     fn backward(&self, i: &[Tensor], _: &[Tensor], g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         let u = &i[0];
         let g = g[0].contiguous();
-        if on_gpu_bf16(&[u, &g]) && k::vectorizable(u) && k::vectorizable(&g) {
+        if on_gpu_bf16(&[u, &g]) && k::vectorizable(u, 8) && k::vectorizable(&g, 8) {
             return Ok(vec![Some(k::relu_square_bwd(u, &g)?)]);
         }
         let du = u.to_kind(Kind::Float).relu() * 2.0 * g.to_kind(Kind::Float);
@@ -121,7 +121,7 @@ impl Op for ResidMix {
         if x.size() != x0.size() || a.numel() != 1 || b.numel() != 1 {
             bail!("resid_mix: x {:?}, x0 {:?}, a and b must be one value each", x.size(), x0.size());
         }
-        if on_gpu_bf16(&[x, x0, a, b]) && k::vectorizable(x) && k::vectorizable(x0) {
+        if on_gpu_bf16(&[x, x0, a, b]) && k::vectorizable(x, 4) && k::vectorizable(x0, 4) {
             return Ok(vec![k::resid_mix_fwd(x, x0, a, b)?]);
         }
         let f = |t: &Tensor| t.to_kind(Kind::Float);
@@ -130,8 +130,7 @@ impl Op for ResidMix {
     fn backward(&self, i: &[Tensor], _: &[Tensor], g: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         let (x, x0, a, b) = (&i[0], &i[1], &i[2], &i[3]);
         let g = g[0].contiguous();
-        if on_gpu_bf16(&[x, x0, a, b, &g]) && k::vectorizable(x) && k::vectorizable(x0) && k::vectorizable(&g)
-        {
+        if on_gpu_bf16(&[x, x0, a, b, &g]) && [x, x0, &g].iter().all(|t| k::vectorizable(t, 4)) {
             let (dx, dx0, sums) = k::resid_mix_bwd(x, x0, a, b, &g)?;
             let da = sums.get(0).to_kind(a.kind()).reshape(a.size());
             let db = sums.get(1).to_kind(b.kind()).reshape(b.size());
