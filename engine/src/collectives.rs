@@ -28,8 +28,8 @@ pub trait Collectives {
 }
 
 /// World of one: nothing to exchange. `gpu` is the CUDA device the rank computes on, so that
-/// [`Collectives::synchronize`] still marks real timing boundaries (the phases in the step
-/// receipts would otherwise time only the kernel launches).
+/// [`Collectives::synchronize`] really waits for it (a step's wall time would otherwise end
+/// when its kernels were issued; its phases are timed by [`crate::clock`]).
 pub struct Single {
     pub gpu: Option<usize>,
 }

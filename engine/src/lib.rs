@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod block_kernels;
 pub mod checkpoint;
+pub mod clock;
 pub mod collectives;
 pub mod config;
 pub mod custom_op;

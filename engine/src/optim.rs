@@ -8,11 +8,11 @@
 //! foreach optimizer ops, so the updates are per-tensor in-place ops (Muon's on the stacked
 //! group, one batched matmul chain per shape).
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 use anyhow::{Result, ensure};
 use tch::{Kind, Tensor};
 
+use crate::clock::Clock;
 use crate::collectives::Collectives;
 use crate::config::TrainConfig;
 use crate::fused_adamw;
@@ -146,8 +146,10 @@ impl MuonAdamW {
         Ok(())
     }
 
-    /// One step: `lrm` multiplies every LR; Muon gets `momentum` and `muon_wd`. Returns the
-    /// phase times and the global gradient norm (of the rank-averaged gradient).
+    /// One step: of `(lrm, momentum, muon_wd)`, `lrm` multiplies every LR and Muon gets
+    /// `momentum` and `muon_wd`. Returns the phase times (taken by `clock`, which does not stop
+    /// the GPU between phases) and the global gradient norm (of the rank-averaged gradient); the
+    /// GPU is synchronised when it returns.
     ///
     /// `grads` holds this rank's gradient of every parameter, in `model.params` order, as
     /// [`crate::model::Gpt::grads`] returns them. They are values the step consumes, not the
@@ -159,33 +161,32 @@ impl MuonAdamW {
         model: &mut Gpt,
         grads: Vec<Tensor>,
         coll: &mut dyn Collectives,
-        lrm: f64,
-        momentum: f64,
-        muon_wd: f64,
+        clock: &Clock,
+        (lrm, momentum, muon_wd): (f64, f64, f64),
     ) -> Result<(Phases, f64)> {
         let _guard = tch::no_grad_guard();
         let world = self.world;
-        let mut phases = Phases::default();
         let mut sq = Tensor::zeros([], (Kind::Float, model.device));
-        coll.synchronize();
-        let t0 = Instant::now();
+        let m0 = clock.mark();
 
         // Phase 1: reductions, in group order.
         let adam_reduced = self.reduce_adam(model, &grads, coll, &mut sq)?;
         let muon_reduced = self.reduce_muon(model, &grads, coll, &mut sq)?;
-        coll.synchronize();
-        let t1 = Instant::now();
-        phases.reduce_s = (t1 - t0).as_secs_f64();
+        let m1 = clock.mark();
 
         // Phase 2: update the owned shard (one fused AdamW kernel per group), gather.
         self.update_adam(model, &grads, &adam_reduced, coll, lrm)?;
         self.update_muon(model, &muon_reduced, coll, lrm, momentum, muon_wd)?;
-        let t2 = Instant::now();
+        let m2 = clock.mark();
         coll.all_reduce_avg(&mut sq)?;
         coll.synchronize();
         let grad_norm = (sq.double_value(&[]) * world as f64).sqrt();
-        phases.compute_gather_s = (t2 - t1).as_secs_f64();
-        phases.wait_s = t2.elapsed().as_secs_f64();
+        let m3 = clock.mark();
+        let phases = Phases {
+            reduce_s: Clock::seconds(&m0, &m1),
+            compute_gather_s: Clock::seconds(&m1, &m2),
+            wait_s: Clock::seconds(&m2, &m3),
+        };
         Ok((phases, grad_norm))
     }
 

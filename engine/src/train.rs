@@ -185,17 +185,19 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     let mut requests = checkpoint::Requests::from_env();
     let mut step = start_step;
     let mut profiler = crate::profiler::Profiler::new(spec.profile.clone(), device.is_cuda());
+    let clock = crate::clock::Clock::new(device);
     while step < cfg.num_iterations {
         profiler.before(step + 1)?;
         let t0 = Instant::now();
         coll.synchronize();
-        let tf = Instant::now();
+        let m0 = clock.mark();
         let (loss_sum, grads) = fwd_bwd(&ctx, &model, &train, step)?;
-        coll.synchronize();
-        let fwd_bwd_s = tf.elapsed().as_secs_f64();
+        let m1 = clock.mark();
         let (lrm, momentum, wd) =
             (cfg.lr_multiplier(step), cfg.muon_momentum(step), cfg.muon_weight_decay(step));
-        let (phases, grad_norm) = opt.step(&mut model, grads, coll.as_mut(), lrm, momentum, wd)?;
+        let (phases, grad_norm) = opt.step(&mut model, grads, coll.as_mut(), &clock, (lrm, momentum, wd))?;
+        // The optimizer ended with the GPU synchronised: both marks are read without waiting.
+        let fwd_bwd_s = crate::clock::Clock::seconds(&m0, &m1);
         let mut loss_t = loss_sum / accum as f64;
         coll.all_reduce_avg(&mut loss_t)?;
         let loss = loss_t.double_value(&[]);
