@@ -142,10 +142,10 @@ pub fn keep(
                     crate::metrics::metrics().lease_renewals.inc();
                 }
                 Ok(Ok(false)) => {
-                    tracing::error!(
-                        epoch = fence.epoch,
-                        "lost the lease: another controller leads; stepping down"
-                    );
+                    // Read the lease as it stands, to say whether it ran out or was taken.
+                    let now = tokio::time::timeout(group.renew_every(), store.lease()).await;
+                    let why = lost_reason(&fence, now.ok().and_then(|r| r.ok()).flatten().as_ref());
+                    tracing::error!(epoch = fence.epoch, "lost the lease: {why}; stepping down");
                     break;
                 }
                 Ok(Err(e)) => {
@@ -169,6 +169,31 @@ pub fn keep(
     lost
 }
 
+/// Why a renewal under `fence` found the lease gone, from the lease as it now stands: taken by
+/// another controller (or by this one again, after a pause, under a new epoch), or ran out
+/// with nobody taking it yet (the renewal came too late: the database or this process stalled).
+fn lost_reason(fence: &Fence, now: Option<&Lease>) -> String {
+    match now {
+        Some(l) if l.holder != fence.holder => {
+            format!("controller {} leads now (epoch {}, at {})", l.holder, l.epoch, l.address)
+        }
+        Some(l) if l.epoch != fence.epoch => {
+            format!(
+                "this controller took the lease again under epoch {} (its epoch {} ended)",
+                l.epoch, fence.epoch
+            )
+        }
+        Some(l) => format!(
+            "the lease ran out {} ms before this renewal and nobody has taken it yet (the database or \
+             this controller stalled)",
+            -l.remaining_ms.min(0)
+        ),
+        None => {
+            "the lease could not be read after the renewal failed (the database is unreachable)".to_string()
+        }
+    }
+}
+
 /// Ends the lease at once (a controller stopping on purpose), so a follower takes over now.
 pub async fn resign(store: &Arc<dyn Store>, fence: &Fence) {
     match store.resign_lease(fence).await {
@@ -176,5 +201,36 @@ pub async fn resign(store: &Arc<dyn Store>, fence: &Fence) {
         Err(e) => {
             tracing::warn!(error = %e, "could not resign the lease; a follower takes over when it runs out")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(holder: &str, epoch: u64, remaining_ms: i64) -> Lease {
+        Lease {
+            holder: holder.into(),
+            epoch,
+            address: "10.0.0.2:7070".into(),
+            remaining_ms,
+            tls_ca: String::new(),
+        }
+    }
+
+    /// The step-down says what happened: taken, taken back after a pause, ran out, unreadable.
+    #[test]
+    fn a_lost_lease_is_explained() {
+        let fence = Fence { holder: "c1".into(), epoch: 4 };
+        let taken = lost_reason(&fence, Some(&lease("c2", 5, 4000)));
+        assert!(taken.contains("controller c2 leads now (epoch 5, at 10.0.0.2:7070)"), "{taken}");
+        let again = lost_reason(&fence, Some(&lease("c1", 5, 4000)));
+        assert!(again.contains("epoch 5") && again.contains("its epoch 4 ended"), "{again}");
+        let ran_out = lost_reason(&fence, Some(&lease("c1", 4, -750)));
+        assert!(
+            ran_out.contains("ran out 750 ms before this renewal") && !ran_out.contains("leads"),
+            "{ran_out}"
+        );
+        assert!(lost_reason(&fence, None).contains("could not be read"));
     }
 }
