@@ -17,74 +17,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
-/// What every kernel source shares: bf16 as raw bits (no CUDA headers needed by NVRTC) and
-/// sums over a warp and over a block.
-const PRELUDE: &str = r#"
-__device__ __forceinline__ float bf16_to_f32(unsigned short h) {
-    return __uint_as_float(((unsigned int)h) << 16);
-}
-__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ float block_sum(float v, float* buf) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) buf[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? buf[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) buf[32] = v;
-    }
-    __syncthreads();
-    return buf[32];
-}
-"#;
-
-/// The soft-capped cross-entropy of one row of bf16 logits per block, forward and backward in
-/// one kernel: it reads the row twice (the sum of `exp(z - cap)`, where `z = cap * tanh(x /
-/// cap)` is at most `cap`, so no running maximum is needed; then the gradient) and overwrites
-/// it with `dL/dx = (softmax(z) - onehot(t)) * (1 - (z/cap)^2) * scale` in bf16. Intermediates
-/// are fp32, as `torch.compile`'s fused kernels keep them. A negative target is ignored: loss 0,
-/// gradient 0. Rows are `stride` apart; the columns from `vocab` to `stride` (the padding that
-/// keeps rows 16-byte aligned for the tensor cores) are not logits and get gradient 0. bf16 is
-/// handled as raw bits ([`PRELUDE`]).
-const SOFTCAP_XENT: &str = r#"
-extern "C" __global__ void softcap_xent(unsigned short* logits, const long long* targets,
-                                        float* row_loss, const float* scale_ptr, int vocab,
-                                        int stride, float cap) {
-    __shared__ float buf[33];
-    __shared__ float target_z;
-    unsigned short* x = logits + (long long)blockIdx.x * stride;
-    const long long t = targets[blockIdx.x];
-    const bool valid = t >= 0 && t < vocab;
-    const float inv_cap = 1.f / cap;
-    if (threadIdx.x == 0) target_z = valid ? cap * tanhf(bf16_to_f32(x[t]) * inv_cap) : 0.f;
-    float s = 0.f;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        const float z = cap * tanhf(bf16_to_f32(x[j]) * inv_cap);
-        s += expf(z - cap);
-    }
-    s = block_sum(s, buf);
-    const float lse = cap + logf(s);
-    const float scale = valid ? *scale_ptr : 0.f;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        const float z = cap * tanhf(bf16_to_f32(x[j]) * inv_cap);
-        const float p = expf(z - lse) - (j == t ? 1.f : 0.f);
-        const float r = z * inv_cap;
-        x[j] = f32_to_bf16(p * (1.f - r * r) * scale);
-    }
-    for (int j = vocab + threadIdx.x; j < stride; j += blockDim.x) x[j] = 0;
-    if (threadIdx.x == 0) row_loss[blockIdx.x] = valid ? lse - target_z : 0.f;
-}
-"#;
+use crate::kernel_source::{ENTRIES, source};
 
 /// Threads per row of `softcap_xent`.
 const XENT_THREADS: u32 = 1024;
@@ -95,22 +28,6 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 pub fn launches() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)
 }
-
-/// Every kernel's source, as one NVRTC program.
-fn source() -> String {
-    [PRELUDE, SOFTCAP_XENT, crate::block_kernels::SOURCE].concat()
-}
-
-/// The kernels' entry points (each `extern "C" __global__` in [`source`]).
-const ENTRIES: [&str; 7] = [
-    "softcap_xent",
-    "rope_norm_fwd",
-    "rope_norm_bwd",
-    "relu_square_fwd",
-    "relu_square_bwd",
-    "resid_mix_fwd",
-    "resid_mix_bwd",
-];
 
 struct Loaded {
     stream: Arc<CudaStream>,

@@ -12,6 +12,7 @@ pub mod fused_adamw;
 pub mod fused_loss;
 pub mod fused_ops;
 pub mod gpu_memory;
+pub mod kernel_source;
 pub mod kernels;
 pub mod launch;
 pub mod model;
