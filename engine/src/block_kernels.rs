@@ -1,4 +1,4 @@
-//! The transformer block's elementwise kernels (NVRTC, built with [`crate::kernels`]' prelude):
+//! The transformer block's elementwise kernels (CUDA C in [`crate::kernel_source`], NVRTC):
 //! each replaces a chain of libtorch kernels, forward and backward, that the profile of a d12
 //! step showed as a third of its time (docs/gpu-results/2026-11-26-h200-4). Their numerics are
 //! [`crate::fused_ops`]' tensor-op references, which the CPU tests hold to autograd; the GPU
