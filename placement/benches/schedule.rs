@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use trainyard_model::domain::InterconnectClass;
-use trainyard_placement::scheduler::{GpuView, NodeView, Request, schedule};
+use trainyard_placement::scheduler::{GpuView, LinkMatrix, NodeView, Request, schedule};
 
 /// A small deterministic generator (no dependency, same fleet every run).
 struct Lcg(u64);
@@ -75,7 +75,7 @@ fn fleet(rng: &mut Lcg) -> Vec<NodeView> {
             NodeView {
                 agent_id: format!("host-{i:04}"),
                 gpus,
-                links,
+                links: std::sync::Arc::new(LinkMatrix::parse(&links, 8)),
                 interconnect_class: InterconnectClass::parse(class),
                 numa_cpus: vec![(0, "0-63".into()), (1, "64-127".into())],
             }

@@ -70,7 +70,7 @@ impl LinkClass {
 /// A node's links parsed once: the pair matrix by GPU position (not GPU index), and whether
 /// every off-diagonal cell is the same (then every set has that worst link and only the NUMA
 /// count tells sets apart, so no enumeration is needed).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LinkMatrix {
     n: usize,
     cells: Vec<LinkClass>,

@@ -69,7 +69,9 @@ impl Controller {
                 (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
                 (new, old) => new.or(old),
             };
+            let links = super::link_matrix(&record);
             let entry = AgentEntry {
+                links,
                 record,
                 link,
                 leaving: false,

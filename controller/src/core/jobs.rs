@@ -1,7 +1,7 @@
 //! Submit and cancel (requests: they record and wake the reconciler), and the messages that
 //! start, stop and forget ranks.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use trainyard_proto::v1::{
@@ -198,10 +198,14 @@ impl Core {
     /// agents that are not leaving and whose newest preflight verdict is not `fail`, with busy
     /// GPUs marked.
     pub(super) fn node_views(&self, all: bool) -> Vec<NodeView> {
-        let mut busy: BTreeMap<(&str, u32), ()> = BTreeMap::new();
+        // Busy GPU indices per agent, as bits (GPU indices above 63 are never marked busy: the
+        // scheduler leaves nodes of more than 64 GPUs out).
+        let mut busy: HashMap<&str, u128> = HashMap::with_capacity(self.agents.len());
         for job in self.jobs.values() {
             for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
-                busy.insert((a.agent_id.as_str(), a.gpu_index), ());
+                if a.gpu_index < 128 {
+                    *busy.entry(a.agent_id.as_str()).or_default() |= 1u128 << a.gpu_index;
+                }
             }
         }
         self.agents
@@ -215,7 +219,7 @@ impl Core {
             })
             .map(|e| {
                 let inv = &e.record.inventory;
-                let id = e.record.agent_id.as_str();
+                let held = busy.get(e.record.agent_id.as_str()).copied().unwrap_or(0);
                 let gpus = inv
                     .gpus
                     .iter()
@@ -223,14 +227,14 @@ impl Core {
                         index: g.index,
                         model: g.model.clone(),
                         memory_mib: g.memory_mib,
-                        free: all || !busy.contains_key(&(id, g.index)),
+                        free: all || g.index >= 128 || held & (1u128 << g.index) == 0,
                         numa_node: g.numa_node.map_or(-1, |n| n as i32),
                     })
                     .collect();
                 NodeView {
                     agent_id: e.record.agent_id.clone(),
                     gpus,
-                    links: inv.links.clone(),
+                    links: e.links.clone(),
                     interconnect_class: e.preflight.as_ref().and_then(|r| r.interconnect_class),
                     numa_cpus: inv.numa_nodes.iter().map(|n| (n.id, n.cpus.clone())).collect(),
                 }

@@ -198,6 +198,8 @@ struct AgentEntry {
     unresponsive: bool,
     /// It said hello since this controller started (until then the reconnect grace applies).
     seen_since_start: bool,
+    /// Its inventory's link matrix, parsed once: every scheduling pass shares it.
+    links: Arc<trainyard_placement::scheduler::LinkMatrix>,
 }
 
 /// The send side of an agent's stream.
@@ -367,6 +369,12 @@ impl Controller {
     }
 }
 
+/// An agent's link matrix, parsed from its inventory.
+fn link_matrix(record: &AgentRecord) -> Arc<trainyard_placement::scheduler::LinkMatrix> {
+    let inv = &record.inventory;
+    Arc::new(trainyard_placement::scheduler::LinkMatrix::parse(&inv.links, inv.gpus.len()))
+}
+
 impl Core {
     /// The jobs and agents the store holds, agents counted disconnected since `now` (until they
     /// say hello), with their latest preflight verdicts (a node that failed stays unscheduled
@@ -375,6 +383,7 @@ impl Core {
         let snapshot = store.snapshot().await?;
         let mut core = Core::default();
         for record in snapshot.agents {
+            let links = link_matrix(&record);
             let entry = AgentEntry {
                 record,
                 link: None,
@@ -383,6 +392,7 @@ impl Core {
                 preflight: None,
                 unresponsive: false,
                 seen_since_start: false,
+                links,
             };
             core.agents.insert(entry.record.agent_id.clone(), entry);
         }

@@ -62,9 +62,10 @@ pub struct GpuView {
 pub struct NodeView {
     pub agent_id: String,
     pub gpus: Vec<GpuView>,
-    /// Row-major n x n link codes between GPUs (`NV18`, `PIX`, ..., `X` on the diagonal), as
-    /// `nvidia-smi topo -m` prints them; empty when unknown.
-    pub links: Vec<String>,
+    /// The links between its GPUs, parsed once from the row-major n x n codes `nvidia-smi topo
+    /// -m` prints ([`LinkMatrix::parse`]; all `Unknown` when unknown) and shared: a pass over
+    /// 1,000 nodes neither copies nor parses 64,000 link strings.
+    pub links: std::sync::Arc<LinkMatrix>,
     /// The class its newest preflight found; `None` before the first preflight.
     pub interconnect_class: Option<InterconnectClass>,
     /// CPU list of each NUMA node (kernel list format), by NUMA node id.

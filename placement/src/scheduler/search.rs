@@ -3,7 +3,7 @@
 //! Speed (docs/architecture.md: one decision over 1,000 hosts x 8 GPUs in under 10 ms): GPUs
 //! are bit masks by position in the node; nodes sit in an index ordered by available GPU count,
 //! so a `k`-GPU search starts at the nodes that fit it most tightly and stops at the first set
-//! that no other node could beat; link matrices are parsed only for nodes a search looks at; and
+//! that no other node could beat; link matrices come parsed with the views; and
 //! a request shape that failed once in a pass fails again without a search (capacity only
 //! shrinks during a pass).
 
@@ -54,12 +54,11 @@ struct NodeState<'a> {
     free: u64,
     /// Held for the head job.
     reserved: u64,
-    matrix: OnceCell<LinkMatrix>,
 }
 
 impl NodeState<'_> {
     fn matrix(&self) -> &LinkMatrix {
-        self.matrix.get_or_init(|| LinkMatrix::parse(&self.view.links, self.view.gpus.len()))
+        &self.view.links
     }
 
     fn avail(&self) -> u64 {
@@ -128,7 +127,7 @@ impl<'a> Fleet<'a> {
                 let free =
                     view.gpus.iter().enumerate().filter(|(_, g)| g.free).fold(0, |m, (p, _)| m | 1 << p);
                 let numa = view.gpus.iter().map(|g| g.numa_node).collect();
-                NodeState { view, numa, all, free, reserved: 0, matrix: OnceCell::new() }
+                NodeState { view, numa, all, free, reserved: 0 }
             })
             .collect();
         let by_avail = nodes

@@ -32,7 +32,7 @@ fn node(
     NodeView {
         agent_id: id.into(),
         gpus: gpus(numa),
-        links: matrix(numa.len(), cell),
+        links: std::sync::Arc::new(LinkMatrix::parse(&matrix(numa.len(), cell), numa.len())),
         interconnect_class: Some(class),
         numa_cpus: vec![(0, "0-63".into()), (1, "64-127".into())],
     }
@@ -80,7 +80,8 @@ fn make_test_nodes(n: usize, gpus: u32) -> Vec<NodeView> {
         .map(|i| {
             let mut v = sxm(&format!("node-{i:02}"));
             v.gpus.truncate(gpus as usize);
-            v.links = matrix(gpus as usize, |_, _| "NV18");
+            v.links =
+                std::sync::Arc::new(LinkMatrix::parse(&matrix(gpus as usize, |_, _| "NV18"), gpus as usize));
             v
         })
         .collect()
