@@ -198,8 +198,8 @@ impl Core {
     /// agents that are not leaving and whose newest preflight verdict is not `fail`, with busy
     /// GPUs marked.
     pub(super) fn node_views(&self, all: bool) -> Vec<NodeView> {
-        // Busy GPU indices per agent, as bits (GPU indices above 63 are never marked busy: the
-        // scheduler leaves nodes of more than 64 GPUs out).
+        // Busy GPU indices per agent, as bits. An index of 128 or more counts as free here; no
+        // such node is placed on (the scheduler leaves nodes of more than 64 GPUs out).
         let mut busy: HashMap<&str, u128> = HashMap::with_capacity(self.agents.len());
         for job in self.jobs.values() {
             for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
