@@ -27,11 +27,17 @@ impl Member {
     /// Starts a controller with id `id` on the cluster's PostgreSQL, logging to `ID.log`;
     /// returns once it listens (a follower serves at once).
     pub fn start(c: &Cluster, id: &str) -> Result<Member> {
+        Member::start_at(c, id, "127.0.0.1:0", &[])
+    }
+
+    /// [`Member::start`] listening for gRPC on `listen`, with `extra` flags.
+    pub fn start_at(c: &Cluster, id: &str, listen: &str, extra: &[&str]) -> Result<Member> {
         let db = c.db_url().expect("postgres").to_string();
         let path = |ext: &str| c.path(&format!("{id}.{ext}"));
         let (addr_file, http_file, log) = (path("addr"), path("http"), path("log"));
         let child = Command::new(bin("trainyard-controller")?)
-            .args(["--db", &db, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
+            .args(["--db", &db, "--listen", listen, "--http-listen", "127.0.0.1:0"])
+            .args(extra)
             .args(["--controller-id", id, "--agent-timeout-secs", "30"])
             .arg("--addr-file")
             .arg(&addr_file)

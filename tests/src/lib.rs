@@ -302,6 +302,18 @@ pub struct Cluster {
     pub agent_controllers: Option<String>,
 }
 
+/// A PostgreSQL server of the cluster's own and its database URL, for [`Backend::Postgres`].
+fn postgres_for(backend: Backend) -> Result<Option<(TempPostgres, String)>> {
+    Ok(match backend {
+        Backend::Sqlite => None,
+        Backend::Postgres => {
+            let server = TempPostgres::start(Durability::Full).map_err(anyhow::Error::msg)?;
+            let url = server.create_database().map_err(anyhow::Error::msg)?;
+            Some((server, url))
+        }
+    })
+}
+
 impl Cluster {
     /// Starts a controller on port 0 with its SQLite store under the cluster's directory.
     pub fn start() -> Result<Cluster> {
@@ -321,14 +333,7 @@ impl Cluster {
     /// Starts a controller on port 0 with its store on `backend`.
     pub fn start_on(backend: Backend) -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
-        let postgres = match backend {
-            Backend::Sqlite => None,
-            Backend::Postgres => {
-                let server = TempPostgres::start(Durability::Full).map_err(anyhow::Error::msg)?;
-                let url = server.create_database().map_err(anyhow::Error::msg)?;
-                Some((server, url))
-            }
-        };
+        let postgres = postgres_for(backend)?;
         let mut cluster = Cluster::unstarted(dir, postgres, None);
         cluster.start_controller()?;
         Ok(cluster)
@@ -394,13 +399,19 @@ impl Cluster {
     /// with an admin token for `ctl` whose ranks run as [`run_account`]), with `flags` (e.g. `--agent-timeout-secs 5`) replacing the
     /// harness's defaults. `None` (after printing `skipped: ...`) where no lab can be made.
     pub fn start_lab(hosts: usize, flags: &[(&str, &str)]) -> Result<Option<Cluster>> {
+        Cluster::start_lab_on(Backend::Sqlite, hosts, flags)
+    }
+
+    /// [`Cluster::start_lab`] with its store on `backend`.
+    pub fn start_lab_on(backend: Backend, hosts: usize, flags: &[(&str, &str)]) -> Result<Option<Cluster>> {
         let Some(lab) = NetLab::create(hosts)? else { return Ok(None) };
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
         {
             use std::os::unix::fs::PermissionsExt as _;
             std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
         }
-        let mut cluster = Cluster::unstarted(dir, None, None);
+        let postgres = postgres_for(backend)?;
+        let mut cluster = Cluster::unstarted(dir, postgres, None);
         cluster.lab = Some(lab);
         cluster.controller_flags = flags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         cluster.token = Some(cluster.add_user("admin", &["--admin", "--unix-user", &run_account()])?);

@@ -109,6 +109,28 @@ impl NetLab {
         ip(&["link", "set", &self.hosts[i].veth, "up"])
     }
 
+    /// Gives the bridge a second address, 10.213.S.2 (the hosts are .10 and up): a second
+    /// controller in the test's namespace listens there, on the same port as the first.
+    pub fn second_gateway(&self) -> Result<Ipv4Addr> {
+        let o = self.gateway.octets();
+        let addr = Ipv4Addr::new(o[0], o[1], o[2], 2);
+        ip(&["addr", "add", &format!("{addr}/24"), "dev", &self.bridge])?;
+        Ok(addr)
+    }
+
+    /// Host `i`'s own /etc/hosts (`ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts):
+    /// localhost and `entries`, so a name there resolves, through the real resolver, to what
+    /// the test says (several lines for one name: every address).
+    pub fn set_hosts(&self, i: usize, entries: &[(Ipv4Addr, &str)]) -> Result<()> {
+        let dir = netns_etc(&self.hosts[i].ns);
+        std::fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
+        let mut text = String::from("127.0.0.1 localhost\n");
+        for (addr, name) in entries {
+            text.push_str(&format!("{addr} {name}\n"));
+        }
+        std::fs::write(dir.join("hosts"), text).with_context(|| dir.display().to_string())
+    }
+
     /// `program` to be run inside host `i`'s namespace.
     pub fn command(&self, i: usize, program: &std::path::Path) -> Command {
         let mut c = Command::new("ip");
@@ -121,9 +143,15 @@ impl Drop for NetLab {
     fn drop(&mut self) {
         for host in &self.hosts {
             let _ = ip(&["netns", "del", &host.ns]);
+            let _ = std::fs::remove_dir_all(netns_etc(&host.ns));
         }
         let _ = ip(&["link", "del", &self.bridge]);
     }
+}
+
+/// The per-namespace /etc of `ns` that `ip netns exec` mounts files from.
+fn netns_etc(ns: &str) -> std::path::PathBuf {
+    std::path::Path::new("/etc/netns").join(ns)
 }
 
 /// Runs `ip ARGS`; fails with its stderr.
@@ -163,6 +191,7 @@ fn remove_stale() {
             && dead(pid)
         {
             let _ = ip(&["netns", "del", name]);
+            let _ = std::fs::remove_dir_all(netns_etc(name));
         }
     }
     for line in ip_text(&["-o", "link", "show", "type", "bridge"]).lines() {
