@@ -43,6 +43,16 @@ const RECEIPTS_LOCK: i64 = 0x7472_6169_6e79_6172; // "trainyar"
 /// runs out under load and leadership flaps (1,000 agents flooding did exactly that).
 const ELECTION_POOL_SIZE: u32 = 2;
 
+/// How long the server lets a session sit idle inside an open transaction before it ends the
+/// session (`idle_in_transaction_session_timeout`), for every connection of both pools. A
+/// leader frozen (SIGSTOP) or cut off from the database between two statements of a write
+/// would otherwise keep its share lock on the lease row, and the receipts lock, for as long
+/// as it stays frozen: a follower's takeover (`FOR UPDATE` on that row) would wait behind it
+/// and the group would have no leader at all. Our transactions never wait on the client
+/// between statements for more than a few milliseconds; a session ended this way fails its
+/// statement as a lost connection, tried again from the start, where the fence refuses it.
+const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(2);
+
 /// The PostgreSQL pools: one for the store's work, one for the election.
 #[derive(Debug, Clone)]
 pub(crate) struct Postgres {
@@ -53,7 +63,10 @@ pub(crate) struct Postgres {
 impl Postgres {
     /// Connects to a `postgres://` URL and applies the migrations. The database must exist.
     pub(crate) async fn open(url: &str) -> Result<Self> {
-        let options: PgConnectOptions = url.parse()?;
+        let idle = IDLE_IN_TRANSACTION.as_millis().to_string();
+        let options: PgConnectOptions = url
+            .parse::<PgConnectOptions>()?
+            .options([("idle_in_transaction_session_timeout", idle.as_str())]);
         let pool = PgPoolOptions::new()
             .max_connections(POOL_SIZE)
             .acquire_timeout(Duration::from_secs(5))
@@ -135,7 +148,8 @@ fn sqlstate(e: &sqlx::Error) -> Option<String> {
 }
 
 /// Whether trying the whole transaction again may succeed: serialization failures (40001),
-/// deadlocks (40P01), lost connections (class 08), a server shutting down or restarting
+/// deadlocks (40P01), lost connections (class 08), a session the server ended for idling in a
+/// transaction (25P03, see [`IDLE_IN_TRANSACTION`]), a server shutting down or restarting
 /// (57P01-57P03), and I/O or pool errors on the way to it.
 fn retryable(e: &sqlx::Error) -> bool {
     match e {
@@ -145,7 +159,7 @@ fn retryable(e: &sqlx::Error) -> bool {
             c == "40001"
                 || c == "40P01"
                 || c.starts_with("08")
-                || matches!(c.as_str(), "57P01" | "57P02" | "57P03")
+                || matches!(c.as_str(), "25P03" | "57P01" | "57P02" | "57P03")
         }),
     }
 }

@@ -1296,6 +1296,54 @@ async fn postgres_receipt_positions_commit_in_order() {
     assert_eq!(seen, 4_000, "the cursor stepped over rows");
 }
 
+/// A leader frozen inside a write transaction, past its fence check (SIGSTOP between two
+/// statements; the CI caught it): its share lock on the lease row must not stop a follower
+/// from taking the lease over once it runs out. The server ends the idle transaction, the
+/// follower leads, and the frozen write, woken, commits nothing and is refused by its fence.
+#[tokio::test]
+async fn postgres_a_leader_frozen_mid_write_does_not_block_the_takeover() {
+    use crate::{Election, Fence, LeaseStore};
+    use std::time::{Duration, Instant};
+    let h = PgHarness::new().await;
+    let (a, b) = (std::sync::Arc::new(h.open().await), h.open().await);
+    let Election::Leading(lease) = a.acquire_lease("ctl-a", "a:1", "", 400).await.unwrap() else {
+        panic!("the first controller leads");
+    };
+    a.set_fence(Some(Fence { holder: "ctl-a".into(), epoch: lease.epoch }));
+    let frozen = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            a.write("frozen", async |c: &mut crate::sql::Conn<'_>| {
+                // Past the fence check (which share-locked the lease row); frozen for 8 s.
+                tokio::time::sleep(Duration::from_secs(8)).await;
+                c.query(
+                    "INSERT INTO controller_lease (name, holder, epoch, address, tls_ca, expires_at_ms) \
+                         VALUES ('frozen', 'ctl-a', 0, '', '', 0)",
+                )
+                .execute()
+                .await?;
+                Ok(())
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let asked = Instant::now();
+    let election = tokio::time::timeout(Duration::from_secs(5), b.acquire_lease("ctl-b", "b:1", "", 400))
+        .await
+        .expect("the takeover waited on the frozen leader's transaction")
+        .unwrap();
+    assert!(matches!(&election, Election::Leading(l) if l.epoch == lease.epoch + 1), "{election:?}");
+    eprintln!("took over {:?} after the lease ran out", asked.elapsed());
+    let woken = frozen.await.unwrap();
+    assert!(matches!(woken, Err(StoreError::Fenced(_))), "the frozen write, woken: {woken:?}");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM controller_lease WHERE name = 'frozen'")
+        .fetch_one(b.postgres_pool().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "the frozen write committed nothing");
+}
+
 /// PostgreSQL restarted under an open store: the next operations wait for it and succeed.
 #[tokio::test]
 async fn postgres_store_survives_a_server_restart() {
