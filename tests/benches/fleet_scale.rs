@@ -5,9 +5,11 @@
 //! 1. Quiet ingest: 8 hosts run one 64-rank job whose ranks write receipts as fast as their
 //!    acknowledgements allow; its stored rate is the quiet PostgreSQL ingest rate of this run.
 //! 2. The other hosts connect (time until all 1,000 are on the leader).
-//! 3. Soak: a job every 0.2 s of 1-64 GPUs and 10-59 s (the fleet about 70 % busy), ranks
-//!    writing step receipts at half the quiet rate in all; every 30 s the leader's CPU and
-//!    resident memory.
+//! 3. Soak: a job every 0.2 s of 1-64 GPUs and 10-59 s (the fleet about 70 % busy), each rank
+//!    writing step receipts at the fixed rate that makes half the quiet rate in all when 70 % of
+//!    the fleet's GPUs run ranks (as real ranks do, a rank's rate does not rise when fewer run);
+//!    every 30 s the leader's CPU and resident memory, and receipts written, stored and waiting
+//!    in the agents.
 //! 4. Failover: the leader is SIGKILLed; time until the follower leads and until all 1,000
 //!    hosts are connected to it.
 //!
@@ -263,6 +265,9 @@ fn soak(
     let (mut cpu_before, mut at_before, mut ingested_before) = (cpu_s(leader), Instant::now(), ingested);
     let own = std::process::id();
     let mut own_before = cpu_s(own);
+    let busy_gpus = 0.7 * (agents * GPUS_PER_HOST as u64) as f64;
+    fleet.set_rate(target / busy_gpus);
+    let mut written_before = fleet.receipts_written.load(Ordering::Relaxed);
     println!("soak: {seconds} s; a job every 0.2 s of 1-64 GPUs lasting 10-59 s on {} GPUs", agents * 8);
     while started.elapsed() < Duration::from_secs(seconds) {
         let gpus = 1 + rng.below(64) as u32;
@@ -282,24 +287,27 @@ fn soak(
             (url, http_addr, leader) = self::leader(c, b);
         }
         if started.elapsed() >= next_sample {
-            let running = fleet.running_ranks.load(Ordering::Relaxed).max(1) as f64;
-            fleet.set_rate((target / running).min(100.0));
+            let running = fleet.running_ranks.load(Ordering::Relaxed);
+            let written = fleet.receipts_written.load(Ordering::Relaxed);
+            let waiting = written.saturating_sub(fleet.receipts_acked.load(Ordering::Relaxed));
             let text = scrape(&http_addr);
             let ingested = metric(&text, "trainyard_receipts_ingested_total").unwrap_or(0.0);
             let (cpu, dt, own_cpu) = (cpu_s(leader), at_before.elapsed().as_secs_f64(), cpu_s(own));
             let line = format!(
-                "  t={:>4} s  agents {:>4}  running ranks {:>5} of {}  stored {:>6.0}/s  leader CPU {:>5.1} %  RSS {:>6.1} MiB  jobs submitted {}  (simulated fleet CPU {:.0} %)",
+                "  t={:>4} s  agents {:>4}  running ranks {:>5} of {}  written {:>6.0}/s  stored {:>6.0}/s  waiting in agents {:>8}  leader CPU {:>5.1} %  RSS {:>6.1} MiB  jobs submitted {}  (simulated fleet CPU {:.0} %)",
                 started.elapsed().as_secs(),
                 metric(&text, "trainyard_agents_connected").unwrap_or(0.0),
                 running,
                 agents * GPUS_PER_HOST as u64,
+                (written - written_before) as f64 / dt,
                 (ingested - ingested_before) / dt,
+                waiting,
                 (cpu - cpu_before) * 100.0 / dt,
                 rss_mib(leader),
                 submitted,
                 (own_cpu - own_before) * 100.0 / dt,
             );
-            own_before = own_cpu;
+            (own_before, written_before) = (own_cpu, written);
             println!("{line}");
             samples.push(line);
             (cpu_before, at_before, ingested_before) = (cpu, Instant::now(), ingested);

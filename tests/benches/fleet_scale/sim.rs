@@ -7,6 +7,9 @@
 //! fleet's current rate per rank, and after the job's `TRAINYARD_SIM_SECONDS` an `exit` receipt
 //! and exit code 0. Receipts are kept until acknowledged and resent on the next stream, as the
 //! real agent does from its rank files; past [`WINDOW`] unacknowledged receipts a rank waits.
+//! As the real agent, a stream carries at most [`MAX_UNACKED_BATCHES`] receipt batches awaiting
+//! their acks (the rest wait in the ranks' windows, so a heartbeat or a rank report never queues
+//! behind minutes of receipts), and a rank's exit is reported once all its receipts were sent.
 //! With `TRAINYARD_SIM_FLOOD=1` a rank writes as fast as its window allows (the quiet ingest
 //! measurement).
 
@@ -28,6 +31,8 @@ use trainyard_proto::v1::{
 const WINDOW: usize = 20_000;
 /// Receipts per batch at most (the controller takes up to 20,000).
 const BATCH: usize = 2_000;
+/// Receipt batches sent and not yet acknowledged, at most (the agent's `max_unacked_batches`).
+const MAX_UNACKED_BATCHES: usize = 8;
 const HEARTBEAT: Duration = Duration::from_secs(2);
 const TICK: Duration = Duration::from_millis(200);
 
@@ -89,6 +94,8 @@ struct Rank {
     owed: f64,
     step: i64,
     exited: bool,
+    /// Its exit was reported (after its last receipt was sent).
+    exit_reported: bool,
     master_port: u32,
 }
 
@@ -102,7 +109,8 @@ impl Rank {
     }
 
     fn report(&self) -> RankReport {
-        let (state, exit_code) = if self.exited { ("exited", 0) } else { ("running", 0) };
+        // Exited once reported: a hello says `running` while its last receipts wait to be sent.
+        let (state, exit_code) = if self.exit_reported { ("exited", 0) } else { ("running", 0) };
         RankReport {
             key: Some(self.key),
             state: state.into(),
@@ -216,6 +224,7 @@ async fn serve(
     let mut last = Instant::now();
     // Everything unacknowledged goes again on a new stream (after the hello's acks trim it).
     let mut resend = true;
+    let mut in_flight = 0;
     loop {
         tokio::select! {
             _ = heartbeat.tick() => {
@@ -225,11 +234,15 @@ async fn serve(
             _ = tick.tick() => {
                 let dt = last.elapsed().as_secs_f64();
                 last = Instant::now();
-                if !advance(fleet, tx, ranks, dt, std::mem::take(&mut resend)).await { return; }
+                let resend = std::mem::take(&mut resend);
+                if !advance(fleet, tx, ranks, dt, resend, &mut in_flight).await { return; }
             }
             msg = inbound.message() => {
                 let Ok(Some(msg)) = msg else { return };
                 let Some(msg) = msg.msg else { continue };
+                if matches!(msg, controller_message::Msg::Ack(_)) {
+                    in_flight = usize::saturating_sub(in_flight, 1);
+                }
                 if !handle(fleet, tx, ranks, msg).await { return; }
             }
         }
@@ -237,15 +250,18 @@ async fn serve(
 }
 
 /// Writes what each running rank owes since the last tick, sends new (or, after a reconnect,
-/// all unacknowledged) receipts, and ends ranks whose time is up.
+/// all unacknowledged) receipts while fewer than [`MAX_UNACKED_BATCHES`] batches await their
+/// acks, and reports the exit of ranks whose receipts were all sent.
 async fn advance(
     fleet: &Fleet,
     tx: &mpsc::Sender<AgentMessage>,
     ranks: &mut BTreeMap<(u64, u32, u32), Rank>,
     dt: f64,
     resend: bool,
+    in_flight: &mut usize,
 ) -> bool {
     let rate = fleet.rate();
+    let mut room = MAX_UNACKED_BATCHES.saturating_sub(*in_flight) * BATCH;
     let mut batch = Vec::new();
     let mut updates = Vec::new();
     for rank in ranks.values_mut() {
@@ -253,12 +269,19 @@ async fn advance(
             rank.next_to_send = 0;
         }
         if !rank.exited {
-            write_due(fleet, rank, rate, dt, &mut updates);
+            write_due(fleet, rank, rate, dt);
         }
         // Ordered by seq: start where the unsent ones do (not a scan of the whole window).
         let from = rank.unacked.partition_point(|r| r.seq < rank.next_to_send);
-        batch.extend(rank.unacked.range(from..).cloned());
-        rank.next_to_send = rank.next_seq;
+        let to = rank.unacked.len().min(from + room);
+        batch.extend(rank.unacked.range(from..to).cloned());
+        room -= to - from;
+        rank.next_to_send = rank.unacked.get(to).map_or(rank.next_seq, |r| r.seq);
+        // The exit is reported after its receipts are sent, as a real rank's file is read first.
+        if rank.exited && !rank.exit_reported && rank.next_to_send == rank.next_seq {
+            rank.exit_reported = true;
+            updates.push(rank.report());
+        }
     }
     for chunk in batch.chunks(BATCH) {
         let msg = AgentMessage {
@@ -267,8 +290,8 @@ async fn advance(
         if tx.send(msg).await.is_err() {
             return false;
         }
+        *in_flight += 1;
     }
-    // The exit is reported after its receipts are sent, as a real rank's file is read first.
     for report in updates {
         let msg =
             AgentMessage { msg: Some(agent_message::Msg::RankUpdate(RankUpdate { report: Some(report) })) };
@@ -279,9 +302,9 @@ async fn advance(
     true
 }
 
-/// Writes the receipts a running rank owes after `dt` seconds at `rate`, and its exit when its
-/// time is up (its report goes to `updates`).
-fn write_due(fleet: &Fleet, rank: &mut Rank, rate: f64, dt: f64, updates: &mut Vec<RankReport>) {
+/// Writes the receipts a running rank owes after `dt` seconds at `rate`, and its exit receipt
+/// when its time is up.
+fn write_due(fleet: &Fleet, rank: &mut Rank, rate: f64, dt: f64) {
     let room = WINDOW.saturating_sub(rank.unacked.len());
     let due = if rank.flood { room } else { (rank.owed + rate * dt).floor() as usize };
     rank.owed = if rank.flood { 0.0 } else { rank.owed + rate * dt - due as f64 };
@@ -300,7 +323,6 @@ fn write_due(fleet: &Fleet, rank: &mut Rank, rate: f64, dt: f64, updates: &mut V
         rank.write("exit", body, fleet);
         rank.exited = true;
         fleet.running_ranks.fetch_sub(1, Ordering::Relaxed);
-        updates.push(rank.report());
     }
 }
 
@@ -313,8 +335,8 @@ async fn handle(
 ) -> bool {
     use controller_message::Msg;
     match msg {
-        Msg::HelloAck(ack) => trim(fleet, ranks, &ack.acks, true),
-        Msg::Ack(ack) => trim(fleet, ranks, &ack.acks, false),
+        Msg::HelloAck(ack) => trim(fleet, ranks, &ack.acks),
+        Msg::Ack(ack) => trim(fleet, ranks, &ack.acks),
         Msg::Launch(launch) => {
             for report in start(fleet, ranks, &launch) {
                 let msg = AgentMessage {
@@ -346,12 +368,7 @@ async fn handle(
 }
 
 /// Drops acknowledged receipts (a hello's acks cover ranks the controller knows).
-fn trim(
-    fleet: &Fleet,
-    ranks: &mut BTreeMap<(u64, u32, u32), Rank>,
-    acks: &[trainyard_proto::v1::RankAck],
-    hello: bool,
-) {
+fn trim(fleet: &Fleet, ranks: &mut BTreeMap<(u64, u32, u32), Rank>, acks: &[trainyard_proto::v1::RankAck]) {
     for ack in acks {
         let Some(k) = ack.key else { continue };
         let Some(rank) = ranks.get_mut(&(k.job_id, k.attempt, k.rank)) else { continue };
@@ -359,9 +376,7 @@ fn trim(
         while rank.unacked.front().is_some_and(|r| r.seq <= ack.seq) {
             rank.unacked.pop_front();
         }
-        if !hello {
-            fleet.receipts_acked.fetch_add((before - rank.unacked.len()) as u64, Ordering::Relaxed);
-        }
+        fleet.receipts_acked.fetch_add((before - rank.unacked.len()) as u64, Ordering::Relaxed);
     }
 }
 
@@ -389,6 +404,7 @@ fn start(fleet: &Fleet, ranks: &mut BTreeMap<(u64, u32, u32), Rank>, launch: &La
             owed: 0.0,
             step: 0,
             exited: false,
+            exit_reported: false,
             master_port,
         };
         rank.write("launch", format!(r#"{{"kind":"launch","schema":1,"t_ms":{}}}"#, now_ms()), fleet);
