@@ -450,33 +450,43 @@ impl Controller {
         let attempts: BTreeSet<(u64, u32)> = ranks.keys().map(|id| (id.job_id, id.attempt)).collect();
         let mut unknown = Vec::new();
         for (job_id, attempt) in attempts {
-            let in_memory: Option<BTreeMap<u32, String>> = {
+            let of_attempt = || ranks.keys().filter(move |id| id.job_id == job_id && id.attempt == attempt);
+            // The current attempt of an active job: checked in place, under the lock, with
+            // nothing copied (a batch arrives for every agent several times a second).
+            let checked = {
                 let core = self.lock();
-                core.jobs
-                    .get(&job_id)
-                    .filter(|j| j.record.attempt == attempt)
-                    .map(|j| j.allocations.iter().map(|a| (a.id.rank, a.agent_id.clone())).collect())
+                core.jobs.get(&job_id).filter(|j| j.record.attempt == attempt).map(|j| {
+                    let owner = |rank: u32| {
+                        // Allocations are in rank order; a lookup by position, checked.
+                        let at = j.allocations.get(rank as usize).filter(|a| a.id.rank == rank);
+                        at.or_else(|| j.allocations.iter().find(|a| a.id.rank == rank))
+                            .map_or("no agent", |a| a.agent_id.as_str())
+                    };
+                    of_attempt()
+                        .find(|id| owner(id.rank) != agent_id)
+                        .map(|id| (id.rank, owner(id.rank).to_string()))
+                })
             };
-            let owners = match in_memory {
-                Some(owners) => owners,
+            let stranger = match checked {
+                Some(stranger) => stranger,
                 None => {
                     if self.store.get_job(job_id).await?.is_none() {
                         unknown.push(job_id);
                         continue;
                     }
                     let allocations = self.store.allocations(job_id, attempt).await?;
-                    allocations.into_iter().map(|a| (a.id.rank, a.agent_id)).collect()
+                    let owners: BTreeMap<u32, String> =
+                        allocations.into_iter().map(|a| (a.id.rank, a.agent_id)).collect();
+                    of_attempt().find_map(|id| {
+                        let owner = owners.get(&id.rank).map_or("no agent", String::as_str);
+                        (owner != agent_id).then(|| (id.rank, owner.to_string()))
+                    })
                 }
             };
-            let of_attempt = ranks.keys().filter(|id| id.job_id == job_id && id.attempt == attempt);
-            for id in of_attempt {
-                let owner = owners.get(&id.rank).map_or("no agent", String::as_str);
-                if owner != agent_id {
-                    return Err(ControllerError::NotYours(format!(
-                        "agent {agent_id} sent receipts of rank {} of job {job_id} attempt {attempt}, which runs on {owner}; an agent speaks only for its own ranks",
-                        id.rank
-                    )));
-                }
+            if let Some((rank, owner)) = stranger {
+                return Err(ControllerError::NotYours(format!(
+                    "agent {agent_id} sent receipts of rank {rank} of job {job_id} attempt {attempt}, which runs on {owner}; an agent speaks only for its own ranks"
+                )));
             }
         }
         Ok(unknown)
