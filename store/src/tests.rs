@@ -1296,6 +1296,37 @@ async fn postgres_receipt_positions_commit_in_order() {
     assert_eq!(seen, 4_000, "the cursor stepped over rows");
 }
 
+/// A group of batches goes to PostgreSQL in one statement, and each batch still learns how many
+/// of its rows were new and keeps its own `stored_at_ms`; a group where one rank's rows are in
+/// two batches goes a statement per batch, with the same answer.
+#[tokio::test]
+async fn postgres_a_receipt_group_counts_each_batch() {
+    use fixtures::*;
+    let h = PgHarness::new().await;
+    let s = h.open().await;
+    let j = s.create_job(&spec("group", 2), None, "submitted", 1).await.unwrap();
+    let (r0, r1) =
+        (RankId { job_id: j.id, attempt: 0, rank: 0 }, RankId { job_id: j.id, attempt: 0, rank: 1 });
+    s.insert_receipts(&receipts(r0, 0, 3), 1).await.unwrap();
+    let mut c = s.postgres_pool().unwrap().acquire().await.unwrap();
+    let (a, b) = (receipts(r0, 0, 10), receipts(r1, 0, 5));
+    let counts = crate::postgres::insert_receipt_group(&mut c, &[(&a, 20), (&b, 30)]).await.unwrap();
+    assert_eq!(counts, vec![7, 5], "rank 0 had 3 of its 10 rows already");
+    // Rank 0 in two batches of one group: a statement each.
+    let (x, y, z) = (receipts(r0, 8, 6), receipts(r1, 5, 2), receipts(r0, 12, 4));
+    let counts =
+        crate::postgres::insert_receipt_group(&mut c, &[(&x, 40), (&y, 40), (&z, 50)]).await.unwrap();
+    assert_eq!(counts, vec![4, 2, 2], "rows 10-13, 5-6, then 14-15 were new");
+    let at: Vec<(i64, i64, i64)> =
+        sqlx::query_as("SELECT rank, seq, stored_at_ms FROM receipts WHERE job_id = $1 AND seq IN (2, 3, 15) ORDER BY rank, seq")
+            .bind(j.id as i64)
+            .fetch_all(&mut *c)
+            .await
+            .unwrap();
+    assert_eq!(at, vec![(0, 2, 1), (0, 3, 20), (0, 15, 50), (1, 2, 30), (1, 3, 30)]);
+    assert_eq!(s.receipt_count(j.id).await.unwrap(), 16 + 7);
+}
+
 /// A leader frozen inside a write transaction, past its fence check (SIGSTOP between two
 /// statements; the CI caught it): its share lock on the lease row must not stop a follower
 /// from taking the lease over once it runs out. The server ends the idle transaction, the
