@@ -1,12 +1,13 @@
 //! [`SeriesStore`]: the step rollups the web view's plots read ([`trainyard_analysis::series`]).
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 use trainyard_analysis::series::{Agg, LEVELS, Metric, RollupRow, StepPoint, fold};
 
 use crate::rows::int;
-use crate::sql::{Conn, Row};
+use crate::sql::{Conn, Marks, Row, multi_row_insert, pow2_chunks};
 use crate::{JobId, Result, SeriesStore, SqlStore};
 
 /// A fold's result: the four aggregates of every (attempt, level, rank, bucket) it touched.
@@ -199,32 +200,32 @@ async fn claim(c: &mut Conn<'_>, id: i64, from: i64, to: i64) -> Result<bool> {
     Ok(moved > 0)
 }
 
-/// Merges the stored rollups of the buckets the fold touched into the fold.
+/// Merges the stored rollups of the buckets the fold touched into the fold: one read per
+/// (attempt, level) over the buckets it spans, all ranks at once (a job of 64 ranks folded a
+/// read per rank and level before, each a round trip inside the write transaction).
 async fn merge_stored(c: &mut Conn<'_>, id: i64, folded: &mut Folded) -> Result<()> {
-    let mut groups: BTreeMap<(u32, i64, u32), (i64, i64)> = BTreeMap::new();
-    for &(attempt, level, rank, bucket) in folded.keys() {
-        let g = groups.entry((attempt, level, rank)).or_insert((bucket, bucket));
-        (g.0, g.1) = (g.0.min(bucket), g.1.max(bucket));
+    let mut spans: BTreeMap<(u32, i64), (i64, i64)> = BTreeMap::new();
+    for &(attempt, level, _, bucket) in folded.keys() {
+        let span = spans.entry((attempt, level)).or_insert((bucket, bucket));
+        (span.0, span.1) = (span.0.min(bucket), span.1.max(bucket));
     }
-    for ((attempt, level, rank), (lo, hi)) in groups {
+    for ((attempt, level), (lo, hi)) in spans {
         let found = c
             .query(
                 "SELECT attempt, rank, bucket, step_ms_n, step_ms_min, step_ms_max, step_ms_sum, loss_n, loss_min, \
                  loss_max, loss_sum, tps_n, tps_min, tps_max, tps_sum, mfu_n, mfu_min, mfu_max, mfu_sum \
-                 FROM step_rollups WHERE job_id = $1 AND attempt = $2 AND level = $3 AND rank = $4 \
-                 AND bucket BETWEEN $5 AND $6",
+                 FROM step_rollups WHERE job_id = $1 AND attempt = $2 AND level = $3 AND bucket BETWEEN $4 AND $5",
             )
             .bind(id)
             .bind(i64::from(attempt))
             .bind(level)
-            .bind(i64::from(rank))
             .bind(lo)
             .bind(hi)
             .all()
             .await?;
         for row in &found {
             let old = rollup(row, level)?;
-            if let Some(new) = folded.get_mut(&(attempt, level, rank, old.bucket)) {
+            if let Some(new) = folded.get_mut(&(attempt, level, old.rank, old.bucket)) {
                 for (n, o) in new.iter_mut().zip(old.aggs.iter()) {
                     n.merge(o);
                 }
@@ -234,35 +235,51 @@ async fn merge_stored(c: &mut Conn<'_>, id: i64, folded: &mut Folded) -> Result<
     Ok(())
 }
 
-/// Writes the merged rollups over the stored ones.
+/// Values of one `step_rollups` row in the upsert.
+const ROLLUP_PARAMS: usize = 21;
+
+/// Rows of one upsert statement at most, as a power of two (well under SQLite's 32,766 bound
+/// parameters and PostgreSQL's 65,535).
+const UPSERT_LOG2: u32 = 9;
+const _: () = assert!(ROLLUP_PARAMS << UPSERT_LOG2 < 32_766);
+
+/// The upsert of `2^log2` rows in this database's marks, built once per size.
+fn upsert_sql(marks: Marks, log2: u32) -> Arc<str> {
+    static SQL: OnceLock<[Vec<Arc<str>>; 2]> = OnceLock::new();
+    let all = SQL.get_or_init(|| {
+        let head = "step_rollups (job_id, attempt, level, rank, bucket, step_ms_n, step_ms_min, step_ms_max, \
+                    step_ms_sum, loss_n, loss_min, loss_max, loss_sum, tps_n, tps_min, tps_max, tps_sum, mfu_n, \
+                    mfu_min, mfu_max, mfu_sum)";
+        let tail = " ON CONFLICT (job_id, attempt, level, rank, bucket) DO UPDATE SET \
+                    step_ms_n = excluded.step_ms_n, step_ms_min = excluded.step_ms_min, \
+                    step_ms_max = excluded.step_ms_max, step_ms_sum = excluded.step_ms_sum, \
+                    loss_n = excluded.loss_n, loss_min = excluded.loss_min, loss_max = excluded.loss_max, \
+                    loss_sum = excluded.loss_sum, tps_n = excluded.tps_n, tps_min = excluded.tps_min, \
+                    tps_max = excluded.tps_max, tps_sum = excluded.tps_sum, mfu_n = excluded.mfu_n, \
+                    mfu_min = excluded.mfu_min, mfu_max = excluded.mfu_max, mfu_sum = excluded.mfu_sum";
+        [Marks::Numbered, Marks::Anonymous].map(|marks| {
+            (0..=UPSERT_LOG2).map(|l| multi_row_insert(marks, head, ROLLUP_PARAMS, 1 << l, tail).into()).collect()
+        })
+    });
+    Arc::clone(&all[usize::from(marks == Marks::Anonymous)][log2 as usize])
+}
+
+/// Writes the merged rollups over the stored ones, in multi-row upserts.
 async fn upsert(c: &mut Conn<'_>, id: i64, folded: &Folded) -> Result<()> {
-    for (&(attempt, level, rank, bucket), aggs) in folded {
-        let mut q = c
-            .query(
-                "INSERT INTO step_rollups (job_id, attempt, level, rank, bucket, step_ms_n, step_ms_min, \
-                 step_ms_max, step_ms_sum, loss_n, loss_min, loss_max, loss_sum, tps_n, tps_min, tps_max, tps_sum, \
-                 mfu_n, mfu_min, mfu_max, mfu_sum) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21) \
-                 ON CONFLICT (job_id, attempt, level, rank, bucket) DO UPDATE SET \
-                 step_ms_n = excluded.step_ms_n, step_ms_min = excluded.step_ms_min, \
-                 step_ms_max = excluded.step_ms_max, step_ms_sum = excluded.step_ms_sum, \
-                 loss_n = excluded.loss_n, loss_min = excluded.loss_min, loss_max = excluded.loss_max, \
-                 loss_sum = excluded.loss_sum, tps_n = excluded.tps_n, tps_min = excluded.tps_min, \
-                 tps_max = excluded.tps_max, tps_sum = excluded.tps_sum, mfu_n = excluded.mfu_n, \
-                 mfu_min = excluded.mfu_min, mfu_max = excluded.mfu_max, mfu_sum = excluded.mfu_sum",
-            )
-            .bind(id)
-            .bind(i64::from(attempt))
-            .bind(level)
-            .bind(i64::from(rank))
-            .bind(bucket);
-        for a in aggs {
-            let present = a.n > 0;
-            q = q
-                .bind(a.n)
-                .bind(present.then_some(a.min))
-                .bind(present.then_some(a.max))
-                .bind(present.then_some(a.sum));
+    let rows: Vec<_> = folded.iter().collect();
+    for (log2, chunk) in pow2_chunks(&rows, UPSERT_LOG2) {
+        let sql = upsert_sql(c.marks(), log2);
+        let mut q = c.query(sql);
+        for &(&(attempt, level, rank, bucket), aggs) in chunk {
+            q = q.bind(id).bind(i64::from(attempt)).bind(level).bind(i64::from(rank)).bind(bucket);
+            for a in aggs {
+                let present = a.n > 0;
+                q = q
+                    .bind(a.n)
+                    .bind(present.then_some(a.min))
+                    .bind(present.then_some(a.max))
+                    .bind(present.then_some(a.sum));
+            }
         }
         q.execute().await?;
     }

@@ -253,6 +253,21 @@ pub(crate) fn placeholders(marks: Marks, columns: usize, rows: usize) -> String 
     sql
 }
 
+/// `items` in chunks of power-of-two sizes, largest first and at most `2^max_log2`, with the
+/// log2 of each chunk's size: a multi-row statement for each size is built once and stays in
+/// the connection's prepared-statement cache (at most `max_log2 + 1` of them).
+pub(crate) fn pow2_chunks<T>(mut items: &[T], max_log2: u32) -> impl Iterator<Item = (u32, &[T])> {
+    std::iter::from_fn(move || {
+        if items.is_empty() {
+            return None;
+        }
+        let log2 = items.len().ilog2().min(max_log2);
+        let (chunk, rest) = items.split_at(1 << log2);
+        items = rest;
+        Some((log2, chunk))
+    })
+}
+
 /// `INSERT INTO {head} VALUES (..), (..), ..{tail}`: several rows in one statement.
 pub(crate) fn multi_row_insert(marks: Marks, head: &str, columns: usize, rows: usize, tail: &str) -> String {
     format!("INSERT INTO {head} VALUES {}{tail}", placeholders(marks, columns, rows))
@@ -260,7 +275,16 @@ pub(crate) fn multi_row_insert(marks: Marks, head: &str, columns: usize, rows: u
 
 #[cfg(test)]
 mod tests {
-    use super::{Marks, multi_row_insert};
+    use super::{Marks, multi_row_insert, pow2_chunks};
+
+    #[test]
+    fn chunks_are_powers_of_two_largest_first_and_cover_everything() {
+        let items: Vec<u32> = (0..2_000 + 1_024 + 7).collect();
+        let sizes: Vec<usize> = pow2_chunks(&items, 10).map(|(_, c)| c.len()).collect();
+        assert_eq!(sizes.iter().sum::<usize>(), items.len());
+        assert!(pow2_chunks(&items, 10).all(|(log2, c)| c.len() == 1 << log2 && log2 <= 10));
+        assert!(sizes.windows(2).all(|w| w[0] >= w[1]), "largest first: {sizes:?}");
+    }
 
     #[test]
     fn multi_row_inserts_mark_every_value() {

@@ -22,7 +22,7 @@ use sqlx::sqlite::{
 };
 
 use crate::rows::int;
-use crate::sql::{Conn, Marks, multi_row_insert};
+use crate::sql::{Conn, Marks, multi_row_insert, pow2_chunks};
 use crate::{NewReceipt, Result};
 
 /// Connections in the pool. SQLite has one writer at a time anyway; a few connections let
@@ -200,7 +200,7 @@ pub(crate) async fn insert_receipts(
     now_ms: i64,
 ) -> Result<u64> {
     let mut inserted = 0;
-    for (log2, chunk) in chunks(receipts) {
+    for (log2, chunk) in pow2_chunks(receipts, MAX_CHUNK_LOG2) {
         let mut query = sqlx::query(sqlx::AssertSqlSafe(insert_receipts_sql(log2)));
         for r in chunk {
             let m = r.metrics.clone().unwrap_or_default();
@@ -232,20 +232,6 @@ pub(crate) async fn insert_receipts(
     Ok(inserted)
 }
 
-/// `items` in chunks of power-of-two sizes (largest first, at most `2^MAX_CHUNK_LOG2`), with
-/// the log2 of each chunk's size.
-fn chunks<T>(mut items: &[T]) -> impl Iterator<Item = (u32, &[T])> {
-    std::iter::from_fn(move || {
-        if items.is_empty() {
-            return None;
-        }
-        let log2 = items.len().ilog2().min(MAX_CHUNK_LOG2);
-        let (chunk, rest) = items.split_at(1 << log2);
-        items = rest;
-        Some((log2, chunk))
-    })
-}
-
 /// The receipt insert for `2^log2` rows, built once per size, so the statement text (the key
 /// of sqlx's statement cache) is identical every time.
 fn insert_receipts_sql(log2: u32) -> Arc<str> {
@@ -259,18 +245,4 @@ fn insert_receipts_sql(log2: u32) -> Arc<str> {
         (0..=MAX_CHUNK_LOG2).map(|l| multi_row_insert(Marks::Anonymous, head, RECEIPT_PARAMS, 1 << l, tail).into()).collect()
     });
     Arc::clone(&all[log2 as usize])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunks_are_powers_of_two_largest_first_and_cover_everything() {
-        let items: Vec<u32> = (0..2_000 + 1_024 + 7).collect();
-        let sizes: Vec<usize> = chunks(&items).map(|(_, c)| c.len()).collect();
-        assert_eq!(sizes.iter().sum::<usize>(), items.len());
-        assert!(chunks(&items).all(|(log2, c)| c.len() == 1 << log2 && log2 <= MAX_CHUNK_LOG2));
-        assert!(sizes.windows(2).all(|w| w[0] >= w[1]), "largest first: {sizes:?}");
-    }
 }
