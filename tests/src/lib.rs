@@ -349,17 +349,7 @@ impl Cluster {
             use std::os::unix::fs::PermissionsExt as _;
             std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
         }
-        let marker = dir.path().display().to_string();
-        let pki = dir.path().join("pki");
-        let out = Command::new(bin("trainyard-controller")?)
-            .args(["init-pki", "--dir"])
-            .arg(&pki)
-            .env(MARKER, &marker)
-            .output()
-            .context("run init-pki")?;
-        if !out.status.success() {
-            bail!("init-pki failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
+        let pki = init_pki(dir.path(), &[])?;
         let mut cluster = Cluster::unstarted(dir, None, Some(pki));
         cluster.token = Some(cluster.add_user("admin", &["--admin", "--unix-user", &run_account()])?);
         cluster.start_controller()?;
@@ -404,14 +394,42 @@ impl Cluster {
 
     /// [`Cluster::start_lab`] with its store on `backend`.
     pub fn start_lab_on(backend: Backend, hosts: usize, flags: &[(&str, &str)]) -> Result<Option<Cluster>> {
+        Cluster::start_lab_with(backend, hosts, flags, None)
+    }
+
+    /// [`Cluster::start_lab_on`] serving TLS with a PKI of `init-pki` whose server certificate
+    /// also names `sans` and the lab bridge's address (agents present client certificates).
+    pub fn start_lab_tls(
+        backend: Backend,
+        hosts: usize,
+        flags: &[(&str, &str)],
+        sans: &[&str],
+    ) -> Result<Option<Cluster>> {
+        Cluster::start_lab_with(backend, hosts, flags, Some(sans))
+    }
+
+    fn start_lab_with(
+        backend: Backend,
+        hosts: usize,
+        flags: &[(&str, &str)],
+        sans: Option<&[&str]>,
+    ) -> Result<Option<Cluster>> {
         let Some(lab) = NetLab::create(hosts)? else { return Ok(None) };
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
         {
             use std::os::unix::fs::PermissionsExt as _;
             std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
         }
+        let pki = match sans {
+            Some(sans) => {
+                let gateway = lab.gateway().to_string();
+                let all: Vec<&str> = sans.iter().copied().chain([gateway.as_str()]).collect();
+                Some(init_pki(dir.path(), &all)?)
+            }
+            None => None,
+        };
         let postgres = postgres_for(backend)?;
-        let mut cluster = Cluster::unstarted(dir, postgres, None);
+        let mut cluster = Cluster::unstarted(dir, postgres, pki);
         cluster.lab = Some(lab);
         cluster.controller_flags = flags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         cluster.token = Some(cluster.add_user("admin", &["--admin", "--unix-user", &run_account()])?);
@@ -500,7 +518,7 @@ impl Cluster {
 
     pub fn url(&self) -> String {
         match self.pki {
-            // The server certificate names localhost, 127.0.0.1 and ::1.
+            // The server certificate names localhost, 127.0.0.1 and ::1 (and a lab's bridge).
             Some(_) => format!("https://{}", self.addr),
             None => format!("http://{}", self.addr),
         }
@@ -528,7 +546,7 @@ impl Cluster {
             (None, true) => "127.0.0.1:0".to_string(),
         };
         let mut command = Command::new(bin("trainyard-controller")?);
-        if self.lab.is_some() {
+        if self.lab.is_some() && self.pki.is_none() {
             command.arg("--insecure-plaintext-on-network");
         }
         let mut flags = vec![("--cancel-grace-secs", "3"), ("--agent-timeout-secs", "30")];
@@ -1011,4 +1029,19 @@ fn wait_for_file(path: &Path, timeout: Duration) -> Result<String> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `trainyard-controller init-pki --dir DIR/pki [--san NAME]...`; the PKI directory.
+fn init_pki(dir: &Path, sans: &[&str]) -> Result<PathBuf> {
+    let pki = dir.join("pki");
+    let mut command = Command::new(bin("trainyard-controller")?);
+    command.args(["init-pki", "--dir"]).arg(&pki);
+    for san in sans {
+        command.args(["--san", san]);
+    }
+    let out = command.env(MARKER, dir.display().to_string()).output().context("run init-pki")?;
+    if !out.status.success() {
+        bail!("init-pki failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(pki)
 }

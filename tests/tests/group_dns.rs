@@ -15,6 +15,9 @@ fn ctl_by_name(c: &Cluster, name: &str, args: &[&str]) -> Result<Output> {
     let mut command = c.lab().command(0, &bin("ctl")?);
     command.arg("--controller").arg(name).args(args);
     command.env_remove("TRAINYARD_TOKEN_FILE").env("HOME", c.dir.path());
+    if let Some(pki) = c.pki() {
+        command.env("TRAINYARD_CA", pki.join("ca.pem"));
+    }
     if let Some(token) = &c.token {
         command.env("TRAINYARD_TOKEN", token);
     }
@@ -59,15 +62,35 @@ fn wait_connected(log: &std::path::Path, agent: &str, timeout: Duration) -> Resu
 /// takes over, the agent finds it under the same name, and a second job submitted by name runs.
 #[test]
 fn one_name_for_the_group_finds_the_leader_and_follows_a_takeover() -> Result<()> {
-    let Some(mut c) = Cluster::start_lab_on(Backend::Postgres, 1, &[])? else { return Ok(()) };
+    let Some(c) = Cluster::start_lab_on(Backend::Postgres, 1, &[])? else { return Ok(()) };
+    one_name_for_the_group(c, "http")
+}
+
+/// The same under TLS, as an operator would issue the certificate: it names the group's name
+/// and the first controller's address, not the second's. The second controller is reached
+/// only through the name (agents and `ctl` check its certificate against the name they
+/// resolved, not the address they dialed), so after the takeover nothing else would connect.
+#[test]
+fn one_name_for_the_group_under_tls_checks_the_certificate_against_the_name() -> Result<()> {
+    let sans = ["controllers.test"];
+    let Some(c) = Cluster::start_lab_tls(Backend::Postgres, 1, &[], &sans)? else { return Ok(()) };
+    one_name_for_the_group(c, "https")
+}
+
+fn one_name_for_the_group(mut c: Cluster, scheme: &str) -> Result<()> {
     let port = c.addr.rsplit(':').next().context("the controller's port")?.to_string();
     let second = c.lab().second_gateway()?;
     let listen = format!("{second}:{port}");
-    let member = Member::start_at(&c, "standby", &listen, &["--insecure-plaintext-on-network"])?;
+    let flags: Vec<String> = match c.pki() {
+        Some(pki) => vec!["--tls-dir".into(), pki.display().to_string()],
+        None => vec!["--insecure-plaintext-on-network".into()],
+    };
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let member = Member::start_at(&c, "standby", &listen, &flags)?;
     member.wait_log("following: another controller leads", Duration::from_secs(10))?;
     let gateway = c.lab().gateway();
     c.lab().set_hosts(0, &[(second, "controllers.test"), (gateway, "controllers.test")])?;
-    let name = format!("http://controllers.test:{port}");
+    let name = format!("{scheme}://controllers.test:{port}");
     c.agent_controllers = Some(name.clone());
     c.start_agent_on(0, "node-a", 2)?;
     wait_connected(&c.path("controller.log"), "node-a", Duration::from_secs(30))?;
