@@ -5,10 +5,13 @@
 //! 1. Quiet ingest: 8 hosts run one 64-rank job whose ranks write receipts as fast as their
 //!    acknowledgements allow; its stored rate is the quiet PostgreSQL ingest rate of this run.
 //! 2. The other hosts connect (time until all 1,000 are on the leader).
-//! 3. Soak: a job every 0.2 s of 1-64 GPUs and 10-59 s (the fleet about 70 % busy), each rank
-//!    writing step receipts at the fixed rate that makes half the quiet rate in all when 70 % of
-//!    the fleet's GPUs run ranks (as real ranks do, a rank's rate does not rise when fewer run);
-//!    every 30 s the leader's CPU and resident memory, and receipts written, stored and waiting
+//! 3. Soak: a job every 0.2 s of 1-64 GPUs and 10-59 s (the fleet about 70 % busy), ranks
+//!    writing step receipts at half the quiet rate in all while at least half the fleet's GPUs
+//!    run ranks. Each rank writes that total over the running ranks, but never faster than
+//!    over half the GPUs (about 5 a second here): when fewer run, fewer receipts are written,
+//!    as with real ranks, whose rate is their step rate. (A rate that rose without bound as
+//!    ranks ended filled the remaining ranks' windows, and their exits waited behind them.)
+//!    Every 30 s the leader's CPU and resident memory, and receipts written, stored and waiting
 //!    in the agents.
 //! 4. Failover: the leader is SIGKILLed; time until the follower leads and until all 1,000
 //!    hosts are connected to it.
@@ -265,8 +268,9 @@ fn soak(
     let (mut cpu_before, mut at_before, mut ingested_before) = (cpu_s(leader), Instant::now(), ingested);
     let own = std::process::id();
     let mut own_before = cpu_s(own);
-    let busy_gpus = 0.7 * (agents * GPUS_PER_HOST as u64) as f64;
-    fleet.set_rate(target / busy_gpus);
+    let half_the_gpus = (agents * GPUS_PER_HOST as u64 / 2) as f64;
+    let pace = |running: u64| target / (running as f64).max(half_the_gpus);
+    fleet.set_rate(pace(0));
     let mut written_before = fleet.receipts_written.load(Ordering::Relaxed);
     println!("soak: {seconds} s; a job every 0.2 s of 1-64 GPUs lasting 10-59 s on {} GPUs", agents * 8);
     while started.elapsed() < Duration::from_secs(seconds) {
@@ -281,6 +285,7 @@ fn soak(
             done.lock().expect("not poisoned").push((t.elapsed().as_secs_f64() * 1e3, ok.err()));
         });
         submitted += 1;
+        fleet.set_rate(pace(fleet.running_ranks.load(Ordering::Relaxed)));
         let failed = outcomes.lock().expect("not poisoned").iter().filter(|o| o.1.is_some()).count();
         if failed > seen_failures {
             seen_failures = failed;
