@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use trainyard_analysis::series::{Agg, LEVELS, Metric, RollupRow, StepPoint, fold};
 
 use crate::rows::int;
-use crate::sql::{Conn, Marks, Row, multi_row_insert, pow2_chunks};
+use crate::sql::{Conn, Marks, Row, pow2_chunks, pow2_inserts};
 use crate::{JobId, Result, SeriesStore, SqlStore};
 
 /// A fold's result: the four aggregates of every (attempt, level, rank, bucket) it touched.
@@ -257,9 +257,7 @@ fn upsert_sql(marks: Marks, log2: u32) -> Arc<str> {
                     loss_sum = excluded.loss_sum, tps_n = excluded.tps_n, tps_min = excluded.tps_min, \
                     tps_max = excluded.tps_max, tps_sum = excluded.tps_sum, mfu_n = excluded.mfu_n, \
                     mfu_min = excluded.mfu_min, mfu_max = excluded.mfu_max, mfu_sum = excluded.mfu_sum";
-        [Marks::Numbered, Marks::Anonymous].map(|marks| {
-            (0..=UPSERT_LOG2).map(|l| multi_row_insert(marks, head, ROLLUP_PARAMS, 1 << l, tail).into()).collect()
-        })
+        [Marks::Numbered, Marks::Anonymous].map(|marks| pow2_inserts(marks, head, ROLLUP_PARAMS, UPSERT_LOG2, tail))
     });
     Arc::clone(&all[usize::from(marks == Marks::Anonymous)][log2 as usize])
 }

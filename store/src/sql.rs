@@ -268,6 +268,19 @@ pub(crate) fn pow2_chunks<T>(mut items: &[T], max_log2: u32) -> impl Iterator<It
     })
 }
 
+/// The multi-row inserts of `1, 2, 4, .. 2^max_log2` rows, indexed by log2: built once per size
+/// by the caller (in a `OnceLock`), so each size's text, the key of sqlx's statement cache, is
+/// the same every time ([`pow2_chunks`] cuts the rows to fit).
+pub(crate) fn pow2_inserts(
+    marks: Marks,
+    head: &str,
+    columns: usize,
+    max_log2: u32,
+    tail: &str,
+) -> Vec<std::sync::Arc<str>> {
+    (0..=max_log2).map(|l| multi_row_insert(marks, head, columns, 1 << l, tail).into()).collect()
+}
+
 /// `INSERT INTO {head} VALUES (..), (..), ..{tail}`: several rows in one statement.
 pub(crate) fn multi_row_insert(marks: Marks, head: &str, columns: usize, rows: usize, tail: &str) -> String {
     format!("INSERT INTO {head} VALUES {}{tail}", placeholders(marks, columns, rows))

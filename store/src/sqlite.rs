@@ -22,7 +22,7 @@ use sqlx::sqlite::{
 };
 
 use crate::rows::int;
-use crate::sql::{Conn, Marks, multi_row_insert, pow2_chunks};
+use crate::sql::{Conn, Marks, pow2_chunks, pow2_inserts};
 use crate::{NewReceipt, Result};
 
 /// Connections in the pool. SQLite has one writer at a time anyway; a few connections let
@@ -242,7 +242,7 @@ fn insert_receipts_sql(log2: u32) -> Arc<str> {
                     optimizer_wait_ms, tokens_per_s, mfu, loss, mem_allocated_bytes, mem_reserved_bytes, \
                     mem_peak_allocated_bytes)";
         let tail = " ON CONFLICT (job_id, attempt, rank, seq) DO NOTHING";
-        (0..=MAX_CHUNK_LOG2).map(|l| multi_row_insert(Marks::Anonymous, head, RECEIPT_PARAMS, 1 << l, tail).into()).collect()
+        pow2_inserts(Marks::Anonymous, head, RECEIPT_PARAMS, MAX_CHUNK_LOG2, tail)
     });
     Arc::clone(&all[log2 as usize])
 }

@@ -450,21 +450,17 @@ impl Controller {
         let attempts: BTreeSet<(u64, u32)> = ranks.keys().map(|id| (id.job_id, id.attempt)).collect();
         let mut unknown = Vec::new();
         for (job_id, attempt) in attempts {
-            let of_attempt = || ranks.keys().filter(move |id| id.job_id == job_id && id.attempt == attempt);
             // The current attempt of an active job: checked in place, under the lock, with
             // nothing copied (a batch arrives for every agent several times a second).
             let checked = {
                 let core = self.lock();
                 core.jobs.get(&job_id).filter(|j| j.record.attempt == attempt).map(|j| {
-                    let owner = |rank: u32| {
+                    stranger(ranks, (job_id, attempt), agent_id, |rank| {
                         // Allocations are in rank order; a lookup by position, checked.
                         let at = j.allocations.get(rank as usize).filter(|a| a.id.rank == rank);
                         at.or_else(|| j.allocations.iter().find(|a| a.id.rank == rank))
-                            .map_or("no agent", |a| a.agent_id.as_str())
-                    };
-                    of_attempt()
-                        .find(|id| owner(id.rank) != agent_id)
-                        .map(|id| (id.rank, owner(id.rank).to_string()))
+                            .map(|a| a.agent_id.as_str())
+                    })
                 })
             };
             let stranger = match checked {
@@ -477,10 +473,7 @@ impl Controller {
                     let allocations = self.store.allocations(job_id, attempt).await?;
                     let owners: BTreeMap<u32, String> =
                         allocations.into_iter().map(|a| (a.id.rank, a.agent_id)).collect();
-                    of_attempt().find_map(|id| {
-                        let owner = owners.get(&id.rank).map_or("no agent", String::as_str);
-                        (owner != agent_id).then(|| (id.rank, owner.to_string()))
-                    })
+                    stranger(ranks, (job_id, attempt), agent_id, |rank| owners.get(&rank).map(String::as_str))
                 }
             };
             if let Some((rank, owner)) = stranger {
@@ -491,6 +484,19 @@ impl Controller {
         }
         Ok(unknown)
     }
+}
+
+/// The first rank of `(job_id, attempt)` among `ranks` that `owner` says runs on an agent
+/// other than `agent_id` (or on none), with that owner.
+fn stranger<'a>(
+    ranks: &BTreeMap<RankId, u64>,
+    (job_id, attempt): (u64, u32),
+    agent_id: &str,
+    owner: impl Fn(u32) -> Option<&'a str>,
+) -> Option<(u32, String)> {
+    let of_attempt = ranks.keys().filter(|id| id.job_id == job_id && id.attempt == attempt);
+    let mut owners = of_attempt.map(|id| (id.rank, owner(id.rank).unwrap_or("no agent")));
+    owners.find(|(_, o)| *o != agent_id).map(|(rank, o)| (rank, o.to_string()))
 }
 
 /// Same report apart from its time: nothing to write.

@@ -240,10 +240,7 @@ async fn serve(
             msg = inbound.message() => {
                 let Ok(Some(msg)) = msg else { return };
                 let Some(msg) = msg.msg else { continue };
-                if matches!(msg, controller_message::Msg::Ack(_)) {
-                    in_flight = usize::saturating_sub(in_flight, 1);
-                }
-                if !handle(fleet, tx, ranks, msg).await { return; }
+                if !handle(fleet, tx, ranks, msg, &mut in_flight).await { return; }
             }
         }
     }
@@ -332,11 +329,16 @@ async fn handle(
     tx: &mpsc::Sender<AgentMessage>,
     ranks: &mut BTreeMap<(u64, u32, u32), Rank>,
     msg: controller_message::Msg,
+    in_flight: &mut usize,
 ) -> bool {
     use controller_message::Msg;
     match msg {
         Msg::HelloAck(ack) => trim(fleet, ranks, &ack.acks),
-        Msg::Ack(ack) => trim(fleet, ranks, &ack.acks),
+        Msg::Ack(ack) => {
+            // One ack answers one batch.
+            *in_flight = in_flight.saturating_sub(1);
+            trim(fleet, ranks, &ack.acks);
+        }
         Msg::Launch(launch) => {
             for report in start(fleet, ranks, &launch) {
                 let msg = AgentMessage {
