@@ -47,7 +47,7 @@ async fn bench(backend: &str, store: Arc<dyn Store>) -> anyhow::Result<()> {
     let mut verdict = String::new();
     for _ in 0..RUNS {
         let started = Instant::now();
-        let d = controller.diagnose(job, None).await?;
+        let d = controller.diagnoses().diagnose(job, None).await?;
         times.push(started.elapsed().as_secs_f64() * 1e3);
         anyhow::ensure!(d.samples_used as u64 == u64::from(NODES * GPUS) * STEPS, "read {}", d.samples_used);
         verdict = d.verdict();

@@ -14,7 +14,6 @@
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`http`] and [`web`]: the HTTP listener: `/metrics`, `/healthz` and the web view.
 //! - [`alerts`]: the alert webhooks live findings are posted to (opened, closed).
-//! - [`leader`]: leadership of a controller group on PostgreSQL: elections, lease, step-down.
 //! - [`tls`]: the certificate, key and client CA both listeners load.
 //! - [`server`]: `run(listener, http, controller, security, shutdown)`, the entry point.
 pub mod alerts;
@@ -22,7 +21,6 @@ pub mod auth;
 pub mod config;
 pub mod core;
 pub mod http;
-pub mod leader;
 pub mod metrics;
 pub mod server;
 pub mod service;

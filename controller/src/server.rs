@@ -59,7 +59,7 @@ pub async fn run(
     security: Security,
     shutdown: impl Future,
 ) -> anyhow::Result<()> {
-    let auth = controller.authenticator(security.policy.clone());
+    let auth = crate::auth::Authenticator::new(controller.auth().clone(), security.policy.clone());
     let leads = controller.leads();
     if leads {
         auth.ensure_local_admin(controller.now_ms()).await.context("create the local admin user")?;

@@ -288,3 +288,64 @@ fn the_function_measure_skips_braces_in_strings_and_chars() {
     let text = "pub fn a() {\n    let s = \"{{\";\n    let c = '{';\n}\nfn b<'x>(v: &'x str) -> &'x str {\n    v // }\n}\n";
     assert_eq!(functions(text), vec![("a".to_owned(), 1, 4), ("b".to_owned(), 5, 3)]);
 }
+
+/// The controller's files outside its core that hold or call the store: only the daemon's
+/// wiring (`bin/`, which opens the store and hands it to the core) may.
+fn store_holders_outside_core(src: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    // The trait itself, not `StoreError` and the like.
+    let the_trait = |c: &str, name: &str| {
+        c.match_indices(name).any(|(at, _)| {
+            c[at + name.len()..].chars().next().is_none_or(|n| !n.is_alphanumeric() && n != '_')
+        })
+    };
+    let names_store = |line: &str| {
+        let c = code(line);
+        the_trait(c, "dyn Store") || the_trait(c, "trainyard_store::Store") || c.contains("store: Arc<")
+    };
+    files
+        .iter()
+        .filter(|f| !f.starts_with(src.join("core")) && !f.starts_with(src.join("bin")) && !exempt(f))
+        .filter(|f| !f.file_name().is_some_and(|n| n.to_string_lossy().ends_with("tests.rs")))
+        .filter(|f| std::fs::read_to_string(f).is_ok_and(|t| t.lines().any(names_store)))
+        .map(|f| f.strip_prefix(src).unwrap_or(f).display().to_string())
+        .collect()
+}
+
+#[test]
+fn nothing_outside_the_controllers_core_touches_the_store() {
+    let holders = store_holders_outside_core(&root().join("controller/src"));
+    assert!(holders.is_empty(), "files outside controller/src/core that hold the store: {holders:?}");
+}
+
+/// The core's services, each one type in one file with one `impl` (docs/architecture.md).
+const SERVICES: [(&str, &str); 5] = [
+    ("jobs.rs", "Jobs"),
+    ("nodes.rs", "Nodes"),
+    ("receipts.rs", "Receipts"),
+    ("diagnosis.rs", "Diagnoses"),
+    ("auth.rs", "Auth"),
+];
+
+#[test]
+fn each_service_of_the_core_is_one_impl_in_one_file() {
+    let core = root().join("controller/src/core");
+    let mut files = Vec::new();
+    rust_files(&core, &mut files);
+    for (file, service) in SERVICES {
+        let impls = |text: &str| {
+            text.lines()
+                .filter(|l| {
+                    let c = code(l);
+                    c.starts_with(&format!("impl {service} ")) || c.starts_with(&format!("impl {service}<"))
+                })
+                .count()
+        };
+        for f in &files {
+            let text = std::fs::read_to_string(f).expect("read a core file");
+            let expected = usize::from(f.ends_with(file));
+            assert_eq!(impls(&text), expected, "{}: `impl {service}` blocks (one, in {file})", f.display());
+        }
+    }
+}

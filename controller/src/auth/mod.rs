@@ -1,7 +1,7 @@
 //! Who is calling, and what they may do.
 //!
-//! - Users (`ctl`, the web view) present a bearer token; the store keeps only its SHA-256.
-//!   Tokens are 256 random bits, so a fast hash is enough: there is no password to guess.
+//! - Users (`ctl`, the web view) present a bearer token; the core's auth service
+//!   ([`crate::core::Auth`]) keeps only its SHA-256.
 //! - Agents present a client certificate signed by the fleet's CA; its common name is the
 //!   agent id (checked in `service::agents`).
 //! - The loopback demo (plaintext, loopback only) needs no setup: a call without a token acts
@@ -10,23 +10,20 @@
 //! # Layout
 //! - `pki`: the CA and certificates `init-pki` writes.
 //! - [`door`]: addresses that flood the controller with refused calls are turned away at accept.
-//! - this module: tokens, the [`Policy`], [`Authenticator`] (token to [`Caller`]), the
-//!   permission rules, and the audit log writer.
+//! - this module: the [`Policy`], [`Authenticator`] (token to [`Caller`], through the auth
+//!   service), the permission rules, and the audit of calls.
 
 pub mod door;
 pub mod pki;
 
 use std::sync::Arc;
 
-use sha2::{Digest, Sha256};
-
-use trainyard_store::{AuditEntry, JobOwner, Store, StoreError, UserRecord};
+use crate::core::Auth;
+pub use crate::core::auth::{TOKEN_PREFIX, new_token, token_hash, token_prefix};
+use trainyard_store::{AuditEntry, JobOwner, StoreError, UserRecord};
 
 /// The user a tokenless call acts as in the loopback demo.
 pub const LOCAL_ADMIN: &str = "local";
-
-/// Every token starts with this, so a leaked one is recognisable in logs and scanners.
-pub const TOKEN_PREFIX: &str = "tyt_";
 
 /// How the controller authenticates its callers, from how it listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,27 +76,6 @@ pub enum AuthError {
     Store(#[from] StoreError),
 }
 
-/// A new random token (`tyt_` and 64 hex digits).
-pub fn new_token() -> anyhow::Result<String> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("read random bytes for a token: {e}"))?;
-    Ok(format!("{TOKEN_PREFIX}{}", hex(&bytes)))
-}
-
-/// The hex SHA-256 of a token: what the store keeps.
-pub fn token_hash(token: &str) -> String {
-    hex(&Sha256::digest(token.as_bytes()))
-}
-
-/// The first characters of a token, stored to tell a user's tokens apart.
-pub fn token_prefix(token: &str) -> String {
-    token.chars().take(TOKEN_PREFIX.len() + 8).collect()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Longest value of an audit row's field; longer ones (a 4 MiB job name in a refused submit)
 /// are cut, with their length noted, so a flood of large refused calls cannot fill the disk.
 pub const MAX_AUDIT_FIELD_BYTES: usize = 256;
@@ -125,7 +101,7 @@ const MAX_TOKEN_BYTES: usize = 128;
 /// Turns a call's bearer token into a [`Caller`], and writes the audit log.
 #[derive(Clone)]
 pub struct Authenticator {
-    store: Arc<dyn Store>,
+    accounts: Auth,
     policy: Policy,
     refusals: Arc<std::sync::Mutex<RefusalBudget>>,
     known: Arc<std::sync::Mutex<KnownTokens>>,
@@ -195,10 +171,10 @@ pub fn clip_to(text: &str, max: usize) -> String {
 }
 
 impl Authenticator {
-    pub fn new(store: Arc<dyn Store>, policy: Policy) -> Self {
+    pub fn new(accounts: Auth, policy: Policy) -> Self {
         let budget = RefusalBudget::new(AUDIT_REFUSALS_PER_SEC, AUDIT_REFUSALS_BURST);
         Authenticator {
-            store,
+            accounts,
             policy,
             refusals: Arc::new(std::sync::Mutex::new(budget)),
             door: Arc::default(),
@@ -244,7 +220,7 @@ impl Authenticator {
 
     /// Creates the demo's local admin when this policy lets tokenless calls in.
     pub async fn ensure_local_admin(&self, now_ms: i64) -> Result<(), StoreError> {
-        if self.policy.require_user_token || self.store.get_user(LOCAL_ADMIN).await?.is_some() {
+        if self.policy.require_user_token || self.accounts.user(LOCAL_ADMIN).await?.is_some() {
             return Ok(());
         }
         let user = UserRecord {
@@ -254,7 +230,7 @@ impl Authenticator {
             created_at_ms: now_ms,
             disabled_at_ms: None,
         };
-        match self.store.add_user(&user).await {
+        match self.accounts.add_user(&user, "controller").await {
             Ok(()) | Err(StoreError::Duplicate(_)) => Ok(()),
             Err(e) => Err(e),
         }
@@ -287,7 +263,7 @@ impl Authenticator {
                 "the token is not valid: unknown to this controller".into(),
             ));
         }
-        let Some((t, user)) = self.store.token_owner(&hash).await? else {
+        let Some((t, user)) = self.accounts.token_owner(&hash).await? else {
             return Err(AuthError::Unauthenticated(
                 "the token is not valid: unknown to this controller".into(),
             ));
@@ -345,7 +321,7 @@ impl Authenticator {
             }
             let _reloading = Reloading(self);
             let hashes: std::collections::HashSet<String> =
-                self.store.token_hashes().await?.into_iter().collect();
+                self.accounts.token_hashes().await?.into_iter().collect();
             let mut known = self.known();
             known.hashes = hashes;
             known.loaded_at = Some(std::time::Instant::now());
@@ -379,7 +355,7 @@ impl Authenticator {
             accepted,
             detail: clip(detail),
         };
-        if let Err(e) = self.store.audit(&entry).await {
+        if let Err(e) = self.accounts.audit(&entry).await {
             tracing::error!(actor, action, target, error = %e, "failed to write the audit log");
         }
     }

@@ -1,7 +1,7 @@
 //! The authenticator against a real store: tokens, users, refusals and the audit log.
 
 use super::*;
-use trainyard_store::SqlStore;
+use trainyard_store::{SqlStore, Store};
 
 #[test]
 fn tokens_are_random_prefixed_and_hashed() {
@@ -41,7 +41,7 @@ fn refused_calls_are_audited_at_a_bounded_rate() {
 #[tokio::test]
 async fn a_flood_of_refusals_writes_a_bounded_number_of_rows_and_says_how_many_it_left_out() {
     let store: Arc<dyn Store> = Arc::new(SqlStore::sqlite_in_memory().await.unwrap());
-    let auth = Authenticator::new(store.clone(), Policy::secure(0));
+    let auth = Authenticator::new(crate::core::Auth::new(store.clone()), Policy::secure(0));
     let huge = "x".repeat(4 << 20);
     for i in 0..1_000 {
         auth.audit_refusal("job.submit", &huge, "the token is not valid", None, i).await;
@@ -77,7 +77,7 @@ async fn store_with_ann() -> Arc<dyn Store> {
 #[tokio::test]
 async fn a_token_made_a_moment_ago_works_at_once() {
     let store = store_with_ann().await;
-    let auth = Authenticator::new(store.clone(), Policy::secure(0));
+    let auth = Authenticator::new(crate::core::Auth::new(store.clone()), Policy::secure(0));
     let unknown = format!("Bearer {}", new_token().unwrap());
     assert!(auth.user(Some(&unknown), 0).await.is_err(), "reads the set");
     let token = new_token().unwrap();
@@ -93,7 +93,7 @@ async fn many_valid_tokens_at_once_on_a_cold_set_all_get_in() {
     let store = store_with_ann().await;
     let token = new_token().unwrap();
     store.add_token("ann", &token_hash(&token), &token_prefix(&token), 1, None).await.unwrap();
-    let auth = Authenticator::new(store, Policy::secure(0));
+    let auth = Authenticator::new(crate::core::Auth::new(store), Policy::secure(0));
     let header = format!("Bearer {token}");
     let mut calls = tokio::task::JoinSet::new();
     for _ in 0..3 * UNKNOWN_TOKEN_LOOKUPS_PER_SEC as usize {
@@ -108,7 +108,7 @@ async fn many_valid_tokens_at_once_on_a_cold_set_all_get_in() {
 #[tokio::test]
 async fn what_cannot_be_a_token_is_refused_without_a_lookup() {
     let store: Arc<dyn Store> = Arc::new(SqlStore::sqlite_in_memory().await.unwrap());
-    let auth = Authenticator::new(store, Policy::secure(0));
+    let auth = Authenticator::new(crate::core::Auth::new(store), Policy::secure(0));
     for bad in ["Bearer nope".to_string(), format!("Bearer tyt_{}", "0".repeat(200))] {
         let e = auth.user(Some(&bad), 0).await.unwrap_err();
         assert!(e.to_string().contains("starts with tyt_"), "{e}");
@@ -144,7 +144,7 @@ fn submit_needs_a_unix_account_and_a_priority_within_the_ceiling() {
 #[tokio::test]
 async fn tokens_authenticate_until_revoked_or_expired() {
     let store: Arc<dyn Store> = Arc::new(SqlStore::sqlite_in_memory().await.unwrap());
-    let auth = Authenticator::new(store.clone(), Policy::secure(0));
+    let auth = Authenticator::new(crate::core::Auth::new(store.clone()), Policy::secure(0));
     let user = UserRecord {
         name: "alice".into(),
         admin: false,
@@ -164,7 +164,7 @@ async fn tokens_authenticate_until_revoked_or_expired() {
     assert_eq!(store.revoke_tokens("alice", None, 20).await.unwrap(), 1);
     assert!(auth.user(Some(&bearer), 30).await.unwrap_err().to_string().contains("revoked"));
     // The demo lets tokenless calls in as the local admin, but still checks a token given.
-    let demo = Authenticator::new(store.clone(), Policy::demo());
+    let demo = Authenticator::new(crate::core::Auth::new(store.clone()), Policy::demo());
     demo.ensure_local_admin(5).await.unwrap();
     demo.ensure_local_admin(6).await.unwrap();
     assert!(store.get_user(LOCAL_ADMIN).await.unwrap().unwrap().admin);

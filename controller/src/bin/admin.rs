@@ -1,14 +1,15 @@
 //! The controller's administration subcommands: the PKI, users and their tokens, the audit
-//! log. They work on the store directly (the controller may be running), and every user or
-//! token change is a row of the audit log.
+//! log. They work through the core's auth service on the store (the controller may be
+//! running), which writes a row of the audit log for every user or token change.
 
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
-use trainyard_store::AuthStore as _;
 
 use anyhow::{Context, bail};
 use clap::Subcommand;
 use trainyard_controller::auth::{self, pki};
-use trainyard_store::{AuditEntry, Store, StoreError, UserRecord};
+use trainyard_controller::core::Auth;
+use trainyard_store::{StoreError, UserRecord};
 
 use super::{Cli, Command};
 
@@ -86,10 +87,9 @@ pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::User { action } => user(action, &super::open_store(cli).await?).await,
+        Command::User { action } => user(action, &open_auth(cli).await?).await,
         Command::Audit { limit } => {
-            let store = super::open_store(cli).await?;
-            for e in store.audit_log(*limit).await?.iter().rev() {
+            for e in open_auth(cli).await?.audit_log(*limit).await?.iter().rev() {
                 let outcome = if e.accepted { "accepted" } else { "REFUSED" };
                 println!(
                     "{}  {:<8} {:<12} {:<20} {:<16} {}",
@@ -101,7 +101,12 @@ pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
     }
 }
 
-async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
+/// The auth service over the store the flags name.
+async fn open_auth(cli: &Cli) -> anyhow::Result<Auth> {
+    Ok(Auth::new(Arc::new(super::open_store(cli).await?)))
+}
+
+async fn user(action: &UserCommand, store: &Auth) -> anyhow::Result<()> {
     match action {
         UserCommand::Add { name, admin, unix_user, expires_days } => {
             add_user(store, name, *admin, unix_user.as_deref(), *expires_days).await
@@ -112,8 +117,7 @@ async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
         }
         UserCommand::Revoke { name, prefix } => {
             existing(store, name).await?;
-            let n = store.revoke_tokens(name, prefix.as_deref(), now_ms()).await?;
-            audit(store, "token.revoke", name, &format!("{n} token(s) revoked")).await;
+            let n = store.revoke_tokens(name, prefix.as_deref(), &actor(), now_ms()).await?;
             println!("revoked {n} token(s) of {name}");
             Ok(())
         }
@@ -132,14 +136,7 @@ async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
             if *enable {
                 user.disabled_at_ms = None;
             }
-            store.update_user(&user).await?;
-            let detail = format!(
-                "admin={} unix_user={} disabled={}",
-                user.admin,
-                user.unix_user.as_deref().unwrap_or("-"),
-                user.disabled_at_ms.is_some()
-            );
-            audit(store, "user.set", name, &detail).await;
+            let detail = store.update_user(&user, &actor(), now_ms()).await?;
             println!("{name}: {detail}");
             Ok(())
         }
@@ -149,7 +146,7 @@ async fn user(action: &UserCommand, store: &dyn Store) -> anyhow::Result<()> {
 
 /// `user add`: a new user, and their first token.
 async fn add_user(
-    store: &dyn Store,
+    store: &Auth,
     name: &str,
     admin: bool,
     unix_user: Option<&str>,
@@ -166,21 +163,19 @@ async fn add_user(
         created_at_ms: now_ms(),
         disabled_at_ms: None,
     };
-    match store.add_user(&user).await {
+    match store.add_user(&user, &actor()).await {
         Err(StoreError::Duplicate(_)) => {
             bail!("user {name} exists; `user token {name}` prints a new token for them")
         }
         other => other.context("store the user")?,
     }
-    let detail = format!("admin={admin} unix_user={}", unix_user.unwrap_or("-"));
-    audit(store, "user.add", name, &detail).await;
     issue(store, name, expires_days).await
 }
 
 /// `user list`: every user with their live tokens' prefixes.
-async fn list_users(store: &dyn Store) -> anyhow::Result<()> {
+async fn list_users(store: &Auth) -> anyhow::Result<()> {
     let now = now_ms();
-    for u in store.list_users().await? {
+    for u in store.users().await? {
         let tokens = store.tokens_of(&u.name).await?;
         let live: Vec<&str> = tokens
             .iter()
@@ -200,37 +195,25 @@ async fn list_users(store: &dyn Store) -> anyhow::Result<()> {
 }
 
 /// Stores a new token of `name` and prints it: the only time it is ever shown.
-async fn issue(store: &dyn Store, name: &str, expires_days: Option<u32>) -> anyhow::Result<()> {
-    let token = auth::new_token()?;
+async fn issue(store: &Auth, name: &str, expires_days: Option<u32>) -> anyhow::Result<()> {
     let now = now_ms();
     let expires = expires_days.map(|d| now + i64::from(d) * 86_400_000);
-    store.add_token(name, &auth::token_hash(&token), &auth::token_prefix(&token), now, expires).await?;
-    let detail = format!("token {}... issued", auth::token_prefix(&token));
-    audit(store, "token.add", name, &detail).await;
+    let token = store.issue_token(name, expires, &actor(), now).await?;
     println!("{token}");
     eprintln!("the token of {name} (shown once): give it to them as TRAINYARD_TOKEN or a --token-file");
     Ok(())
 }
 
-async fn existing(store: &dyn Store, name: &str) -> anyhow::Result<UserRecord> {
+async fn existing(store: &Auth, name: &str) -> anyhow::Result<UserRecord> {
     store
-        .get_user(name)
+        .user(name)
         .await?
         .with_context(|| format!("find user {name}: no such user (`user list` shows them)"))
 }
 
-async fn audit(store: &dyn Store, action: &str, name: &str, detail: &str) {
-    let entry = AuditEntry {
-        at_ms: now_ms(),
-        actor: format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "?".into())),
-        action: action.into(),
-        target: format!("user:{name}"),
-        accepted: true,
-        detail: detail.into(),
-    };
-    if let Err(e) = store.audit(&entry).await {
-        eprintln!("warning: the audit log could not be written: {e}");
-    }
+/// Who the audit log says made a change: the Unix user running the command.
+fn actor() -> String {
+    format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "?".into()))
 }
 
 fn check_name(name: &str) -> anyhow::Result<()> {

@@ -352,15 +352,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         let Some(lease) = follow_until_leading(&store, &group, &cli, &listeners, &security).await? else {
             return Ok(()); // stopped while following
         };
-        let fence = trainyard_controller::leader::fence_of(&lease);
-        // The follower's read-only fence is gone with it: this controller writes under its epoch.
-        store.set_fence(Some(fence.clone()));
+        let fence = trainyard_controller::core::leader::take_office(&store, &lease);
         let controller = Controller::start_leading(store.clone(), ControllerConfig::from(&cli), lease)
             .await
             .context("load jobs and agents from the store")?;
         let stop = tokio_util::sync::CancellationToken::new();
-        let lost =
-            trainyard_controller::leader::keep(store.clone(), group.clone(), fence.clone(), stop.clone());
+        let lost = trainyard_controller::core::leader::keep(
+            store.clone(),
+            group.clone(),
+            fence.clone(),
+            stop.clone(),
+        );
         let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let until = {
             let (lost, stopping) = (lost.clone(), stopping.clone());
@@ -388,7 +390,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         served.context("the server task failed")?.context("serve")?;
         stop.cancel();
         if stopping.load(std::sync::atomic::Ordering::Relaxed) {
-            trainyard_controller::leader::resign(&store, &fence).await;
+            trainyard_controller::core::leader::resign(&store, &fence).await;
             return Ok(());
         }
         tracing::error!(
@@ -465,7 +467,7 @@ fn dup_listener(listener: &TcpListener) -> anyhow::Result<TcpListener> {
 /// follower stopped), or `None` on ctrl-c or SIGTERM.
 async fn follow_until_leading(
     store: &Arc<dyn trainyard_store::Store>,
-    group: &trainyard_controller::leader::GroupConfig,
+    group: &trainyard_controller::core::leader::GroupConfig,
     cli: &Cli,
     listeners: &Listeners,
     security: &Security,
@@ -490,7 +492,7 @@ async fn follow_until_leading(
                 .context("serve as a follower")
         })
     };
-    let lease = trainyard_controller::leader::lead(store, group, shutdown_signal(), &seen).await;
+    let lease = trainyard_controller::core::leader::lead(store, group, shutdown_signal(), &seen).await;
     stop.cancel();
     match tokio::time::timeout(Duration::from_secs(10), &mut follower).await {
         Ok(Ok(Ok(()))) => {}
@@ -509,13 +511,13 @@ fn group_config(
     cli: &Cli,
     bound: SocketAddr,
     security: &Security,
-) -> anyhow::Result<trainyard_controller::leader::GroupConfig> {
+) -> anyhow::Result<trainyard_controller::core::leader::GroupConfig> {
     if !(cli.lease_ttl_secs.is_finite() && (1.0..=300.0).contains(&cli.lease_ttl_secs)) {
         bail!("--lease-ttl-secs {}: give seconds between 1 and 300", cli.lease_ttl_secs);
     }
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let id = cli.controller_id.clone().unwrap_or_else(|| format!("{}-{}", host.trim(), std::process::id()));
-    Ok(trainyard_controller::leader::GroupConfig {
+    Ok(trainyard_controller::core::leader::GroupConfig {
         id,
         // A wildcard address names no host: the hostname stands in for it.
         address: cli.advertise.clone().unwrap_or_else(|| match bound.ip().is_unspecified() {

@@ -79,31 +79,31 @@ proptest! {
             let store = store().await;
             let c = controller(&store).await;
             let _agent = connect(&c, "node-a", 4, None).await;
-            let job = c.submit(spec(2), None).await.expect("submit");
+            let job = c.jobs().submit(spec(2), None).await.expect("submit");
             c.reconcile().await;
             for m in messages {
                 // Errors are answers (the service ends or refuses the stream); panics are not.
                 match m {
                     Sent::Receipts(receipts) => {
-                        let _ = c.ingest("node-a", trainyard_proto::v1::ReceiptBatch { receipts }).await;
+                        let _ = c.receipts().ingest("node-a", trainyard_proto::v1::ReceiptBatch { receipts }).await;
                     }
                     Sent::Report(report) => {
-                        let _ = c.rank_update("node-a", &report).await;
+                        let _ = c.jobs().rank_report("node-a", &report).await;
                     }
                     Sent::Preflight(bytes) => {
                         if let Ok(report) = PreflightReport::decode(bytes.as_slice()) {
-                            let _ = c.agent_preflight("node-a", report).await;
+                            let _ = c.nodes().preflight_report("node-a", report).await;
                         }
                     }
-                    Sent::Log(data) => c.log_data("node-a", data),
+                    Sent::Log(data) => c.jobs().log_data("node-a", data),
                     Sent::Leaving(reason) => {
-                        let _ = c.agent_leaving("node-a", &reason).await;
+                        let _ = c.nodes().leaving("node-a", &reason).await;
                     }
                 }
                 c.reconcile().await;
             }
-            assert!(c.job_view(job).await.is_ok(), "the controller still answers");
-            assert!(!c.nodes().await.is_empty());
+            assert!(c.jobs().get(job).await.is_ok(), "the controller still answers");
+            assert!(!c.nodes().list().await.is_empty());
         });
     }
 }

@@ -1,6 +1,8 @@
-//! `Diagnose` and `Compare`: gather what [`trainyard_analysis::diagnose`] reads (an attempt's step receipts
-//! and allocations from the store, the nodes' inventories and newest preflight reports from
-//! memory, the cost model's prediction for the placement) and run it.
+//! The diagnosis service: `Diagnose`, `Compare`, goodput and live findings. It gathers what
+//! [`trainyard_analysis::diagnose`] reads (an attempt's step receipts and allocations from the
+//! store, the nodes' inventories and newest preflight reports from memory, the cost model's
+//! prediction for the placement) and runs it; at a job's end it records the job's goodput and
+//! findings.
 
 use std::collections::BTreeMap;
 
@@ -11,6 +13,7 @@ use trainyard_analysis::diagnose::compare::{
 use trainyard_analysis::diagnose::goodput::{self, Goodput};
 use trainyard_analysis::diagnose::{self, Diagnosis, Input, NodeFacts, StepSample, stragglers};
 use trainyard_model::domain::CheckStatus;
+use trainyard_store::LiveFinding;
 use trainyard_store::{Allocation, GpuWindowRecord, JobId, JobRecord};
 
 /// What one attempt's diagnosis reads.
@@ -41,63 +44,59 @@ impl Evidence {
 /// Telemetry windows a diagnosis reads at most (64 GPUs x 10 s windows for about 4.5 hours).
 const MAX_WINDOWS: u32 = 100_000;
 
-/// Receipts one fold pass reads.
-const FOLD_PASS: u32 = 100_000;
+/// Diagnoses, comparisons, goodput and live findings ([`Controller::diagnoses`]).
+#[derive(Clone, Copy)]
+pub struct Diagnoses<'c> {
+    pub(super) c: &'c Controller,
+}
 
-impl Controller {
-    /// Diagnoses `attempt` of a job (default: its current attempt).
+impl Diagnoses<'_> {
     /// Folds the ended job's last step receipts into its plot rollups, once they settled.
-    async fn roll_up(&self, job_id: JobId) {
+    async fn roll_up(self, job_id: JobId) {
         tokio::time::sleep(std::time::Duration::from_millis(trainyard_analysis::series::SETTLE_MS as u64))
             .await;
-        if let Err(e) = self.fold_steps(job_id).await {
+        if let Err(e) = self.c.receipts().fold(job_id).await {
             tracing::warn!(job_id, error = %e, "could not fold the job's step receipts for its plots");
         }
     }
 
-    /// Folds every settled step receipt of the job into its plot rollups
-    /// ([`trainyard_analysis::series`]), in passes of [`FOLD_PASS`] receipts.
-    pub async fn fold_steps(&self, job_id: JobId) -> Result<()> {
-        let settled = self.now_ms() - trainyard_analysis::series::SETTLE_MS;
-        while self.store.roll_up_steps(job_id, settled, FOLD_PASS).await? == u64::from(FOLD_PASS) {}
-        Ok(())
-    }
-
-    pub async fn diagnose(&self, job_id: JobId, attempt: Option<u32>) -> Result<Diagnosis> {
+    /// Diagnoses `attempt` of a job (default: its current attempt).
+    pub async fn diagnose(self, job_id: JobId, attempt: Option<u32>) -> Result<Diagnosis> {
         Ok(self.evidence(job_id, attempt).await?.diagnose())
     }
 
     /// Where the job's wall time went, attempt by attempt (until now for a running attempt).
-    pub async fn goodput(&self, job_id: JobId) -> Result<Goodput> {
+    pub async fn goodput(self, job_id: JobId) -> Result<Goodput> {
         Ok(self.goodput_and_facts(job_id).await?.0)
     }
 
-    /// [`Controller::goodput`] and the facts of the job's current attempt it was computed from
+    /// [`Diagnoses::goodput`] and the facts of the job's current attempt it was computed from
     /// (its last step, for progress): one pass over the receipts, not two.
-    pub async fn goodput_and_facts(&self, job_id: JobId) -> Result<(Goodput, goodput::AttemptFacts)> {
-        let record = self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
-        let events = self.store.job_events(job_id).await?;
+    pub async fn goodput_and_facts(self, job_id: JobId) -> Result<(Goodput, goodput::AttemptFacts)> {
+        let record = self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
+        let events = self.c.store.job_events(job_id).await?;
         let mut facts = Vec::new();
         for attempt in 0..=record.attempt {
-            let mut f = self.store.attempt_facts(job_id, attempt).await?;
+            let mut f = self.c.store.attempt_facts(job_id, attempt).await?;
             f.place_in(&events);
             facts.push(f);
         }
-        let g = goodput::goodput(&facts, self.now_ms());
+        let g = goodput::goodput(&facts, self.c.now_ms());
         Ok((g, facts.pop().unwrap_or_default()))
     }
 
     /// Records an ended job's goodput and its last attempt's findings (tables
     /// `attempt_goodput`, `job_findings`). A failure is logged: the live answers of
     /// `ctl status` and `ctl diagnose` do not depend on it.
-    pub(super) async fn record_outcome(&self, job_id: JobId) {
+    pub(super) async fn record_outcome(self, job_id: JobId) {
         self.roll_up(job_id).await;
         let outcome = async {
             let goodput = self.goodput(job_id).await?;
             let evidence = self.evidence(job_id, None).await?;
             let diagnosis = evidence.diagnose();
-            self.store
-                .record_outcome(job_id, &goodput, evidence.attempt, &diagnosis.findings, self.now_ms())
+            self.c
+                .store
+                .record_outcome(job_id, &goodput, evidence.attempt, &diagnosis.findings, self.c.now_ms())
                 .await?;
             Ok::<_, ControllerError>(diagnosis.verdict())
         };
@@ -108,14 +107,14 @@ impl Controller {
     }
 
     /// Compares the current attempts of two jobs; `a` is the reference.
-    pub async fn compare(&self, a: JobId, b: JobId) -> Result<Comparison> {
+    pub async fn compare(self, a: JobId, b: JobId) -> Result<Comparison> {
         let a = self.side(a).await?;
         let b = self.side(b).await?;
         Ok(compare::compare(a, b))
     }
 
-    async fn evidence(&self, job_id: JobId, attempt: Option<u32>) -> Result<Evidence> {
-        let record = self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
+    async fn evidence(self, job_id: JobId, attempt: Option<u32>) -> Result<Evidence> {
+        let record = self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
         let attempt = attempt.unwrap_or(record.attempt);
         if attempt > record.attempt {
             return Err(ControllerError::BadRequest(format!(
@@ -123,11 +122,11 @@ impl Controller {
                 record.attempt
             )));
         }
-        let allocations = self.store.allocations(job_id, attempt).await?;
-        let samples = self.store.step_samples(job_id, attempt).await?;
-        let windows = self.store.attempt_gpu_windows(job_id, attempt, MAX_WINDOWS).await?;
+        let allocations = self.c.store.allocations(job_id, attempt).await?;
+        let samples = self.c.store.step_samples(job_id, attempt).await?;
+        let windows = self.c.store.attempt_gpu_windows(job_id, attempt, MAX_WINDOWS).await?;
         let (nodes, predicted_comm_ms) = {
-            let core = self.lock();
+            let core = self.c.lock();
             let nodes: BTreeMap<String, NodeFacts> = allocations
                 .iter()
                 .filter_map(|a| core.agents.get(&a.agent_id))
@@ -142,10 +141,10 @@ impl Controller {
         Ok(Evidence { record, attempt, allocations, samples, nodes, predicted_comm_ms, windows })
     }
 
-    async fn side(&self, job_id: JobId) -> Result<Side> {
+    async fn side(self, job_id: JobId) -> Result<Side> {
         let evidence = self.evidence(job_id, None).await?;
         let diagnosis = evidence.diagnose();
-        let launch = self.store.first_receipt(job_id, evidence.attempt, "launch").await?;
+        let launch = self.c.store.first_receipt(job_id, evidence.attempt, "launch").await?;
         let provenance = launch.as_deref().map(provenance_of).unwrap_or_default();
         let last_step = evidence.samples.iter().map(|s| s.step).max().unwrap_or(0);
         let first_step = evidence.samples.iter().map(|s| s.step).filter(|s| *s >= 0).min().unwrap_or(0);
@@ -186,6 +185,14 @@ impl Controller {
             tokens_per_s: Distribution::of(steady().filter_map(|s| s.tokens_per_s)),
             diagnosis,
         })
+    }
+
+    /// A job's live findings, open and closed, oldest first.
+    pub async fn live_findings(self, job: JobId) -> Result<Vec<LiveFinding>> {
+        if self.c.store.get_job(job).await?.is_none() {
+            return Err(super::ControllerError::JobNotFound(job));
+        }
+        Ok(self.c.store.live_findings(job, 0).await?)
     }
 }
 

@@ -20,16 +20,16 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use trainyard_placement::scheduler::{self, NodeView, Request};
-use trainyard_proto::v1::{CheckpointNow, Notice, controller_message::Msg};
-use trainyard_store::{Cordon, FailureKind, FailureRecord, JobId, JobState};
+use trainyard_proto::v1::{CheckpointNow, controller_message::Msg};
+use trainyard_store::{FailureKind, FailureRecord, JobId, JobState};
 
-use super::{ActiveJob, Controller, Core, Result, rank_done};
+use super::{ActiveJob, Controller, Core, rank_done};
 
 /// The deadline of a drain that names none, and of a notice that carries none.
 pub const DEFAULT_DRAIN_DEADLINE: Duration = Duration::from_secs(120);
 pub const DEFAULT_NOTICE_DEADLINE: Duration = Duration::from_secs(30);
 /// Stop a moment before the host goes away, so the stop itself is not cut off.
-const NOTICE_MARGIN: Duration = Duration::from_secs(2);
+pub(super) const NOTICE_MARGIN: Duration = Duration::from_secs(2);
 
 /// A job asked to checkpoint and move off a node.
 #[derive(Debug, Clone)]
@@ -45,54 +45,6 @@ pub(super) struct Eviction {
 }
 
 impl Controller {
-    /// `ctl drain`: cordons `node` and moves its jobs once they checkpoint (or at `deadline`).
-    /// Returns the agent id and the jobs asked to move.
-    pub async fn drain(&self, node: &str, deadline: Duration, reason: &str) -> Result<(String, Vec<JobId>)> {
-        let agent_id = self.lock().resolve(node)?;
-        let why = format!("node {agent_id} drained by an operator: {reason}");
-        let cordon = Cordon { by: "drain".into(), reason: reason.to_string(), at_ms: self.now_ms() };
-        self.store.set_cordon(&agent_id, Some(&cordon)).await?;
-        let jobs = {
-            let mut core = self.lock();
-            if let Some(entry) = core.agents.get_mut(&agent_id) {
-                entry.record.cordon = Some(cordon);
-            }
-            self.evict(&mut core, &agent_id, FailureKind::Drain, deadline, &why)
-        };
-        tracing::warn!(agent_id, reason, jobs = jobs.len(), deadline_s = deadline.as_secs(), "node draining");
-        self.bump();
-        self.wake();
-        Ok((agent_id, jobs))
-    }
-
-    /// An agent's preemption notice: as a drain, with the deadline the notice gives.
-    pub async fn agent_notice(&self, agent_id: &str, notice: &Notice) -> Result<()> {
-        let now_ms = self.now_ms();
-        let left = match notice.deadline_ms {
-            0 => DEFAULT_NOTICE_DEADLINE,
-            at => Duration::from_millis(u64::try_from(at - now_ms).unwrap_or(0)),
-        };
-        let deadline = left.saturating_sub(NOTICE_MARGIN);
-        let detail: String = notice.detail.chars().take(200).collect();
-        let why = format!(
-            "preemption notice on {agent_id}: {}",
-            if detail.is_empty() { "(no detail)" } else { &detail }
-        );
-        let cordon = Cordon { by: "preemption".into(), reason: why.clone(), at_ms: now_ms };
-        self.store.set_cordon(agent_id, Some(&cordon)).await?;
-        let jobs = {
-            let mut core = self.lock();
-            if let Some(entry) = core.agents.get_mut(agent_id) {
-                entry.record.cordon = Some(cordon);
-            }
-            self.evict(&mut core, agent_id, FailureKind::Preemption, deadline, &why)
-        };
-        tracing::warn!(agent_id, kind = %notice.kind, jobs = jobs.len(), deadline_s = deadline.as_secs(), "preemption notice");
-        self.bump();
-        self.wake();
-        Ok(())
-    }
-
     /// After a scheduling pass: the first waiting job (in `queue`'s priority order) that the
     /// GPUs of lower-priority running jobs would let run preempts the fewest of them. One
     /// preemption at a time: none starts while another is still checkpointing.
@@ -164,7 +116,7 @@ impl Controller {
 
     /// Asks every placed job with a live rank on `node` to checkpoint now; keeps the earlier
     /// deadline when a job is already being moved.
-    fn evict(
+    pub(super) fn evict(
         &self,
         core: &mut Core,
         node: &str,

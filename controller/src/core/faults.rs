@@ -506,33 +506,6 @@ impl Controller {
             }
         }
     }
-
-    /// `ctl cordon` (`Some(reason)`) and `ctl uncordon` (`None`): an operator's cordon stays
-    /// until an operator lifts it; lifting also clears a cordon set after failures.
-    /// `node` is an agent id or a hostname only one agent has; returns the agent id.
-    pub async fn cordon(&self, node: &str, reason: Option<&str>) -> Result<String> {
-        let cordon =
-            reason.map(|r| Cordon { by: BY_OPERATOR.into(), reason: r.to_string(), at_ms: self.now_ms() });
-        let agent_id = self.lock().resolve(node)?;
-        let agent_id = agent_id.as_str();
-        self.store.set_cordon(agent_id, cordon.as_ref()).await?;
-        {
-            let mut core = self.lock();
-            if let Some(entry) = core.agents.get_mut(agent_id) {
-                entry.record.cordon = cordon.clone();
-            }
-            if cordon.is_none() {
-                core.blames.remove(agent_id);
-            }
-        }
-        match reason {
-            Some(reason) => tracing::warn!(agent_id, reason, "node cordoned by an operator"),
-            None => tracing::info!(agent_id, "node uncordoned by an operator"),
-        }
-        self.bump();
-        self.wake();
-        Ok(agent_id.to_string())
-    }
 }
 
 /// The hang of one running attempt, if its ranks stopped stepping for longer than the job's

@@ -35,7 +35,7 @@ async fn tick(c: &Controller) {
 }
 
 async fn state_of(c: &Controller, job: u64) -> (String, String) {
-    let j = c.job_view(job).await.expect("job");
+    let j = c.jobs().get(job).await.expect("job");
     (j.state, j.reason)
 }
 
@@ -48,15 +48,16 @@ async fn running_job(
     let mut a = connect(c, "a", gpus, None).await;
     let mut b = connect(c, "b", gpus, None).await;
     c.reconcile().await;
-    let job = c.submit(spec_of(spec(2 * gpus)), None).await.expect("submit");
+    let job = c.jobs().submit(spec_of(spec(2 * gpus)), None).await.expect("submit");
     c.reconcile().await;
     // Rank 0's host chose the port; the other host is launched then.
-    c.rank_update("a", &RankReport { master_port: 29500, ..report(job, 0, 0, "running", -1) })
+    c.jobs()
+        .rank_report("a", &RankReport { master_port: 29500, ..report(job, 0, 0, "running", -1) })
         .await
         .expect("update");
     for rank in 0..2 * gpus {
         let host = if rank < gpus { "a" } else { "b" };
-        c.rank_update(host, &report(job, 0, rank, "running", -1)).await.expect("update");
+        c.jobs().rank_report(host, &report(job, 0, rank, "running", -1)).await.expect("update");
     }
     c.reconcile().await;
     assert_eq!(state_of(c, job).await.0, "running");
@@ -81,7 +82,7 @@ fn with_restarts(max: u32) -> impl Fn(JobSpecWire) -> JobSpecWire {
 /// Both agents heartbeat (they are alive), `a` first.
 fn heartbeat(c: &Controller, hosts: &[&str]) {
     for h in hosts {
-        c.agent_seen(h);
+        c.nodes().seen(h);
     }
 }
 
@@ -103,7 +104,7 @@ async fn a_silent_host_is_lost_within_the_timeout_blamed_and_its_job_restarts_el
     tick(&c).await;
     let (state, reason) = state_of(&c, job).await;
     assert!(state == "restarting" || state == "pending", "{state}: {reason}");
-    assert!(c.stream_fenced(b.conn_id), "b's open stream ends at its next message");
+    assert!(c.nodes().stream_fenced(b.conn_id), "b's open stream ends at its next message");
     let failures = store.failures(job).await.expect("failures");
     assert_eq!(failures.len(), 1);
     let f = &failures[0];
@@ -112,7 +113,7 @@ async fn a_silent_host_is_lost_within_the_timeout_blamed_and_its_job_restarts_el
         (FailureKind::HostLost, Some("b"), true, false)
     );
     assert!(f.evidence.contains("agent b sent nothing for 8."), "{}", f.evidence);
-    let events = c.job_view(job).await.expect("job").events;
+    let events = c.jobs().get(job).await.expect("job").events;
     let restart = events.iter().find(|e| e.to_state == "restarting").expect("restart event");
     assert!(
         restart.reason.contains("host_lost: rank 1 on b was lost")
@@ -123,15 +124,18 @@ async fn a_silent_host_is_lost_within_the_timeout_blamed_and_its_job_restarts_el
     );
     // a's rank stops when told; the next attempt goes on a and the spare, never on b, after the
     // backoff (1 s).
-    c.rank_update("a", &RankReport { signal: 15, ..report(job, 0, 0, "exited", -1) }).await.expect("update");
+    c.jobs()
+        .rank_report("a", &RankReport { signal: 15, ..report(job, 0, 0, "exited", -1) })
+        .await
+        .expect("update");
     tick(&c).await;
     assert!(spare.launched_jobs().is_empty(), "placed only after the backoff");
-    let view = c.job_view(job).await.expect("job");
+    let view = c.jobs().get(job).await.expect("job");
     assert!(view.waiting_reason.contains("restart backoff"), "{}", view.waiting_reason);
     pass(Duration::from_millis(1100)).await;
     heartbeat(&c, &["a", "spare"]);
     tick(&c).await;
-    let view = c.job_view(job).await.expect("job");
+    let view = c.jobs().get(job).await.expect("job");
     assert_eq!(view.attempt, 1);
     let mut nodes: Vec<&str> = view.ranks.iter().map(|r| r.agent_id.as_str()).collect();
     nodes.sort();
@@ -144,7 +148,7 @@ async fn a_returning_host_has_the_ranks_of_the_old_attempt_stopped() {
     let store = store().await;
     let c = Controller::start(store.clone(), config()).await.expect("start");
     let (_a, b, job) = running_job(&c, 1, with_restarts(2)).await;
-    c.agent_disconnected("b", b.conn_id).await.expect("disconnect");
+    c.nodes().disconnected("b", b.conn_id).await.expect("disconnect");
     pass(Duration::from_secs(9)).await;
     heartbeat(&c, &["a"]);
     tick(&c).await;
@@ -160,7 +164,7 @@ async fn a_returning_host_has_the_ranks_of_the_old_attempt_stopped() {
         agent_version: "test".into(),
         preflight: None,
     };
-    c.agent_hello(hello, tx).await.expect("hello");
+    c.nodes().hello(hello, tx).await.expect("hello");
     let sent: Vec<Msg> = std::iter::from_fn(|| rx.try_recv().ok()).filter_map(|m| m.msg).collect();
     assert!(
         sent.iter().any(|m| matches!(m, Msg::Cancel(x) if x.job_id == job && x.attempt == 0)),
@@ -181,7 +185,7 @@ async fn a_rank_exit_while_a_peer_host_is_silent_waits_for_the_host_verdict() {
     pass(Duration::from_secs(5)).await;
     heartbeat(&c, &["a"]);
     tick(&c).await;
-    c.rank_update("a", &report(job, 0, 0, "exited", 1)).await.expect("update");
+    c.jobs().rank_report("a", &report(job, 0, 0, "exited", 1)).await.expect("update");
     tick(&c).await;
     assert_eq!(state_of(&c, job).await.0, "running", "undecided while b is silent");
     pass(Duration::from_secs(4)).await;
@@ -204,7 +208,7 @@ async fn steps(c: &Controller, host: &str, job: u64, ranks: &[u32], seq: u64) {
             body: format!(r#"{{"schema":1,"kind":"step","step":{seq},"step_time_ms":500}}"#),
         })
         .collect();
-    c.ingest(host, ReceiptBatch { receipts }).await.expect("ingest");
+    c.receipts().ingest(host, ReceiptBatch { receipts }).await.expect("ingest");
 }
 
 fn with_hang(floor_s: f64) -> impl Fn(JobSpecWire) -> JobSpecWire {
@@ -281,23 +285,23 @@ async fn repeated_blame_cordons_a_node_until_it_passes_a_preflight_and_operators
     for round in 0..2 {
         let mut flaky = connect(&c, "flaky", 1, None).await;
         c.reconcile().await;
-        let job = c.submit(spec(1), None).await.expect("submit");
+        let job = c.jobs().submit(spec(1), None).await.expect("submit");
         c.reconcile().await;
         assert_eq!(flaky.launched_jobs(), [job], "round {round}: the only node");
-        c.rank_update("flaky", &report(job, 0, 0, "running", -1)).await.expect("update");
+        c.jobs().rank_report("flaky", &report(job, 0, 0, "running", -1)).await.expect("update");
         c.reconcile().await;
-        c.agent_disconnected("flaky", flaky.conn_id).await.expect("disconnect");
+        c.nodes().disconnected("flaky", flaky.conn_id).await.expect("disconnect");
         pass(Duration::from_secs(9)).await;
         tick(&c).await;
-        let view = c.job_view(job).await.expect("job");
+        let view = c.jobs().get(job).await.expect("job");
         assert_eq!(view.state, "pending", "round {round}: {}", view.reason);
-        let (cancelled, ()) = tokio::join!(c.cancel(job, "done with it"), c.reconcile());
+        let (cancelled, ()) = tokio::join!(c.jobs().cancel(job, "done with it"), c.reconcile());
         cancelled.expect("cancel");
     }
     let node = |nodes: Vec<trainyard_proto::v1::NodeInfo>, id: &str| {
         nodes.into_iter().find(|n| n.agent_id == id).expect("node")
     };
-    let flaky = node(c.nodes().await, "flaky");
+    let flaky = node(c.nodes().list().await, "flaky");
     assert!(flaky.cordon_reason.contains("blamed for 2 failures"), "{}", flaky.cordon_reason);
     assert_eq!(flaky.cordon_by, "failures");
     let stored = store.snapshot().await.expect("snapshot");
@@ -309,17 +313,17 @@ async fn repeated_blame_cordons_a_node_until_it_passes_a_preflight_and_operators
     let report = super::test_support::passing_report("flaky", c.now_ms());
     let mut flaky = connect(&c, "flaky", 1, Some(report)).await;
     c.store_cordons().await;
-    assert_eq!(node(c.nodes().await, "flaky").cordon_reason, "");
+    assert_eq!(node(c.nodes().list().await, "flaky").cordon_reason, "");
     let stored = store.snapshot().await.expect("snapshot");
     assert!(stored.agents.iter().all(|a| a.cordon.is_none()));
     // An operator's cordon: no new work, and only uncordon lifts it.
-    c.cordon("flaky", Some("fan noise")).await.expect("cordon");
-    let job = c.submit(spec(1), None).await.expect("submit");
+    c.nodes().cordon("flaky", Some("fan noise")).await.expect("cordon");
+    let job = c.jobs().submit(spec(1), None).await.expect("submit");
     c.reconcile().await;
     assert!(flaky.launched_jobs().is_empty());
-    assert_eq!(node(c.nodes().await, "flaky").cordon_by, "operator");
-    assert!(matches!(c.cordon("nope", None).await, Err(ControllerError::AgentNotFound(_))));
-    c.cordon("flaky", None).await.expect("uncordon");
+    assert_eq!(node(c.nodes().list().await, "flaky").cordon_by, "operator");
+    assert!(matches!(c.nodes().cordon("nope", None).await, Err(ControllerError::AgentNotFound(_))));
+    c.nodes().cordon("flaky", None).await.expect("uncordon");
     c.reconcile().await;
     assert_eq!(flaky.launched_jobs(), [job]);
 }
@@ -356,7 +360,7 @@ async fn a_drain_moves_a_job_that_never_checkpoints_at_its_deadline_and_a_notice
     let store = store().await;
     let c = Controller::start(store.clone(), config()).await.expect("start");
     let (mut a, mut b, job) = running_job(&c, 1, with_restarts(0)).await;
-    let (node, jobs) = c.drain("a", Duration::from_secs(60), "kernel update").await.expect("drain");
+    let (node, jobs) = c.nodes().drain("a", Duration::from_secs(60), "kernel update").await.expect("drain");
     assert_eq!((node.as_str(), jobs), ("a", vec![job]));
     for agent in [&mut a, &mut b] {
         let asked = agent.sent().into_iter().any(|m| matches!(m, Msg::CheckpointNow(x) if x.job_id == job));
@@ -366,7 +370,7 @@ async fn a_drain_moves_a_job_that_never_checkpoints_at_its_deadline_and_a_notice
     let due = c.now_ms() + 10_000;
     let notice =
         trainyard_proto::v1::Notice { kind: "preemption".into(), deadline_ms: due, detail: "spot".into() };
-    c.agent_notice("b", &notice).await.expect("notice");
+    c.nodes().notice("b", &notice).await.expect("notice");
     for _ in 0..7 {
         pass(Duration::from_secs(1)).await;
         heartbeat(&c, &["a", "b"]);
@@ -411,18 +415,18 @@ async fn a_job_far_higher_in_priority_preempts_a_running_one_through_a_checkpoin
     // 5 above: not enough (the gap is 10); it waits.
     let mut near = spec(2);
     near.priority = 5;
-    let near = c.submit(near, None).await.expect("submit");
+    let near = c.jobs().submit(near, None).await.expect("submit");
     c.reconcile().await;
     assert!(a.sent().iter().all(|m| !matches!(m, Msg::CheckpointNow(_))), "no preemption for a gap of 5");
     let mut urgent = spec(2);
     urgent.priority = 20;
-    let urgent = c.submit(urgent, None).await.expect("submit");
+    let urgent = c.jobs().submit(urgent, None).await.expect("submit");
     c.reconcile().await;
     assert!(
         a.sent().iter().any(|m| matches!(m, Msg::CheckpointNow(x) if x.job_id == low)),
         "the low job is asked to checkpoint"
     );
-    let why = c.job_view(urgent).await.expect("job").waiting_reason;
+    let why = c.jobs().get(urgent).await.expect("job").waiting_reason;
     assert!(why.contains(&format!("preempting job {low}")), "{why}");
     // Both ranks checkpoint; the low job moves, its ranks stop, and the urgent job runs.
     for (host, rank) in [("a", 0u32), ("b", 1)] {
@@ -433,7 +437,7 @@ async fn a_job_far_higher_in_priority_preempts_a_running_one_through_a_checkpoin
             step: 40,
             body: r#"{"kind":"checkpoint","step":40,"path":"/ck/40","duration_ms":3}"#.into(),
         }];
-        c.ingest(host, ReceiptBatch { receipts }).await.expect("ingest");
+        c.receipts().ingest(host, ReceiptBatch { receipts }).await.expect("ingest");
     }
     tick(&c).await;
     let f = &store.failures(low).await.expect("failures")[0];
@@ -444,7 +448,8 @@ async fn a_job_far_higher_in_priority_preempts_a_running_one_through_a_checkpoin
         f.evidence
     );
     for (host, rank) in [("a", 0u32), ("b", 1)] {
-        c.rank_update(host, &RankReport { signal: 15, ..report(low, 0, rank, "exited", -1) })
+        c.jobs()
+            .rank_report(host, &RankReport { signal: 15, ..report(low, 0, rank, "exited", -1) })
             .await
             .expect("update");
     }
@@ -470,16 +475,19 @@ async fn a_restart_may_run_smaller_when_the_spec_allows_and_the_full_size_does_n
     };
     let (_a, b, job) = running_job(&c, 1, elastic).await;
     // b is gone for good, and there is no spare: the full size (2 GPUs) does not fit.
-    c.agent_disconnected("b", b.conn_id).await.expect("disconnect");
+    c.nodes().disconnected("b", b.conn_id).await.expect("disconnect");
     pass(Duration::from_secs(9)).await;
     heartbeat(&c, &["a"]);
     tick(&c).await;
-    c.rank_update("a", &RankReport { signal: 15, ..report(job, 0, 0, "exited", -1) }).await.expect("update");
+    c.jobs()
+        .rank_report("a", &RankReport { signal: 15, ..report(job, 0, 0, "exited", -1) })
+        .await
+        .expect("update");
     tick(&c).await;
     pass(Duration::from_millis(1100)).await;
     heartbeat(&c, &["a"]);
     tick(&c).await;
-    let view = c.job_view(job).await.expect("job");
+    let view = c.jobs().get(job).await.expect("job");
     assert_eq!(view.attempt, 1);
     assert_eq!(view.ranks.len(), 1, "attempt 1 runs on the one GPU left: {view:?}");
     let placed = view.events.iter().rev().find(|e| e.to_state == "scheduled").expect("scheduled");

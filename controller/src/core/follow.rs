@@ -63,7 +63,7 @@ impl NotLeader {
 
 impl Controller {
     /// A follower over `store`: the mirror loaded once, its store fenced read-only. `leader`
-    /// follows the elections ([`crate::leader::lead`] sends what each one finds).
+    /// follows the elections ([`crate::core::leader::lead`] sends what each one finds).
     pub async fn follow(
         store: Arc<dyn Store>,
         config: ControllerConfig,

@@ -1,33 +1,38 @@
-//! Submit and cancel (requests: they record and wake the reconciler), and the messages that
-//! start, stop and forget ranks.
+//! The jobs service: submit and cancel (requests: they record and wake the reconciler), the
+//! jobs as `ctl` and the web view read them, the ranks' reports from their agents, and logs.
 
-use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use trainyard_proto::v1::{
-    CancelRanks, ControllerMessage, ForgetRanks, JobSpec as WireSpec, Launch, RankAssignment,
-    controller_message::Msg,
-};
+use tokio::sync::mpsc;
+use trainyard_proto::v1::{Job, JobEvent, JobSpec as WireSpec, LogData, RankReport};
 
-use super::{ActiveJob, Controller, ControllerError, Core, Result, rank_done};
+use super::agents::rank_id;
+use super::launch::request_of;
+use super::{ActiveJob, Controller, ControllerError, LogEvent, Result};
 use trainyard_model::spec::{self, JobSpec};
-use trainyard_placement::scheduler::{self, GpuView, NodeView, Request};
-use trainyard_store::{Allocation, JobId, JobOwner, JobRecord, JobState, StoreError};
+use trainyard_placement::scheduler;
+use trainyard_store::{Allocation, JobEventRecord, JobId, JobOwner, JobRecord, JobState, StoreError};
 
 /// How long a cancel waits for the reconciler to store it before telling the caller so.
 const CANCEL_STORE_WAIT: Duration = Duration::from_secs(30);
 
-impl Controller {
+/// Jobs: submit, cancel, read, rank reports and logs ([`Controller::jobs`]).
+#[derive(Clone, Copy)]
+pub struct Jobs<'c> {
+    pub(super) c: &'c Controller,
+}
+
+impl Jobs<'_> {
     /// Validates, stores and queues a job; returns its id. Nothing is stored for a bad spec or
     /// one that no node set of the fleet could ever hold. With an idempotency `key`, a submit
     /// that was already stored (a client retrying after a lost reply) returns that job. The
     /// reconciler places it; nothing that happens there can fail this request.
-    pub async fn submit(&self, spec: WireSpec, key: Option<&str>) -> Result<JobId> {
+    pub async fn submit(self, spec: WireSpec, key: Option<&str>) -> Result<JobId> {
         self.submit_as(spec, key, &JobOwner::default()).await
     }
 
-    /// [`Controller::submit`] on behalf of `owner`, who the job is recorded as belonging to.
-    pub async fn submit_as(&self, spec: WireSpec, key: Option<&str>, owner: &JobOwner) -> Result<JobId> {
+    /// [`Jobs::submit`] on behalf of `owner`, who the job is recorded as belonging to.
+    pub async fn submit_as(self, spec: WireSpec, key: Option<&str>, owner: &JobOwner) -> Result<JobId> {
         let spec = spec::parse(spec)?;
         if let Some(key) = key
             && let Some(id) = self.submitted_before(&spec, key, owner).await?
@@ -35,9 +40,9 @@ impl Controller {
             return Ok(id);
         }
         let request = request_of(0, &spec);
-        let cap = self.config.max_pending_per_user;
+        let cap = self.c.config.max_pending_per_user;
         let pending = {
-            let core = self.lock();
+            let core = self.c.lock();
             let mine =
                 |j: &&ActiveJob| j.record.state == JobState::Pending && j.record.owner.user == owner.user;
             core.jobs.values().filter(mine).count()
@@ -49,9 +54,10 @@ impl Controller {
                 owner.user
             )));
         }
-        let all_nodes = self.lock().node_views(true);
+        let all_nodes = self.c.lock().node_views(true);
         scheduler::feasible(&request, &all_nodes).map_err(ControllerError::Unsatisfiable)?;
-        let record = match self.store.create_job_for(&spec, key, owner, "submitted", self.now_ms()).await {
+        let record = match self.c.store.create_job_for(&spec, key, owner, "submitted", self.c.now_ms()).await
+        {
             Err(StoreError::Duplicate(_)) if let Some(key) = key => {
                 // The same key raced in from another connection and won.
                 return self
@@ -64,18 +70,18 @@ impl Controller {
         let id = record.id;
         tracing::info!(job_id = id, name = %spec.name, gpus = request.gpus, user = %owner.user, "job submitted");
         {
-            let mut core = self.lock();
+            let mut core = self.c.lock();
             core.jobs.insert(id, ActiveJob::new(record));
             core.dirty.insert(id);
         }
-        self.bump();
-        self.wake();
+        self.c.bump();
+        self.c.wake();
         Ok(id)
     }
 
     /// The job an earlier submit with `key` created, if any; an error if it had another spec.
-    async fn submitted_before(&self, spec: &JobSpec, key: &str, owner: &JobOwner) -> Result<Option<JobId>> {
-        let Some(job) = self.store.job_by_key(key).await? else { return Ok(None) };
+    async fn submitted_before(self, spec: &JobSpec, key: &str, owner: &JobOwner) -> Result<Option<JobId>> {
+        let Some(job) = self.c.store.job_by_key(key).await? else { return Ok(None) };
         if job.owner.user != owner.user {
             return Err(ControllerError::BadRequest(format!(
                 "idempotency key {key:?} was used by another user; choose another key"
@@ -95,10 +101,10 @@ impl Controller {
     /// then SIGKILL after the grace period). Cancelling a finished job changes nothing. Returns
     /// once the cancel is stored (the reconciler carries it out), so an acknowledged cancel
     /// survives a controller restart.
-    pub async fn cancel(&self, job_id: JobId, reason: &str) -> Result<JobRecord> {
-        let mut changes = self.subscribe();
+    pub async fn cancel(self, job_id: JobId, reason: &str) -> Result<JobRecord> {
+        let mut changes = self.c.subscribe();
         let known = {
-            let mut core = self.lock();
+            let mut core = self.c.lock();
             match core.jobs.get_mut(&job_id) {
                 None => false,
                 Some(job) if job.record.state.is_terminal() => return Ok(job.record.clone()),
@@ -111,13 +117,13 @@ impl Controller {
             }
         };
         if !known {
-            return self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id));
+            return self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id));
         }
-        self.wake();
+        self.c.wake();
         let deadline = tokio::time::Instant::now() + CANCEL_STORE_WAIT;
         loop {
             changes.borrow_and_update();
-            let done = match self.lock().jobs.get(&job_id) {
+            let done = match self.c.lock().jobs.get(&job_id) {
                 Some(job) if job.record.state.is_terminal() => return Ok(job.record.clone()),
                 Some(_) => false,
                 // Finished and forgotten already: the store has the final state.
@@ -137,181 +143,156 @@ impl Controller {
                 }
             }
         }
-        self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))
+        self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))
     }
 
-    /// Sends `CancelRanks` for the current attempt to every agent holding a rank that is
-    /// not done yet.
-    pub(super) fn stop_ranks(&self, core: &mut Core, job_id: JobId, reason: &str) {
-        let Some(job) = core.jobs.get(&job_id) else { return };
-        let attempt = job.record.attempt;
-        let agents: Vec<String> = agents_of(job.allocations.iter().filter(|a| !rank_done(a)));
-        let grace_ms = self.config.cancel_grace.as_millis() as u64;
-        for agent in agents {
-            let msg = Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason: reason.to_string() });
-            core.send(&agent, msg);
-        }
-    }
-
-    /// Tells the agents of a job's current attempt that the controller is done with its ranks.
-    pub(super) fn forget(&self, core: &mut Core, job_id: JobId) {
-        let Some(job) = core.jobs.get(&job_id) else { return };
-        let attempt = job.record.attempt;
-        for agent in agents_of(job.allocations.iter()) {
-            core.send(&agent, Msg::Forget(ForgetRanks { job_id, attempt }));
-        }
-    }
-
-    /// Sends `Launch` to every agent of the job (or only `only`); returns how many were sent.
-    pub(super) fn send_launches(&self, core: &mut Core, job_id: JobId, only: Option<&str>) -> usize {
-        let Some(job) = core.jobs.get(&job_id) else { return 0 };
-        let launches = launch_messages(core, job);
-        let mut sent = 0;
-        for (agent, launch) in launches {
-            if only.is_none_or(|o| o == agent) && core.send(&agent, Msg::Launch(launch)) {
-                sent += 1;
-            }
-        }
-        sent
-    }
-}
-
-impl Core {
-    /// Sends a message to an agent's stream. A full or closed stream drops the link: the agent
-    /// reconnects, and its hello makes the controller send again whatever is still needed.
-    pub(super) fn send(&mut self, agent_id: &str, msg: Msg) -> bool {
-        let Some(entry) = self.agents.get_mut(agent_id) else { return false };
-        let Some(link) = &entry.link else { return false };
-        match link.tx.try_send(ControllerMessage { msg: Some(msg) }) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(agent_id, error = %e, "agent stream not taking messages; dropping the link");
-                entry.link = None;
-                entry.disconnected_since = Some(tokio::time::Instant::now());
-                false
-            }
-        }
-    }
-
-    /// The fleet as the scheduler sees it. `all`: every known agent with every GPU free (for
-    /// feasibility, failing nodes included: an operator can fix them); otherwise connected
-    /// agents that are not leaving and whose newest preflight verdict is not `fail`, with busy
-    /// GPUs marked.
-    pub(super) fn node_views(&self, all: bool) -> Vec<NodeView> {
-        // Busy GPU indices per agent, as bits. An index of 128 or more counts as free here; no
-        // such node is placed on (the scheduler leaves nodes of more than 64 GPUs out).
-        let mut busy: HashMap<&str, u128> = HashMap::with_capacity(self.agents.len());
-        for job in self.jobs.values() {
-            for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
-                if a.gpu_index < 128 {
-                    *busy.entry(a.agent_id.as_str()).or_default() |= 1u128 << a.gpu_index;
-                }
-            }
-        }
-        self.agents
-            .values()
-            .filter(|e| {
-                all || (e.link.is_some()
-                    && !e.leaving
-                    && !e.unresponsive
-                    && !e.failing()
-                    && e.record.cordon.is_none())
+    /// One job with its ranks (current attempt), events and receipt count.
+    pub async fn get(self, job_id: JobId) -> Result<Job> {
+        let record = self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
+        let mut job = self.c.summary(record).await?;
+        let g = self.c.diagnoses().goodput(job_id).await?;
+        job.goodput = Some(trainyard_proto::v1::Goodput {
+            summary: g.describe(),
+            wall_ms: g.wall_ms,
+            startup_ms: g.startup_ms,
+            train_ms: g.train_ms,
+            eval_ms: g.eval_ms,
+            checkpoint_ms: g.checkpoint_ms,
+            restart_ms: g.restart_ms,
+            lost_ms: g.lost_ms,
+            other_ms: g.other_ms,
+            steps_redone: g.attempts.iter().map(|a| a.steps_redone).sum(),
+            goodput: g.goodput,
+            attempts: g
+                .attempts
+                .iter()
+                .map(|a| trainyard_proto::v1::AttemptGoodput {
+                    attempt: a.attempt,
+                    wall_ms: a.wall_ms,
+                    startup_ms: a.startup_ms,
+                    train_ms: a.train_ms,
+                    eval_ms: a.eval_ms,
+                    checkpoint_ms: a.checkpoint_ms,
+                    restart_ms: a.restart_ms,
+                    lost_ms: a.lost_ms,
+                    steps_redone: a.steps_redone,
+                    other_ms: a.other_ms,
+                })
+                .collect(),
+        });
+        job.events = self
+            .c
+            .store
+            .job_events(job_id)
+            .await?
+            .into_iter()
+            .map(|e| JobEvent {
+                at_ms: e.at_ms,
+                from_state: e.from_state.map(|s| s.to_string()).unwrap_or_default(),
+                to_state: e.to_state.to_string(),
+                reason: e.reason,
             })
-            .map(|e| {
-                let inv = &e.record.inventory;
-                let held = busy.get(e.record.agent_id.as_str()).copied().unwrap_or(0);
-                let gpus = inv
-                    .gpus
-                    .iter()
-                    .map(|g| GpuView {
-                        index: g.index,
-                        model: g.model.clone(),
-                        memory_mib: g.memory_mib,
-                        free: all || g.index >= 128 || held & (1u128 << g.index) == 0,
-                        numa_node: g.numa_node.map_or(-1, |n| n as i32),
-                    })
-                    .collect();
-                NodeView {
-                    agent_id: e.record.agent_id.clone(),
-                    gpus,
-                    links: e.links.clone(),
-                    interconnect_class: e.preflight.as_ref().and_then(|r| r.interconnect_class),
-                    numa_cpus: inv.numa_nodes.iter().map(|n| (n.id, n.cpus.clone())).collect(),
-                }
+            .collect();
+        job.failures = self
+            .c
+            .store
+            .failures(job_id)
+            .await?
+            .into_iter()
+            .map(|f| trainyard_proto::v1::Failure {
+                attempt: f.attempt,
+                at_ms: f.at_ms,
+                kind: f.kind.to_string(),
+                agent_id: f.agent_id.unwrap_or_default(),
+                rank: f.rank.map_or(-1, i64::from),
+                evidence: f.evidence,
+                blamed: f.blamed,
+                charged: f.charged,
             })
-            .collect()
+            .collect();
+        Ok(job)
     }
-}
 
-pub(super) fn request_of(job_id: JobId, spec: &JobSpec) -> Request {
-    let res = spec.resources.clone();
-    Request {
-        job_id,
-        priority: spec.priority,
-        gpus: res.gpus,
-        gpus_per_node: res.gpus_per_node,
-        gpu_model: res.gpu_model,
-        min_gpu_memory_mib: res.min_gpu_memory_mib,
-        interconnect: res.interconnect,
-        avoid: Vec::new(),
-    }
-}
-
-/// Distinct agents of some allocations, in order of first appearance.
-fn agents_of<'a>(allocs: impl Iterator<Item = &'a Allocation>) -> Vec<String> {
-    let mut agents: Vec<String> = Vec::new();
-    for a in allocs {
-        if !agents.contains(&a.agent_id) {
-            agents.push(a.agent_id.clone());
+    /// Jobs newest first (only those `submitted_by` submitted, when given), with their ranks
+    /// but without events.
+    pub async fn list(self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<Job>> {
+        let limit = if limit == 0 { 100 } else { limit.min(10_000) };
+        let mut jobs = Vec::new();
+        for record in self.c.store.list_jobs(active_only, submitted_by, limit).await? {
+            jobs.push(self.c.summary(record).await?);
         }
+        Ok(jobs)
     }
-    agents
-}
 
-/// One `Launch` per node of the job's current attempt, rebuilt from its allocations so the
-/// same message can be sent again after a reconnect.
-fn launch_messages(core: &Core, job: &ActiveJob) -> Vec<(String, Launch)> {
-    let world_size = job.allocations.len() as u32;
-    let rank0 = job.allocations.iter().find(|a| a.id.rank == 0);
-    let master_addr = rank0
-        .and_then(|a| core.agents.get(&a.agent_id))
-        .map(|e| e.record.address.clone())
-        .unwrap_or_else(|| "127.0.0.1".into());
-    // Until the rank-0 agent has reported the port it chose, only it is launched (with 0).
-    let master_port = job.master_port.map_or(0, u32::from);
-    let mut by_agent: BTreeMap<&str, Vec<&Allocation>> = BTreeMap::new();
-    for a in &job.allocations {
-        by_agent.entry(a.agent_id.as_str()).or_default().push(a);
+    /// One job's record; `None` when no job has that id.
+    pub async fn record(self, job: JobId) -> Result<Option<JobRecord>> {
+        Ok(self.c.store.get_job(job).await?)
     }
-    let node_count = by_agent.len() as u32;
-    by_agent
-        .into_iter()
-        .filter(|(agent, _)| master_port != 0 || rank0.is_some_and(|a| a.agent_id == *agent))
-        .map(|(agent, allocs)| {
-            let launch = Launch {
-                node_count,
-                job_id: job.record.id,
-                attempt: job.record.attempt,
-                world_size,
-                node_rank: allocs[0].node_rank,
-                local_world_size: allocs.len() as u32,
-                master_addr: master_addr.clone(),
-                master_port,
-                ranks: allocs
-                    .iter()
-                    .map(|a| RankAssignment {
-                        rank: a.id.rank,
-                        local_rank: a.local_rank,
-                        gpu_index: a.gpu_index,
-                        cpus: a.planned_cpus.clone(),
-                        numa_node: a.planned_mems.parse().unwrap_or(-1),
-                    })
-                    .collect(),
-                spec: Some((&job.record.spec).into()),
-                run_as: job.record.owner.run_as.clone(),
-                resume_from: job.resume_from.clone(),
-            };
-            (agent.to_string(), launch)
-        })
-        .collect()
+
+    /// Jobs newest first, at most `limit`; only unfinished ones with `active_only`, only those
+    /// `submitted_by` submitted when given.
+    pub async fn records(
+        self,
+        active_only: bool,
+        submitted_by: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<JobRecord>> {
+        Ok(self.c.store.list_jobs(active_only, submitted_by, limit).await?)
+    }
+
+    /// A job's events, oldest first.
+    pub async fn events(self, job: JobId) -> Result<Vec<JobEventRecord>> {
+        Ok(self.c.store.job_events(job).await?)
+    }
+
+    /// The ranks of one attempt of a job: where each was placed and what its agent reported.
+    pub async fn allocations(self, job: JobId, attempt: u32) -> Result<Vec<Allocation>> {
+        Ok(self.c.store.allocations(job, attempt).await?)
+    }
+
+    /// Asks the agent of `rank` of the job's current attempt for its logs (`logs`); the
+    /// receiver yields them and closes when they are all sent (or, with `follow`, when the rank
+    /// has ended). Returns the request's id, for [`Jobs::log_credit`] and [`Jobs::close_logs`].
+    pub async fn logs(
+        self,
+        job_id: JobId,
+        rank: u32,
+        tail_lines: u32,
+        follow: bool,
+    ) -> Result<(u64, mpsc::Receiver<LogEvent>)> {
+        self.c.open_logs(job_id, rank, tail_lines, follow).await
+    }
+
+    /// The client of a `Logs` request read `pieces` more: the agent may send that many more.
+    pub fn log_credit(self, request_id: u64, pieces: u32) {
+        self.c.log_credit(request_id, pieces)
+    }
+
+    /// The client of a `Logs` request went away: the agent stops reading.
+    pub fn close_logs(self, request_id: u64) {
+        self.c.close_logs(request_id)
+    }
+
+    /// A piece of a `Logs` answer from an agent, for the client that asked.
+    pub fn log_data(self, agent_id: &str, data: LogData) {
+        self.c.log_data(agent_id, data)
+    }
+
+    /// A rank changed state on an agent. A report about a rank of the current attempt that
+    /// another agent runs is refused ([`ControllerError::NotYours`]); nothing is stored.
+    pub async fn rank_report(self, agent_id: &str, report: &RankReport) -> Result<()> {
+        if let Some(id) = report.key.map(rank_id) {
+            let core = self.c.lock();
+            let current = core.jobs.get(&id.job_id).filter(|j| j.record.attempt == id.attempt);
+            if let Some(a) = current.and_then(|j| j.allocations.iter().find(|a| a.id == id))
+                && a.agent_id != agent_id
+            {
+                return Err(ControllerError::NotYours(format!(
+                    "agent {agent_id} reported on rank {} of job {} attempt {}, which runs on {}; an agent speaks only for its own ranks",
+                    id.rank, id.job_id, id.attempt, a.agent_id
+                )));
+            }
+        }
+        self.c.observe(agent_id, report).await
+    }
 }

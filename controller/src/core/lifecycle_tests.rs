@@ -10,7 +10,7 @@ use crate::core::test_support::{connect, controller, report, spec, store};
 use trainyard_store::{Allocation, JobState, RankId, RankObserved};
 
 async fn state_of(c: &Controller, job: u64) -> (String, String) {
-    let j = c.job_view(job).await.expect("job");
+    let j = c.jobs().get(job).await.expect("job");
     (j.state, j.reason)
 }
 
@@ -39,12 +39,12 @@ async fn a_placement_recorded_before_a_crash_is_launched_when_the_agent_returns(
     assert_eq!(agent.launched_jobs(), vec![job], "the launch is sent again");
     assert_eq!(state_of(&c, job).await.0, "launching");
     for rank in 0..2 {
-        c.rank_update("a", &report(job, 0, rank, "running", -1)).await.expect("update");
+        c.jobs().rank_report("a", &report(job, 0, rank, "running", -1)).await.expect("update");
     }
     c.reconcile().await;
     assert_eq!(state_of(&c, job).await.0, "running");
     for rank in 0..2 {
-        c.rank_update("a", &report(job, 0, rank, "exited", 0)).await.expect("update");
+        c.jobs().rank_report("a", &report(job, 0, rank, "exited", 0)).await.expect("update");
     }
     c.reconcile().await;
     assert_eq!(state_of(&c, job).await, ("succeeded".into(), "all 2 ranks exited with code 0".into()));
@@ -57,19 +57,19 @@ async fn an_agent_that_returns_without_its_running_ranks_restarts_the_job_elsewh
     let c = controller(&store).await;
     let agent = connect(&c, "a", 2, None).await;
     c.reconcile().await;
-    let job = c.submit(spec(2), None).await.expect("submit");
+    let job = c.jobs().submit(spec(2), None).await.expect("submit");
     c.reconcile().await;
     for rank in 0..2 {
-        c.rank_update("a", &report(job, 0, rank, "running", -1)).await.expect("update");
+        c.jobs().rank_report("a", &report(job, 0, rank, "running", -1)).await.expect("update");
     }
     c.reconcile().await;
-    c.agent_disconnected("a", agent.conn_id).await.expect("disconnect");
+    c.nodes().disconnected("a", agent.conn_id).await.expect("disconnect");
     // Its state directory was wiped: the hello reports no ranks.
     let _back = connect(&c, "a", 2, None).await;
     c.reconcile().await;
     // A host that lost its ranks is the fleet's failure: the job restarts, and the node is left
     // out until it passes a preflight (here the only node, so the job waits and says why).
-    let view = c.job_view(job).await.expect("job");
+    let view = c.jobs().get(job).await.expect("job");
     assert_eq!(view.state, "pending");
     assert!(view.events.iter().any(|e| e.reason.contains("agent a came back without it")), "{view:?}");
     assert_eq!(view.failures[0].kind, "host_lost");
@@ -85,18 +85,18 @@ async fn ranks_on_an_agent_gone_past_the_timeout_are_lost() {
     let c = Controller::start(store.clone(), config).await.expect("start");
     let agent = connect(&c, "a", 1, None).await;
     c.reconcile().await;
-    let job = c.submit(spec(1), None).await.expect("submit");
+    let job = c.jobs().submit(spec(1), None).await.expect("submit");
     c.reconcile().await;
-    c.rank_update("a", &report(job, 0, 0, "running", -1)).await.expect("update");
+    c.jobs().rank_report("a", &report(job, 0, 0, "running", -1)).await.expect("update");
     c.reconcile().await;
-    c.agent_disconnected("a", agent.conn_id).await.expect("disconnect");
+    c.nodes().disconnected("a", agent.conn_id).await.expect("disconnect");
     c.reap_vanished_agents().await;
     c.reconcile().await;
     assert_eq!(state_of(&c, job).await.0, "running", "within the timeout nothing happens");
     tokio::time::sleep(Duration::from_millis(80)).await;
     c.reap_vanished_agents().await;
     c.reconcile().await;
-    let view = c.job_view(job).await.expect("job");
+    let view = c.jobs().get(job).await.expect("job");
     assert_eq!(view.state, "pending", "restarted: a lost host does not use up max_restarts = 0");
     let restart = view.events.iter().find(|e| e.to_state == "restarting").expect("restart event");
     assert!(restart.reason.contains("agent a disconnected 0."), "{}", restart.reason);
@@ -108,16 +108,16 @@ async fn ranks_of_a_finished_attempt_are_stopped_or_forgotten() {
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 1, None).await;
     c.reconcile().await;
-    let job = c.submit(spec(1), None).await.expect("submit");
+    let job = c.jobs().submit(spec(1), None).await.expect("submit");
     c.reconcile().await;
-    c.rank_update("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
+    c.jobs().rank_report("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
     c.reconcile().await;
     agent.sent();
     // A late report of a running rank of that finished attempt: stop it. An exited one: forget.
-    c.rank_update("a", &report(job, 0, 0, "running", -1)).await.expect("update");
+    c.jobs().rank_report("a", &report(job, 0, 0, "running", -1)).await.expect("update");
     c.reconcile().await;
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::Cancel(x) if x.job_id == job)));
-    c.rank_update("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
+    c.jobs().rank_report("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
     c.reconcile().await;
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::Forget(x) if x.job_id == job)));
     assert_eq!(state_of(&c, job).await.0, "succeeded", "a late report changes nothing");
@@ -129,17 +129,17 @@ async fn cancelling_a_pending_job_ends_it_at_once() {
     let c = controller(&store).await;
     let _agent = connect(&c, "a", 1, None).await;
     c.reconcile().await;
-    let running = c.submit(spec(1), None).await.expect("submit");
+    let running = c.jobs().submit(spec(1), None).await.expect("submit");
     c.reconcile().await;
-    let waiting = c.submit(spec(1), None).await.expect("submit");
+    let waiting = c.jobs().submit(spec(1), None).await.expect("submit");
     c.reconcile().await;
     assert_eq!(state_of(&c, waiting).await.0, "pending");
     // The cancel is carried out by the reconciler; the request returns once it is stored.
-    let (record, ()) = tokio::join!(c.cancel(waiting, ""), c.reconcile());
+    let (record, ()) = tokio::join!(c.jobs().cancel(waiting, ""), c.reconcile());
     let record = record.expect("cancel");
     assert_eq!((record.state, record.reason.as_str()), (JobState::Cancelled, "cancelled by operator"));
     assert_eq!(state_of(&c, running).await.0, "launching", "the other job is untouched");
-    assert!(matches!(c.cancel(999, "").await, Err(ControllerError::JobNotFound(999))));
+    assert!(matches!(c.jobs().cancel(999, "").await, Err(ControllerError::JobNotFound(999))));
 }
 
 /// A store that refuses job B's placement (a real SQLite trigger, as a full disk or a broken
@@ -158,15 +158,15 @@ async fn a_placement_the_store_refuses_fails_no_other_request() {
     let store: Arc<dyn Store> = Arc::new(sqlite.clone());
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 2, None).await;
-    let b = c.submit(spec(1), None).await.expect("B's submit is stored");
+    let b = c.jobs().submit(spec(1), None).await.expect("B's submit is stored");
     c.reconcile().await;
-    let view = c.job_view(b).await.expect("job");
+    let view = c.jobs().get(b).await.expect("job");
     assert_eq!(view.state, "pending");
     assert!(
         view.waiting_reason.contains("could not be recorded") && view.waiting_reason.contains("disk full"),
         "{view:?}"
     );
-    let a = c.submit(spec(1), None).await.expect("A's submit is not failed by B's placement");
+    let a = c.jobs().submit(spec(1), None).await.expect("A's submit is not failed by B's placement");
     c.reconcile().await;
     assert_eq!(agent.launched_jobs(), vec![a]);
     assert_eq!(state_of(&c, a).await.0, "launching");
@@ -196,7 +196,7 @@ async fn receipts_of_an_unknown_job_are_not_acknowledged() {
     };
     let before = crate::metrics::metrics().receipts_unknown_job.get();
     let batch = ReceiptBatch { receipts: vec![receipt(4242, 0), receipt(4242, 1)] };
-    let ack = c.ingest("node-a", batch).await.expect("ingest");
+    let ack = c.receipts().ingest("node-a", batch).await.expect("ingest");
     assert!(ack.acks.is_empty(), "nothing acknowledged: {ack:?}");
     assert!(crate::metrics::metrics().receipts_unknown_job.get() >= before + 2);
     assert_eq!(store.receipts_after(4242, 0, 100).await.map(|r| r.len()).unwrap_or(0), 0);
@@ -212,13 +212,13 @@ async fn a_user_may_have_so_many_pending_jobs_and_no_more() {
     let _agent = connect(&c, "node-a", 8, None).await;
     let alice = trainyard_store::JobOwner { user: "alice".into(), run_as: "alice".into() };
     for _ in 0..3 {
-        c.submit_as(spec(8), None, &alice).await.expect("at the cap");
+        c.jobs().submit_as(spec(8), None, &alice).await.expect("at the cap");
     }
-    let refused = c.submit_as(spec(8), None, &alice).await.expect_err("one over the cap");
+    let refused = c.jobs().submit_as(spec(8), None, &alice).await.expect_err("one over the cap");
     assert!(matches!(refused, ControllerError::TooMany(_)), "{refused}");
     assert!(refused.to_string().contains("(3)"), "{refused}");
     let bob = trainyard_store::JobOwner { user: "bob".into(), run_as: "bob".into() };
-    c.submit_as(spec(8), None, &bob).await.expect("bob has his own cap");
+    c.jobs().submit_as(spec(8), None, &bob).await.expect("bob has his own cap");
 }
 
 /// A logs client that does not read never holds up the agent's stream: once its buffer is full
@@ -230,9 +230,9 @@ async fn a_logs_client_that_does_not_read_is_dropped_without_waiting() {
     let store = store().await;
     let c = controller(&store).await;
     let mut agent = connect(&c, "node-a", 8, None).await;
-    let job = c.submit(spec(1), None).await.expect("submit");
+    let job = c.jobs().submit(spec(1), None).await.expect("submit");
     c.reconcile().await;
-    let (_, mut rx) = c.open_logs(job, 0, 0, true).await.expect("open logs");
+    let (_, mut rx) = c.jobs().logs(job, 0, 0, true).await.expect("open logs");
     let request_id = agent
         .sent()
         .into_iter()
@@ -242,7 +242,7 @@ async fn a_logs_client_that_does_not_read_is_dropped_without_waiting() {
         |n: u8| LogData { request_id, stream: "stdout".into(), data: vec![n; 16], ..Default::default() };
     let started = std::time::Instant::now();
     for n in 0..=crate::core::logs::BUFFER as u8 {
-        c.log_data("node-a", piece(n));
+        c.jobs().log_data("node-a", piece(n));
     }
     assert!(started.elapsed() < Duration::from_secs(1), "never waits for the client");
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::StopLogs(s) if s.request_id == request_id)));

@@ -61,14 +61,6 @@ struct Context {
 type Deliveries = HashMap<(u64, bool), (Instant, Duration, Vec<usize>)>;
 
 impl Controller {
-    /// A job's live findings, open and closed, oldest first.
-    pub async fn live_findings(&self, job: JobId) -> Result<Vec<LiveFinding>> {
-        if self.store.get_job(job).await?.is_none() {
-            return Err(super::ControllerError::JobNotFound(job));
-        }
-        Ok(self.store.live_findings(job, 0).await?)
-    }
-
     /// Starts [`Controller::run_live`] with the configured webhooks; the error names a bad
     /// webhook URL or CA bundle.
     pub fn spawn_live(

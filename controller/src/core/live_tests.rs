@@ -91,7 +91,7 @@ async fn an_alert_delivered_before_a_restart_is_not_sent_again_and_the_close_is_
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(*got.lock().unwrap(), vec!["closed".to_string()]);
-    let after = c.live_findings(job).await.unwrap();
+    let after = c.diagnoses().live_findings(job).await.unwrap();
     assert!(after[0].closed_at_ms.is_some() && after[0].alerted_close_ms.is_some(), "{after:?}");
     stop.cancel();
     live.await.unwrap();
@@ -131,7 +131,7 @@ async fn an_alert_a_target_refuses_is_retried_until_it_is_delivered() {
     stop.cancel();
     live.await.unwrap();
     assert_eq!(*got.lock().unwrap(), vec!["refused:closed", "refused:closed", "closed"]);
-    let after = c.live_findings(job).await.unwrap();
+    let after = c.diagnoses().live_findings(job).await.unwrap();
     assert!(after[0].alerted_close_ms.is_some(), "delivered at last: {after:?}");
 }
 

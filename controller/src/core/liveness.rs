@@ -11,23 +11,10 @@ use super::agents::lost_report;
 use super::{Controller, Result, rank_done};
 
 impl Controller {
-    /// Whether stream `conn_id` belongs to a host declared lost: it must end, and the agent
-    /// say hello again.
-    pub fn stream_fenced(&self, conn_id: u64) -> bool {
-        self.fenced.lock().unwrap_or_else(|p| p.into_inner()).contains(&conn_id)
-    }
-
-    /// Notes that `agent_id` just sent something (every message of its stream counts, a
-    /// heartbeat included). Takes no lock on the controller's state.
-    pub fn agent_seen(&self, agent_id: &str) {
-        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.insert(agent_id.to_string(), self.now_ms());
-    }
-
     /// Marks connected agents that have sent nothing for `unresponsive_after` as
     /// `unresponsive` (no new work) and back when they speak again, moves their `last_seen_ms`
     /// forward, and writes it to the store every [`super::SEEN_PERSIST_EVERY`].
-    pub async fn check_liveness(&self) -> Result<()> {
+    pub(crate) async fn check_liveness(&self) -> Result<()> {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let limit = self.config.unresponsive_after.as_millis() as i64;
         let now = self.now_ms();

@@ -43,7 +43,7 @@ pub(super) struct LogWaiter {
 impl Controller {
     /// Asks the agent of `rank` of the job's current attempt for its logs; the receiver yields
     /// them and closes when they are all sent (or, with `follow`, when the rank has ended).
-    pub async fn open_logs(
+    pub(super) async fn open_logs(
         &self,
         job_id: JobId,
         rank: u32,
@@ -89,7 +89,7 @@ impl Controller {
 
     /// The client of `request_id` went away (or no longer wants more): its agent stops reading.
     /// Nothing when the request already ended.
-    pub fn close_logs(&self, request_id: u64) {
+    pub(super) fn close_logs(&self, request_id: u64) {
         let Some(waiter) = self.log_waiters().remove(&request_id) else { return };
         let core = self.lock();
         if let Some(link) = core.agents.get(&waiter.agent_id).and_then(|e| e.link.as_ref()) {
@@ -99,7 +99,7 @@ impl Controller {
 
     /// The client of `request_id` read `pieces` more pieces: its agent may send that many more.
     /// Lost only when the agent's stream is full or gone, and then the request fails anyway.
-    pub fn log_credit(&self, request_id: u64, pieces: u32) {
+    pub(super) fn log_credit(&self, request_id: u64, pieces: u32) {
         let Some(agent_id) = self.log_waiters().get(&request_id).map(|w| w.agent_id.clone()) else { return };
         let core = self.lock();
         if let Some(link) = core.agents.get(&agent_id).and_then(|e| e.link.as_ref()) {
@@ -110,7 +110,7 @@ impl Controller {
 
     /// A piece of logs from `agent_id`: forwarded to its client. The last piece closes the
     /// request; a client that went away (or stalls) closes it too and stops the agent.
-    pub fn log_data(&self, agent_id: &str, data: LogData) {
+    pub(super) fn log_data(&self, agent_id: &str, data: LogData) {
         let request_id = data.request_id;
         let tx = self.log_waiters().get(&request_id).filter(|w| w.agent_id == agent_id).map(|w| w.tx.clone());
         let Some(tx) = tx else { return };

@@ -37,28 +37,35 @@
 //! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
+pub mod auth;
+pub use auth::Auth;
 mod diagnosis;
+pub use diagnosis::Diagnoses;
 mod evict;
 mod faults;
 mod follow;
 pub use follow::{MIRROR_EVERY, NotLeader, Role};
 #[cfg(test)]
 mod faults_tests;
-pub use agents::MAX_BATCH;
 pub use evict::{DEFAULT_DRAIN_DEADLINE, DEFAULT_NOTICE_DEADLINE};
+pub use receipts::{MAX_BATCH, Receipts};
 mod jobs;
+pub mod leader;
+pub use jobs::Jobs;
+mod launch;
 mod live;
 #[cfg(test)]
 mod live_tests;
 mod liveness;
 mod logs;
-mod reads;
+mod receipts;
 mod reconcile;
 mod resume;
 mod telemetry;
 pub use logs::LogEvent;
+mod fleet;
 mod nodes;
-pub use nodes::{PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
+pub use nodes::{Nodes, PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
 #[cfg(test)]
 mod agent_message_props;
 #[cfg(test)]
@@ -128,6 +135,8 @@ pub type Result<T, E = ControllerError> = std::result::Result<T, E>;
 /// counter that watchers wait on.
 pub struct Controller {
     store: Arc<dyn Store>,
+    /// Users, tokens and the audit log (over the same store).
+    auth: Auth,
     config: ControllerConfig,
     /// Leader (the one writer) or follower (reads only; `follow`).
     role: Role,
@@ -282,6 +291,7 @@ impl Controller {
         tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
         let (changes, _) = watch::channel(0);
         Ok(Arc::new(Controller {
+            auth: Auth::new(store.clone()),
             store,
             config,
             role,
@@ -299,10 +309,30 @@ impl Controller {
         }))
     }
 
-    /// The authenticator over this controller's store: the auth service is the one part
-    /// outside the core that reads users and tokens and writes the audit log.
-    pub fn authenticator(&self, policy: crate::auth::Policy) -> crate::auth::Authenticator {
-        crate::auth::Authenticator::new(self.store.clone(), policy)
+    /// The auth service: users, tokens and the audit log.
+    pub fn auth(&self) -> &Auth {
+        &self.auth
+    }
+
+    /// The jobs service: submit, cancel, read, rank reports and logs.
+    pub fn jobs(&self) -> Jobs<'_> {
+        Jobs { c: self }
+    }
+
+    /// The diagnosis service: diagnoses, comparisons, goodput and live findings.
+    pub fn diagnoses(&self) -> Diagnoses<'_> {
+        Diagnoses { c: self }
+    }
+
+    /// The nodes service: the fleet table, preflights, cordons and drains, and what each
+    /// agent's stream says about its node.
+    pub fn nodes(&self) -> Nodes<'_> {
+        Nodes { c: self }
+    }
+
+    /// The receipts service: step receipts and telemetry in, and their reads.
+    pub fn receipts(&self) -> Receipts<'_> {
+        Receipts { c: self }
     }
 
     pub fn config(&self) -> &ControllerConfig {
@@ -363,7 +393,7 @@ impl Controller {
             let ended = std::mem::take(&mut self.lock().ended);
             for job_id in ended {
                 let controller = self.clone();
-                tokio::spawn(async move { controller.record_outcome(job_id).await });
+                tokio::spawn(async move { controller.diagnoses().record_outcome(job_id).await });
             }
         }
     }

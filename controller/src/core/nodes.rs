@@ -1,19 +1,26 @@
-//! The fleet table (`Jobs.Nodes`) and preflight reports on request (`Jobs.Preflight`).
-//!
-//! A node's verdict is its agent's newest preflight report: `fail` keeps the scheduler away
-//! from it (it still counts when a submitted job is checked for feasibility, since an operator
-//! can fix the node), and the table says which checks failed and what they measured.
+//! The nodes service: the fleet table (`Jobs.Nodes`), preflight reports on request
+//! (`Jobs.Preflight`), cordons and drains, and what each agent's stream says about its node
+//! (hello, preflight reports, preemption notices, leaving, disconnects, liveness).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use trainyard_proto::v1::{NodeInfo, RunPreflight, controller_message::Msg};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use trainyard_proto::v1::{
+    ControllerMessage, Hello, HelloAck, NodeInfo, Notice, PreflightReport, RankAck, RunPreflight,
+    controller_message::Msg,
+};
 
-use trainyard_model::domain::Inventory;
-
-use super::{AgentEntry, Controller, ControllerError, Core, Result, rank_done};
-use trainyard_model::domain::{NodeState, PreflightLevel, Verdict};
-use trainyard_store::{AgentState, PreflightRecord};
+use super::agents::{lost_report, rank_id, rank_key};
+use super::evict::{DEFAULT_NOTICE_DEADLINE, NOTICE_MARGIN};
+use super::faults::BY_OPERATOR;
+use super::fleet::node_info;
+use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, rank_done};
+use trainyard_model::domain::PreflightLevel;
+use trainyard_store::{
+    AgentRecord, AgentState, Cordon, FailureKind, JobId, JobState, PreflightRecord, RankId, RankState,
+};
 
 /// Levels an operator may ask an agent to run.
 pub const PREFLIGHT_RUN_LEVELS: [PreflightLevel; 3] =
@@ -23,38 +30,18 @@ pub const PREFLIGHT_RUN_LEVELS: [PreflightLevel; 3] =
 /// NCCL up to 1 GiB on every GPU, which takes tens of seconds on a healthy node.
 pub const PREFLIGHT_RUN_TIMEOUT: Duration = Duration::from_secs(120);
 
-impl AgentEntry {
-    /// The node's newest preflight verdict is `fail`: no new work goes there.
-    pub(super) fn failing(&self) -> bool {
-        self.preflight.as_ref().is_some_and(|r| r.verdict == Verdict::Fail)
-    }
-
-    /// The node's state as the leader recorded it in the store (what a follower shows).
-    fn recorded_state(&self) -> NodeState {
-        match self.record.state {
-            AgentState::Connected => NodeState::Connected,
-            AgentState::Disconnected => NodeState::Disconnected,
-            AgentState::Leaving => NodeState::Leaving,
-        }
-    }
-
-    /// The node's state as the fleet table shows it.
-    fn state(&self) -> NodeState {
-        match (self.link.is_some(), self.leaving || self.record.state == AgentState::Leaving) {
-            (true, false) if self.unresponsive => NodeState::Unresponsive,
-            (true, false) => NodeState::Connected,
-            (_, true) => NodeState::Leaving,
-            (false, false) => NodeState::Disconnected,
-        }
-    }
+/// The fleet and each agent's link ([`Controller::nodes`]).
+#[derive(Clone, Copy)]
+pub struct Nodes<'c> {
+    pub(super) c: &'c Controller,
 }
 
-impl Controller {
+impl Nodes<'_> {
     /// One row per known agent, by agent id.
-    pub async fn nodes(&self) -> Vec<NodeInfo> {
-        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let follower = !self.leads();
-        let core = self.lock();
+    pub async fn list(self) -> Vec<NodeInfo> {
+        let seen = self.c.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let follower = !self.c.leads();
+        let core = self.c.lock();
         let busy = core.busy_gpus();
         core.agents
             .values()
@@ -72,14 +59,14 @@ impl Controller {
     }
 
     /// The inventory a node reported in its last hello (GPUs, NUMA nodes, link matrix).
-    pub fn node_inventory(&self, agent_id: &str) -> Option<trainyard_model::domain::Inventory> {
-        self.lock().agents.get(agent_id).map(|e| e.record.inventory.clone())
+    pub fn inventory(self, agent_id: &str) -> Option<trainyard_model::domain::Inventory> {
+        self.c.lock().agents.get(agent_id).map(|e| e.record.inventory.clone())
     }
 
     /// The newest preflight report of a node (agent id, or hostname when unambiguous).
-    pub async fn latest_preflight(&self, host: &str) -> Result<PreflightRecord> {
+    pub async fn latest_preflight(self, host: &str) -> Result<PreflightRecord> {
         let agent_id = {
-            let core = self.lock();
+            let core = self.c.lock();
             let agent_id = core.resolve(host)?;
             if let Some(report) = core.agents.get(&agent_id).and_then(|e| e.preflight.clone()) {
                 return Ok(report);
@@ -87,11 +74,11 @@ impl Controller {
             agent_id
         };
         // Not in memory (a report whose store write raced a restart): the store is the record.
-        self.store.latest_preflight(&agent_id).await?.ok_or(ControllerError::NoPreflight(agent_id))
+        self.c.store.latest_preflight(&agent_id).await?.ok_or(ControllerError::NoPreflight(agent_id))
     }
 
     /// Asks a node to run a preflight at `level` and waits up to `timeout` for its next report.
-    pub async fn run_preflight(&self, host: &str, level: &str, timeout: Duration) -> Result<PreflightRecord> {
+    pub async fn run_preflight(self, host: &str, level: &str, timeout: Duration) -> Result<PreflightRecord> {
         if !PreflightLevel::parse(level).is_some_and(|l| PREFLIGHT_RUN_LEVELS.contains(&l)) {
             return Err(ControllerError::BadRequest(format!(
                 "run level {level:?} is not one of {}",
@@ -99,9 +86,9 @@ impl Controller {
             )));
         }
         // Subscribed before the request goes out, so a fast answer is not missed.
-        let mut changes = self.subscribe();
+        let mut changes = self.c.subscribe();
         let (agent_id, before) = {
-            let mut core = self.lock();
+            let mut core = self.c.lock();
             let agent_id = core.resolve(host)?;
             let before =
                 core.agents.get(&agent_id).and_then(|e| e.preflight.as_ref()).map_or(0, |r| r.report_id);
@@ -116,7 +103,7 @@ impl Controller {
         loop {
             changes.borrow_and_update();
             {
-                let core = self.lock();
+                let core = self.c.lock();
                 let entry = core
                     .agents
                     .get(&agent_id)
@@ -138,123 +125,316 @@ impl Controller {
             }
         }
     }
-}
 
-impl Core {
-    /// GPUs held by a rank of an unfinished job, or by a rank still alive.
-    fn busy_gpus(&self) -> BTreeSet<(String, u32)> {
-        let mut busy = BTreeSet::new();
-        for job in self.jobs.values() {
-            for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
-                busy.insert((a.agent_id.clone(), a.gpu_index));
+    /// `ctl cordon` (`Some(reason)`) and `ctl uncordon` (`None`): an operator's cordon stays
+    /// until an operator lifts it; lifting also clears a cordon set after failures.
+    /// `node` is an agent id or a hostname only one agent has; returns the agent id.
+    pub async fn cordon(self, node: &str, reason: Option<&str>) -> Result<String> {
+        let cordon =
+            reason.map(|r| Cordon { by: BY_OPERATOR.into(), reason: r.to_string(), at_ms: self.c.now_ms() });
+        let agent_id = self.c.lock().resolve(node)?;
+        let agent_id = agent_id.as_str();
+        self.c.store.set_cordon(agent_id, cordon.as_ref()).await?;
+        {
+            let mut core = self.c.lock();
+            if let Some(entry) = core.agents.get_mut(agent_id) {
+                entry.record.cordon = cordon.clone();
+            }
+            if cordon.is_none() {
+                core.blames.remove(agent_id);
             }
         }
-        busy
+        match reason {
+            Some(reason) => tracing::warn!(agent_id, reason, "node cordoned by an operator"),
+            None => tracing::info!(agent_id, "node uncordoned by an operator"),
+        }
+        self.c.bump();
+        self.c.wake();
+        Ok(agent_id.to_string())
     }
 
-    /// The agent id an operator means by `host`: an agent id, or a hostname only one agent has.
-    pub(super) fn resolve(&self, host: &str) -> Result<String> {
-        if self.agents.contains_key(host) {
-            return Ok(host.to_string());
-        }
-        let by_hostname: Vec<&String> = self
-            .agents
-            .iter()
-            .filter(|(_, e)| e.record.inventory.hostname == host)
-            .map(|(id, _)| id)
-            .collect();
-        match by_hostname.as_slice() {
-            [one] => Ok((*one).clone()),
-            _ => Err(ControllerError::AgentNotFound(host.to_string())),
-        }
+    /// `ctl drain`: cordons `node` and moves its jobs once they checkpoint (or at `deadline`).
+    /// Returns the agent id and the jobs asked to move.
+    pub async fn drain(self, node: &str, deadline: Duration, reason: &str) -> Result<(String, Vec<JobId>)> {
+        let agent_id = self.c.lock().resolve(node)?;
+        let why = format!("node {agent_id} drained by an operator: {reason}");
+        let cordon = Cordon { by: "drain".into(), reason: reason.to_string(), at_ms: self.c.now_ms() };
+        self.c.store.set_cordon(&agent_id, Some(&cordon)).await?;
+        let jobs = {
+            let mut core = self.c.lock();
+            if let Some(entry) = core.agents.get_mut(&agent_id) {
+                entry.record.cordon = Some(cordon);
+            }
+            self.c.evict(&mut core, &agent_id, FailureKind::Drain, deadline, &why)
+        };
+        tracing::warn!(agent_id, reason, jobs = jobs.len(), deadline_s = deadline.as_secs(), "node draining");
+        self.c.bump();
+        self.c.wake();
+        Ok((agent_id, jobs))
     }
-}
 
-/// (agent id, row of the fleet table) for one agent.
-fn node_info(
-    e: &AgentEntry,
-    state: NodeState,
-    busy: &BTreeSet<(String, u32)>,
-    last_seen_ms: i64,
-) -> (String, NodeInfo) {
-    let inv = &e.record.inventory;
-    let id = &e.record.agent_id;
-    let report = e.preflight.as_ref();
-    let free = inv.gpus.iter().filter(|g| !busy.contains(&(id.clone(), g.index))).count();
-    let info = NodeInfo {
-        agent_id: id.clone(),
-        hostname: inv.hostname.clone(),
-        state: state.to_string(),
-        gpus: inv.gpus.len() as u32,
-        free_gpus: free as u32,
-        gpu_model: gpu_models(inv),
-        interconnect_class: report
-            .and_then(|r| r.interconnect_class)
-            .map(|c| c.to_string())
-            .unwrap_or_default(),
-        numa_layout: numa_layout(inv),
-        verdict: report.map(|r| r.verdict.to_string()).unwrap_or_default(),
-        verdict_reason: match (&e.record.cordon, unschedulable_reason(report, state)) {
-            (Some(c), r) if r.is_empty() => format!("cordoned ({}): {}", c.by, c.reason),
-            (_, r) => r,
-        },
-        // The last message of a connected agent (heartbeats every 2 s), or when it went away.
-        last_seen_ms,
-        preflight_report_id: report.map_or(0, |r| r.report_id),
-        cordon_by: e.record.cordon.as_ref().map(|c| c.by.clone()).unwrap_or_default(),
-        cordon_reason: e.record.cordon.as_ref().map(|c| c.reason.clone()).unwrap_or_default(),
-        cordoned_at_ms: e.record.cordon.as_ref().map_or(0, |c| c.at_ms),
-    };
-    (id.clone(), info)
-}
-
-/// Distinct GPU models of a node, in index order ("NVIDIA H100 80GB HBM3").
-fn gpu_models(inv: &Inventory) -> String {
-    let mut models: Vec<&str> = Vec::new();
-    for g in &inv.gpus {
-        if !models.contains(&g.model.as_str()) {
-            models.push(&g.model);
+    /// Registers an agent's stream: stores its inventory, adopts the ranks it reports, and sends
+    /// again whatever it missed while away (launches of placed jobs, cancels of ended ones).
+    /// Sends the hello ack first; returns the connection id (for [`Nodes::disconnected`]).
+    pub async fn hello(self, hello: Hello, tx: mpsc::Sender<ControllerMessage>) -> Result<u64> {
+        let agent_id = hello.agent_id.clone();
+        // Checked before anything is stored, and again under the lock below (a racing hello).
+        if self.c.lock().agents.get(&agent_id).is_some_and(|e| e.link.is_some()) {
+            return Err(ControllerError::AlreadyConnected(agent_id));
         }
-    }
-    models.join(" + ")
-}
-
-/// GPUs per NUMA node, "0:4 1:4"; a GPU whose NUMA node is unknown counts under "?".
-pub fn numa_layout(inv: &Inventory) -> String {
-    let mut per_node: BTreeMap<Option<u32>, u32> = BTreeMap::new();
-    for g in &inv.gpus {
-        *per_node.entry(g.numa_node).or_default() += 1;
-    }
-    let parts: Vec<String> = per_node
-        .into_iter()
-        .map(|(node, n)| node.map_or_else(|| format!("?:{n}"), |node| format!("{node}:{n}")))
-        .collect();
-    parts.join(" ")
-}
-
-/// Why the scheduler leaves a node alone, or "" when it does not: the failing checks with what
-/// they measured, else the agent's state.
-pub fn unschedulable_reason(report: Option<&PreflightRecord>, state: NodeState) -> String {
-    let failing: Vec<String> =
-        report
-            .filter(|r| r.verdict == Verdict::Fail)
-            .map(|r| {
-                r.failing()
-                    .map(|c| {
-                        if c.measured.is_empty() { c.id.clone() } else { format!("{}: {}", c.id, c.measured) }
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-    match (report.is_some_and(|r| r.verdict == Verdict::Fail), state) {
-        (true, _) if failing.is_empty() => "preflight verdict fail".to_string(),
-        (true, _) => failing.join("; "),
-        (false, NodeState::Connected) => String::new(),
-        (false, NodeState::Leaving) => "agent is leaving".to_string(),
-        (false, NodeState::Unresponsive) => {
-            "agent is unresponsive: its stream is open but its heartbeats stopped".to_string()
+        let record = AgentRecord {
+            agent_id: agent_id.clone(),
+            address: hello.address.clone(),
+            agent_version: hello.agent_version.clone(),
+            inventory: hello.inventory.clone().unwrap_or_default().into(),
+            state: AgentState::Connected,
+            last_seen_ms: self.c.now_ms(),
+            // A hello does not lift a cordon: the entry's is kept below.
+            cordon: None,
+        };
+        self.c.store.upsert_agent(&record).await?;
+        crate::metrics::metrics().agent_hellos.inc();
+        let preflight = match hello.preflight.clone() {
+            Some(report) => self.store_preflight(&agent_id, report).await?,
+            None => None,
+        };
+        let reported: BTreeSet<RankId> = hello.ranks.iter().filter_map(|r| r.key.map(rank_id)).collect();
+        let acks = self.acks_for(&reported).await?;
+        let ack = HelloAck { protocol_version: trainyard_proto::PROTOCOL_VERSION, acks };
+        // The ack goes first, so the agent knows where to resume before any launch arrives.
+        if tx.try_send(ControllerMessage { msg: Some(Msg::HelloAck(ack)) }).is_err() {
+            return Err(ControllerError::AgentGone(agent_id));
         }
-        (false, NodeState::Disconnected) => "agent is not connected".to_string(),
+        let (conn_id, lost) = {
+            let mut core = self.c.lock();
+            core.next_conn_id += 1;
+            let conn_id = core.next_conn_id;
+            let link = Some(AgentLink { conn_id, tx });
+            // The newest report is the verdict: a hello without one, or with the report the agent
+            // ran at start while a later re-run is stored, keeps what the node had (from the store
+            // after a restart of the controller, or from before the reconnect).
+            if core.agents.get(&agent_id).is_some_and(|e| e.link.is_some()) {
+                return Err(ControllerError::AlreadyConnected(agent_id));
+            }
+            let previous = core.agents.get(&agent_id).and_then(|e| e.preflight.clone());
+            let mut record = record;
+            record.cordon = core.agents.get(&agent_id).and_then(|e| e.record.cordon.clone());
+            let preflight = match (preflight, previous) {
+                (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
+                (new, old) => new.or(old),
+            };
+            let links = super::link_matrix(&record);
+            let entry = AgentEntry {
+                links,
+                record,
+                link,
+                leaving: false,
+                disconnected_since: None,
+                preflight,
+                unresponsive: false,
+                seen_since_start: true,
+            };
+            self.seen(&agent_id);
+            let report = entry.preflight.clone();
+            core.agents.insert(agent_id.clone(), entry);
+            if let Some(report) = report {
+                core.clear_by_preflight(&report);
+            }
+            core.ask_for_clearing(&agent_id);
+            let lost = self.resend_missed(&mut core, &agent_id, &reported);
+            (conn_id, lost)
+        };
+        tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
+        for report in &hello.ranks {
+            self.c.observe(&agent_id, report).await?;
+        }
+        for id in lost {
+            let message = format!("agent {agent_id} came back without it");
+            self.c.observe(&agent_id, &lost_report(id, &super::faults::host_lost_message(&message))).await?;
+        }
+        self.c.wake();
+        Ok(conn_id)
+    }
+
+    /// After a hello: ranks placed on this agent that it does not know are launched again if
+    /// their job is still starting and they never started; the others are returned, to be
+    /// recorded as lost.
+    fn resend_missed(
+        self,
+        core: &mut super::Core,
+        agent_id: &str,
+        reported: &BTreeSet<RankId>,
+    ) -> Vec<RankId> {
+        let mut relaunch = Vec::new();
+        let mut lost = Vec::new();
+        for job in core.jobs.values() {
+            let unknown: Vec<RankId> = job
+                .allocations
+                .iter()
+                .filter(|a| a.agent_id == agent_id && !rank_done(a) && !reported.contains(&a.id))
+                .map(|a| a.id)
+                .collect();
+            if unknown.is_empty() {
+                continue;
+            }
+            let starting = matches!(job.record.state, JobState::Scheduled | JobState::Launching);
+            let never_started = job
+                .allocations
+                .iter()
+                .filter(|a| unknown.contains(&a.id))
+                .all(|a| a.observed.state == RankState::Planned);
+            if starting && never_started {
+                relaunch.push(job.record.id);
+            } else {
+                lost.extend(unknown);
+            }
+        }
+        for job_id in relaunch {
+            tracing::info!(job_id, agent_id, "agent missed a launch; sending it again");
+            let sent = self.c.send_launches(core, job_id, Some(agent_id));
+            if let Some(job) = core.jobs.get_mut(&job_id) {
+                job.launches_sent += sent;
+            }
+            core.dirty.insert(job_id);
+        }
+        lost
+    }
+
+    async fn acks_for(self, reported: &BTreeSet<RankId>) -> Result<Vec<RankAck>> {
+        let attempts: BTreeSet<(u64, u32)> = reported.iter().map(|r| (r.job_id, r.attempt)).collect();
+        let mut acks = Vec::new();
+        for (job_id, attempt) in attempts {
+            for (rank, seq) in self.c.store.last_seqs(job_id, attempt).await? {
+                let id = RankId { job_id, attempt, rank };
+                if reported.contains(&id) {
+                    acks.push(RankAck { key: Some(rank_key(id)), seq });
+                }
+            }
+        }
+        Ok(acks)
+    }
+
+    /// An agent sent a preflight report (a re-run, or one the controller asked for): store it,
+    /// make it the node's verdict, and schedule again, since a node that passes now may take
+    /// pending jobs.
+    pub async fn preflight_report(self, agent_id: &str, report: PreflightReport) -> Result<()> {
+        let Some(report) = self.store_preflight(agent_id, report).await? else { return Ok(()) };
+        {
+            let mut core = self.c.lock();
+            if let Some(entry) = core.agents.get_mut(agent_id)
+                && entry.preflight.as_ref().is_none_or(|r| r.report_id <= report.report_id)
+            {
+                entry.preflight = Some(report.clone());
+                core.clear_by_preflight(&report);
+            }
+        }
+        self.c.store_cordons().await;
+        self.c.bump();
+        self.c.wake();
+        Ok(())
+    }
+
+    /// Stores a report as the agent's own (an agent speaks only for itself) and returns it
+    /// with its `report_id`; a malformed report is logged and dropped (`None`).
+    async fn store_preflight(
+        self,
+        agent_id: &str,
+        report: PreflightReport,
+    ) -> Result<Option<PreflightRecord>> {
+        let mut report = match PreflightRecord::try_from(report) {
+            Ok(report) => report,
+            Err(why) => {
+                tracing::error!(agent_id, %why, "preflight report dropped: malformed");
+                return Ok(None);
+            }
+        };
+        report.agent_id = agent_id.to_string();
+        report.report_id = self.c.store.insert_preflight(&report, self.c.now_ms()).await?;
+        let failing: Vec<&str> = report.failing().map(|c| c.id.as_str()).collect();
+        tracing::info!(
+            agent_id,
+            report_id = report.report_id,
+            level = %report.level,
+            verdict = %report.verdict,
+            class = %report.interconnect_class.map_or("", |c| c.as_str()),
+            failing = %failing.join(","),
+            "preflight report stored"
+        );
+        Ok(Some(report))
+    }
+
+    /// An agent's preemption notice: as a drain, with the deadline the notice gives.
+    pub async fn notice(self, agent_id: &str, notice: &Notice) -> Result<()> {
+        let now_ms = self.c.now_ms();
+        let left = match notice.deadline_ms {
+            0 => DEFAULT_NOTICE_DEADLINE,
+            at => Duration::from_millis(u64::try_from(at - now_ms).unwrap_or(0)),
+        };
+        let deadline = left.saturating_sub(NOTICE_MARGIN);
+        let detail: String = notice.detail.chars().take(200).collect();
+        let why = format!(
+            "preemption notice on {agent_id}: {}",
+            if detail.is_empty() { "(no detail)" } else { &detail }
+        );
+        let cordon = Cordon { by: "preemption".into(), reason: why.clone(), at_ms: now_ms };
+        self.c.store.set_cordon(agent_id, Some(&cordon)).await?;
+        let jobs = {
+            let mut core = self.c.lock();
+            if let Some(entry) = core.agents.get_mut(agent_id) {
+                entry.record.cordon = Some(cordon);
+            }
+            self.c.evict(&mut core, agent_id, FailureKind::Preemption, deadline, &why)
+        };
+        tracing::warn!(agent_id, kind = %notice.kind, jobs = jobs.len(), deadline_s = deadline.as_secs(), "preemption notice");
+        self.c.bump();
+        self.c.wake();
+        Ok(())
+    }
+
+    /// The agent said it is stopping: place nothing new there.
+    pub async fn leaving(self, agent_id: &str, reason: &str) -> Result<()> {
+        if let Some(entry) = self.c.lock().agents.get_mut(agent_id) {
+            entry.leaving = true;
+        }
+        tracing::info!(agent_id, reason, "agent is leaving");
+        self.c.store.set_agent_state(agent_id, AgentState::Leaving, self.c.now_ms()).await?;
+        Ok(())
+    }
+
+    /// The stream `conn_id` of an agent ended. A newer stream of the same agent is left alone.
+    pub async fn disconnected(self, agent_id: &str, conn_id: u64) -> Result<()> {
+        let now = self.c.now_ms();
+        let state = {
+            let mut core = self.c.lock();
+            self.c.fenced.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn_id);
+            let Some(entry) = core.agents.get_mut(agent_id) else { return Ok(()) };
+            if entry.link.as_ref().is_none_or(|l| l.conn_id != conn_id) {
+                return Ok(());
+            }
+            entry.link = None;
+            entry.disconnected_since = Some(Instant::now());
+            let state = if entry.leaving { AgentState::Leaving } else { AgentState::Disconnected };
+            entry.record.state = state;
+            entry.record.last_seen_ms = now;
+            state
+        };
+        tracing::info!(agent_id, conn_id, %state, "agent stream ended");
+        self.c.fail_logs_of(agent_id);
+        self.c.store.set_agent_state(agent_id, state, now).await?;
+        Ok(())
+    }
+
+    /// Notes that `agent_id` just sent something (every message of its stream counts, a
+    /// heartbeat included). Takes no lock on the controller's state.
+    pub fn seen(self, agent_id: &str) {
+        let mut seen = self.c.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.insert(agent_id.to_string(), self.c.now_ms());
+    }
+
+    /// Whether stream `conn_id` belongs to a host declared lost: it must end, and the agent
+    /// say hello again.
+    pub fn stream_fenced(self, conn_id: u64) -> bool {
+        self.c.fenced.lock().unwrap_or_else(|p| p.into_inner()).contains(&conn_id)
     }
 }
 

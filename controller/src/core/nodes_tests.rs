@@ -11,7 +11,9 @@ use trainyard_proto::v1::{Hello, PreflightCheck, PreflightReport, controller_mes
 use trainyard_model::domain::Inventory;
 
 use super::*;
+use crate::core::fleet::{numa_layout, unschedulable_reason};
 use crate::core::test_support::{connect, controller, inventory, spec, store};
+use trainyard_model::domain::NodeState;
 
 fn check(id: &str, status: &str, measured: &str) -> PreflightCheck {
     PreflightCheck {
@@ -53,7 +55,7 @@ async fn failing_node_is_not_scheduled_and_the_table_says_why() {
     let bad = report("bad", 1, &[("cuda.init.gpu3", "CUDA_ERROR_NO_DEVICE"), ("host.shm", "not mounted")]);
     let mut bad_agent = connect(&c, "bad", 8, Some(bad)).await;
 
-    let nodes = c.nodes().await;
+    let nodes = c.nodes().list().await;
     assert_eq!(nodes.iter().map(|n| n.agent_id.as_str()).collect::<Vec<_>>(), ["bad", "good"]);
     let b = row(&nodes, "bad");
     assert_eq!((b.verdict.as_str(), b.state.as_str(), b.gpus, b.free_gpus), ("fail", "connected", 8, 8));
@@ -69,21 +71,21 @@ async fn failing_node_is_not_scheduled_and_the_table_says_why() {
     // Four 1-GPU jobs: two fit on the good node, two wait rather than go to the failing one.
     let mut ids = Vec::new();
     for _ in 0..4 {
-        ids.push(c.submit(spec(1), None).await.expect("submit"));
+        ids.push(c.jobs().submit(spec(1), None).await.expect("submit"));
         c.reconcile().await;
     }
     assert_eq!(good.launched_jobs(), ids[..2]);
     assert!(bad_agent.launched_jobs().is_empty());
-    assert_eq!(row(&c.nodes().await, "good").free_gpus, 0);
+    assert_eq!(row(&c.nodes().list().await, "good").free_gpus, 0);
     // A job only the failing node could hold is still accepted: the node can be fixed.
-    let big = c.submit(spec(8), None).await.expect("an 8-GPU job is feasible on the fleet");
+    let big = c.jobs().submit(spec(8), None).await.expect("an 8-GPU job is feasible on the fleet");
     c.reconcile().await;
 
     // The node is fixed and says so: the waiting jobs go there at once.
-    c.agent_preflight("bad", report("bad", 2, &[])).await.expect("report");
+    c.nodes().preflight_report("bad", report("bad", 2, &[])).await.expect("report");
     c.reconcile().await;
     assert_eq!(bad_agent.launched_jobs(), ids[2..]);
-    let b = row(&c.nodes().await, "bad").clone();
+    let b = row(&c.nodes().list().await, "bad").clone();
     assert_eq!((b.verdict.as_str(), b.verdict_reason.as_str(), b.free_gpus), ("pass", "", 6));
     assert!(!ids.contains(&big));
 }
@@ -95,36 +97,36 @@ async fn verdicts_come_back_after_a_restart() {
     {
         let c = controller(&store).await;
         let _bad = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
-        first_id = row(&c.nodes().await, "bad").preflight_report_id;
+        first_id = row(&c.nodes().list().await, "bad").preflight_report_id;
     }
     let c = controller(&store).await;
-    let nodes = c.nodes().await;
+    let nodes = c.nodes().list().await;
     let b = row(&nodes, "bad");
     assert_eq!((b.state.as_str(), b.verdict.as_str()), ("disconnected", "fail"));
     assert_eq!((b.verdict_reason.as_str(), b.preflight_report_id), ("numa.balancing: 1", first_id));
-    assert_eq!(c.latest_preflight("bad").await.expect("report").checks.len(), 2);
+    assert_eq!(c.nodes().latest_preflight("bad").await.expect("report").checks.len(), 2);
 
     // The agent comes back with a hello without a report: it stays failing, and a job waits.
     let mut bad = connect(&c, "bad", 4, None).await;
-    c.submit(spec(1), None).await.expect("submit");
+    c.jobs().submit(spec(1), None).await.expect("submit");
     c.reconcile().await;
     assert!(bad.launched_jobs().is_empty());
-    assert_eq!(row(&c.nodes().await, "bad").verdict, "fail");
+    assert_eq!(row(&c.nodes().list().await, "bad").verdict, "fail");
     // A second stream while the first is open is refused, and stores nothing.
     let (tx, _rx) = mpsc::channel(8);
     let hello = Hello { agent_id: "bad".into(), protocol_version: PROTOCOL_VERSION, ..Default::default() };
-    assert!(matches!(c.agent_hello(hello, tx).await, Err(ControllerError::AlreadyConnected(_))));
+    assert!(matches!(c.nodes().hello(hello, tx).await, Err(ControllerError::AlreadyConnected(_))));
     // Its hello with the same report again (after a reconnect) does not store it twice.
-    c.agent_disconnected("bad", bad.conn_id).await.expect("disconnect");
+    c.nodes().disconnected("bad", bad.conn_id).await.expect("disconnect");
     let again = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
-    assert_eq!(row(&c.nodes().await, "bad").preflight_report_id, first_id);
+    assert_eq!(row(&c.nodes().list().await, "bad").preflight_report_id, first_id);
     // Fixed and re-run; a later hello carrying the start report again keeps the newer verdict.
-    c.agent_preflight("bad", report("bad", 5, &[])).await.expect("report");
-    let fixed = row(&c.nodes().await, "bad").preflight_report_id;
+    c.nodes().preflight_report("bad", report("bad", 5, &[])).await.expect("report");
+    let fixed = row(&c.nodes().list().await, "bad").preflight_report_id;
     assert!(fixed > first_id);
-    c.agent_disconnected("bad", again.conn_id).await.expect("disconnect");
+    c.nodes().disconnected("bad", again.conn_id).await.expect("disconnect");
     let _later = connect(&c, "bad", 4, Some(report("bad", 1, &[("numa.balancing", "1")]))).await;
-    let b = row(&c.nodes().await, "bad").clone();
+    let b = row(&c.nodes().list().await, "bad").clone();
     assert_eq!((b.verdict.as_str(), b.preflight_report_id), ("pass", fixed));
 }
 
@@ -133,11 +135,11 @@ async fn preflight_on_request_waits_for_the_next_report() {
     let store = store().await;
     let c = controller(&store).await;
     let mut agent = connect(&c, "node-a", 8, Some(report("node-a", 1, &[]))).await;
-    let old_id = c.latest_preflight("node-a").await.expect("report").report_id;
+    let old_id = c.nodes().latest_preflight("node-a").await.expect("report").report_id;
 
     let asked = tokio::spawn({
         let c = c.clone();
-        async move { c.run_preflight("node-a", "standard", Duration::from_secs(10)).await }
+        async move { c.nodes().run_preflight("node-a", "standard", Duration::from_secs(10)).await }
     });
     let level = loop {
         match agent.rx.recv().await.and_then(|m| m.msg) {
@@ -148,23 +150,25 @@ async fn preflight_on_request_waits_for_the_next_report() {
     };
     assert_eq!(level, "standard");
     let new = PreflightReport { level, ..report("node-a", 50, &[("nccl.busbw", "310 GB/s")]) };
-    c.agent_preflight("node-a", new).await.expect("report");
+    c.nodes().preflight_report("node-a", new).await.expect("report");
     let got = asked.await.expect("join").expect("report");
     assert!(got.report_id > old_id);
     assert_eq!((got.level.as_str(), got.verdict.as_str()), ("standard", "fail"));
 
     // By hostname too; and a bad level, an unknown node, silence and a gone agent are errors.
-    assert_eq!(c.latest_preflight("node-a").await.expect("report").report_id, got.report_id);
-    let err = c.run_preflight("node-a", "thorough", Duration::from_secs(1)).await.expect_err("bad level");
+    assert_eq!(c.nodes().latest_preflight("node-a").await.expect("report").report_id, got.report_id);
+    let err =
+        c.nodes().run_preflight("node-a", "thorough", Duration::from_secs(1)).await.expect_err("bad level");
     assert!(matches!(err, ControllerError::BadRequest(_)), "{err}");
-    let err = c.run_preflight("nowhere", "quick", Duration::from_secs(1)).await.expect_err("unknown");
+    let err = c.nodes().run_preflight("nowhere", "quick", Duration::from_secs(1)).await.expect_err("unknown");
     assert!(matches!(err, ControllerError::AgentNotFound(_)), "{err}");
-    let err = c.run_preflight("node-a", "quick", Duration::from_millis(200)).await.expect_err("silence");
+    let err =
+        c.nodes().run_preflight("node-a", "quick", Duration::from_millis(200)).await.expect_err("silence");
     assert!(matches!(err, ControllerError::PreflightTimeout { .. }), "{err}");
-    c.agent_disconnected("node-a", agent.conn_id).await.expect("disconnect");
-    let err = c.run_preflight("node-a", "quick", Duration::from_secs(1)).await.expect_err("gone");
+    c.nodes().disconnected("node-a", agent.conn_id).await.expect("disconnect");
+    let err = c.nodes().run_preflight("node-a", "quick", Duration::from_secs(1)).await.expect_err("gone");
     assert!(matches!(err, ControllerError::AgentNotConnected(_)), "{err}");
-    assert_eq!(row(&c.nodes().await, "node-a").state, "disconnected");
+    assert_eq!(row(&c.nodes().list().await, "node-a").state, "disconnected");
 }
 
 #[tokio::test]
@@ -172,15 +176,15 @@ async fn malformed_reports_are_dropped_and_nodes_without_one_are_named() {
     let store = store().await;
     let c = controller(&store).await;
     let _a = connect(&c, "node-a", 2, None).await;
-    let err = c.latest_preflight("node-a").await.expect_err("no report yet");
+    let err = c.nodes().latest_preflight("node-a").await.expect_err("no report yet");
     assert!(matches!(err, ControllerError::NoPreflight(_)), "{err}");
     let bogus = PreflightReport { verdict: "excellent".into(), ..report("node-a", 1, &[]) };
-    c.agent_preflight("node-a", bogus).await.expect("dropped, not an error");
-    let n = c.nodes().await;
+    c.nodes().preflight_report("node-a", bogus).await.expect("dropped, not an error");
+    let n = c.nodes().list().await;
     assert_eq!((n[0].verdict.as_str(), n[0].preflight_report_id, n[0].verdict_reason.as_str()), ("", 0, ""));
     // A report claiming to be another agent's is stored as the sender's.
-    c.agent_preflight("node-a", report("node-z", 2, &[])).await.expect("report");
-    assert_eq!(c.latest_preflight("node-a").await.expect("report").agent_id, "node-a");
+    c.nodes().preflight_report("node-a", report("node-z", 2, &[])).await.expect("report");
+    assert_eq!(c.nodes().latest_preflight("node-a").await.expect("report").agent_id, "node-a");
 }
 
 #[test]
@@ -214,27 +218,27 @@ async fn a_silent_agent_is_unresponsive_and_gets_no_work_until_it_speaks() {
     let c = Controller::start(store.clone(), config).await.expect("start");
     let mut quiet = connect(&c, "quiet", 2, Some(report("quiet", 1, &[]))).await;
     c.check_liveness().await.expect("liveness");
-    assert_eq!(row(&c.nodes().await, "quiet").state, "connected");
+    assert_eq!(row(&c.nodes().list().await, "quiet").state, "connected");
 
     // The controller's clock follows Tokio's: 450 ms pass without anyone waiting for them.
     tokio::time::pause();
     tokio::time::advance(Duration::from_millis(450)).await;
     c.check_liveness().await.expect("liveness");
-    let nodes = c.nodes().await;
+    let nodes = c.nodes().list().await;
     let q = row(&nodes, "quiet");
     assert_eq!(q.state, "unresponsive");
     assert!(q.verdict_reason.contains("heartbeats stopped"), "{}", q.verdict_reason);
     let age = c.now_ms() - q.last_seen_ms;
     assert!(age >= 450, "ctl nodes shows the real age of the last message: {age} ms");
     tokio::time::resume();
-    let job = c.submit(spec(1), None).await.expect("submit");
+    let job = c.jobs().submit(spec(1), None).await.expect("submit");
     c.reconcile().await;
     assert!(quiet.launched_jobs().is_empty(), "no work for an unresponsive agent");
 
-    c.agent_seen("quiet");
+    c.nodes().seen("quiet");
     c.check_liveness().await.expect("liveness");
     c.reconcile().await;
-    assert_eq!(row(&c.nodes().await, "quiet").state, "connected");
+    assert_eq!(row(&c.nodes().list().await, "quiet").state, "connected");
     assert_eq!(quiet.launched_jobs(), [job], "the waiting job goes there once it speaks");
     let stored = store.snapshot().await.expect("snapshot");
     assert!(

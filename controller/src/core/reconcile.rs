@@ -115,7 +115,7 @@ impl Controller {
     /// One pass: settles every job a request marked (or every job, after
     /// [`Controller::mark_all`]), then places what is pending. Only the reconciler task calls
     /// it in a running controller; the core's tests call it directly, with no task running.
-    pub async fn reconcile(&self) {
+    pub(crate) async fn reconcile(&self) {
         let dirty: Vec<JobId> = std::mem::take(&mut self.lock().dirty).into_iter().collect();
         for job_id in dirty {
             self.settle_logged(job_id).await;
@@ -254,7 +254,7 @@ impl Controller {
             let queue: Vec<scheduler::Request> = ready
                 .iter()
                 .map(|j| {
-                    let mut req = super::jobs::request_of(j.record.id, &j.record.spec);
+                    let mut req = super::launch::request_of(j.record.id, &j.record.spec);
                     req.avoid = j.avoid.keys().cloned().collect();
                     req.priority =
                         aged(req.priority, self.now_ms() - j.record.updated_at_ms, self.config.age_every);

@@ -1,16 +1,14 @@
-//! GPU telemetry in (docs/telemetry.md): an agent's batch of windows is checked (an agent
-//! speaks only for its own ranks), stored once, and acknowledged; an XID that asks for a GPU
-//! reset or a reboot drains the node (a cordon a preflight does not lift: only `ctl uncordon`,
-//! once someone reset the GPU) and fails the attempt using that GPU as the GPU's failure
-//! (`gpu_xid`: the node blamed, the job not charged). When the rank crashed first and its exit
-//! was already recorded as the job's own failure, that failure is given to the GPU instead and
-//! the restart it cost is given back. Windows older than the retention are pruned.
+//! What GPU telemetry sets off (docs/telemetry.md; the receipts service stores the windows).
+//! An XID that asks for a GPU reset or a reboot drains the node (a cordon a preflight does not
+//! lift: only `ctl uncordon`, once someone reset the GPU) and fails the attempt using that GPU
+//! as the GPU's failure (`gpu_xid`: the node blamed, the job not charged). When the rank crashed
+//! first and its exit was already recorded as the job's own failure, that failure is given to
+//! the GPU instead and the restart it cost is given back. Windows older than the retention are
+//! pruned.
 
-use std::collections::BTreeMap;
-
-use trainyard_proto::telemetry::{self, Xid};
-use trainyard_proto::v1::{GpuWindow, TelemetryAck, TelemetryBatch};
-use trainyard_store::{Cordon, FailureKind, FailureRecord, GpuWindowRecord, JobState, RankId};
+use trainyard_proto::telemetry::Xid;
+use trainyard_proto::v1::GpuWindow;
+use trainyard_store::{Cordon, FailureKind, FailureRecord, GpuWindowRecord, JobState};
 
 use super::agents::rank_id;
 use super::{Controller, Result};
@@ -19,31 +17,9 @@ use super::{Controller, Result};
 const XID_EXPLAINS_EXIT_MS: i64 = 60_000;
 
 impl Controller {
-    /// Stores a batch of GPU windows and returns its ack. Takes the core lock only to act on
-    /// an XID.
-    pub async fn ingest_telemetry(&self, agent_id: &str, batch: TelemetryBatch) -> Result<TelemetryAck> {
-        let mut named: BTreeMap<RankId, u64> = BTreeMap::new();
-        for w in &batch.windows {
-            for s in w.steps.iter().filter_map(|s| s.key) {
-                named.insert(rank_id(s), 0);
-            }
-        }
-        let unknown = self.check_senders(agent_id, &named).await?;
-        let records: Vec<GpuWindowRecord> =
-            batch.windows.iter().map(|w| record(agent_id, w, &unknown)).collect();
-        let stored = self.store.insert_gpu_windows(&records).await?;
-        crate::metrics::metrics().gpu_windows_stored.inc_by(stored);
-        for r in records.iter().filter(|r| !r.xids.is_empty()) {
-            for &number in &r.xids {
-                self.on_xid(r, telemetry::xid(number)).await?;
-            }
-        }
-        Ok(TelemetryAck { id: batch.id })
-    }
-
     /// Acts on one XID of a window: logged and counted always; one that drains the node
     /// cordons it and fails the attempt that used the GPU.
-    async fn on_xid(&self, w: &GpuWindowRecord, xid: Xid) -> Result<()> {
+    pub(super) async fn on_xid(&self, w: &GpuWindowRecord, xid: Xid) -> Result<()> {
         let node = w.agent_id.as_str();
         crate::metrics::metrics().xid(xid.number);
         let evidence = format!(
@@ -127,7 +103,7 @@ impl Controller {
 }
 
 /// A window as the store keeps it; the rank of a job this controller does not know is left out.
-fn record(agent_id: &str, w: &GpuWindow, unknown: &[u64]) -> GpuWindowRecord {
+pub(super) fn window_record(agent_id: &str, w: &GpuWindow, unknown: &[u64]) -> GpuWindowRecord {
     let stat = |s: &Option<trainyard_proto::v1::Stat>| s.map(|s| (s.min, s.mean, s.max));
     let sm = stat(&w.sm_clock_mhz);
     let power = stat(&w.power_w);

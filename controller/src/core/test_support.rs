@@ -58,7 +58,7 @@ pub(super) async fn connect(
         agent_version: "test".into(),
         preflight,
     };
-    let conn_id = c.agent_hello(hello, tx).await.expect("hello");
+    let conn_id = c.nodes().hello(hello, tx).await.expect("hello");
     assert!(matches!(rx.recv().await, Some(ControllerMessage { msg: Some(Msg::HelloAck(_)) })));
     Agent { rx, conn_id }
 }

@@ -3,97 +3,16 @@
 
 use std::collections::HashMap;
 
-use trainyard_proto::v1::{Job, JobEvent, RankStatus};
+use trainyard_proto::v1::{Job, RankStatus};
 
-use super::{Controller, ControllerError, Core, Result};
+use super::{Controller, Core, Result};
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
 use trainyard_placement::scheduler::LinkMatrix;
-use trainyard_store::{Allocation, JobId, JobRecord, JobState};
+use trainyard_store::{Allocation, JobRecord, JobState};
 
 impl Controller {
-    /// One job with its ranks (current attempt), events and receipt count.
-    pub async fn job_view(&self, job_id: JobId) -> Result<Job> {
-        let record = self.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
-        let mut job = self.summary(record).await?;
-        let g = self.goodput(job_id).await?;
-        job.goodput = Some(trainyard_proto::v1::Goodput {
-            summary: g.describe(),
-            wall_ms: g.wall_ms,
-            startup_ms: g.startup_ms,
-            train_ms: g.train_ms,
-            eval_ms: g.eval_ms,
-            checkpoint_ms: g.checkpoint_ms,
-            restart_ms: g.restart_ms,
-            lost_ms: g.lost_ms,
-            other_ms: g.other_ms,
-            steps_redone: g.attempts.iter().map(|a| a.steps_redone).sum(),
-            goodput: g.goodput,
-            attempts: g
-                .attempts
-                .iter()
-                .map(|a| trainyard_proto::v1::AttemptGoodput {
-                    attempt: a.attempt,
-                    wall_ms: a.wall_ms,
-                    startup_ms: a.startup_ms,
-                    train_ms: a.train_ms,
-                    eval_ms: a.eval_ms,
-                    checkpoint_ms: a.checkpoint_ms,
-                    restart_ms: a.restart_ms,
-                    lost_ms: a.lost_ms,
-                    steps_redone: a.steps_redone,
-                    other_ms: a.other_ms,
-                })
-                .collect(),
-        });
-        job.events = self
-            .store
-            .job_events(job_id)
-            .await?
-            .into_iter()
-            .map(|e| JobEvent {
-                at_ms: e.at_ms,
-                from_state: e.from_state.map(|s| s.to_string()).unwrap_or_default(),
-                to_state: e.to_state.to_string(),
-                reason: e.reason,
-            })
-            .collect();
-        job.failures = self
-            .store
-            .failures(job_id)
-            .await?
-            .into_iter()
-            .map(|f| trainyard_proto::v1::Failure {
-                attempt: f.attempt,
-                at_ms: f.at_ms,
-                kind: f.kind.to_string(),
-                agent_id: f.agent_id.unwrap_or_default(),
-                rank: f.rank.map_or(-1, i64::from),
-                evidence: f.evidence,
-                blamed: f.blamed,
-                charged: f.charged,
-            })
-            .collect();
-        Ok(job)
-    }
-
-    /// Jobs newest first (only those `submitted_by` submitted, when given), with their ranks
-    /// but without events.
-    pub async fn list_view(
-        &self,
-        active_only: bool,
-        submitted_by: Option<&str>,
-        limit: u32,
-    ) -> Result<Vec<Job>> {
-        let limit = if limit == 0 { 100 } else { limit.min(10_000) };
-        let mut jobs = Vec::new();
-        for record in self.store.list_jobs(active_only, submitted_by, limit).await? {
-            jobs.push(self.summary(record).await?);
-        }
-        Ok(jobs)
-    }
-
-    async fn summary(&self, record: JobRecord) -> Result<Job> {
+    pub(super) async fn summary(&self, record: JobRecord) -> Result<Job> {
         let (id, attempt) = (record.id, record.attempt);
         let seqs: HashMap<u32, u64> = self.store.last_seqs(id, attempt).await?.into_iter().collect();
         let allocations = self.store.allocations(id, attempt).await?;

@@ -106,7 +106,7 @@ impl Agents for AgentsService {
         }
         let agent_id = hello.agent_id.clone();
         let (tx, rx) = mpsc::channel(OUTBOX);
-        let conn_id = match self.controller.agent_hello(hello, tx.clone()).await {
+        let conn_id = match self.controller.nodes().hello(hello, tx.clone()).await {
             Ok(id) => id,
             Err(e) => {
                 tracing::warn!(agent_id, ?peer, error = %e, "agent stream refused");
@@ -121,7 +121,7 @@ impl Agents for AgentsService {
             if let Err(status) = serve(&controller, (&agent_id, conn_id), inbound, tx, shutdown).await {
                 let _ = refuse_tx.send(status).await;
             }
-            if let Err(e) = controller.agent_disconnected(&agent_id, conn_id).await {
+            if let Err(e) = controller.nodes().disconnected(&agent_id, conn_id).await {
                 tracing::error!(agent_id, error = %e, "failed to record an agent disconnect");
             }
         });
@@ -163,7 +163,7 @@ async fn serve(
                 None => break Ok(()),
             },
         };
-        if controller.stream_fenced(conn_id) {
+        if controller.nodes().stream_fenced(conn_id) {
             tracing::warn!(
                 agent_id,
                 conn_id,
@@ -193,7 +193,7 @@ async fn read_ahead(
     loop {
         match inbound.message().await {
             Ok(Some(AgentMessage { msg })) => {
-                controller.agent_seen(&agent_id);
+                controller.nodes().seen(&agent_id);
                 if let Some(msg) = msg
                     && ahead.send(msg).await.is_err()
                 {
@@ -236,7 +236,7 @@ async fn handle(
                 );
                 return quietly;
             }
-            let ack = match controller.ingest(agent_id, batch).await {
+            let ack = match controller.receipts().ingest(agent_id, batch).await {
                 Ok(ack) => ack,
                 Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
                 Err(e) => {
@@ -251,7 +251,7 @@ async fn handle(
         }
         agent_message::Msg::RankUpdate(update) => {
             let Some(report) = update.report else { return Flow::Go };
-            match controller.rank_update(agent_id, &report).await {
+            match controller.jobs().rank_report(agent_id, &report).await {
                 Ok(()) => {}
                 Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
                 Err(e) => {
@@ -261,21 +261,21 @@ async fn handle(
             }
         }
         agent_message::Msg::Notice(notice) => {
-            if let Err(e) = controller.agent_notice(agent_id, &notice).await {
+            if let Err(e) = controller.nodes().notice(agent_id, &notice).await {
                 tracing::error!(agent_id, error = %e, "failed to act on a preemption notice; the agent sends it again");
                 return quietly;
             }
         }
         agent_message::Msg::Leaving(leaving) => {
-            if let Err(e) = controller.agent_leaving(agent_id, &leaving.reason).await {
+            if let Err(e) = controller.nodes().leaving(agent_id, &leaving.reason).await {
                 tracing::error!(agent_id, error = %e, "failed to record that an agent is leaving");
             }
         }
         // Every message counts as a sign of life (the stream's loop notes it).
         agent_message::Msg::Heartbeat(_) => {}
-        agent_message::Msg::LogData(data) => controller.log_data(agent_id, data),
+        agent_message::Msg::LogData(data) => controller.jobs().log_data(agent_id, data),
         agent_message::Msg::Preflight(report) => {
-            if let Err(e) = controller.agent_preflight(agent_id, report).await {
+            if let Err(e) = controller.nodes().preflight_report(agent_id, report).await {
                 tracing::error!(agent_id, error = %e, "failed to store a preflight report; closing");
                 return quietly;
             }
@@ -290,7 +290,7 @@ async fn handle(
                 );
                 return quietly;
             }
-            let ack = match controller.ingest_telemetry(agent_id, batch).await {
+            let ack = match controller.receipts().telemetry(agent_id, batch).await {
                 Ok(ack) => ack,
                 Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
                 Err(e) => {

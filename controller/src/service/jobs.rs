@@ -38,7 +38,7 @@ struct LogReading {
 
 impl Drop for LogReading {
     fn drop(&mut self) {
-        self.controller.close_logs(self.request_id);
+        self.controller.jobs().close_logs(self.request_id);
     }
 }
 
@@ -123,7 +123,7 @@ impl JobsService {
     }
 
     async fn check_job(&self, caller: &Caller, action: &str, job_id: u64) -> Result<(), Status> {
-        let job = self.controller.job_record(job_id).await.map_err(to_status)?;
+        let job = self.controller.jobs().record(job_id).await.map_err(to_status)?;
         let job = job.ok_or_else(|| to_status(ControllerError::JobNotFound(job_id)))?;
         if caller.may_access(&job.owner) {
             return Ok(());
@@ -173,7 +173,7 @@ impl Jobs for JobsService {
         }
         let key = Some(request.idempotency_key).filter(|k| !k.is_empty());
         let now = self.controller.now_ms();
-        match self.controller.submit_as(spec, key.as_deref(), &owner).await {
+        match self.controller.jobs().submit_as(spec, key.as_deref(), &owner).await {
             Ok(job_id) => {
                 let detail = format!(
                     "run as {}",
@@ -193,7 +193,7 @@ impl Jobs for JobsService {
     async fn get(&self, request: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
         let job_id = request.get_ref().job_id;
         self.job_caller(&request, "job.get", job_id).await?;
-        let job = self.controller.job_view(job_id).await.map_err(to_status)?;
+        let job = self.controller.jobs().get(job_id).await.map_err(to_status)?;
         Ok(Response::new(job))
     }
 
@@ -202,7 +202,7 @@ impl Jobs for JobsService {
         let req = request.into_inner();
         // Only admins see every job.
         let only = (!caller.admin).then_some(caller.name.as_str());
-        let jobs = self.controller.list_view(req.active_only, only, req.limit).await.map_err(to_status)?;
+        let jobs = self.controller.jobs().list(req.active_only, only, req.limit).await.map_err(to_status)?;
         Ok(Response::new(ListJobsResponse { jobs }))
     }
 
@@ -215,13 +215,13 @@ impl Jobs for JobsService {
         let caller = self.job_caller(&request, "job.cancel", req.job_id).await?;
         let target = format!("job:{}", req.job_id);
         let now = self.controller.now_ms();
-        if let Err(e) = self.controller.cancel(req.job_id, &req.reason).await {
+        if let Err(e) = self.controller.jobs().cancel(req.job_id, &req.reason).await {
             let status = to_status(e);
             self.auth.audit(&caller.name, "job.cancel", &target, Err(status.message()), now).await;
             return Err(status);
         }
         self.auth.audit(&caller.name, "job.cancel", &target, Ok(&req.reason), now).await;
-        let job = self.controller.job_view(req.job_id).await.map_err(to_status)?;
+        let job = self.controller.jobs().get(req.job_id).await.map_err(to_status)?;
         Ok(Response::new(CancelResponse { job: Some(job) }))
     }
 
@@ -233,7 +233,7 @@ impl Jobs for JobsService {
 
     async fn nodes(&self, request: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
         self.caller(&request, "node.list", "nodes").await?;
-        Ok(Response::new(NodesResponse { nodes: self.controller.nodes().await }))
+        Ok(Response::new(NodesResponse { nodes: self.controller.nodes().list().await }))
     }
 
     /// Cordons a node or lifts its cordon (admins only; audited).
@@ -260,7 +260,7 @@ impl Jobs for JobsService {
             )));
         }
         let reason = req.cordon.then_some(req.reason.as_str());
-        let done = self.controller.cordon(&req.agent_id, reason).await;
+        let done = self.controller.nodes().cordon(&req.agent_id, reason).await;
         let failed = done.as_ref().err().map(|e| e.to_string());
         let outcome = match &failed {
             None => Ok(req.reason.as_str()),
@@ -268,7 +268,7 @@ impl Jobs for JobsService {
         };
         self.auth.audit(&caller.name, action, &target, outcome, self.controller.now_ms()).await;
         let agent_id = done.map_err(to_status)?;
-        let node = self.controller.nodes().await.into_iter().find(|n| n.agent_id == agent_id);
+        let node = self.controller.nodes().list().await.into_iter().find(|n| n.agent_id == agent_id);
         Ok(Response::new(CordonResponse { node }))
     }
 
@@ -300,7 +300,7 @@ impl Jobs for JobsService {
             s => Duration::from_secs(u64::from(s)),
         };
         let reason = if req.reason.trim().is_empty() { "drained with ctl" } else { req.reason.as_str() };
-        let done = self.controller.drain(&req.agent_id, deadline, reason).await;
+        let done = self.controller.nodes().drain(&req.agent_id, deadline, reason).await;
         let failed = done.as_ref().err().map(|e| e.to_string());
         let detail = format!("deadline {} s: {reason}", deadline.as_secs());
         let outcome = match &failed {
@@ -309,7 +309,7 @@ impl Jobs for JobsService {
         };
         self.auth.audit(&caller.name, "node.drain", &target, outcome, self.controller.now_ms()).await;
         let (agent_id, jobs) = done.map_err(to_status)?;
-        let node = self.controller.nodes().await.into_iter().find(|n| n.agent_id == agent_id);
+        let node = self.controller.nodes().list().await.into_iter().find(|n| n.agent_id == agent_id);
         Ok(Response::new(DrainResponse { node, jobs }))
     }
 
@@ -328,7 +328,7 @@ impl Jobs for JobsService {
         let caller = self.caller(&request, action, &target).await?;
         let req = request.into_inner();
         let report = if req.run_level.is_empty() {
-            self.controller.latest_preflight(&req.agent_id).await
+            self.controller.nodes().latest_preflight(&req.agent_id).await
         } else {
             if !caller.admin {
                 let why = "only admins run preflight checks on nodes".to_string();
@@ -338,7 +338,7 @@ impl Jobs for JobsService {
             self.auth.audit(&caller.name, action, &target, Ok(&level), self.controller.now_ms()).await;
             // A shutdown does not wait for the agent: the operator asks again after the restart.
             tokio::select! {
-                report = self.controller.run_preflight(&req.agent_id, &req.run_level, PREFLIGHT_RUN_TIMEOUT) => report,
+                report = self.controller.nodes().run_preflight(&req.agent_id, &req.run_level, PREFLIGHT_RUN_TIMEOUT) => report,
                 _ = self.shutdown.cancelled() => {
                     return Err(Status::unavailable("the controller is shutting down; ask again once it is back"));
                 }
@@ -350,7 +350,7 @@ impl Jobs for JobsService {
     async fn diagnose(&self, request: Request<DiagnoseRequest>) -> Result<Response<Diagnosis>, Status> {
         self.job_caller(&request, "job.diagnose", request.get_ref().job_id).await?;
         let req = request.into_inner();
-        let d = self.controller.diagnose(req.job_id, req.attempt).await.map_err(to_status)?;
+        let d = self.controller.diagnoses().diagnose(req.job_id, req.attempt).await.map_err(to_status)?;
         Ok(Response::new(diagnosis_message(req.job_id, &d)))
     }
 
@@ -358,7 +358,7 @@ impl Jobs for JobsService {
         let caller = self.job_caller(&request, "job.compare", request.get_ref().a).await?;
         self.check_job(&caller, "job.compare", request.get_ref().b).await?;
         let req = request.into_inner();
-        let c = self.controller.compare(req.a, req.b).await.map_err(to_status)?;
+        let c = self.controller.diagnoses().compare(req.a, req.b).await.map_err(to_status)?;
         Ok(Response::new(comparison_message(&c)))
     }
 
@@ -367,7 +367,8 @@ impl Jobs for JobsService {
         request: Request<LiveFindingsRequest>,
     ) -> Result<Response<LiveFindingsResponse>, Status> {
         self.job_caller(&request, "job.diagnose", request.get_ref().job_id).await?;
-        let found = self.controller.live_findings(request.get_ref().job_id).await.map_err(to_status)?;
+        let found =
+            self.controller.diagnoses().live_findings(request.get_ref().job_id).await.map_err(to_status)?;
         Ok(Response::new(LiveFindingsResponse { findings: found.iter().map(live_finding_message).collect() }))
     }
 
@@ -389,7 +390,8 @@ impl Jobs for JobsService {
         }
         let (request_id, rx) = self
             .controller
-            .open_logs(req.job_id, req.rank, req.tail_lines, req.follow)
+            .jobs()
+            .logs(req.job_id, req.rank, req.tail_lines, req.follow)
             .await
             .map_err(to_status)?;
         // Every piece the client takes is credit for its agent to send one more, granted a few
@@ -402,7 +404,7 @@ impl Jobs for JobsService {
                 LogEvent::Chunk { stream, data } => {
                     taken += 1;
                     if taken == CREDIT_EVERY {
-                        reading.controller.log_credit(request_id, std::mem::take(&mut taken));
+                        reading.controller.jobs().log_credit(request_id, std::mem::take(&mut taken));
                     }
                     Ok(LogChunk { stream: stream.to_string(), data })
                 }
@@ -450,9 +452,10 @@ impl Watcher {
             changes.borrow_and_update();
             // Read the job before the receipts: if it has ended here, every receipt its ranks
             // wrote is already stored (agents report an exit only after sending its receipts).
-            let Some(job) = self.controller.job_record(self.job_id).await? else { return Ok(()) };
+            let Some(job) = self.controller.jobs().record(self.job_id).await? else { return Ok(()) };
             let ranks_done = self
                 .controller
+                .jobs()
                 .allocations(self.job_id, job.attempt)
                 .await?
                 .iter()
@@ -486,7 +489,7 @@ impl Watcher {
     /// Sends every stored receipt past the cursor; false when the client went away.
     async fn drain(&mut self, tx: &Sink) -> Result<bool, ControllerError> {
         loop {
-            let rows = self.controller.receipts_after(self.job_id, self.cursor, WATCH_PAGE).await?;
+            let rows = self.controller.receipts().after(self.job_id, self.cursor, WATCH_PAGE).await?;
             let full = rows.len() == WATCH_PAGE as usize;
             for r in rows {
                 self.cursor = r.position;

@@ -49,7 +49,7 @@ impl Web {
     /// The job, if `caller` may see it: 404 when unknown, 403 when it is someone else's.
     pub(super) async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Reject> {
         let id = job_id(raw)?;
-        let job = self.controller.job_record(id).await.map_err(store_error)?;
+        let job = self.controller.jobs().record(id).await.map_err(store_error)?;
         let job = job.ok_or_else(|| reject(StatusCode::NOT_FOUND, format!("job {id} not found")))?;
         if !caller.may_access(&job.owner) {
             return Err(reject(
@@ -71,14 +71,14 @@ pub(super) async fn jobs(state: WebState, headers: HeaderMap, query: Query) -> R
     let only = (!caller.admin).then_some(caller.name.as_str());
     // Straight from the store, without `ctl status`'s per-job receipt counts: cheap on jobs of
     // millions of receipts.
-    let listed = tri!(web.controller.job_records(active, only, limit).await.map_err(store_error));
+    let listed = tri!(web.controller.jobs().records(active, only, limit).await.map_err(store_error));
     let mut jobs = Vec::with_capacity(listed.len());
     for j in &listed {
-        let (goodput, facts) = match web.controller.goodput_and_facts(j.id).await {
+        let (goodput, facts) = match web.controller.diagnoses().goodput_and_facts(j.id).await {
             Ok((g, f)) => (g.goodput, Some(f)),
             Err(_) => (None, None),
         };
-        let allocations = web.controller.allocations(j.id, j.attempt).await.unwrap_or_default();
+        let allocations = web.controller.jobs().allocations(j.id, j.attempt).await.unwrap_or_default();
         let nodes: std::collections::BTreeSet<&str> =
             allocations.iter().map(|a| a.agent_id.as_str()).collect();
         jobs.push(json!({
@@ -120,20 +120,20 @@ pub(super) async fn job(state: WebState, headers: HeaderMap, Path(raw): Path<Str
     let caller = tri!(web.caller(&headers).await);
     let record = tri!(web.job_for(&caller, &raw).await);
     let id = record.id;
-    let allocations = tri!(web.controller.allocations(id, record.attempt).await.map_err(store_error));
-    let events = tri!(web.controller.job_events(id).await.map_err(store_error));
-    let (goodput, facts) = match web.controller.goodput_and_facts(id).await {
+    let allocations = tri!(web.controller.jobs().allocations(id, record.attempt).await.map_err(store_error));
+    let events = tri!(web.controller.jobs().events(id).await.map_err(store_error));
+    let (goodput, facts) = match web.controller.diagnoses().goodput_and_facts(id).await {
         Ok((g, f)) => (Some(g), Some(f)),
         Err(_) => (None, None),
     };
     let goodput = goodput.map(|g| goodput_json(&g));
     // Rank 0's steps times the ranks bound the step receipts without counting them.
     let folded_ranks =
-        web.controller.rollup_extent(id, record.attempt).await.ok().flatten().map_or(0, |e| e.2);
+        web.controller.receipts().rollup_extent(id, record.attempt).await.ok().flatten().map_or(0, |e| e.2);
     let ranks = allocations.len().max(folded_ranks as usize).max(1) as u64;
     let steps_stored = facts.as_ref().map_or(0, |f| f.steps) * ranks;
     let diagnosis = live_diagnosis(&web, id, steps_stored).await;
-    let findings: Vec<Value> = match web.controller.live_findings(id).await {
+    let findings: Vec<Value> = match web.controller.diagnoses().live_findings(id).await {
         Ok(found) => found.iter().filter(|f| f.attempt == record.attempt).map(finding_json).collect(),
         Err(_) => Vec::new(),
     };
@@ -192,7 +192,7 @@ async fn live_diagnosis(web: &Web, id: u64, steps_stored: u64) -> Value {
             "healthy": Value::Null, "stragglers": [], "findings": [],
         });
     }
-    match web.controller.diagnose(id, None).await {
+    match web.controller.diagnoses().diagnose(id, None).await {
         Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => diagnosis_json(&d),
         _ => Value::Null,
     }
@@ -250,7 +250,7 @@ fn spec_summary(job: &JobRecord) -> String {
 
 /// Rank 0's last lines, or why there are none.
 async fn log_tail(web: &Web, job: u64) -> Value {
-    let (request_id, mut rx) = match web.controller.open_logs(job, 0, LOG_TAIL_LINES, false).await {
+    let (request_id, mut rx) = match web.controller.jobs().logs(job, 0, LOG_TAIL_LINES, false).await {
         Ok(opened) => opened,
         Err(e) => return json!({"rank": 0, "text": "", "unavailable": e.to_string()}),
     };
@@ -259,7 +259,7 @@ async fn log_tail(web: &Web, job: u64) -> Value {
         while let Some(event) = rx.recv().await {
             match event {
                 LogEvent::Chunk { data, .. } => {
-                    web.controller.log_credit(request_id, 1);
+                    web.controller.jobs().log_credit(request_id, 1);
                     text.push_str(&String::from_utf8_lossy(&data));
                 }
                 LogEvent::Failed(why) => return Some(why),
@@ -268,7 +268,7 @@ async fn log_tail(web: &Web, job: u64) -> Value {
         None
     };
     let outcome = tokio::time::timeout(LOG_WAIT, read).await;
-    web.controller.close_logs(request_id);
+    web.controller.jobs().close_logs(request_id);
     match outcome {
         Ok(None) => json!({"rank": 0, "text": text}),
         Ok(Some(why)) => json!({"rank": 0, "text": text, "unavailable": why}),
@@ -332,8 +332,8 @@ pub(super) async fn series(
     let attempt =
         tri!(int_param(&pairs, "attempt", 0, i64::from(record.attempt))).map_or(record.attempt, |a| a as u32);
     // Folds what arrived since the last request, so the plots are current.
-    tri!(web.controller.fold_steps(record.id).await.map_err(store_error));
-    let extent = tri!(web.controller.rollup_extent(record.id, attempt).await.map_err(store_error));
+    tri!(web.controller.receipts().fold(record.id).await.map_err(store_error));
+    let extent = tri!(web.controller.receipts().rollup_extent(record.id, attempt).await.map_err(store_error));
     let empty = json!({"metric": metric.as_str(), "unit": metric.unit(), "from": from, "to": to, "bucket_steps": 0, "ranks": []});
     let Some((first, last, ranks)) = extent else { return ok(empty) };
     let (from, to) = (from.unwrap_or(first), to.unwrap_or(last).min(last));
@@ -344,6 +344,7 @@ pub(super) async fn series(
     let buckets_read = (from / level, to / level);
     let rows = tri!(
         web.controller
+            .receipts()
             .rollup_rows(record.id, attempt, metric, level, buckets_read)
             .await
             .map_err(store_error)
@@ -379,9 +380,9 @@ pub(super) async fn nodes(state: WebState, headers: HeaderMap) -> Response {
     let web = state.0;
     tri!(web.caller(&headers).await);
     let mut nodes = Vec::new();
-    for n in web.controller.nodes().await {
-        let report = web.controller.latest_preflight(&n.agent_id).await.ok();
-        let inventory = web.controller.node_inventory(&n.agent_id);
+    for n in web.controller.nodes().list().await {
+        let report = web.controller.nodes().latest_preflight(&n.agent_id).await.ok();
+        let inventory = web.controller.nodes().inventory(&n.agent_id);
         let numa: Vec<Value> = inventory.as_ref().map_or_else(Vec::new, |inv| {
             inv.numa_nodes
                 .iter()
@@ -438,7 +439,7 @@ pub(super) async fn compare(state: WebState, headers: HeaderMap, query: Query) -
     };
     let a = tri!(web.job_for(&caller, &a).await).id;
     let b = tri!(web.job_for(&caller, &b).await).id;
-    let c = tri!(web.controller.compare(a, b).await.map_err(store_error));
+    let c = tri!(web.controller.diagnoses().compare(a, b).await.map_err(store_error));
     ok(comparison_json(&c))
 }
 

@@ -83,7 +83,7 @@ pub(super) async fn telemetry(
         Ok(r) => r,
         Err(refused) => return refused.into_response(),
     };
-    let windows = match web.controller.gpu_windows(record.id, record.attempt, MAX_WINDOWS).await {
+    let windows = match web.controller.receipts().gpu_windows(record.id, record.attempt, MAX_WINDOWS).await {
         Ok(w) => w,
         Err(e) => return store_error(e).into_response(),
     };

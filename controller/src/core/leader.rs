@@ -108,6 +108,14 @@ pub fn fence_of(lease: &Lease) -> Fence {
     Fence { holder: lease.holder.clone(), epoch: lease.epoch }
 }
 
+/// Takes office under `lease`: every write of `store` is fenced on its epoch from now on (a
+/// follower's read-only fence is gone with it). Returns the fence, for [`keep`] and [`resign`].
+pub fn take_office(store: &Arc<dyn Store>, lease: &Lease) -> Fence {
+    let fence = fence_of(lease);
+    store.set_fence(Some(fence.clone()));
+    fence
+}
+
 /// Renews the lease of `fence` until `stop`; cancels the returned token when the lease is
 /// lost (a renewal refused, or none succeeded for a whole TTL). A write refused by the fence
 /// makes it check at once rather than at the next renewal.

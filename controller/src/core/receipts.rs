@@ -1,0 +1,157 @@
+//! The receipts service: step receipts and GPU telemetry in from the agents, and the reads of
+//! them the outer layers make (a job's receipts past a cursor, telemetry windows, the plots'
+//! step rollups).
+//!
+//! Ingest is the hot path and takes no lock on the controller's state: a batch is checked (an
+//! agent speaks only for its own ranks), stored in one transaction, and acknowledged with the
+//! highest seq per rank; only then may the agent forget it.
+
+use std::collections::BTreeMap;
+
+use trainyard_analysis::series::{Metric, RollupRow};
+use trainyard_model::receipts;
+use trainyard_proto::telemetry;
+use trainyard_proto::v1::{RankAck, ReceiptAck, ReceiptBatch, TelemetryAck, TelemetryBatch};
+use trainyard_store::{GpuWindowRecord, JobId, NewReceipt, RankId, StoredReceiptRecord};
+
+use super::agents::{rank_id, rank_key};
+use super::{Controller, Result};
+
+/// Largest batch an agent may send; larger ones are refused as a protocol error.
+pub const MAX_BATCH: usize = 20_000;
+
+/// Receipts one fold pass reads.
+const FOLD_PASS: u32 = 100_000;
+
+/// Receipts and telemetry, in and out ([`Controller::receipts`]).
+#[derive(Clone, Copy)]
+pub struct Receipts<'c> {
+    pub(super) c: &'c Controller,
+}
+
+impl Receipts<'_> {
+    /// Stores a batch of receipts (one transaction) and returns the ack to send back: the
+    /// highest seq per rank of the batch. Takes no lock on the controller's state.
+    pub async fn ingest(self, agent_id: &str, batch: ReceiptBatch) -> Result<ReceiptAck> {
+        let arrived = std::time::Instant::now();
+        let received = batch.receipts.len() as u64;
+        let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();
+        let mut rows = Vec::with_capacity(batch.receipts.len());
+        let (mut not_objects, mut flagged) = (0, 0);
+        let mut news: BTreeMap<(u64, u32), super::faults::StepNews> = BTreeMap::new();
+        for r in batch.receipts {
+            let Some(id) = r.key.map(rank_id) else { continue };
+            let seq = highest.entry(id).or_insert(r.seq);
+            *seq = (*seq).max(r.seq);
+            // Agents send only lines that parse as JSON objects; the views of both stores
+            // read bodies as JSON, so anything else is acked and left out here.
+            let Ok(checked) = receipts::check(&r.kind, &r.body) else {
+                not_objects += 1;
+                continue;
+            };
+            flagged += usize::from(checked.problem.is_some());
+            let step = (r.step >= 0).then_some(r.step);
+            super::faults::note_receipt(&mut news, id, (&r.kind, step), &r.body, checked.metrics.as_ref());
+            let step = (r.step >= 0).then_some(r.step);
+            let (problem, metrics) = (checked.problem, checked.metrics);
+            rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body: r.body, problem, metrics });
+        }
+        if not_objects > 0 {
+            tracing::warn!(not_objects, "dropping receipts whose body is not a JSON object");
+        }
+        if flagged > 0 {
+            tracing::debug!(
+                flagged,
+                "storing receipts that break receipt schema v1, flagged (receipts.problem)"
+            );
+        }
+        let mut held_back = 0;
+        for job_id in self.c.check_senders(agent_id, &highest).await? {
+            // Not acknowledged: the agent keeps them in the rank's file (up to its window) and
+            // sends them again on its next stream, so nothing is lost if this controller is the
+            // wrong one or its database is being restored.
+            let held = rows.iter().filter(|r| r.id.job_id == job_id).count();
+            tracing::warn!(
+                agent_id,
+                job_id,
+                receipts = held,
+                "receipts of a job this controller does not know: not stored and not acknowledged; the agent keeps them"
+            );
+            held_back += held as u64;
+            rows.retain(|r| r.id.job_id != job_id);
+            highest.retain(|id, _| id.job_id != job_id);
+        }
+        news.retain(|(job_id, _), _| highest.keys().any(|id| id.job_id == *job_id));
+        self.c.note_steps(news);
+        let mut stored = 0;
+        if !rows.is_empty() {
+            stored = self.c.store.insert_receipts(&rows, self.c.now_ms()).await?;
+            self.c.bump();
+        }
+        let m = crate::metrics::metrics();
+        m.receipts_ingested.inc_by(stored);
+        m.receipts_skipped.inc_by(received.saturating_sub(stored + held_back));
+        m.receipts_unknown_job.inc_by(held_back);
+        m.receipts_flagged.inc_by(flagged as u64);
+        m.receipt_batch.observe(arrived.elapsed().as_secs_f64());
+        let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();
+        Ok(ReceiptAck { acks })
+    }
+
+    /// Stores a batch of GPU windows and returns its ack. Takes the core lock only to act on
+    /// an XID.
+    pub async fn telemetry(self, agent_id: &str, batch: TelemetryBatch) -> Result<TelemetryAck> {
+        let mut named: BTreeMap<RankId, u64> = BTreeMap::new();
+        for w in &batch.windows {
+            for s in w.steps.iter().filter_map(|s| s.key) {
+                named.insert(rank_id(s), 0);
+            }
+        }
+        let unknown = self.c.check_senders(agent_id, &named).await?;
+        let records: Vec<GpuWindowRecord> =
+            batch.windows.iter().map(|w| super::telemetry::window_record(agent_id, w, &unknown)).collect();
+        let stored = self.c.store.insert_gpu_windows(&records).await?;
+        crate::metrics::metrics().gpu_windows_stored.inc_by(stored);
+        for r in records.iter().filter(|r| !r.xids.is_empty()) {
+            for &number in &r.xids {
+                self.c.on_xid(r, telemetry::xid(number)).await?;
+            }
+        }
+        Ok(TelemetryAck { id: batch.id })
+    }
+
+    /// Folds every settled step receipt of the job into its plot rollups
+    /// ([`trainyard_analysis::series`]), in passes of [`FOLD_PASS`] receipts.
+    pub async fn fold(self, job_id: JobId) -> Result<()> {
+        let settled = self.c.now_ms() - trainyard_analysis::series::SETTLE_MS;
+        while self.c.store.roll_up_steps(job_id, settled, FOLD_PASS).await? == u64::from(FOLD_PASS) {}
+        Ok(())
+    }
+
+    /// A job's receipts stored after position `after`, in position order, at most `limit`.
+    pub async fn after(self, job: JobId, after: u64, limit: u32) -> Result<Vec<StoredReceiptRecord>> {
+        Ok(self.c.store.receipts_after(job, after, limit).await?)
+    }
+
+    /// The GPU telemetry windows of one attempt, by start time, at most `limit`.
+    pub async fn gpu_windows(self, job: JobId, attempt: u32, limit: u32) -> Result<Vec<GpuWindowRecord>> {
+        Ok(self.c.store.attempt_gpu_windows(job, attempt, limit).await?)
+    }
+
+    /// The folded steps of an attempt (first step, last step, ranks); `None` before any.
+    pub async fn rollup_extent(self, job: JobId, attempt: u32) -> Result<Option<(i64, i64, u32)>> {
+        Ok(self.c.store.rollup_extent(job, attempt).await?)
+    }
+
+    /// One metric's rollup rows of one level over a range of buckets, every rank.
+    pub async fn rollup_rows(
+        self,
+        job: JobId,
+        attempt: u32,
+        metric: Metric,
+        level: i64,
+        buckets: (i64, i64),
+    ) -> Result<Vec<RollupRow>> {
+        Ok(self.c.store.rollup_rows(job, attempt, metric, level, buckets.0, buckets.1).await?)
+    }
+}
