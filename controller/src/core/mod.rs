@@ -19,22 +19,36 @@
 //!
 //! Time comes from [`Clock`], which follows Tokio's clock: tests pause and advance it.
 //!
+//! # The way in: five services
+//! Every request reaches the state and the store through one of these, each one type with one
+//! `impl` in one file; nothing outside the core holds the store.
+//! - [`Jobs`] (`jobs`): submit, cancel, jobs as `ctl` and the web view read them, rank reports,
+//!   logs.
+//! - [`Nodes`] (`nodes`): the fleet table, preflights on request, cordons and drains, and what
+//!   each agent's stream says about its node (hello, preflight reports, notices, leaving).
+//! - [`Receipts`] (`receipts`): step receipts and GPU telemetry in, and their reads.
+//! - [`Diagnoses`] (`diagnosis`): `Diagnose`, `Compare`, goodput, live findings, and the outcome
+//!   recorded at a job's end.
+//! - [`Auth`] (`auth`): users, tokens and the audit log.
+//!
+//! # Inside
 //! - `reconcile`: the reconciler: settling jobs, restarts, the scheduling pass and launches.
-//! - `jobs`: submit, cancel, and the messages that start and stop ranks.
-//! - `agents`: hellos, disconnects, rank reports and receipt ingest.
-//! - `liveness`: heartbeats, unresponsive agents, and the reaper of lost hosts.
+//! - `launch`: the messages that start, stop and forget ranks; the fleet as the scheduler sees it.
+//! - `fleet`: each node's state as the table shows it, busy GPUs, hostnames to agent ids.
+//! - `agents`: what agents observe about their ranks, and the check that an agent speaks only
+//!   for its own ranks.
+//! - `liveness`: unresponsive agents, and the reaper of lost hosts.
 //! - `faults`: what ended an attempt (rank exit, host lost, hang), blame, exclusion, cordons,
 //!   backoff, and the watch on each job's steps that finds hangs.
-//! - `view`: the read side (`Get`, `List`), served from the store.
-//! - `reads`: the read model of the outer layers (records, events, allocations, rollups,
-//!   receipts): nothing outside the core holds the store.
+//! - `view`: a job's summary as `ctl` shows it, read from the store.
 //! - `evict`: drains and preemption notices (checkpoint, then move without the node).
 //! - `resume`: the checkpoints a restarted attempt resumes from.
 //! - `live`: the live diagnosis of running jobs: findings opened, updated, closed, alerted.
-//! - `telemetry`: GPU telemetry in (stored once, acknowledged), XIDs that drain a node, retention.
+//! - `telemetry`: XIDs that drain a node, and the retention of telemetry windows.
+//! - `logs`: the relay of a rank's logs from its agent to the client.
+//! - `leader`: leadership of a controller group on PostgreSQL: elections, lease, step-down.
 //! - `follow`: a follower of a controller group: reads mirrored from the store, writers
 //!   referred to the leader.
-//! - `nodes`: the fleet table (`Nodes`) and preflight reports on request (`Preflight`).
 
 mod agents;
 pub mod auth;
