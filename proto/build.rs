@@ -5,9 +5,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     // SAFETY: build scripts are single-threaded; nothing else reads the environment here.
     unsafe { std::env::set_var("PROTOC", protoc) };
+    // Clients and servers only with the `grpc` feature: the messages alone need prost only.
     // No transport helpers: the `Connect` rpc would clash with the client's `connect` constructor;
     // callers build a `tonic::transport::Channel` and pass it to `XxxClient::new`.
+    let grpc = std::env::var_os("CARGO_FEATURE_GRPC").is_some();
     tonic_prost_build::configure()
+        .build_client(grpc)
+        .build_server(grpc)
         .build_transport(false)
         .compile_protos(&["proto/trainyard/v1/trainyard.proto"], &["proto"])?;
     println!("cargo:rerun-if-changed=proto");

@@ -1,6 +1,8 @@
-//! The `trainyard.v1` gRPC contract: generated types and services, plus the few values the
-//! contract defines beyond its messages ([`contract`]) and the bounds on every size a peer
-//! controls ([`limits`]), so both ends share one definition.
+//! The `trainyard.v1` gRPC contract: the generated messages, and with the `grpc` feature the
+//! clients and servers (the pure crates use the messages and words alone, without any I/O
+//! crate); the few values the contract defines beyond its messages ([`contract`]); the bounds
+//! on every size a peer controls ([`limits`]); and the vocabulary of GPU telemetry
+//! ([`telemetry`]: throttle reasons and XIDs). Both ends share one definition.
 //!
 //! `trainyard.proto` is the source of truth; see its comments for field meanings. The words a
 //! message carries (states, verdicts, levels, statuses, classes, causes, streams) are defined
@@ -20,5 +22,5 @@ pub const PROTOCOL_VERSION: u32 = 2;
 #[allow(clippy::all, missing_docs)]
 #[rustfmt::skip]
 pub mod v1 {
-    tonic::include_proto!("trainyard.v1");
+    include!(concat!(env!("OUT_DIR"), "/trainyard.v1.rs"));
 }

@@ -3,7 +3,7 @@
 //! - inside every crate, the top-level modules import one another without a circle: a circle
 //!   means two modules that cannot be understood, tested or moved apart;
 //! - the pure crates (`trainyard-model`, `trainyard-placement`, `trainyard-analysis`) depend on
-//!   no database, runtime, network or HTTP crate;
+//!   no database, runtime, network or HTTP crate, directly or through another crate;
 //! - no source file outside tests, benches and vendored code is longer than 600 lines, and no
 //!   function longer than 100 (aim for 80: a function a reader cannot hold is a function to
 //!   split).
@@ -151,6 +151,30 @@ fn the_circle_finder_finds_a_circle_and_passes_a_tree() {
 /// Crates a pure crate must not depend on: they do I/O (database, runtime, network, HTTP).
 const IO_CRATES: &[&str] =
     &["sqlx", "tokio", "tonic", "axum", "hyper", "reqwest", "tokio-rustls", "tch", "nvml-wrapper", "cudarc"];
+
+/// The crates `package` builds on, as cargo resolves them when it is built alone (its own
+/// features only), without build and dev dependencies.
+fn dependencies_alone(package: &str) -> Vec<String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args(["tree", "--offline", "--locked", "-e", "normal", "--prefix", "none", "-p", package])
+        .current_dir(root())
+        .output()
+        .expect("run cargo tree");
+    assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().filter_map(|l| l.split_whitespace().next()).map(str::to_owned).collect()
+}
+
+#[test]
+fn pure_crates_build_on_no_io_crate_even_indirectly() {
+    for package in ["trainyard-model", "trainyard-placement", "trainyard-analysis"] {
+        let deps = dependencies_alone(package);
+        assert!(deps.iter().any(|d| d == "trainyard-proto"), "{package}: cargo tree lists {deps:?}");
+        let io: Vec<&String> = deps.iter().filter(|d| IO_CRATES.contains(&d.as_str())).collect();
+        assert!(io.is_empty(), "{package} is a pure crate but builds on {io:?}");
+    }
+}
 
 #[test]
 fn pure_crates_depend_on_no_io_crate() {
