@@ -36,7 +36,7 @@ use crate::preflight::runner::{Runner, write_report};
 use crate::preflight::{self, failure_reason};
 use crate::tail::Budget;
 use crate::telemetry::{GpuUse, Telemetry};
-use trainyard_proto::words::RankState;
+use trainyard_proto::words::{RankState, ReceiptKind};
 
 /// How long the agent waits for `HelloAck`.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -433,7 +433,7 @@ impl Session<'_> {
             // Which step each rank reached, for the telemetry windows: one lock per batch.
             let steps = receipts
                 .iter()
-                .filter(|r| r.step >= 0 && r.kind == "step")
+                .filter(|r| r.step >= 0 && r.kind == ReceiptKind::Step.as_str())
                 .filter_map(|r| r.key.as_ref().map(|k| (RankId::from(k), r.step)));
             self.telemetry.note_steps(steps, crate::telemetry::now_ms());
             let bytes: usize = receipts.iter().map(|r| r.body.len()).sum();

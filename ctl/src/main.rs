@@ -24,6 +24,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use trainyard_proto::words::PreflightLevel;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -125,8 +126,8 @@ enum Command {
         /// The node's agent id (or its hostname, when only one node has it).
         host: String,
         /// Run a preflight at this level now and show its report.
-        #[arg(long, value_name = "LEVEL", value_parser = ["quick", "standard", "full"])]
-        run: Option<String>,
+        #[arg(long, value_name = "LEVEL", value_parser = runnable_level)]
+        run: Option<PreflightLevel>,
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Text)]
         output: Format,
     },
@@ -240,13 +241,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Nodes { output } => commands::nodes::run(&mut ctl, output == Format::Json).await,
         Command::Preflight { host, run, output } => {
-            commands::preflight::run(&mut ctl, &host, run.as_deref(), output == Format::Json).await
+            commands::preflight::run(&mut ctl, &host, run, output == Format::Json).await
         }
         Command::Cordon { host, reason } => commands::nodes::cordon(&mut ctl, &host, Some(reason)).await,
         Command::Uncordon { host } => commands::nodes::cordon(&mut ctl, &host, None).await,
         Command::Drain { host, deadline, reason } => {
             commands::nodes::drain(&mut ctl, &host, deadline, reason).await
         }
+    }
+}
+
+/// A level a node can run now (`none` is a job spec's word only).
+fn runnable_level(text: &str) -> Result<PreflightLevel, String> {
+    match text.parse::<PreflightLevel>() {
+        Ok(PreflightLevel::None) | Err(_) => {
+            Err(format!("{text:?}: the levels a node runs are quick, standard and full"))
+        }
+        Ok(level) => Ok(level),
     }
 }
 
@@ -273,9 +284,12 @@ mod tests {
         let cli =
             Cli::try_parse_from(["ctl", "preflight", "sxm-a", "--run", "full", "-o", "json"]).expect("parse");
         let Command::Preflight { host, run, output } = cli.command else { panic!("not preflight") };
-        assert_eq!((host.as_str(), run.as_deref(), output), ("sxm-a", Some("full"), Format::Json));
+        assert_eq!((host.as_str(), run, output), ("sxm-a", Some(PreflightLevel::Full), Format::Json));
         let err =
             Cli::try_parse_from(["ctl", "preflight", "sxm-a", "--run", "thorough"]).expect_err("bad level");
         assert!(err.to_string().contains("quick"), "{err}");
+        let err =
+            Cli::try_parse_from(["ctl", "preflight", "sxm-a", "--run", "none"]).expect_err("not runnable");
+        assert!(err.to_string().contains("the levels a node runs are quick, standard and full"), "{err}");
     }
 }

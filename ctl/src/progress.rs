@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::Value;
+use trainyard_proto::words::ReceiptKind;
 
 /// What we last heard from one rank.
 #[derive(Debug, Clone, Copy, Default)]
@@ -33,7 +34,7 @@ impl Progress {
 
     /// Records a receipt; ignores everything but step receipts of the newest attempt.
     pub fn record(&mut self, attempt: u32, rank: u32, kind: &str, body: &str) {
-        if kind != "step" || attempt < self.attempt {
+        if kind != ReceiptKind::Step.as_str() || attempt < self.attempt {
             return;
         }
         if attempt > self.attempt {

@@ -13,6 +13,7 @@ use trainyard_analysis::diagnose::compare::{
 use trainyard_analysis::diagnose::goodput::{self, Goodput};
 use trainyard_analysis::diagnose::{self, Diagnosis, Input, NodeFacts, StepSample, stragglers};
 use trainyard_model::domain::CheckStatus;
+use trainyard_proto::words::ReceiptKind;
 use trainyard_store::LiveFinding;
 use trainyard_store::{Allocation, GpuWindowRecord, JobId, JobRecord};
 
@@ -144,7 +145,8 @@ impl Diagnoses<'_> {
     async fn side(self, job_id: JobId) -> Result<Side> {
         let evidence = self.evidence(job_id, None).await?;
         let diagnosis = evidence.diagnose();
-        let launch = self.c.store.first_receipt(job_id, evidence.attempt, "launch").await?;
+        let launch =
+            self.c.store.first_receipt(job_id, evidence.attempt, ReceiptKind::Launch.as_str()).await?;
         let provenance = launch.as_deref().map(provenance_of).unwrap_or_default();
         let last_step = evidence.samples.iter().map(|s| s.step).max().unwrap_or(0);
         let first_step = evidence.samples.iter().map(|s| s.step).filter(|s| *s >= 0).min().unwrap_or(0);

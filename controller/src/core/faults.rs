@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use trainyard_proto::v1::{RunPreflight, controller_message::Msg};
+use trainyard_proto::words::{PreflightLevel, ReceiptKind};
 use trainyard_store::{
     Allocation, Cordon, FailureKind, FailureRecord, JobId, JobState, PreflightRecord, RankState, Store,
     Verdict,
@@ -276,7 +277,7 @@ impl Core {
         let connected = self.agents.get(node).is_some_and(|e| e.link.is_some());
         if (avoided || cordoned) && connected {
             tracing::info!(agent_id = node, "asking a blamed node for a quick preflight to clear it");
-            self.send(node, Msg::RunPreflight(RunPreflight { level: "quick".into() }));
+            self.send(node, Msg::RunPreflight(RunPreflight { level: PreflightLevel::Quick.as_str().into() }));
         }
     }
 
@@ -348,15 +349,15 @@ pub(super) fn note_receipt(
     body: &str,
     metrics: Option<&trainyard_model::receipts::StepMetrics>,
 ) {
-    match kind {
-        "step" => {
+    match kind.parse::<ReceiptKind>() {
+        Ok(ReceiptKind::Step) => {
             let n = news.entry((id.job_id, id.attempt)).or_default();
             n.ranks.insert(id.rank);
             if let Some(t) = metrics.and_then(|m| m.step_time_ms) {
                 n.step_ms.push(t);
             }
         }
-        "checkpoint" => {
+        Ok(ReceiptKind::Checkpoint) => {
             let seconds = serde_json::from_str::<serde_json::Value>(body)
                 .ok()
                 .and_then(|v| v.get("duration_ms").and_then(serde_json::Value::as_f64))

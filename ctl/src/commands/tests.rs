@@ -234,7 +234,9 @@ async fn nodes_and_preflight_answer_or_say_why_not() {
     let err = super::preflight::run(&mut ctl, "node-z", None, false).await.expect_err("unknown node");
     assert_eq!(err.to_string(), "no node node-z is known to this controller");
     let err =
-        super::preflight::run(&mut ctl, "node-a", Some("quick"), true).await.expect_err("not connected");
+        super::preflight::run(&mut ctl, "node-a", Some(trainyard_proto::words::PreflightLevel::Quick), true)
+            .await
+            .expect_err("not connected");
     assert_eq!(err.to_string(), "node node-a is not connected, so it cannot run a preflight now");
 }
 
