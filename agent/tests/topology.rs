@@ -124,6 +124,8 @@ fn malformed_input_names_the_line() {
     );
     // X off the diagonal.
     refused(&with(2, &lines[2].replacen("NV12", "X", 1)), 3, "expected a link code");
+    // GPU0's own row is named, not the header above it (whose first column is GPU0 too).
+    refused(&with(1, &lines[1].replacen(" X ", "NV12", 1)), 2, "GPU0 column GPU0 is NV12");
     // A missing GPU row.
     let short: String =
         lines.iter().enumerate().filter(|(i, _)| *i != 8).map(|(_, l)| format!("{l}\n")).collect();

@@ -137,7 +137,7 @@ pub fn parse(text: &str) -> Result<Topology, ParseError> {
             format!("the header lists {n} GPUs but {} GPU rows follow", rows.gpus.len()),
         ));
     }
-    check_matrix(&rows.links, &lines)?;
+    check_matrix(&rows.links, &lines[at + 1..])?;
     let nics = nics(&header, &legend_names, &rows);
     let numa_nodes = numa_nodes_of(&rows.gpus);
     Ok(Topology { gpus: rows.gpus, links: rows.links, numa_nodes, nics })
