@@ -23,6 +23,10 @@
 //! - [`gpu_sample`]: one reading of one GPU (plain data the telemetry and the metrics share).
 //! - [`telemetry`]: GPU telemetry: a sampler thread (NVML, or a script on hosts without a GPU)
 //!   summarising each running rank's GPU per window, queued for the stream.
+//! - [`account`]: the Unix account a job's ranks run as, looked up on this node (never root).
+//! - [`notice`]: preemption notices from a source the operator names (a file, a command, a
+//!   cloud's metadata endpoint), told to the controller.
+//! - [`metrics`]: the agent's Prometheus metrics and `/healthz`.
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
 pub mod account;

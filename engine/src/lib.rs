@@ -1,4 +1,20 @@
-//! trainyard's built-in training engine: a nanochat-class GPT on tch.
+//! trainyard's built-in training engine: a nanochat-class GPT on tch, one process per rank,
+//! writing schema-v1 receipts (docs/engine.md).
+//!
+//! # Parts
+//! - The run: [`train`] (the per-rank loop: steps, evaluation, checkpoints, exact resume),
+//!   [`config`] (presets and settings, validated first), [`launch`] (the rank variables, the
+//!   receipt writer, the launch receipt), [`data`] (token shards and deterministic batches),
+//!   [`checkpoint`] (complete or absent, never half-written), [`clock`] (phase times without
+//!   stopping the GPU), [`profiler`] (a Kineto trace of chosen steps), [`gpu_memory`] (the
+//!   caching allocator's statistics).
+//! - The model and its optimizer: [`model`] (the GPT), [`attention`] (causal, whole or sliding
+//!   window), [`optim`] (Muon + AdamW with ZeRO-2), [`fused_adamw`] (libtorch's fused AdamW).
+//! - Among ranks: [`collectives`] (TCP on CPU, NCCL on GPU).
+//! - Own kernels, on a GPU: [`kernel_source`] (the CUDA C), [`kernels`] (NVRTC compile and
+//!   launch), [`fused_loss`] (output layer and cross-entropy in chunks), [`block_kernels`] and
+//!   [`fused_ops`] (the block's elementwise chains, forward and backward), [`custom_op`]
+//!   (autograd ops whose passes call back into Rust).
 
 pub mod attention;
 pub mod block_kernels;

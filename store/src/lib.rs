@@ -3,13 +3,13 @@
 //!
 //! # Layout
 //! - this page: the traits, one per concern ([`JobStore`], [`FleetStore`], [`ReceiptStore`],
-//!   [`DiagnosisStore`], [`PreflightStore`], [`AuthStore`], [`SeriesStore`], [`TelemetryStore`]),
-//!   the store's own
-//!   rows and [`StoreError`].
+//!   [`DiagnosisStore`], [`PreflightStore`], [`AuthStore`], [`SeriesStore`], [`TelemetryStore`],
+//!   [`LeaseStore`]), the store's own rows and [`StoreError`].
 //! - `db`: [`SqlStore`], the one implementation, on either database, and the one helper
 //!   every operation goes through (a span, a transaction, metrics).
-//! - `jobs`, `fleet`, `receipts`, `diagnosis`, `preflight`, `auth`, `series`, `telemetry`: each trait's
-//!   implementation with its SQL, written once for both databases.
+//! - `jobs`, `fleet`, `receipts`, `diagnosis`, `preflight`, `auth`, `series`, `telemetry`,
+//!   `lease`: each trait's implementation with its SQL, written once for both databases (the
+//!   lease also holds the fence every write of a group's leader checks).
 //! - `sql`: the seam between those queries and the two drivers: a connection, a query, a row.
 //! - `sqlite` and `postgres`: what is each database's own: opening it, running a transaction
 //!   (SQLite's writer queue, PostgreSQL's retries), and the receipt batch in its fastest form.

@@ -5,6 +5,7 @@
 //! - [`Cluster`]: a temporary directory with a controller, agents and helpers to drive them.
 //! - [`host_file`]: writes a host description standing in for an 8-GPU node.
 //! - [`flood`]: the receipt flood job the ingest benches run, and what it measured.
+//! - [`group`]: more controllers in a cluster's group on its PostgreSQL, followers that take over.
 //! - [`netlab`]: hosts in their own network namespaces on a private bridge ([`Cluster::start_lab`]).
 //! - [`raw_insert`]: the same rows through a plain sqlx loop, the ceiling ingest is read against.
 //! - Process hygiene: every process a cluster starts carries a marker in its environment, which
