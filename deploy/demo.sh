@@ -97,7 +97,11 @@ for _ in $(seq 100); do
     [[ -s "$DATA/controller.http" ]] && break
     sleep 0.1
 done
-WEB="http://$(cat "$DATA/controller.http" 2>/dev/null)/"
+if [[ ! -s "$DATA/controller.http" ]]; then
+    echo "the controller did not report its web view's address within 10 s; see $DATA/controller.log" >&2
+    exit 1
+fi
+WEB="http://$(cat "$DATA/controller.http")/"
 echo "controller listening at $URL; database $DATA/controller/trainyard.db"
 echo "web view at $WEB (jobs, plots, diagnosis, nodes)"
 
