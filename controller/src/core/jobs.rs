@@ -54,8 +54,7 @@ impl Jobs<'_> {
                 owner.user
             )));
         }
-        let all_nodes = self.c.lock().node_views(true);
-        scheduler::feasible(&request, &all_nodes).map_err(ControllerError::Unsatisfiable)?;
+        self.feasible(&request)?;
         let record = match self.c.store.create_job_for(&spec, key, owner, "submitted", self.c.now_ms()).await
         {
             Err(StoreError::Duplicate(_)) if let Some(key) = key => {
@@ -77,6 +76,26 @@ impl Jobs<'_> {
         self.c.bump();
         self.c.wake();
         Ok(id)
+    }
+
+    /// Whether the fleet could ever hold `request` (every node, every GPU free): answered once
+    /// per shape until the fleet changes, since building the fleet's view for it costs
+    /// milliseconds at 1,000 nodes and submits come several times a second.
+    fn feasible(self, request: &scheduler::Request) -> Result<()> {
+        let shape = super::launch::shape_of(request);
+        let (views, generation) = {
+            let core = self.c.lock();
+            if let Some(known) = core.feasible.get(&shape) {
+                return known.clone().map_err(ControllerError::Unsatisfiable);
+            }
+            (core.node_views(true), core.fleet_generation)
+        };
+        let verdict = scheduler::feasible(request, &views);
+        let mut core = self.c.lock();
+        if core.fleet_generation == generation {
+            core.feasible.insert(shape, verdict.clone());
+        }
+        verdict.map_err(ControllerError::Unsatisfiable)
     }
 
     /// The job an earlier submit with `key` created, if any; an error if it had another spec.

@@ -74,13 +74,28 @@ impl Core {
     pub(super) fn node_views(&self, all: bool) -> Vec<NodeView> {
         // Busy GPU indices per agent, as bits. An index of 128 or more counts as free here; no
         // such node is placed on (the scheduler leaves nodes of more than 64 GPUs out).
+        // A job's allocations come in rank order, a node's ranks together: the map is touched
+        // once per run of one agent's ranks, not once per rank.
         let mut busy: HashMap<&str, u128> = HashMap::with_capacity(self.agents.len());
+        let mut run: Option<(&str, u128)> = None;
         for job in self.jobs.values() {
             for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
-                if a.gpu_index < 128 {
-                    *busy.entry(a.agent_id.as_str()).or_default() |= 1u128 << a.gpu_index;
+                if a.gpu_index >= 128 {
+                    continue;
+                }
+                let bit = 1u128 << a.gpu_index;
+                match &mut run {
+                    Some((agent, bits)) if *agent == a.agent_id => *bits |= bit,
+                    _ => {
+                        if let Some((agent, bits)) = run.replace((a.agent_id.as_str(), bit)) {
+                            *busy.entry(agent).or_default() |= bits;
+                        }
+                    }
                 }
             }
+        }
+        if let Some((agent, bits)) = run {
+            *busy.entry(agent).or_default() |= bits;
         }
         self.agents
             .values()
@@ -129,6 +144,15 @@ pub(super) fn request_of(job_id: JobId, spec: &JobSpec) -> Request {
         interconnect: res.interconnect,
         avoid: Vec::new(),
     }
+}
+
+/// What a submit's feasibility depends on in a request: all of it but the job, its priority
+/// and the nodes it avoids (none at submit).
+pub(super) fn shape_of(r: &Request) -> String {
+    format!(
+        "{} {:?} {:?} {} {:?}",
+        r.gpus, r.gpus_per_node, r.gpu_model, r.min_gpu_memory_mib, r.interconnect
+    )
 }
 
 /// Distinct agents of some allocations, in order of first appearance.

@@ -257,3 +257,43 @@ async fn a_logs_client_that_does_not_read_is_dropped_without_waiting() {
     assert_eq!(got, crate::core::logs::BUFFER, "what was buffered is delivered");
     assert!(told.contains("pieces were waiting"), "{told}");
 }
+
+#[tokio::test]
+async fn a_shape_the_fleet_could_not_hold_is_accepted_once_a_node_joins() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let _a = connect(&c, "a", 8, None).await;
+    for _ in 0..2 {
+        // The second answer comes from the feasibility cache: it must be the same.
+        let refused = c.jobs().submit(spec(16), None).await.expect_err("16 GPUs on one 8-GPU node");
+        assert!(matches!(refused, ControllerError::Unsatisfiable(_)), "{refused}");
+    }
+    assert_eq!(c.lock().feasible.len(), 1, "one shape answered");
+    // A node joins: the cached answer is stale and is asked again.
+    let _b = connect(&c, "b", 8, None).await;
+    c.jobs().submit(spec(16), None).await.expect("16 GPUs on two 8-GPU nodes");
+    c.jobs().submit(spec(1), None).await.expect("1 GPU");
+    assert_eq!(c.lock().feasible.len(), 2, "{:?}", c.lock().feasible.keys().collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn the_running_controller_places_jobs_at_most_every_schedule_interval() {
+    use tokio::time::Instant;
+    let store = store().await;
+    let c = controller(&store).await;
+    let mut agent = connect(&c, "a", 8, None).await;
+    let mut next_pass = Instant::now();
+    let first = c.jobs().submit(spec(1), None).await.expect("submit");
+    let before = Instant::now();
+    assert!(c.reconcile_paced(&mut next_pass).await, "a quiet controller places at once");
+    assert_eq!(agent.launched_jobs(), vec![first]);
+    assert!(next_pass >= before + super::reconcile::SCHEDULE_EVERY, "the next pass waits the interval");
+    // Within the interval (whatever the machine's speed: the next pass is set an hour away).
+    next_pass = Instant::now() + Duration::from_secs(3600);
+    let second = c.jobs().submit(spec(1), None).await.expect("submit");
+    assert!(!c.reconcile_paced(&mut next_pass).await, "the pass is owed, not run");
+    assert!(agent.launched_jobs().is_empty(), "placed within the interval");
+    next_pass = Instant::now();
+    assert!(c.reconcile_paced(&mut next_pass).await, "the owed pass runs when the interval is over");
+    assert_eq!(agent.launched_jobs(), vec![second]);
+}

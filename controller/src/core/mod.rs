@@ -206,6 +206,13 @@ struct Core {
     holding: std::collections::BTreeSet<String>,
     /// Cordons decided under the lock, to be written to the store after it.
     cordons_to_store: Vec<(String, Option<trainyard_store::Cordon>)>,
+    /// Whether the fleet could ever hold a job of this shape (`launch::shape_of`), as a submit
+    /// asks: answered once per shape until an agent's inventory or preflight changes
+    /// ([`Core::fleet_changed`]).
+    feasible: HashMap<String, Result<(), String>>,
+    /// Bumped by [`Core::fleet_changed`]: a feasibility answer computed outside the lock is
+    /// kept only if the fleet did not change meanwhile.
+    fleet_generation: u64,
 }
 
 struct AgentEntry {
@@ -379,10 +386,13 @@ impl Controller {
 
     /// The reconciler: runs a pass whenever a request wakes it, and every 500 ms (the reaper
     /// of vanished agents, liveness, and any pass a store error cut short) until `shutdown`
-    /// resolves. The only caller of [`Controller::reconcile`] in a running controller.
+    /// resolves; the scheduling part of a pass at most every 100 ms. The only task that
+    /// reconciles in a running controller.
     pub async fn run_background(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         let mut prune = tokio::time::interval(PRUNE_EVERY);
+        // The scheduling pass is paced (`reconcile::SCHEDULE_EVERY`): one owed comes at `next_pass`.
+        let (mut next_pass, mut owed) = (Instant::now(), false);
         loop {
             let periodic = tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -391,6 +401,7 @@ impl Controller {
                     continue;
                 }
                 _ = self.wake.notified() => false,
+                _ = tokio::time::sleep_until(next_pass), if owed => false,
                 _ = tick.tick() => true,
             };
             if periodic {
@@ -403,7 +414,7 @@ impl Controller {
                 self.check_evictions();
                 self.store_cordons().await;
             }
-            self.reconcile().await;
+            owed = !self.reconcile_paced(&mut next_pass).await;
             let ended = std::mem::take(&mut self.lock().ended);
             for job_id in ended {
                 let controller = self.clone();
@@ -420,6 +431,13 @@ fn link_matrix(record: &AgentRecord) -> Arc<trainyard_placement::scheduler::Link
 }
 
 impl Core {
+    /// An agent joined, or its inventory or preflight verdict changed: what a submit's
+    /// feasibility check read is stale.
+    fn fleet_changed(&mut self) {
+        self.feasible.clear();
+        self.fleet_generation += 1;
+    }
+
     /// The jobs and agents the store holds, agents counted disconnected since `now` (until they
     /// say hello), with their latest preflight verdicts (a node that failed stays unscheduled
     /// until it reports again).

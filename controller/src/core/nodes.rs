@@ -237,6 +237,7 @@ impl Nodes<'_> {
             self.seen(&agent_id);
             let report = entry.preflight.clone();
             core.agents.insert(agent_id.clone(), entry);
+            core.fleet_changed();
             if let Some(report) = report {
                 core.clear_by_preflight(&report);
             }
@@ -326,6 +327,7 @@ impl Nodes<'_> {
             {
                 entry.preflight = Some(report.clone());
                 core.clear_by_preflight(&report);
+                core.fleet_changed();
             }
         }
         self.c.store_cordons().await;
