@@ -14,16 +14,24 @@ use crate::{DiagnosisStore, JobId, Result, SqlStore};
 impl DiagnosisStore for SqlStore {
     async fn step_samples(&self, job: JobId, attempt: u32) -> Result<Vec<StepSample>> {
         self.read("step_samples", async |c| {
+            // Sorted here, not by the database: without an order it reads the heap page by
+            // page instead of row by row in index order (an ended job's receipts lie spread
+            // among every other job's).
             let found = c
                 .query(
-                    "SELECT rank, step, step_time_ms, fwd_bwd_ms, optimizer_ms, tokens_per_s, problem \
-                     FROM receipts WHERE job_id = $1 AND attempt = $2 AND kind = 'step' ORDER BY rank, seq",
+                    "SELECT rank, seq, step, step_time_ms, fwd_bwd_ms, optimizer_ms, tokens_per_s, problem \
+                     FROM receipts WHERE job_id = $1 AND attempt = $2 AND kind = 'step'",
                 )
                 .bind(int(job)?)
                 .bind(i64::from(attempt))
                 .all()
                 .await?;
-            found.iter().map(rows::step_sample).collect()
+            let mut keyed = found
+                .iter()
+                .map(|row| Ok((row.num::<u64>("receipts", "seq")?, rows::step_sample(row)?)))
+                .collect::<Result<Vec<_>>>()?;
+            keyed.sort_unstable_by_key(|(seq, s)| (s.rank, *seq));
+            Ok(keyed.into_iter().map(|(_, s)| s).collect())
         })
         .await
     }

@@ -42,6 +42,9 @@ impl Evidence {
     }
 }
 
+/// Ended jobs whose outcome is recorded at once, at most ([`Diagnoses::record_outcome`]).
+pub(super) const OUTCOMES_AT_ONCE: usize = 2;
+
 /// Telemetry windows a diagnosis reads at most (64 GPUs x 10 s windows for about 4.5 hours).
 const MAX_WINDOWS: u32 = 100_000;
 
@@ -52,15 +55,6 @@ pub struct Diagnoses<'c> {
 }
 
 impl Diagnoses<'_> {
-    /// Folds the ended job's last step receipts into its plot rollups, once they settled.
-    async fn roll_up(self, job_id: JobId) {
-        tokio::time::sleep(std::time::Duration::from_millis(trainyard_analysis::series::SETTLE_MS as u64))
-            .await;
-        if let Err(e) = self.c.receipts().fold(job_id).await {
-            tracing::warn!(job_id, error = %e, "could not fold the job's step receipts for its plots");
-        }
-    }
-
     /// Diagnoses `attempt` of a job (default: its current attempt).
     pub async fn diagnose(self, job_id: JobId, attempt: Option<u32>) -> Result<Diagnosis> {
         Ok(self.evidence(job_id, attempt).await?.diagnose())
@@ -89,8 +83,18 @@ impl Diagnoses<'_> {
     /// Records an ended job's goodput and its last attempt's findings (tables
     /// `attempt_goodput`, `job_findings`). A failure is logged: the live answers of
     /// `ctl status` and `ctl diagnose` do not depend on it.
+    ///
+    /// First the job's last step receipts are folded into its plot rollups, once they settled.
+    /// At most [`OUTCOMES_AT_ONCE`] jobs are recorded at a time: each reads all of its step
+    /// receipts, and at 1,000 hosts jobs end several times a second; unbounded, their reads
+    /// held the store's connections that receipt batches and rank reports wait for.
     pub(super) async fn record_outcome(self, job_id: JobId) {
-        self.roll_up(job_id).await;
+        tokio::time::sleep(std::time::Duration::from_millis(trainyard_analysis::series::SETTLE_MS as u64))
+            .await;
+        let Ok(_turn) = self.c.outcomes.acquire().await else { return };
+        if let Err(e) = self.c.receipts().fold(job_id).await {
+            tracing::warn!(job_id, error = %e, "could not fold the job's step receipts for its plots");
+        }
         let outcome = async {
             let goodput = self.goodput(job_id).await?;
             let evidence = self.evidence(job_id, None).await?;

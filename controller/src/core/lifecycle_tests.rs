@@ -297,3 +297,29 @@ async fn the_running_controller_places_jobs_at_most_every_schedule_interval() {
     assert!(c.reconcile_paced(&mut next_pass).await, "the owed pass runs when the interval is over");
     assert_eq!(agent.launched_jobs(), vec![second]);
 }
+
+#[tokio::test]
+async fn an_ended_job_waits_for_a_turn_to_record_its_outcome() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let _a = connect(&c, "a", 8, None).await;
+    let job = c.jobs().submit(spec(1), None).await.expect("submit");
+    c.reconcile().await;
+    c.jobs().rank_report("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
+    c.reconcile().await;
+    assert_eq!(state_of(&c, job).await.0, "succeeded");
+    // Every turn is taken (other jobs recording theirs): this one waits past its settling.
+    let turns = c.outcomes.acquire_many(super::diagnosis::OUTCOMES_AT_ONCE as u32).await.expect("turns");
+    let recording = tokio::spawn({
+        let c = c.clone();
+        async move { c.diagnoses().record_outcome(job).await }
+    });
+    let settle = Duration::from_millis(trainyard_analysis::series::SETTLE_MS as u64);
+    tokio::time::sleep(settle + Duration::from_millis(500)).await;
+    assert!(!recording.is_finished(), "recorded without a turn");
+    drop(turns);
+    tokio::time::timeout(Duration::from_secs(10), recording)
+        .await
+        .expect("recorded once a turn is free")
+        .ok();
+}

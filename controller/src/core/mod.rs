@@ -175,6 +175,8 @@ pub struct Controller {
     steps: std::sync::Mutex<HashMap<JobId, faults::StepWatch>>,
     /// When this controller started: host-loss and hang clocks wait `reconnect_grace` after it.
     started: Instant,
+    /// Turns to record an ended job's outcome (`diagnosis::OUTCOMES_AT_ONCE` at a time).
+    outcomes: tokio::sync::Semaphore,
     /// Streams of hosts declared lost while their stream stayed open (a cut network): the
     /// next message on one ends it, so the agent must say hello again and have the ranks of
     /// old attempts stopped. Its own small lock: every agent message checks it.
@@ -327,6 +329,7 @@ impl Controller {
             steps: std::sync::Mutex::new(watches),
             started: now,
             fenced: std::sync::Mutex::new(Default::default()),
+            outcomes: tokio::sync::Semaphore::new(diagnosis::OUTCOMES_AT_ONCE),
         }))
     }
 
