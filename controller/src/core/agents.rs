@@ -13,33 +13,8 @@ impl Controller {
     /// done with is answered with a stop or a forget instead.
     pub(super) async fn observe(&self, agent_id: &str, report: &RankReport) -> Result<()> {
         let Some(id) = report.key.map(rank_id) else { return Ok(()) };
-        let state = match report.state() {
-            Ok(RankState::Planned) => {
-                tracing::warn!(
-                    agent_id,
-                    job_id = id.job_id,
-                    rank = id.rank,
-                    "ignoring a rank report of state planned, which agents do not send"
-                );
-                return Ok(());
-            }
-            Err(e) => {
-                tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, error = %e, "ignoring a rank report");
-                return Ok(());
-            }
-            Ok(state) => state,
-        };
-        let observed = RankObserved {
-            state,
-            pid: (report.pid > 0).then_some(report.pid),
-            exit_code: (state == RankState::Exited && report.signal == 0).then_some(report.exit_code),
-            signal: (report.signal != 0).then_some(report.signal),
-            message: report.message.clone(),
-            skipped_lines: report.skipped_lines,
-            updated_at_ms: self.now_ms(),
-            effective_cpus: report.effective_cpus.clone(),
-            effective_mems: report.effective_mems.clone(),
-        };
+        let Some(observed) = observed_of(agent_id, id, report, self.now_ms()) else { return Ok(()) };
+        let state = observed.state;
         {
             let mut core = self.lock();
             let known = core.jobs.get(&id.job_id).and_then(|j| {
@@ -177,6 +152,38 @@ fn stranger<'a>(
     let of_attempt = ranks.keys().filter(|id| id.job_id == job_id && id.attempt == attempt);
     let mut owners = of_attempt.map(|id| (id.rank, owner(id.rank).unwrap_or("no agent")));
     owners.find(|(_, o)| *o != agent_id).map(|(rank, o)| (rank, o.to_string()))
+}
+
+/// What a rank report says, as the store keeps it; `None` for a report no agent sends (state
+/// `planned`) or whose state is no word, which is logged and ignored.
+fn observed_of(agent_id: &str, id: RankId, report: &RankReport, now_ms: i64) -> Option<RankObserved> {
+    let state = match report.state() {
+        Ok(RankState::Planned) => {
+            tracing::warn!(
+                agent_id,
+                job_id = id.job_id,
+                rank = id.rank,
+                "ignoring a rank report of state planned, which agents do not send"
+            );
+            return None;
+        }
+        Err(e) => {
+            tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, error = %e, "ignoring a rank report");
+            return None;
+        }
+        Ok(state) => state,
+    };
+    Some(RankObserved {
+        state,
+        pid: (report.pid > 0).then_some(report.pid),
+        exit_code: (state == RankState::Exited && report.signal == 0).then_some(report.exit_code),
+        signal: (report.signal != 0).then_some(report.signal),
+        message: report.message.clone(),
+        skipped_lines: report.skipped_lines,
+        updated_at_ms: now_ms,
+        effective_cpus: report.effective_cpus.clone(),
+        effective_mems: report.effective_mems.clone(),
+    })
 }
 
 /// Same report apart from its time: nothing to write.

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use trainyard_store::{AgentState, RankId};
 
 use super::agents::lost_report;
-use super::{Controller, Result, rank_done};
+use super::{Controller, Core, Result, rank_done};
 
 impl Controller {
     /// Marks connected agents that have sent nothing for `unresponsive_after` as
@@ -79,37 +79,7 @@ impl Controller {
         let mut dropped = Vec::new();
         let lost: Vec<(String, RankId, String)> = {
             let mut core = self.lock();
-            // Agents away or silent past the timeout: for how long, how, and whether the stream is open.
-            let mut gone: BTreeMap<String, (Duration, String, bool)> = BTreeMap::new();
-            for e in core.agents.values() {
-                if !e.seen_since_start && !grace_over {
-                    continue;
-                }
-                let id = &e.record.agent_id;
-                let (away, how, open) = match (&e.link, e.disconnected_since) {
-                    (None, Some(since)) => (
-                        since.elapsed(),
-                        format!(
-                            "agent {id} disconnected {:.1} s ago and did not come back",
-                            since.elapsed().as_secs_f64()
-                        ),
-                        false,
-                    ),
-                    (Some(_), _) => {
-                        let silent =
-                            Duration::from_millis(u64::try_from(now_ms - e.record.last_seen_ms).unwrap_or(0));
-                        let how = format!(
-                            "agent {id} sent nothing for {:.1} s (a cut network or a stopped machine)",
-                            silent.as_secs_f64()
-                        );
-                        (silent, how, true)
-                    }
-                    (None, None) => continue,
-                };
-                if away > timeout {
-                    gone.insert(id.clone(), (away, how, open));
-                }
-            }
+            let gone = gone_agents(&core, grace_over, now_ms, timeout);
             let mut held: BTreeSet<String> = BTreeSet::new();
             let mut lost = Vec::new();
             for job in core.jobs.values() {
@@ -166,4 +136,46 @@ impl Controller {
             }
         }
     }
+}
+
+/// Agents away or silent past `timeout`: for how long, how (in words), and whether their
+/// stream is still open. Agents not seen since this controller started are left alone until
+/// the reconnect grace is over.
+fn gone_agents(
+    core: &Core,
+    grace_over: bool,
+    now_ms: i64,
+    timeout: Duration,
+) -> BTreeMap<String, (Duration, String, bool)> {
+    let mut gone = BTreeMap::new();
+    for e in core.agents.values() {
+        if !e.seen_since_start && !grace_over {
+            continue;
+        }
+        let id = &e.record.agent_id;
+        let (away, how, open) = match (&e.link, e.disconnected_since) {
+            (None, Some(since)) => (
+                since.elapsed(),
+                format!(
+                    "agent {id} disconnected {:.1} s ago and did not come back",
+                    since.elapsed().as_secs_f64()
+                ),
+                false,
+            ),
+            (Some(_), _) => {
+                let silent =
+                    Duration::from_millis(u64::try_from(now_ms - e.record.last_seen_ms).unwrap_or(0));
+                let how = format!(
+                    "agent {id} sent nothing for {:.1} s (a cut network or a stopped machine)",
+                    silent.as_secs_f64()
+                );
+                (silent, how, true)
+            }
+            (None, None) => continue,
+        };
+        if away > timeout {
+            gone.insert(id.clone(), (away, how, open));
+        }
+    }
+    gone
 }

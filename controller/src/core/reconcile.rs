@@ -10,7 +10,9 @@ use super::{ActiveJob, Controller, Core, Result, rank_done};
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
 use trainyard_placement::scheduler::{self, NodeView, Placement};
-use trainyard_store::{Allocation, FailureRecord, JobId, JobState, RankId, RankObserved, RankState};
+use trainyard_store::{
+    Allocation, FailureRecord, JobId, JobRecord, JobState, RankId, RankObserved, RankState,
+};
 
 /// What a job needs next.
 #[derive(Debug, Clone, PartialEq)]
@@ -96,6 +98,56 @@ fn decide(job: &ActiveJob, finding: Finding) -> Option<Step> {
         }
         (s, _) if s.is_terminal() && (all_done || allocs.is_empty()) => Some(Step::Forget),
         _ => None,
+    }
+}
+
+/// Logs and counts a job's move between states that was just stored.
+fn note_move(
+    job_id: JobId,
+    (from, to): (JobState, JobState),
+    attempt: u32,
+    reason: &str,
+    failure: Option<&FailureRecord>,
+) {
+    tracing::info!(job_id, from = %from, to = %to, attempt, reason, "job state changed");
+    if let Some(f) = failure {
+        let label = crate::metrics::FailureLabel { kind: f.kind.to_string(), blamed: f.blamed.to_string() };
+        crate::metrics::metrics().failures.get_or_create(&label).inc();
+    }
+    if to.is_terminal() {
+        let state = crate::metrics::StateLabel { state: to.to_string() };
+        crate::metrics::metrics().jobs_finished.get_or_create(&state).inc();
+    }
+}
+
+/// A stored move (`record`, in its new state), applied to the job in memory: a next attempt
+/// starts clean after its backoff, a failure is charged, a running attempt starts its clock.
+fn apply_move(
+    job: &mut ActiveJob,
+    record: JobRecord,
+    then: &Then,
+    failure: Option<&FailureRecord>,
+    resume_from: Vec<trainyard_proto::v1::ResumePoint>,
+) {
+    job.record = record;
+    if *then == Then::NextAttempt {
+        job.allocations.clear();
+        job.launches_sent = 0;
+        job.master_port = None;
+        job.detected = None;
+        job.eviction = None;
+        job.resume_from = resume_from;
+        let wait = job.record.spec.backoff.delay(job.streak.saturating_sub(1));
+        job.not_before = Some(tokio::time::Instant::now() + wait);
+        job.running_since = None;
+    }
+    if let Some(f) = failure {
+        job.detected = None;
+        job.charged += u32::from(f.charged);
+        job.streak = super::faults::next_streak(job.streak, job.running_since);
+    }
+    if job.record.state == JobState::Running {
+        job.running_since = Some(tokio::time::Instant::now());
     }
 }
 
@@ -213,41 +265,11 @@ impl Controller {
                             self.store.transition(job_id, from, to, attempt, &reason, self.now_ms()).await?
                         }
                     };
-                    tracing::info!(job_id, from = %from, to = %to, attempt, reason, "job state changed");
-                    if let Some(f) = &failure {
-                        let label = crate::metrics::FailureLabel {
-                            kind: f.kind.to_string(),
-                            blamed: f.blamed.to_string(),
-                        };
-                        crate::metrics::metrics().failures.get_or_create(&label).inc();
-                    }
-                    if to.is_terminal() {
-                        let state = crate::metrics::StateLabel { state: to.to_string() };
-                        crate::metrics::metrics().jobs_finished.get_or_create(&state).inc();
-                    }
+                    note_move(job_id, (from, to), attempt, &reason, failure.as_deref());
                     {
                         let mut core = self.lock();
                         if let Some(job) = core.jobs.get_mut(&job_id) {
-                            job.record = record;
-                            if then == Then::NextAttempt {
-                                job.allocations.clear();
-                                job.launches_sent = 0;
-                                job.master_port = None;
-                                job.detected = None;
-                                job.eviction = None;
-                                job.resume_from = resume_from;
-                                let wait = job.record.spec.backoff.delay(job.streak.saturating_sub(1));
-                                job.not_before = Some(tokio::time::Instant::now() + wait);
-                                job.running_since = None;
-                            }
-                            if let Some(f) = &failure {
-                                job.detected = None;
-                                job.charged += u32::from(f.charged);
-                                job.streak = super::faults::next_streak(job.streak, job.running_since);
-                            }
-                            if to == JobState::Running {
-                                job.running_since = Some(tokio::time::Instant::now());
-                            }
+                            apply_move(job, record, &then, failure.as_deref(), resume_from);
                         }
                         if let Some(f) = &failure {
                             core.blame(f, &self.config);

@@ -226,29 +226,7 @@ async fn handle(
 ) -> Flow {
     let quietly = Flow::End(Ok(()));
     match msg {
-        agent_message::Msg::Receipts(batch) => {
-            if batch.receipts.len() > MAX_BATCH {
-                tracing::error!(
-                    agent_id,
-                    receipts = batch.receipts.len(),
-                    max = MAX_BATCH,
-                    "batch too large; closing"
-                );
-                return quietly;
-            }
-            let ack = match controller.receipts().ingest(agent_id, batch).await {
-                Ok(ack) => ack,
-                Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
-                Err(e) => {
-                    tracing::error!(agent_id, error = %e, "failed to store receipts; closing so the agent resends");
-                    return quietly;
-                }
-            };
-            let msg = ControllerMessage { msg: Some(controller_message::Msg::Ack(ack)) };
-            if tx.send(msg).await.is_err() {
-                return quietly;
-            }
-        }
+        agent_message::Msg::Receipts(batch) => return receipts(controller, agent_id, batch, tx).await,
         agent_message::Msg::RankUpdate(update) => {
             let Some(report) = update.report else { return Flow::Go };
             match controller.jobs().rank_report(agent_id, &report).await {
@@ -280,32 +258,68 @@ async fn handle(
                 return quietly;
             }
         }
-        agent_message::Msg::Telemetry(batch) => {
-            if batch.windows.len() > MAX_TELEMETRY_WINDOWS {
-                tracing::error!(
-                    agent_id,
-                    windows = batch.windows.len(),
-                    max = MAX_TELEMETRY_WINDOWS,
-                    "telemetry batch too large; closing"
-                );
-                return quietly;
-            }
-            let ack = match controller.receipts().telemetry(agent_id, batch).await {
-                Ok(ack) => ack,
-                Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
-                Err(e) => {
-                    tracing::error!(agent_id, error = %e, "failed to store GPU telemetry; closing so the agent resends");
-                    return quietly;
-                }
-            };
-            let msg = ControllerMessage { msg: Some(controller_message::Msg::TelemetryAck(ack)) };
-            if tx.send(msg).await.is_err() {
-                return quietly;
-            }
-        }
+        agent_message::Msg::Telemetry(batch) => return telemetry(controller, agent_id, batch, tx).await,
         agent_message::Msg::Hello(_) => {
             tracing::warn!(agent_id, "second hello on one stream ignored");
         }
     }
     Flow::Go
+}
+
+/// A receipt batch: stored through the receipts service and acknowledged on the stream.
+async fn receipts(
+    controller: &Controller,
+    agent_id: &str,
+    batch: trainyard_proto::v1::ReceiptBatch,
+    tx: &mpsc::Sender<ControllerMessage>,
+) -> Flow {
+    let quietly = Flow::End(Ok(()));
+    if batch.receipts.len() > MAX_BATCH {
+        tracing::error!(
+            agent_id,
+            receipts = batch.receipts.len(),
+            max = MAX_BATCH,
+            "batch too large; closing"
+        );
+        return quietly;
+    }
+    let ack = match controller.receipts().ingest(agent_id, batch).await {
+        Ok(ack) => ack,
+        Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
+        Err(e) => {
+            tracing::error!(agent_id, error = %e, "failed to store receipts; closing so the agent resends");
+            return quietly;
+        }
+    };
+    let msg = ControllerMessage { msg: Some(controller_message::Msg::Ack(ack)) };
+    if tx.send(msg).await.is_err() { quietly } else { Flow::Go }
+}
+
+/// A batch of GPU telemetry windows: stored through the receipts service and acknowledged.
+async fn telemetry(
+    controller: &Controller,
+    agent_id: &str,
+    batch: trainyard_proto::v1::TelemetryBatch,
+    tx: &mpsc::Sender<ControllerMessage>,
+) -> Flow {
+    let quietly = Flow::End(Ok(()));
+    if batch.windows.len() > MAX_TELEMETRY_WINDOWS {
+        tracing::error!(
+            agent_id,
+            windows = batch.windows.len(),
+            max = MAX_TELEMETRY_WINDOWS,
+            "telemetry batch too large; closing"
+        );
+        return quietly;
+    }
+    let ack = match controller.receipts().telemetry(agent_id, batch).await {
+        Ok(ack) => ack,
+        Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
+        Err(e) => {
+            tracing::error!(agent_id, error = %e, "failed to store GPU telemetry; closing so the agent resends");
+            return quietly;
+        }
+    };
+    let msg = ControllerMessage { msg: Some(controller_message::Msg::TelemetryAck(ack)) };
+    if tx.send(msg).await.is_err() { quietly } else { Flow::Go }
 }
