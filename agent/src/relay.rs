@@ -120,28 +120,15 @@ async fn relay(
     telemetry: &crate::telemetry::Telemetry,
     shutdown: impl Future,
 ) -> anyhow::Result<()> {
-    let dials = resolve_controllers(controller_urls(&config.controller)?).await;
-    let mut urls: Vec<String> = dials.iter().map(|(url, _)| url.clone()).collect();
-    let mut endpoints = dials
-        .iter()
-        .map(|(url, name)| endpoint(url, config, name.as_deref()))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut at = 0;
-
+    let mut dial = Dial::new(config).await?;
     tokio::pin!(shutdown);
-    let mut backoff = Backoff::default();
-    // The controller whose open stream just ended (it died, froze or stepped down), and when:
-    // for a while a follower that still names it as the leader is asked again rather than
-    // believed, since its lease may not have run out yet.
-    let mut suspect: Option<(usize, std::time::Instant)> = None;
     loop {
-        let url = urls[at].clone();
+        let url = dial.urls[dial.at].clone();
         let channel: Result<Channel, _> = tokio::select! {
             biased;
             _ = &mut shutdown => return Ok(()),
-            channel = endpoints[at].connect() => channel,
+            channel = dial.endpoints[dial.at].connect() => channel,
         };
-        let mut next = Some((at + 1) % urls.len());
         let delay = match channel {
             Ok(channel) => {
                 if config.address.is_none() {
@@ -150,63 +137,100 @@ async fn relay(
                 let client = AgentsClient::new(channel)
                     .max_decoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES)
                     .max_encoding_message_size(trainyard_proto::limits::MAX_AGENT_MESSAGE_BYTES);
-                match connection::serve(config, identity, launcher, telemetry, client, shutdown.as_mut())
-                    .await
-                {
-                    Ended::Shutdown => {
-                        info!("agent stopped; ranks keep running");
-                        return Ok(());
-                    }
-                    Ended::Refused(message) => {
-                        error!(reason = %message, retry_in_s = REFUSED_RETRY.as_secs(),
-                            "controller refused this agent (a protocol mismatch or a credential it does not accept)");
-                        REFUSED_RETRY
-                    }
-                    Ended::NotLeader { leader } => {
-                        backoff = Backoff::default();
-                        match redirect(&mut urls, &mut endpoints, config, at, &leader, suspect)? {
-                            Some(to) => {
-                                next = Some(to);
-                                REDIRECT_DELAY
-                            }
-                            // A follower that still names the leader that just went away: ask it
-                            // again shortly.
-                            None => {
-                                next = Some(at);
-                                SUSPECT_RETRY
-                            }
-                        }
-                    }
-                    Ended::Disconnected { error, established } => {
-                        if established {
-                            backoff = Backoff::default();
-                            if urls.len() == 1 {
-                                // The one controller may come back (a restart): dial it again.
-                                next = None;
-                            } else {
-                                // A group: another member leads now, or names who does. The one
-                                // that just went away may be frozen: dialing it would hang.
-                                suspect = Some((at, std::time::Instant::now()));
-                            }
-                        }
-                        warn!(controller = %url, error = %format!("{error:#}"), "disconnected from controller");
-                        backoff.next_delay()
-                    }
+                let ended =
+                    connection::serve(config, identity, launcher, telemetry, client, shutdown.as_mut()).await;
+                match dial.after(ended, &url, config)? {
+                    Some(delay) => delay,
+                    None => return Ok(()),
                 }
             }
             Err(e) => {
                 warn!(controller = %url, error = %e, "cannot reach controller");
-                backoff.next_delay()
+                dial.at = (dial.at + 1) % dial.urls.len();
+                dial.backoff.next_delay()
             }
         };
-        if let Some(to) = next {
-            at = to;
-        }
         tokio::select! {
             biased;
             _ = &mut shutdown => return Ok(()),
             _ = tokio::time::sleep(delay) => {}
         }
+    }
+}
+
+/// The controllers an agent dials, which one is next, and how long it waits between dials.
+struct Dial {
+    urls: Vec<String>,
+    endpoints: Vec<Endpoint>,
+    at: usize,
+    backoff: Backoff,
+    /// The controller whose open stream just ended (it died, froze or stepped down), and when:
+    /// for a while a follower that still names it as the leader is asked again rather than
+    /// believed, since its lease may not have run out yet.
+    suspect: Option<(usize, std::time::Instant)>,
+}
+
+impl Dial {
+    async fn new(config: &AgentConfig) -> anyhow::Result<Dial> {
+        let dials = resolve_controllers(controller_urls(&config.controller)?).await;
+        let urls: Vec<String> = dials.iter().map(|(url, _)| url.clone()).collect();
+        let endpoints = dials
+            .iter()
+            .map(|(url, name)| endpoint(url, config, name.as_deref()))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Dial { urls, endpoints, at: 0, backoff: Backoff::default(), suspect: None })
+    }
+
+    /// After the stream to `url` ended: how long to wait before the next dial (and whom it
+    /// dials, in `at`); `None` when the agent is stopping.
+    fn after(&mut self, ended: Ended, url: &str, config: &AgentConfig) -> anyhow::Result<Option<Duration>> {
+        let at = self.at;
+        let mut next = Some((at + 1) % self.urls.len());
+        let delay = match ended {
+            Ended::Shutdown => {
+                info!("agent stopped; ranks keep running");
+                return Ok(None);
+            }
+            Ended::Refused(message) => {
+                error!(reason = %message, retry_in_s = REFUSED_RETRY.as_secs(),
+                    "controller refused this agent (a protocol mismatch or a credential it does not accept)");
+                REFUSED_RETRY
+            }
+            Ended::NotLeader { leader } => {
+                self.backoff = Backoff::default();
+                match redirect(&mut self.urls, &mut self.endpoints, config, at, &leader, self.suspect)? {
+                    Some(to) => {
+                        next = Some(to);
+                        REDIRECT_DELAY
+                    }
+                    // A follower that still names the leader that just went away: ask it
+                    // again shortly.
+                    None => {
+                        next = Some(at);
+                        SUSPECT_RETRY
+                    }
+                }
+            }
+            Ended::Disconnected { error, established } => {
+                if established {
+                    self.backoff = Backoff::default();
+                    if self.urls.len() == 1 {
+                        // The one controller may come back (a restart): dial it again.
+                        next = None;
+                    } else {
+                        // A group: another member leads now, or names who does. The one
+                        // that just went away may be frozen: dialing it would hang.
+                        self.suspect = Some((at, std::time::Instant::now()));
+                    }
+                }
+                warn!(controller = %url, error = %format!("{error:#}"), "disconnected from controller");
+                self.backoff.next_delay()
+            }
+        };
+        if let Some(to) = next {
+            self.at = to;
+        }
+        Ok(Some(delay))
     }
 }
 

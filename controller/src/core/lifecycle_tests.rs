@@ -283,6 +283,9 @@ async fn the_running_controller_places_jobs_at_most_every_schedule_interval() {
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 8, None).await;
     let mut next_pass = Instant::now();
+    // A pass with nothing pending does not start the interval.
+    assert!(c.reconcile_paced(&mut next_pass).await);
+    assert!(next_pass <= Instant::now(), "an empty pass paces nothing");
     let first = c.jobs().submit(spec(1), None).await.expect("submit");
     let before = Instant::now();
     assert!(c.reconcile_paced(&mut next_pass).await, "a quiet controller places at once");

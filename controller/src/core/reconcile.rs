@@ -158,7 +158,8 @@ fn nodes_of(allocs: &[Allocation]) -> usize {
 /// The running controller places pending jobs at most this often. A pass over 1,000 nodes
 /// takes milliseconds under the core's lock, and at that scale wakes come hundreds of times a
 /// second (every rank report): unpaced, back-to-back passes took a third of the leader's CPU
-/// in the 1,000-host soak. A submit to a quiet controller is still placed at once.
+/// in the 1,000-host soak. A submit to a controller with nothing pending is still placed at
+/// once.
 pub(super) const SCHEDULE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A placement turned into the rows to store, decided under the lock.
@@ -181,16 +182,20 @@ impl Controller {
     }
 
     /// [`Controller::reconcile`] as the running controller takes it: the woken jobs are settled
-    /// at once, the scheduling pass runs at most every [`SCHEDULE_EVERY`]. Returns false when a
-    /// pass is owed: the caller comes back at `next_pass`.
+    /// at once, and a scheduling pass that finds jobs pending runs at most every
+    /// [`SCHEDULE_EVERY`]. Returns false when a pass is owed: the caller comes back at
+    /// `next_pass`.
     pub(super) async fn reconcile_paced(&self, next_pass: &mut tokio::time::Instant) -> bool {
         self.settle_dirty().await;
         let now = tokio::time::Instant::now();
         if now < *next_pass {
             return false;
         }
-        self.schedule_logged().await;
-        *next_pass = now + SCHEDULE_EVERY;
+        // Only a pass that had something to place starts the interval: a submit to a
+        // controller with nothing pending is placed at once.
+        if self.schedule_logged().await {
+            *next_pass = now + SCHEDULE_EVERY;
+        }
         true
     }
 
@@ -201,9 +206,15 @@ impl Controller {
         }
     }
 
-    async fn schedule_logged(&self) {
-        if let Err(e) = self.schedule_pass().await {
-            tracing::error!(error = %e, "scheduling pass failed; trying again on the next pass");
+    /// A scheduling pass; whether it ran the scheduler (something was pending), which a failed
+    /// one counts as.
+    async fn schedule_logged(&self) -> bool {
+        match self.schedule_pass().await {
+            Ok(scheduled) => scheduled,
+            Err(e) => {
+                tracing::error!(error = %e, "scheduling pass failed; trying again on the next pass");
+                true
+            }
         }
     }
 
@@ -288,7 +299,7 @@ impl Controller {
     /// Places pending jobs on free GPUs of connected agents, records each placement and sends
     /// its launches. A placement that cannot be recorded leaves its job pending (and says why
     /// in `ctl status`); the others go ahead.
-    async fn schedule_pass(&self) -> Result<()> {
+    async fn schedule_pass(&self) -> Result<bool> {
         let plans = {
             let mut core = self.lock();
             let now = tokio::time::Instant::now();
@@ -315,7 +326,7 @@ impl Controller {
                 .collect();
             core.waiting = backoff.into_iter().collect();
             if queue.is_empty() {
-                return Ok(());
+                return Ok(false);
             }
             let views = core.node_views(false);
             let started = std::time::Instant::now();
@@ -359,7 +370,7 @@ impl Controller {
                 }
             }
         }
-        Ok(())
+        Ok(true)
     }
 }
 
