@@ -677,13 +677,33 @@ impl Cluster {
         let sql = format!("SELECT COUNT(*) FROM agents WHERE agent_id = '{name}' AND state = 'connected'");
         loop {
             if self.query(&sql).is_ok_and(|rows| rows[0][0] == 1) {
-                return Ok(());
+                break;
             }
             if Instant::now() > deadline {
                 bail!(
                     "agent {name} did not connect within {timeout:?}:\n{}",
                     self.logs(&format!("agent-{name}"))
                 );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // The controller stores the row before it adds the agent to the fleet it schedules on
+        // (a submit in between finds no node): wait for `ctl nodes` too, where ctl answers.
+        loop {
+            match self.ctl(&["nodes", "-o", "json"]) {
+                Ok(out) if out.status.success() => {
+                    let nodes: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+                    let listed = nodes.as_array().into_iter().flatten().any(|n| {
+                        n["agent_id"].as_str() == Some(name) && n["state"].as_str() == Some("connected")
+                    });
+                    if listed {
+                        return Ok(());
+                    }
+                }
+                _ => return Ok(()),
+            }
+            if Instant::now() > deadline {
+                bail!("agent {name} is connected in the store but not in `ctl nodes` after {timeout:?}");
             }
             std::thread::sleep(Duration::from_millis(50));
         }
