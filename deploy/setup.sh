@@ -15,6 +15,18 @@ need() {
 need cargo "Install the Rust toolchain (https://rustup.rs), then run this script again."
 need python3 "Install Python 3 (e.g. apt-get install python3); the example rank program needs it."
 
+# Disk: a fresh checkout's setup and test run grow target/ and .venv to about ROOM_GIB in all
+# (measured on a fresh clone; the apt packages come on top). A linker that runs out of disk
+# dies with "Bus error", far from the cause, so say it here first.
+ROOM_GIB=14
+if ! disk="$(bash deploy/disk.sh --room "$ROOM_GIB")"; then
+    echo "setup: warning: too little disk for a full build here ($disk); target/ and .venv" \
+        "grow to about $ROOM_GIB GiB in all. Free some space, or the build may fail (a linker" \
+        "out of disk dies with 'Bus error')." >&2
+else
+    echo "setup: disk: $disk"
+fi
+
 # PostgreSQL's server binaries: the store suite, the end-to-end tests on PostgreSQL and the
 # PostgreSQL benches start throwaway servers of their own (testkit/src/pg_server.rs).
 # A controller pointed at an existing PostgreSQL needs none of this.
@@ -82,14 +94,14 @@ if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
         python3 -m venv "$VENV"
     fi
     echo "setup: installing torch==$TORCH_VERSION into $VENV (a few GB with its CUDA libraries)"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy
 fi
 # PyTorch Lightning, for the end-to-end test that runs a Lightning DDP script as a job
 # (tests/tests/real_scripts.rs); torchrun comes with torch.
 LIGHTNING_VERSION=2.6.6
 if ! "$VENV/bin/python" -c "import sys, lightning; sys.exit(lightning.__version__ != '$LIGHTNING_VERSION')" >/dev/null 2>&1; then
     echo "setup: installing lightning==$LIGHTNING_VERSION into $VENV"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "lightning==$LIGHTNING_VERSION" "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "lightning==$LIGHTNING_VERSION" "torch==$TORCH_VERSION"
 fi
 # trainyard's receipt helper for PyTorch scripts (python/), installed from the checkout the way
 # users install it; reinstalled every time so the venv never holds a stale copy.
