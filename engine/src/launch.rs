@@ -1,6 +1,6 @@
 //! Where a rank sits in its job, and what its receipts say of its launch: the rank variables,
-//! the receipt writer, and the launch receipt (stack, device, configuration, environment,
-//! binding).
+//! the receipt writer, the launch receipt (stack, device, configuration, environment,
+//! binding), and the device's name and dense bf16 peak that the step receipts' MFU divides by.
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::PathBuf;
@@ -210,4 +210,34 @@ fn cuda_driver_api_version(device: Device) -> Value {
 fn nccl_version() -> Value {
     cudarc::nccl::result::get_nccl_version()
         .map_or(Value::Null, |code| json!(crate::nccl_version_string(code)))
+}
+
+/// Peak dense bf16 FLOP/s by device name (nanochat's table, first match wins).
+pub fn peak_flops(device_name: &str) -> Option<f64> {
+    let n = device_name.to_lowercase();
+    const TABLE: [(&str, f64); 8] = [
+        ("h200 nvl", 836e12),
+        ("h200 pcie", 836e12),
+        ("h200", 989e12),
+        ("h100 nvl", 835e12),
+        ("h100 pcie", 756e12),
+        ("h100", 989e12),
+        ("a100", 312e12),
+        ("b200", 2.25e15),
+    ];
+    TABLE.iter().find(|(k, _)| n.contains(k)).map(|&(_, f)| f)
+}
+
+/// The device's name and its dense bf16 peak FLOP/s, where known.
+pub(crate) fn device_facts(device: Device) -> (String, Option<f64>) {
+    match device {
+        Device::Cuda(gpu) => {
+            let name = cudarc::driver::CudaContext::new(gpu)
+                .and_then(|c| c.name())
+                .unwrap_or_else(|_| "cuda".into());
+            let peak = peak_flops(&name);
+            (name, peak)
+        }
+        _ => ("cpu".to_string(), None),
+    }
 }

@@ -10,26 +10,10 @@ use crate::checkpoint;
 use crate::collectives::{Collectives, Nccl, Single, TcpRing};
 use crate::config::TrainConfig;
 use crate::data::{TokenSet, first_row, to_batch};
-use crate::launch::{Launch, launch_receipt};
-pub use crate::launch::{RankEnv, Receipts};
+use crate::launch::{Launch, device_facts, launch_receipt};
+pub use crate::launch::{RankEnv, Receipts, peak_flops};
 use crate::model::Gpt;
 use crate::optim::MuonAdamW;
-
-/// Peak dense bf16 FLOP/s by device name (nanochat's table, first match wins).
-pub fn peak_flops(device_name: &str) -> Option<f64> {
-    let n = device_name.to_lowercase();
-    const TABLE: [(&str, f64); 8] = [
-        ("h200 nvl", 836e12),
-        ("h200 pcie", 836e12),
-        ("h200", 989e12),
-        ("h100 nvl", 835e12),
-        ("h100 pcie", 756e12),
-        ("h100", 989e12),
-        ("a100", 312e12),
-        ("b200", 2.25e15),
-    ];
-    TABLE.iter().find(|(k, _)| n.contains(k)).map(|&(_, f)| f)
-}
 
 /// Data, model and schedule of a run (what the `train` subcommand parses).
 pub struct RunSpec {
@@ -104,8 +88,6 @@ fn pick_device(want: &str, env: &RankEnv) -> Result<Device> {
     }
 }
 
-/// Trains per `spec` as rank `env.rank` of `env.world`. Everything that can be wrong with the
-/// input is checked before the first step.
 /// What every phase of a rank's run reads: the configuration, where the rank sits, its device
 /// and how its loss runs.
 pub(crate) struct Ctx<'a> {
@@ -140,6 +122,19 @@ impl Totals {
     }
 }
 
+/// What a rank's training loop works on and writes to.
+struct Rig {
+    model: Gpt,
+    opt: MuonAdamW,
+    coll: Box<dyn Collectives>,
+    receipts: Receipts,
+    totals: Totals,
+    /// A checkpoint asked of this host (it is going away), read between steps.
+    requests: checkpoint::Requests,
+}
+
+/// Trains per `spec` as rank `env.rank` of `env.world`. Everything that can be wrong with the
+/// input is checked before the first step.
 pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     let started = Instant::now();
     let cfg = spec.cfg.clone();
@@ -151,7 +146,7 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
     let (train, val) = open_data(&spec)?;
     let (mut model, mut opt) = build(&spec, &env, device)?;
     let mut receipts = Receipts::open(&env)?;
-    let mut coll = open_collectives(&env, device)?;
+    let coll = open_collectives(&env, device)?;
     let start_step = resume(&spec, &env, &mut model, &mut opt)?;
     let (loss_path, loss_kernel) = loss_path(&spec, device);
     let block_kernels = block_path(&spec, device, &mut model);
@@ -173,85 +168,103 @@ pub fn run(spec: RunSpec, env: RankEnv) -> Result<()> {
         &train,
     );
     receipts.emit("launch", launch)?;
-
-    let mut totals = Totals::default();
-    let mut memory = MemoryPeaks::default();
     if let Device::Cuda(gpu) = device {
         // Step 1's peaks then cover step 1, not the start-up (model init, resume).
         let _ = crate::gpu_memory::reset_peak(gpu);
     }
     let startup_s = started.elapsed().as_secs_f64();
-    let mut last_loss = f64::NAN;
-    let mut requests = checkpoint::Requests::from_env();
-    let mut step = start_step;
-    let mut profiler = crate::profiler::Profiler::new(spec.profile.clone(), device.is_cuda());
-    let clock = crate::clock::Clock::new(device);
-    while step < cfg.num_iterations {
-        profiler.before(step + 1)?;
+    let requests = checkpoint::Requests::from_env();
+    let mut rig = Rig { model, opt, coll, receipts, totals: Totals::default(), requests };
+    let (step, last_loss) = rig.train(&ctx, &train, val.as_ref(), start_step, peak)?;
+    let goodput = rig.totals.goodput(step, started.elapsed().as_secs_f64(), startup_s);
+    rig.receipts.emit("goodput", goodput)?;
+    rig.receipts.emit("exit", json!({"step": step, "status": "ok", "loss": last_loss}))?;
+    drop(rig);
+    Ok(())
+}
+
+impl Rig {
+    /// The steps from `start_step` to the run's end (or `--stop-after`): the step reached and
+    /// the last loss.
+    fn train(
+        &mut self,
+        ctx: &Ctx<'_>,
+        train: &TokenSet,
+        val: Option<&TokenSet>,
+        start_step: i64,
+        peak: Option<f64>,
+    ) -> Result<(i64, f64)> {
+        let mut memory = MemoryPeaks::default();
+        let mut last_loss = f64::NAN;
+        let mut step = start_step;
+        let mut profiler = crate::profiler::Profiler::new(ctx.spec.profile.clone(), ctx.device.is_cuda());
+        let clock = crate::clock::Clock::new(ctx.device);
+        while step < ctx.cfg.num_iterations {
+            profiler.before(step + 1)?;
+            let facts = self.step(ctx, train, &clock, step)?;
+            if !facts.loss.is_finite() {
+                let exit = json!({"step": step, "status": "failed", "reason": "non-finite loss"});
+                self.receipts.emit("exit", exit)?;
+                bail!("step {step}: loss is {}", facts.loss);
+            }
+            (step, last_loss) = (facts.step, facts.loss);
+            self.totals.train_s += facts.dt;
+            self.receipts.emit("step", step_receipt(ctx, &self.opt, &facts, peak, &mut memory))?;
+            if let Some(trace) = profiler.after(step)? {
+                eprintln!("rank {}: profile of steps to {step} written to {}", ctx.env.rank, trace.display());
+            }
+            self.between_steps(ctx, val, step, facts.loss)?;
+            if ctx.spec.stop_after == Some(step) {
+                break;
+            }
+        }
+        Ok((step, last_loss))
+    }
+
+    /// One optimizer step after `step`: forward and backward over its micro-batches, the
+    /// optimizer, and the loss averaged over the ranks.
+    fn step(&mut self, ctx: &Ctx<'_>, train: &TokenSet, clock: &crate::clock::Clock, step: i64) -> Result<StepFacts> {
+        let cfg = ctx.cfg;
         let t0 = Instant::now();
-        coll.synchronize();
+        self.coll.synchronize();
         let m0 = clock.mark();
-        let (loss_sum, grads) = fwd_bwd(&ctx, &model, &train, step)?;
+        let (loss_sum, grads) = fwd_bwd(ctx, &self.model, train, step)?;
         let m1 = clock.mark();
         let (lrm, momentum, wd) =
             (cfg.lr_multiplier(step), cfg.muon_momentum(step), cfg.muon_weight_decay(step));
-        let (phases, grad_norm) = opt.step(&mut model, grads, coll.as_mut(), &clock, (lrm, momentum, wd))?;
+        let schedule = (lrm, momentum, wd);
+        let (phases, grad_norm) = self.opt.step(&mut self.model, grads, self.coll.as_mut(), clock, schedule)?;
         // The optimizer ended with the GPU synchronised: both marks are read without waiting.
         let fwd_bwd_s = crate::clock::Clock::seconds(&m0, &m1);
-        let mut loss_t = loss_sum / accum as f64;
-        coll.all_reduce_avg(&mut loss_t)?;
+        let mut loss_t = loss_sum / ctx.accum as f64;
+        self.coll.all_reduce_avg(&mut loss_t)?;
         let loss = loss_t.double_value(&[]);
-        if !loss.is_finite() {
-            receipts.emit("exit", json!({"step": step, "status": "failed", "reason": "non-finite loss"}))?;
-            bail!("step {step}: loss is {loss}");
-        }
-        last_loss = loss;
         let dt = t0.elapsed().as_secs_f64();
-        totals.train_s += dt;
-        step += 1;
-        let facts = StepFacts { step, loss, lrm, momentum, wd, dt, fwd_bwd_s, phases, grad_norm };
-        receipts.emit("step", step_receipt(&ctx, &opt, &facts, peak, &mut memory))?;
-        if let Some(trace) = profiler.after(step)? {
-            eprintln!("rank {}: profile of steps to {step} written to {}", env.rank, trace.display());
+        Ok(StepFacts { step: step + 1, loss, lrm, momentum, wd, dt, fwd_bwd_s, phases, grad_norm })
+    }
+
+    /// Between steps: an evaluation and a checkpoint where due. A checkpoint asked of this
+    /// host (it is going away) is taken, and then no further step: trainyard stops the ranks
+    /// once every one has checkpointed, and the next attempt resumes here.
+    fn between_steps(&mut self, ctx: &Ctx<'_>, val: Option<&TokenSet>, step: i64, loss: f64) -> Result<()> {
+        let coll = self.coll.as_mut();
+        if let Some(receipt) = eval_if_due(ctx, &self.model, val, coll, step, &mut self.totals)? {
+            self.receipts.emit("eval", receipt)?;
         }
-        if let Some(receipt) = eval_if_due(&ctx, &model, val.as_ref(), coll.as_mut(), step, &mut totals)? {
-            receipts.emit("eval", receipt)?;
-        }
-        let asked = checkpoint_asked(&ctx, &mut requests, coll.as_mut(), step)?;
+        let asked = checkpoint_asked(ctx, &mut self.requests, self.coll.as_mut(), step)?;
+        let state = (&self.model, &self.opt);
         if let Some(receipt) =
-            checkpoint_if_due(&ctx, asked, (&model, &opt), coll.as_mut(), step, loss, &mut totals)?
+            checkpoint_if_due(ctx, asked, state, self.coll.as_mut(), step, loss, &mut self.totals)?
         {
-            receipts.emit("checkpoint", receipt)?;
+            self.receipts.emit("checkpoint", receipt)?;
         }
         if asked {
-            // This host is going away: take no step that would be lost; trainyard stops the
-            // ranks once every one has checkpointed, and the next attempt resumes here.
-            eprintln!("rank {}: checkpointed at step {step} as asked; waiting to be moved", env.rank);
+            eprintln!("rank {}: checkpointed at step {step} as asked; waiting to be moved", ctx.env.rank);
             loop {
                 std::thread::sleep(Duration::from_secs(1));
             }
         }
-        if spec.stop_after == Some(step) {
-            break;
-        }
-    }
-    receipts.emit("goodput", totals.goodput(step, started.elapsed().as_secs_f64(), startup_s))?;
-    receipts.emit("exit", json!({"step": step, "status": "ok", "loss": last_loss}))?;
-    drop(coll);
-    Ok(())
-}
-
-/// The device's name and its dense bf16 peak FLOP/s, where known.
-fn device_facts(device: Device) -> (String, Option<f64>) {
-    match device {
-        Device::Cuda(gpu) => {
-            let name = cudarc::driver::CudaContext::new(gpu)
-                .and_then(|c| c.name())
-                .unwrap_or_else(|_| "cuda".into());
-            let peak = peak_flops(&name);
-            (name, peak)
-        }
-        _ => ("cpu".to_string(), None),
+        Ok(())
     }
 }
 
