@@ -223,7 +223,13 @@ impl Rig {
 
     /// One optimizer step after `step`: forward and backward over its micro-batches, the
     /// optimizer, and the loss averaged over the ranks.
-    fn step(&mut self, ctx: &Ctx<'_>, train: &TokenSet, clock: &crate::clock::Clock, step: i64) -> Result<StepFacts> {
+    fn step(
+        &mut self,
+        ctx: &Ctx<'_>,
+        train: &TokenSet,
+        clock: &crate::clock::Clock,
+        step: i64,
+    ) -> Result<StepFacts> {
         let cfg = ctx.cfg;
         let t0 = Instant::now();
         self.coll.synchronize();
@@ -233,7 +239,8 @@ impl Rig {
         let (lrm, momentum, wd) =
             (cfg.lr_multiplier(step), cfg.muon_momentum(step), cfg.muon_weight_decay(step));
         let schedule = (lrm, momentum, wd);
-        let (phases, grad_norm) = self.opt.step(&mut self.model, grads, self.coll.as_mut(), clock, schedule)?;
+        let (phases, grad_norm) =
+            self.opt.step(&mut self.model, grads, self.coll.as_mut(), clock, schedule)?;
         // The optimizer ended with the GPU synchronised: both marks are read without waiting.
         let fwd_bwd_s = crate::clock::Clock::seconds(&m0, &m1);
         let mut loss_t = loss_sum / ctx.accum as f64;
