@@ -27,8 +27,10 @@ pub struct SqlStore {
     fence: std::sync::Arc<std::sync::RwLock<Option<crate::Fence>>>,
     /// Notified when a leader's write is refused by its fence ([`crate::LeaseStore::fenced`]).
     fenced: std::sync::Arc<tokio::sync::Notify>,
-    /// Receipt batches waiting to be written together ([`crate::receipts`]).
-    pub(crate) receipt_group: std::sync::Arc<crate::receipts::Group>,
+    /// Receipt batches waiting to be written together ([`crate::group`]).
+    pub(crate) receipt_group: std::sync::Arc<crate::receipts::ReceiptGroup>,
+    /// Rank reports waiting to be written together ([`crate::group`]).
+    pub(crate) rank_group: std::sync::Arc<crate::jobs::RankGroup>,
 }
 
 #[derive(Debug, Clone)]
@@ -75,6 +77,7 @@ impl SqlStore {
             fence: Default::default(),
             fenced: Default::default(),
             receipt_group: Default::default(),
+            rank_group: Default::default(),
         }
     }
 

@@ -2,6 +2,7 @@
 
 use async_trait::async_trait;
 
+use crate::group::{Answer, Group, Next, copy_error};
 use crate::rows::{self, ALLOCATION_COLUMNS, JOB_COLUMNS, duplicate_or, encode_spec, engine_columns, int};
 use crate::sql::{Conn, multi_row_insert};
 use crate::{
@@ -175,32 +176,86 @@ impl JobStore for SqlStore {
     }
 
     async fn observe_rank(&self, id: RankId, observed: &RankObserved) -> Result<bool> {
-        self.write("observe_rank", async |c| {
-            let changed = c
-                .query(
-                    "UPDATE allocations SET state = $1, pid = $2, exit_code = $3, signal = $4, \
-                     message = $5, skipped_lines = $6, updated_at_ms = $7, \
-                     effective_cpus = $8, effective_mems = $9 \
-                     WHERE job_id = $10 AND attempt = $11 AND rank = $12",
-                )
-                .bind(observed.state.as_str())
-                .bind(observed.pid.map(i64::from))
-                .bind(observed.exit_code.map(i64::from))
-                .bind(observed.signal.map(i64::from))
-                .bind(observed.message.as_str())
-                .bind(int(observed.skipped_lines)?)
-                .bind(observed.updated_at_ms)
-                .bind(observed.effective_cpus.as_str())
-                .bind(observed.effective_mems.as_str())
-                .bind(int(id.job_id)?)
-                .bind(i64::from(id.attempt))
-                .bind(i64::from(id.rank))
-                .execute()
-                .await?;
-            Ok(changed > 0)
-        })
-        .await
+        let mut waiter = self.rank_group.enqueue(|done| Observation { id, observed: observed.clone(), done });
+        loop {
+            match waiter.next().await {
+                Next::Answered(changed) => return changed,
+                Next::Write(group) => self.write_observations(group).await,
+            }
+        }
     }
+}
+
+/// Rank reports waiting to be written together ([`crate::group`]): when a 64-rank job starts
+/// or ends, its agents report every rank within a few milliseconds.
+pub(crate) type RankGroup = Group<Observation>;
+
+/// Rank reports in one transaction at most.
+const GROUP_REPORTS: usize = 1_000;
+
+#[derive(Debug)]
+pub(crate) struct Observation {
+    id: RankId,
+    observed: RankObserved,
+    done: Answer<bool>,
+}
+
+impl SqlStore {
+    /// Writes `group` in order (in rounds of at most [`GROUP_REPORTS`]) and answers each report:
+    /// whether its rank's row exists.
+    async fn write_observations(&self, mut group: Vec<Observation>) {
+        while !group.is_empty() {
+            let round: Vec<Observation> = group.drain(..group.len().min(GROUP_REPORTS)).collect();
+            let reports: Vec<(RankId, &RankObserved)> = round.iter().map(|o| (o.id, &o.observed)).collect();
+            let result = self
+                .write("observe_rank", async |c| {
+                    let mut changed = Vec::with_capacity(reports.len());
+                    for (id, observed) in &reports {
+                        changed.push(update_allocation(c, *id, observed).await?);
+                    }
+                    Ok(changed)
+                })
+                .await;
+            match result {
+                Ok(changed) => {
+                    for (o, changed) in round.into_iter().zip(changed) {
+                        let _ = o.done.send(Ok(changed));
+                    }
+                }
+                Err(e) => {
+                    for o in round {
+                        let _ = o.done.send(Err(copy_error(&e)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Stores what an agent observed of one rank; whether the rank's row exists.
+async fn update_allocation(c: &mut Conn<'_>, id: RankId, observed: &RankObserved) -> Result<bool> {
+    let changed = c
+        .query(
+            "UPDATE allocations SET state = $1, pid = $2, exit_code = $3, signal = $4, \
+             message = $5, skipped_lines = $6, updated_at_ms = $7, \
+             effective_cpus = $8, effective_mems = $9 \
+             WHERE job_id = $10 AND attempt = $11 AND rank = $12",
+        )
+        .bind(observed.state.as_str())
+        .bind(observed.pid.map(i64::from))
+        .bind(observed.exit_code.map(i64::from))
+        .bind(observed.signal.map(i64::from))
+        .bind(observed.message.as_str())
+        .bind(int(observed.skipped_lines)?)
+        .bind(observed.updated_at_ms)
+        .bind(observed.effective_cpus.as_str())
+        .bind(observed.effective_mems.as_str())
+        .bind(int(id.job_id)?)
+        .bind(i64::from(id.attempt))
+        .bind(i64::from(id.rank))
+        .execute()
+        .await?;
+    Ok(changed > 0)
 }
 
 /// One job; `lock` keeps its row locked for the rest of the transaction, so two transitions

@@ -10,6 +10,8 @@
 //! - `jobs`, `fleet`, `receipts`, `diagnosis`, `preflight`, `auth`, `series`, `telemetry`,
 //!   `lease`: each trait's implementation with its SQL, written once for both databases (the
 //!   lease also holds the fence every write of a group's leader checks).
+//! - `group`: group commit, for the writes a fleet sends hundreds or thousands of a second
+//!   (receipt batches, rank reports): those that arrive together commit in one transaction.
 //! - `sql`: the seam between those queries and the two drivers: a connection, a query, a row.
 //! - `sqlite` and `postgres`: what is each database's own: opening it, running a transaction
 //!   (SQLite's writer queue, PostgreSQL's retries), and the receipt batch in its fastest form.
@@ -49,6 +51,7 @@ mod auth;
 mod db;
 mod diagnosis;
 mod fleet;
+mod group;
 mod jobs;
 mod lease;
 pub mod metrics;

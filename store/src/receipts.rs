@@ -2,11 +2,10 @@
 
 use async_trait::async_trait;
 
+use crate::group::{Answer, Group, Next, copy_error};
 use crate::rows::{self, int};
 use crate::sql::Conn;
-use crate::{
-    JobId, NewReceipt, ReceiptStore, Result, SqlStore, StoreError, StoredReceiptRecord, postgres, sqlite,
-};
+use crate::{JobId, NewReceipt, ReceiptStore, Result, SqlStore, StoredReceiptRecord, postgres, sqlite};
 
 #[async_trait]
 impl ReceiptStore for SqlStore {
@@ -14,23 +13,12 @@ impl ReceiptStore for SqlStore {
         if receipts.is_empty() {
             return Ok(0);
         }
-        let (done, mut answer) = tokio::sync::oneshot::channel();
-        self.receipt_group.queue().push(Pending { rows: receipts.to_vec(), now_ms, done });
+        let rows = receipts.to_vec();
+        let mut waiter = self.receipt_group.enqueue(|done| Pending { rows, now_ms, done });
         loop {
-            tokio::select! {
-                biased;
-                result = &mut answer => {
-                    return result.unwrap_or_else(|_| Err(StoreError::Unavailable(
-                        "the receipt batch's writer stopped before it committed".into(),
-                    )));
-                }
-                writer = self.receipt_group.writer.lock() => {
-                    let group = std::mem::take(&mut *self.receipt_group.queue());
-                    if !group.is_empty() {
-                        self.write_group(group).await;
-                    }
-                    drop(writer);
-                }
+            match waiter.next().await {
+                Next::Answered(stored) => return stored,
+                Next::Write(group) => self.write_group(group).await,
             }
         }
     }
@@ -110,35 +98,20 @@ impl ReceiptStore for SqlStore {
     }
 }
 
-/// Group commit of receipt batches. Every agent's stream stores its batches in order, and a
-/// fleet of 1,000 agents sends thousands of small batches a second; one transaction each (a
-/// fence check, the receipts lock and a commit that waits for the disk) capped the fleet at a
-/// few thousand batches a second, and receipts queued for tens of seconds. Batches that arrive
-/// while one transaction commits wait together, and the next caller to take the writer's turn
-/// writes all of them in one transaction: one fence check, one commit, and on PostgreSQL one
-/// statement for the whole group (each batch still learns how many of its rows were new); on
-/// SQLite, with no round trips to save, a statement per batch.
-#[derive(Debug, Default)]
-pub(crate) struct Group {
-    queue: std::sync::Mutex<Vec<Pending>>,
-    /// Held by the caller that is writing a group.
-    writer: tokio::sync::Mutex<()>,
-}
+/// Receipt batches waiting to be written together ([`crate::group`]). Every agent's stream
+/// stores its batches in order; a group is written in one transaction, on PostgreSQL in one
+/// statement (each batch still learns how many of its rows were new); on SQLite, with no round
+/// trips to save, a statement per batch.
+pub(crate) type ReceiptGroup = Group<Pending>;
 
 /// Rows in one group at most: a group's transaction stays short.
 const GROUP_ROWS: usize = 50_000;
 
 #[derive(Debug)]
-struct Pending {
+pub(crate) struct Pending {
     rows: Vec<NewReceipt>,
     now_ms: i64,
-    done: tokio::sync::oneshot::Sender<Result<u64>>,
-}
-
-impl Group {
-    fn queue(&self) -> std::sync::MutexGuard<'_, Vec<Pending>> {
-        self.queue.lock().unwrap_or_else(|e| e.into_inner())
-    }
+    done: Answer<u64>,
 }
 
 impl SqlStore {
@@ -180,15 +153,5 @@ impl SqlStore {
                 }
             }
         }
-    }
-}
-
-/// The same error for every batch of a failed group: the fence keeps its kind (the core steps
-/// down on it), anything else says what the database said.
-fn copy_error(e: &StoreError) -> StoreError {
-    match e {
-        StoreError::Fenced(m) => StoreError::Fenced(m.clone()),
-        StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
-        other => StoreError::Unavailable(other.to_string()),
     }
 }

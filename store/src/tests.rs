@@ -30,6 +30,7 @@ macro_rules! store_suite {
             schedule_writes_allocations,
             schedule_refuses_non_pending_job_atomically,
             observe_rank_known_and_unknown,
+            concurrent_rank_reports_commit_together,
             agents_upsert_with_gpus,
             snapshot_after_reopen,
             receipts_dedup,
@@ -115,6 +116,16 @@ mod postgres_store {
 /// Builders shared by the suite.
 pub mod fixtures {
     use super::*;
+
+    /// Store transactions of `op` so far in this process (from the store's own metrics).
+    pub fn transactions(op: &str) -> u64 {
+        let mut registry = prometheus_client::registry::Registry::default();
+        crate::metrics::metrics().register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let key = format!("store_operation_seconds_count{{op=\"{op}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(key.as_str())).map_or(0, |n| n.trim().parse().unwrap())
+    }
 
     pub fn spec(name: &str, gpus: u32) -> JobSpec {
         JobSpec {
@@ -390,6 +401,40 @@ pub mod suite {
         assert!(!s.observe_rank(RankId { rank: 1, ..id }, &running).await.unwrap());
         assert!(!s.observe_rank(RankId { attempt: 1, ..id }, &running).await.unwrap());
         assert!(!s.observe_rank(RankId { job_id: j.id + 1, ..id }, &running).await.unwrap());
+    }
+
+    /// Group commit of rank reports: 72 reports at once (a 64-rank job starting, and 8 about
+    /// ranks the store does not have) take far fewer transactions than reports, each learns
+    /// whether its rank's row exists, and every row holds its own report.
+    pub async fn concurrent_rank_reports_commit_together(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("burst", 64), None, "submitted", 1).await.unwrap();
+        let allocations: Vec<_> = (0..64).map(|rank| allocation(j.id, 0, rank, "a")).collect();
+        s.schedule(j.id, 0, &allocations, "placed", 2).await.unwrap();
+        let before = transactions("observe_rank");
+        let mut tasks = Vec::new();
+        for rank in 0..72u32 {
+            let s = s.clone();
+            tasks.push(tokio::spawn(async move {
+                let id = RankId { job_id: j.id, attempt: 0, rank };
+                let observed = RankObserved {
+                    state: RankState::Running,
+                    pid: Some(1000 + rank),
+                    updated_at_ms: 5,
+                    ..Default::default()
+                };
+                s.observe_rank(id, &observed).await.unwrap()
+            }));
+        }
+        for (rank, task) in tasks.into_iter().enumerate() {
+            assert_eq!(task.await.unwrap(), rank < 64, "rank {rank}: whether its row exists");
+        }
+        // Other tests of this binary may observe ranks meanwhile: a bound well above theirs.
+        let took = transactions("observe_rank") - before;
+        assert!(took <= 36, "72 reports at once took {took} transactions");
+        for a in s.allocations(j.id, 0).await.unwrap() {
+            assert_eq!((a.observed.state, a.observed.pid), (RankState::Running, Some(1000 + a.id.rank)));
+        }
     }
 
     pub async fn agents_upsert_with_gpus(h: &impl Harness) {
