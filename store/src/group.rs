@@ -94,9 +94,26 @@ impl<T, R> Waiter<'_, T, R> {
     }
 }
 
+/// Answers each write of a round written in one transaction: its own answer, or the
+/// group's error. `done` takes a write's answer sender out of it.
+pub(crate) fn answer_each<T, R>(round: Vec<T>, result: Result<Vec<R>>, done: impl Fn(T) -> Answer<R>) {
+    match result {
+        Ok(answers) => {
+            for (write, answer) in round.into_iter().zip(answers) {
+                let _ = done(write).send(Ok(answer));
+            }
+        }
+        Err(e) => {
+            for write in round {
+                let _ = done(write).send(Err(copy_error(&e)));
+            }
+        }
+    }
+}
+
 /// The same error for every write of a failed group: the fence keeps its kind (the core steps
 /// down on it), anything else says what the database said.
-pub(crate) fn copy_error(e: &StoreError) -> StoreError {
+fn copy_error(e: &StoreError) -> StoreError {
     match e {
         StoreError::Fenced(m) => StoreError::Fenced(m.clone()),
         StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),

@@ -2,7 +2,7 @@
 
 use async_trait::async_trait;
 
-use crate::group::{Answer, Group, Next, copy_error};
+use crate::group::{Answer, Group, Next, answer_each};
 use crate::rows::{self, ALLOCATION_COLUMNS, JOB_COLUMNS, duplicate_or, encode_spec, engine_columns, int};
 use crate::sql::{Conn, multi_row_insert};
 use crate::{
@@ -216,18 +216,7 @@ impl SqlStore {
                     Ok(changed)
                 })
                 .await;
-            match result {
-                Ok(changed) => {
-                    for (o, changed) in round.into_iter().zip(changed) {
-                        let _ = o.done.send(Ok(changed));
-                    }
-                }
-                Err(e) => {
-                    for o in round {
-                        let _ = o.done.send(Err(copy_error(&e)));
-                    }
-                }
-            }
+            answer_each(round, result, |w| w.done);
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use async_trait::async_trait;
 
-use crate::group::{Answer, Group, Next, copy_error};
+use crate::group::{Answer, Group, Next, answer_each};
 use crate::rows::{self, int};
 use crate::sql::Conn;
 use crate::{JobId, NewReceipt, ReceiptStore, Result, SqlStore, StoredReceiptRecord, postgres, sqlite};
@@ -140,18 +140,7 @@ impl SqlStore {
                     Conn::Postgres(c) => postgres::insert_receipt_group(c, &batches).await,
                 })
                 .await;
-            match result {
-                Ok(counts) => {
-                    for (p, n) in round.into_iter().zip(counts) {
-                        let _ = p.done.send(Ok(n));
-                    }
-                }
-                Err(e) => {
-                    for p in round {
-                        let _ = p.done.send(Err(copy_error(&e)));
-                    }
-                }
-            }
+            answer_each(round, result, |w| w.done);
         }
     }
 }
