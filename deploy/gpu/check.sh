@@ -36,27 +36,16 @@ cleanup() {
     sleep 1
     for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
     pkill -KILL -f "$BIN/trainyard-engine" 2>/dev/null
-    rm -rf "$WORK"
+    rm -rf "$WORK" "${GPU_LIBS:-}"
 }
 trap cleanup EXIT
 say() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" | tee -a "$RES/progress.log"; }
 skipped() { [[ " $SKIP " == *" $1 "* ]]; }
 
-# Libraries: libtorch and NCCL from the python's torch wheel (the engine's rpath names the build
-# machine's .venv, which a GPU node need not have); cudarc looks for `libnccl.so`, the wheel
-# ships `libnccl.so.2`, so a private directory holds the alias.
-TORCH_DIR="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')" || {
-    echo "check.sh: $PY cannot import torch; set PYTHON to a python with torch" >&2
-    exit 1
-}
-NCCL_SO="$(dirname "$TORCH_DIR")/nvidia/nccl/lib/libnccl.so.2"
-mkdir -p "$WORK/nccl-lib"
-[[ -e "$NCCL_SO" ]] && ln -sf "$NCCL_SO" "$WORK/nccl-lib/libnccl.so"
-# NVRTC, which compiles the engine's own kernels at run time: libnvrtc.so likewise.
-NVRTC_SO="$(ls "$(dirname "$TORCH_DIR")"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1 || true)"
-[[ -n "$NVRTC_SO" ]] && ln -sf "$NVRTC_SO" "$WORK/nccl-lib/libnvrtc.so"
-export LD_LIBRARY_PATH="$TORCH_DIR/lib:$WORK/nccl-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export TRAINYARD_NCCL_LIBRARY="$NCCL_SO"
+# Libraries from the python's torch wheel (libs.sh).
+# shellcheck source=deploy/gpu/libs.sh
+source "$ROOT/deploy/gpu/libs.sh"
+NCCL_SO="$TRAINYARD_NCCL_LIBRARY"
 say "binaries $BIN; libtorch $TORCH_DIR/lib; NCCL $NCCL_SO; results $RES"
 
 # --- facts ---------------------------------------------------------------------------------

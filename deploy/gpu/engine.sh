@@ -19,21 +19,11 @@ RES="${2:?usage: engine.sh BIN_DIR RESULTS_DIR [TEST_BINARY...]}"
 shift 2
 mkdir -p "$RES"
 PY="${PYTHON:-python3}"
-# Libraries from the python's torch wheel, as check.sh sets them up: libtorch, and the names
-# cudarc looks for (libnccl.so, libnvrtc.so) as links in a private directory.
-TORCH_DIR="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')" || {
-    echo "engine.sh: $PY cannot import torch; set PYTHON to a python with torch" >&2
-    exit 1
-}
-NV="$(dirname "$TORCH_DIR")/nvidia"
-LIBS="$(mktemp -d)"
+# Libraries from the python's torch wheel (libs.sh).
+# shellcheck source=deploy/gpu/libs.sh
+source "$ROOT/deploy/gpu/libs.sh"
 WORK="$(mktemp -d)"
-trap 'rm -rf "$LIBS" "$WORK"' EXIT
-ln -sf "$NV/nccl/lib/libnccl.so.2" "$LIBS/libnccl.so"
-NVRTC_SO="$(ls "$NV"/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1 || true)"
-[[ -n "$NVRTC_SO" ]] && ln -sf "$NVRTC_SO" "$LIBS/libnvrtc.so"
-export LD_LIBRARY_PATH="$TORCH_DIR/lib:$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export TRAINYARD_NCCL_LIBRARY="$NV/nccl/lib/libnccl.so.2"
+trap 'rm -rf "$GPU_LIBS" "$WORK"' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv >"$RES/gpu.txt" 2>&1
 cat "$RES/gpu.txt"
 for t in "$@"; do

@@ -116,6 +116,21 @@ enum Command {
         /// A saved `nvidia-smi topo -m` output, or - for standard input.
         file: Option<PathBuf>,
     },
+    /// Read this host's GPUs as the telemetry thread does and print every reading (clocks and
+    /// their event reasons, power, temperatures, utilisation, memory, PCIe, NVLink, ECC, row
+    /// remaps, XIDs): one line per GPU every --telemetry-every-secs. Uses --telemetry (NVML by
+    /// default). Read-only: it never changes a GPU setting. Exit code 2 when nothing can be read.
+    Telemetry {
+        /// GPU indexes to read, comma-separated (default: every GPU NVML lists).
+        #[arg(long, value_delimiter = ',')]
+        gpus: Vec<u32>,
+        /// Readings to take of each GPU.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// text (one line per reading) or json (one object per line, nvidia-smi's field names).
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// Internal: the NCCL sweep's child process; prints its outcome as one JSON line.
     #[command(hide = true)]
     NcclSweep {
@@ -248,6 +263,7 @@ fn main() -> ExitCode {
     match &cli.command {
         Some(Command::Preflight { level, output }) => return preflight(&cli, level, *output),
         Some(Command::Topo { file }) => return topo(&cli, file.as_deref()),
+        Some(Command::Telemetry { gpus, count, output }) => return telemetry(&cli, gpus, *count, *output),
         Some(Command::NcclSweep { gpus, sizes }) => {
             let outcome = trainyard_agent::preflight::nccl::sweep_in_process(*gpus, sizes);
             println!("{}", serde_json::to_string(&outcome).unwrap_or_default());
@@ -332,6 +348,53 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
         }
     }
     if report.verdict() == Ok(Verdict::Fail) { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+}
+
+/// `trainyard-agent telemetry`: `count` readings of each GPU, `--telemetry-every-secs` apart.
+fn telemetry(cli: &Cli, gpus: &[u32], count: u32, output: Output) -> ExitCode {
+    use trainyard_agent::telemetry::{GpuSampler, nvml::NvmlSampler, readout, script::ScriptedSampler};
+    let failed = |message: String| {
+        eprintln!("trainyard-agent telemetry: {message}");
+        ExitCode::from(2)
+    };
+    let (mut sampler, all): (Box<dyn GpuSampler>, Vec<u32>) = match telemetry_source(&cli.telemetry) {
+        Err(e) => return failed(format!("{e:#}")),
+        Ok(TelemetrySource::Off) => return failed("--telemetry off reads nothing".into()),
+        Ok(TelemetrySource::Script(path)) => match ScriptedSampler::load(path) {
+            Ok(s) => (Box::new(s), vec![0]),
+            Err(e) => return failed(e),
+        },
+        Ok(TelemetrySource::Auto) => match NvmlSampler::new() {
+            Ok(s) => {
+                let all = (0..s.gpu_count()).collect();
+                (Box::new(s), all)
+            }
+            Err(why) => return failed(why),
+        },
+    };
+    let gpus = if gpus.is_empty() { all } else { gpus.to_vec() };
+    eprintln!("trainyard-agent telemetry: {} ({} GPU(s), {count} reading(s))", sampler.describe(), gpus.len());
+    let every = std::time::Duration::from_secs_f64(cli.telemetry_every_secs.clamp(0.05, 3600.0));
+    let mut read_any = false;
+    for i in 0..count {
+        if i > 0 {
+            std::thread::sleep(every);
+        }
+        let now = trainyard_agent::telemetry::now_ms();
+        for &gpu in &gpus {
+            match sampler.sample(gpu, now) {
+                Ok(s) => {
+                    read_any = true;
+                    match output {
+                        Output::Text => println!("{}", readout::to_line(&s)),
+                        Output::Json => println!("{}", readout::to_json(&s)),
+                    }
+                }
+                Err(e) => eprintln!("trainyard-agent telemetry: GPU {gpu}: {e}"),
+            }
+        }
+    }
+    if read_any { ExitCode::SUCCESS } else { failed("no GPU could be read".into()) }
 }
 
 fn topo(cli: &Cli, file: Option<&std::path::Path>) -> ExitCode {

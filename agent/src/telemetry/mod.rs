@@ -7,6 +7,7 @@
 //! # Layout
 //! - [`window`]: samples into windows (pure).
 //! - [`nvml`]: the real sampler, through NVML.
+//! - [`readout`]: a reading as text or JSON (`trainyard-agent telemetry`).
 //! - [`script`]: a scripted sampler for hosts without a GPU (tests, demos), replaying a
 //!   throttle, an XID or a link going down at given times.
 //! - this module: the [`GpuSampler`] seam, the shared [`Telemetry`] queue and the sampling loop.
@@ -16,6 +17,7 @@
 //! memory. Receipts are never dropped; telemetry is the part that can be.
 
 pub mod nvml;
+pub mod readout;
 pub mod script;
 pub mod window;
 

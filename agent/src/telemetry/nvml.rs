@@ -51,6 +51,11 @@ impl NvmlSampler {
         Ok(NvmlSampler { nvml, events, xids: BTreeMap::new() })
     }
 
+    /// GPUs NVML lists on this host (0 when it cannot count them).
+    pub fn gpu_count(&self) -> u32 {
+        self.nvml.device_count().unwrap_or(0)
+    }
+
     fn drain_events(&mut self) {
         let Some(set) = &self.events else { return };
         loop {
