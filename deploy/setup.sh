@@ -104,6 +104,21 @@ if ! "$VENV/bin/python" -c "import sys, lightning; sys.exit(lightning.__version_
     echo "setup: installing lightning==$LIGHTNING_VERSION into $VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "lightning==$LIGHTNING_VERSION" "torch==$TORCH_VERSION"
 fi
+# Third-party trainers and loggers, for the tests that run unchanged scripts under trainyard's
+# bootstrap (tests/tests/unchanged_scripts.rs): wandb (offline), MLflow (mlflow-skinny, a local
+# file store), TensorBoard, and Hugging Face transformers' Trainer (with accelerate). Pinned,
+# so a new release upstream cannot change what the suite tests; checked by version, so a second
+# run of setup installs nothing.
+THIRD_PARTY=(wandb==0.31.0 mlflow-skinny==3.17.2 tensorboard==2.21.0 transformers==5.24.0 accelerate==1.15.0)
+if ! "$VENV/bin/python" - "${THIRD_PARTY[@]}" >/dev/null 2>&1 <<'PY'
+import sys
+from importlib.metadata import version
+sys.exit(any(version(n) != v for n, v in (a.split("==") for a in sys.argv[1:])))
+PY
+then
+    echo "setup: installing ${THIRD_PARTY[*]} into $VENV (trainers and loggers the tests run unchanged)"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "${THIRD_PARTY[@]}" "torch==$TORCH_VERSION"
+fi
 # trainyard's receipt helper for PyTorch scripts (python/), installed from the checkout the way
 # users install it; reinstalled every time so the venv never holds a stale copy.
 echo "setup: installing trainyard-receipts from python/ into $VENV"

@@ -9,6 +9,8 @@
 //! - [`pinning`]: binds a rank to its planned CPUs and NUMA memory node, reads back the binding.
 //! - [`procfs`]: the few `/proc` and signal helpers the launcher needs (liveness, start times).
 //! - [`env`]: the rank environment (torchrun variables, `TRAINYARD_*`, the job's overlay).
+//! - [`bootstrap`]: the Python bootstrap an `exec` rank gets on its path (receipts of a script
+//!   nobody changed), written under the data directory at start.
 //! - [`state`]: the durable per-rank record in `DATA/state/ranks/`, written before reporting.
 //! - [`supervise`]: the per-rank shim (`trainyard-agent supervise`) that outlives the agent.
 //! - [`launcher`]: turns a `Launch` into shims and ranks, cancels, detects exits, adopts.
@@ -31,6 +33,7 @@
 
 pub mod account;
 pub mod address;
+pub mod bootstrap;
 pub mod config;
 pub mod connection;
 pub mod env;

@@ -114,6 +114,7 @@ async fn fill(store: &dyn Store) -> anyhow::Result<u64> {
         min_gpus: 0,
         priority: 0,
         disable_pinning: false,
+        receipts: Default::default(),
     };
     let job = store.create_job(&spec, None, "bench", 0).await?.id;
     let allocations: Vec<Allocation> = (0..NODES * GPUS)

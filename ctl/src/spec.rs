@@ -35,6 +35,24 @@ pub struct SpecFile {
     /// Bind each rank to its GPU's NUMA node (cores and memory); on unless set to false.
     #[serde(default = "default_true")]
     pub pinning: bool,
+    #[serde(default)]
+    pub receipts: ReceiptsFile,
+}
+
+/// `[receipts]`: receipts of a script nobody changed.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReceiptsFile {
+    /// Put trainyard's bootstrap on the Python ranks' path (optimizer hooks, loggers observed,
+    /// unbuffered output); on unless set to false.
+    #[serde(default = "default_true")]
+    pub auto: bool,
+}
+
+impl Default for ReceiptsFile {
+    fn default() -> Self {
+        ReceiptsFile { auto: true }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -251,6 +269,8 @@ impl SpecFile {
             }),
             priority: self.priority,
             disable_pinning: !self.pinning,
+            receipts: (!self.receipts.auto)
+                .then_some(trainyard_proto::v1::ReceiptsSpec { disable_auto: true }),
         }
     }
 }
@@ -313,8 +333,19 @@ resume = false
             restart: Some(RestartPolicy { max_restarts: 2, resume: false, ..Default::default() }),
             priority: 3,
             disable_pinning: false,
+            receipts: None,
         };
         assert_eq!(spec, expected);
+    }
+
+    #[test]
+    fn receipts_auto_can_be_turned_off_and_a_typo_is_named() {
+        let base = "name = \"r\"\n[resources]\ngpus = 1\n[engine]\nkind = \"exec\"\nargv = [\"python3\"]\nworkdir = \"/w\"\n";
+        let off = parse(&format!("{base}[receipts]\nauto = false\n")).unwrap();
+        assert_eq!(off.receipts, Some(trainyard_proto::v1::ReceiptsSpec { disable_auto: true }));
+        assert_eq!(parse(base).unwrap().receipts, None, "on by default");
+        let err = parse(&format!("{base}[receipts]\nauot = false\n")).unwrap_err();
+        assert!(err.contains("auot"), "{err}");
     }
 
     #[test]

@@ -39,6 +39,21 @@ pub struct JobSpec {
     pub priority: i32,
     /// Leave ranks unpinned.
     pub disable_pinning: bool,
+    /// How the steps of a script that does not write receipts itself are recorded.
+    pub receipts: ReceiptsPolicy,
+}
+
+/// `[receipts]` of a job (docs/receipts.md, "Receipts without code changes").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceiptsPolicy {
+    /// trainyard's bootstrap on the Python ranks' path (on unless the job says `auto = false`).
+    pub auto: bool,
+}
+
+impl Default for ReceiptsPolicy {
+    fn default() -> Self {
+        ReceiptsPolicy { auto: true }
+    }
 }
 
 /// What a job asks of the fleet.
@@ -146,6 +161,7 @@ impl TryFrom<WireSpec> for JobSpec {
             min_gpus: restart.min_gpus,
             priority: spec.priority,
             disable_pinning: spec.disable_pinning,
+            receipts: ReceiptsPolicy { auto: spec.receipts.is_none_or(|r| !r.disable_auto) },
         })
     }
 }
@@ -191,6 +207,7 @@ impl From<&JobSpec> for WireSpec {
             }),
             priority: spec.priority,
             disable_pinning: spec.disable_pinning,
+            receipts: (!spec.receipts.auto).then_some(pb::ReceiptsSpec { disable_auto: true }),
         }
     }
 }

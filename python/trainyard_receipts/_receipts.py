@@ -34,6 +34,17 @@ EXIT_STATUSES = ("ok", "failed")
 
 _warned_disabled = False
 
+AUTO_THREAD = "trainyard-auto"
+"""The thread of the bootstrap's worker (`_auto`): `start()` called there is not the script's."""
+
+_started_pid: Optional[int] = None
+
+
+def started_in_process() -> bool:
+    """Whether the script itself called `start()` in this process (a forked child inherits
+    the module's state, not the call). The bootstrap then writes no receipt of its own."""
+    return _started_pid == os.getpid()
+
 
 class Receipts:
     """A rank's receipts: `step`, `eval`, `checkpoint`, `exit` (and `emit` for other kinds).
@@ -433,6 +444,9 @@ def start(
     capacity: receipts the queue holds before it drops new ones.
     fields: more fields for the launch receipt (a config, a run name, ...).
     """
+    global _started_pid
+    if threading.current_thread().name != AUTO_THREAD:
+        _started_pid = os.getpid()
     environ = os.environ
     rank = _provenance.env_int(environ, "RANK", 0)
     local_rank = _provenance.env_int(environ, "LOCAL_RANK", 0)

@@ -51,6 +51,7 @@ async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
             min_gpus: 0,
             priority: 0,
             disable_pinning: false,
+            receipts: Default::default(),
         };
         let job = store.create_job(&spec, None, "bench", 0).await?;
         let receipts = receipts(job.id, total);

@@ -146,6 +146,7 @@ pub mod fixtures {
             min_gpus: 0,
             priority: 3,
             disable_pinning: false,
+            receipts: Default::default(),
         }
     }
 

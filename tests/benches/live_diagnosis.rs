@@ -121,6 +121,7 @@ async fn run(minutes: i64) -> anyhow::Result<()> {
         min_gpus: 0,
         priority: 0,
         disable_pinning: false,
+        receipts: Default::default(),
     };
     store.create_job(&spec, None, "submitted", 0).await?;
     let allocations: Vec<Allocation> = (0..RANKS)

@@ -79,6 +79,7 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
         min_gpus: 0,
         priority: 0,
         disable_pinning: false,
+        receipts: Default::default(),
     };
     let job = store.create_job(&spec, None, "submitted", 1).await?;
     anyhow::ensure!(job.id == 1, "a fresh store");

@@ -373,7 +373,11 @@ fn telemetry(cli: &Cli, gpus: &[u32], count: u32, output: Output) -> ExitCode {
         },
     };
     let gpus = if gpus.is_empty() { all } else { gpus.to_vec() };
-    eprintln!("trainyard-agent telemetry: {} ({} GPU(s), {count} reading(s))", sampler.describe(), gpus.len());
+    eprintln!(
+        "trainyard-agent telemetry: {} ({} GPU(s), {count} reading(s))",
+        sampler.describe(),
+        gpus.len()
+    );
     let every = std::time::Duration::from_secs_f64(cli.telemetry_every_secs.clamp(0.05, 3600.0));
     let mut read_any = false;
     for i in 0..count {

@@ -29,6 +29,7 @@ use engines::{exec_engine, launch_json};
 use watch::{find_unrecorded_shim, observe, terminate};
 
 use crate::account::{self, RunAs};
+use crate::bootstrap::Bootstrap;
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::layout::{
     Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankId, STATE_DIR_MODE, make_dir, write_durable,
@@ -57,6 +58,8 @@ pub struct Launcher {
     preflight_report: Option<String>,
     /// A root agent may run launches that name no Unix account as root (`--allow-root-ranks`).
     root_ranks: bool,
+    /// The Python bootstrap `exec` ranks get on their path.
+    bootstrap: Bootstrap,
     /// When acknowledged positions were last written to the state files.
     acks_persisted_at: std::time::Instant,
 }
@@ -71,6 +74,7 @@ impl Launcher {
         make_dir(&layout.data_dir().join("state"), STATE_DIR_MODE, None)?;
         make_dir(&layout.state_dir(), STATE_DIR_MODE, None)?;
         make_dir(&layout.data_dir().join("runs"), 0o755, None)?;
+        let bootstrap = crate::bootstrap::install(layout.data_dir())?;
         // create_dir_all succeeds on a read-only directory that exists: prove it is writable now
         // rather than at the first launch.
         let probe = layout.state_dir().join(".write-probe");
@@ -83,6 +87,7 @@ impl Launcher {
             ranks: BTreeMap::new(),
             preflight_report: None,
             root_ranks: false,
+            bootstrap,
             acks_persisted_at: std::time::Instant::now(),
         })
     }
@@ -350,6 +355,7 @@ impl Launcher {
         }
         shim::bind(&mut command, &mut env, assignment);
         env.extend(rank.vars);
+        self.bootstrap.apply(launch, &mut env);
         if let Some(local_id) = &self.preflight_report {
             env.insert(PREFLIGHT_REPORT.to_string(), local_id.clone());
         }

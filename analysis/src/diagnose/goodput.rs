@@ -90,7 +90,10 @@ pub struct Goodput {
     pub restart_ms: f64,
     pub lost_ms: f64,
     pub other_ms: f64,
-    /// (training - lost) / wall; `None` before any wall time.
+    /// Step receipts of rank 0 over all attempts.
+    pub steps: u64,
+    /// (training - lost) / wall; `None` before any wall time, and for a job with no step
+    /// receipt (its training time is unknown, not zero).
     pub goodput: Option<f64>,
 }
 
@@ -98,6 +101,13 @@ impl Goodput {
     /// One line for `ctl status`.
     pub fn describe(&self) -> String {
         let s = |ms: f64| human(ms);
+        if self.steps == 0 {
+            return format!(
+                "unknown (no step receipts) of {} wall: restarts {}; the ranks wrote no step receipt, so training and startup cannot be told apart",
+                s(self.wall_ms),
+                s(self.restart_ms)
+            );
+        }
         let share = self.goodput.map_or("-".to_string(), |g| format!("{:.0}%", g * 100.0));
         let redone: u64 = self.attempts.iter().map(|a| a.steps_redone).sum();
         format!(
@@ -168,14 +178,15 @@ pub fn goodput(facts: &[AttemptFacts], now_ms: i64) -> Goodput {
         total.restart_ms += a.restart_ms;
         total.lost_ms += a.lost_ms;
         total.other_ms += a.other_ms;
+        total.steps += f.steps;
         total.attempts.push(a);
         if let Some(last) = f.last_step {
             done_through = Some(done_through.map_or(last, |d| d.max(last)));
         }
         previous_end = Some(end);
     }
-    total.goodput =
-        (total.wall_ms > 0.0).then(|| ((total.train_ms - total.lost_ms) / total.wall_ms).clamp(0.0, 1.0));
+    total.goodput = (total.wall_ms > 0.0 && total.steps > 0)
+        .then(|| ((total.train_ms - total.lost_ms) / total.wall_ms).clamp(0.0, 1.0));
     total
 }
 
@@ -238,11 +249,8 @@ mod tests {
             AttemptFacts { attempt: 1, scheduled_at_ms: None, ..Default::default() },
         ];
         let g = goodput(&facts, 31_000);
-        assert_eq!(
-            (g.wall_ms, g.startup_ms, g.goodput),
-            (30_000.0, 30_000.0, Some(0.0)),
-            "no step yet: all startup"
-        );
+        assert_eq!((g.wall_ms, g.goodput), (30_000.0, None), "no step receipt: goodput unknown, not 0");
+        assert!(g.describe().starts_with("unknown (no step receipts) of 30.0s wall"), "{}", g.describe());
         assert_eq!(goodput(&[], 5).goodput, None);
         assert_eq!(
             (human(850.0), human(12_345.0), human(245_000.0), human(7_980_000.0)),

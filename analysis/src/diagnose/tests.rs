@@ -18,6 +18,7 @@ fn spec(env: &[(&str, &str)]) -> JobSpec {
         min_gpus: 0,
         priority: 0,
         disable_pinning: false,
+        receipts: Default::default(),
     }
 }
 

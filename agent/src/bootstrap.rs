@@ -1,0 +1,210 @@
+//! The Python bootstrap that gives an unchanged training script its receipts
+//! (docs/receipts.md, "Receipts without code changes").
+//!
+//! The agent carries `python/bootstrap/sitecustomize.py` and the `trainyard_receipts` package in
+//! its binary and writes them, at start, into `DATA/bootstrap/<hash>/`: a directory named by
+//! the hash of its files, owned by the agent's user (root, or the user an agent in a Slurm
+//! allocation runs as), mode 0755 with files 0644, so only that user can change them and every
+//! job's user can read them. Every node running the same agent build has the same files under the
+//! same hash, which each launch receipt records (`bootstrap_hash`).
+//!
+//! An `exec` rank gets the directory first on its `PYTHONPATH`, `TRAINYARD_BOOTSTRAP_HASH`, and
+//! `PYTHONUNBUFFERED=1` (so its printed lines reach its output files as they are printed) unless
+//! the job's `[env]` sets `PYTHONUNBUFFERED` itself. `[receipts] auto = false` leaves all three
+//! out. The built-in engine writes its own receipts and gets none of them.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+use trainyard_proto::v1::{Launch, job_spec};
+
+/// The files of the bootstrap directory, relative to it, with their text.
+const FILES: &[(&str, &str)] = &[
+    ("sitecustomize.py", include_str!("../../python/bootstrap/sitecustomize.py")),
+    ("trainyard_receipts/__init__.py", include_str!("../../python/trainyard_receipts/__init__.py")),
+    ("trainyard_receipts/_auto.py", include_str!("../../python/trainyard_receipts/_auto.py")),
+    ("trainyard_receipts/_cuda.py", include_str!("../../python/trainyard_receipts/_cuda.py")),
+    ("trainyard_receipts/_encode.py", include_str!("../../python/trainyard_receipts/_encode.py")),
+    ("trainyard_receipts/_loggers.py", include_str!("../../python/trainyard_receipts/_loggers.py")),
+    ("trainyard_receipts/_provenance.py", include_str!("../../python/trainyard_receipts/_provenance.py")),
+    ("trainyard_receipts/_receipts.py", include_str!("../../python/trainyard_receipts/_receipts.py")),
+    ("trainyard_receipts/_version.py", include_str!("../../python/trainyard_receipts/_version.py")),
+    ("trainyard_receipts/_worker.py", include_str!("../../python/trainyard_receipts/_worker.py")),
+    ("trainyard_receipts/_writer.py", include_str!("../../python/trainyard_receipts/_writer.py")),
+    ("trainyard_receipts/peaks.py", include_str!("../../python/trainyard_receipts/peaks.py")),
+];
+
+/// `PYTHONPATH`'s separator.
+const PATH_SEP: char = ':';
+
+/// The bootstrap as installed on this host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bootstrap {
+    pub dir: PathBuf,
+    /// SHA-256 of the files (name, NUL, text, NUL, in order), hex.
+    pub hash: String,
+}
+
+/// The hash of the bootstrap this agent carries.
+pub fn hash() -> String {
+    let mut h = Sha256::new();
+    for (name, text) in FILES {
+        h.update(name.as_bytes());
+        h.update([0]);
+        h.update(text.as_bytes());
+        h.update([0]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes the bootstrap under `data_dir/bootstrap/<hash>` unless it is there with the same
+/// files (checked byte for byte: a directory changed behind the agent's back is rewritten).
+pub fn install(data_dir: &Path) -> io::Result<Bootstrap> {
+    let hash = hash();
+    let root = data_dir.join("bootstrap");
+    make_readable_dir(&root)?;
+    let dir = root.join(&hash[..16]);
+    if !intact(&dir) {
+        let staging = root.join(format!(".{}.{}", &hash[..16], std::process::id()));
+        let _ = std::fs::remove_dir_all(&staging);
+        for (name, text) in FILES {
+            let path = staging.join(name);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent)?;
+                make_readable_dir(parent)?;
+            }
+            std::fs::write(&path, text)?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
+        }
+        make_readable_dir(&staging)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&staging, &dir)?;
+    }
+    Ok(Bootstrap { dir, hash })
+}
+
+fn make_readable_dir(dir: &Path) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+}
+
+/// Whether `dir` holds exactly the carried files.
+fn intact(dir: &Path) -> bool {
+    FILES.iter().all(|(name, text)| std::fs::read(dir.join(name)).is_ok_and(|b| b == text.as_bytes()))
+}
+
+impl Bootstrap {
+    /// Puts the bootstrap into a rank's environment `env` (the agent's, the account's and the
+    /// rank's variables, the overlay applied) when `launch` is an `exec` job that did not turn
+    /// automatic receipts off.
+    pub fn apply(&self, launch: &Launch, env: &mut BTreeMap<String, String>) {
+        env.remove(OWNER);
+        let Some(spec) = &launch.spec else { return };
+        if !matches!(spec.engine, Some(job_spec::Engine::Exec(_))) || !auto(launch) {
+            return;
+        }
+        let dir = self.dir.display().to_string();
+        let path = match env.get("PYTHONPATH").filter(|p| !p.is_empty()) {
+            Some(rest) => format!("{dir}{PATH_SEP}{rest}"),
+            None => dir,
+        };
+        env.insert("PYTHONPATH".into(), path);
+        env.insert(HASH.into(), self.hash.clone());
+        if !spec.env.contains_key("PYTHONUNBUFFERED") {
+            env.insert("PYTHONUNBUFFERED".into(), "1".into());
+        }
+    }
+}
+
+/// The variable that carries the bootstrap's hash into the launch receipt.
+pub const HASH: &str = "TRAINYARD_BOOTSTRAP_HASH";
+/// The variable the bootstrap sets in the rank's process, which its children inherit: never
+/// passed to a rank from the agent's own environment.
+const OWNER: &str = "TRAINYARD_RECEIPTS_OWNER";
+
+/// Whether the job wants receipts without code changes (`[receipts] auto`, on by default).
+pub fn auto(launch: &Launch) -> bool {
+    launch.spec.as_ref().and_then(|s| s.receipts.as_ref()).is_none_or(|r| !r.disable_auto)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trainyard_proto::v1::{BuiltinEngine, ExecEngine, JobSpec, ReceiptsSpec};
+
+    fn launch(engine: job_spec::Engine, env: &[(&str, &str)], receipts: Option<ReceiptsSpec>) -> Launch {
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Launch {
+            spec: Some(JobSpec { engine: Some(engine), env, receipts, ..JobSpec::default() }),
+            ..Launch::default()
+        }
+    }
+
+    fn exec() -> job_spec::Engine {
+        job_spec::Engine::Exec(ExecEngine { argv: vec!["python3".into()], ..ExecEngine::default() })
+    }
+
+    #[test]
+    fn every_module_of_the_package_is_carried() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/trainyard_receipts");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".py"))
+            .map(|n| format!("trainyard_receipts/{n}"))
+            .collect();
+        on_disk.sort();
+        let carried: Vec<&str> =
+            FILES.iter().map(|(n, _)| *n).filter(|n| n.starts_with("trainyard_receipts/")).collect();
+        assert_eq!(carried, on_disk, "FILES must list every module of python/trainyard_receipts, sorted");
+    }
+
+    #[test]
+    fn installs_once_readable_and_rewrites_a_changed_file() {
+        let data = tempfile::tempdir().unwrap();
+        let b = install(data.path()).unwrap();
+        assert_eq!(b.hash, hash());
+        let site = b.dir.join("sitecustomize.py");
+        assert_eq!(std::fs::metadata(&site).unwrap().permissions().mode() & 0o777, 0o644);
+        assert_eq!(std::fs::metadata(&b.dir).unwrap().permissions().mode() & 0o777, 0o755);
+        std::fs::write(&site, "print('planted')").unwrap();
+        let again = install(data.path()).unwrap();
+        assert_eq!(again, b);
+        assert!(std::fs::read_to_string(&site).unwrap().contains("trainyard's bootstrap"), "rewritten");
+    }
+
+    #[test]
+    fn an_exec_rank_gets_the_path_the_hash_and_unbuffered_output() {
+        let b = Bootstrap { dir: "/d/bootstrap/ab".into(), hash: "abcd".into() };
+        let mut env = BTreeMap::from([
+            ("PYTHONPATH".to_string(), "/user/lib".to_string()),
+            (OWNER.to_string(), "1:0".to_string()),
+        ]);
+        b.apply(&launch(exec(), &[], None), &mut env);
+        assert_eq!(env["PYTHONPATH"], "/d/bootstrap/ab:/user/lib");
+        assert_eq!(env[HASH], "abcd");
+        assert_eq!(env["PYTHONUNBUFFERED"], "1");
+        assert!(!env.contains_key(OWNER), "never inherited from the agent");
+    }
+
+    #[test]
+    fn the_job_can_keep_its_buffering_or_turn_it_all_off_and_the_engine_gets_nothing() {
+        let b = Bootstrap { dir: "/d/b".into(), hash: "h".into() };
+        let mut env = BTreeMap::from([("PYTHONUNBUFFERED".to_string(), String::new())]);
+        b.apply(&launch(exec(), &[("PYTHONUNBUFFERED", "")], None), &mut env);
+        assert_eq!(env["PYTHONUNBUFFERED"], "", "the job's own setting stays");
+        assert_eq!(env["PYTHONPATH"], "/d/b");
+
+        let off = ReceiptsSpec { disable_auto: true, ..ReceiptsSpec::default() };
+        let mut env = BTreeMap::new();
+        b.apply(&launch(exec(), &[], Some(off)), &mut env);
+        assert!(env.is_empty(), "{env:?}");
+
+        let mut env = BTreeMap::new();
+        b.apply(&launch(job_spec::Engine::Builtin(BuiltinEngine::default()), &[], None), &mut env);
+        assert!(env.is_empty(), "{env:?}");
+    }
+}

@@ -1,0 +1,212 @@
+"""Step receipts of a script that does not call this package: what the bootstrap
+(`sitecustomize`, which trainyard puts on a rank's path) runs once the script imports torch.
+
+Two halves, so that the training loop pays only for timestamps:
+
+- **the hooks** (the script's threads): torch's global optimizer step hooks, a
+  post-accumulate-grad hook on the parameters the optimizers hold, and observers of the loggers
+  the script calls (`_loggers`). Each appends a small tuple to a queue: a monotonic clock
+  reading, and on a GPU a CUDA event recorded on the current stream. Nothing is encoded,
+  written or synchronised there.
+- **the worker** (a daemon thread): every `TICK_S` it drains the queue, turns it into one
+  receipt per training iteration, reads the CUDA events once they have completed (never waiting
+  for them), and writes through the same `Receipts` writer the helper uses.
+
+What counts as one step (docs/receipts.md, "Receipts without code changes"):
+- an iteration begins when the first optimizer ever seen (the leader) begins a step outside any
+  other optimizer's step; several optimizers stepped in one iteration, gradient accumulation,
+  and an optimizer that steps its parent's or inner optimizers' `step` (nested) are one step;
+- a `GradScaler` step that skipped the optimizer (inf or NaN gradients) is a step, flagged
+  `skipped`;
+- the step's time runs from the end of the previous step (its last optimizer's post-hook) to
+  the end of this one; step 0 from its first pre-hook. `fwd_bwd_ms` runs from the end of the
+  previous step to the moment the last gradient was accumulated locally, this rank's own
+  compute, which collectives do not make equal across ranks;
+- values logged while an optimizer steps belong to that step; values logged between two steps
+  belong to the step before them, unless the script logged before its first optimizer step,
+  which shows it logs before `opt.step()`: then they belong to the step after them.
+
+Where the guess fails: a GAN whose critic steps several times per generator step (each critic
+step begins an iteration if the critic was the first optimizer seen), and an optimizer created
+mid-run that steps before the leader in an iteration.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from . import _loggers
+
+TICK_S = 0.05
+"""How often the worker drains the queue."""
+HOLD_S = 1.0
+"""How long a finished step waits for the next one (to collect values logged after it) before
+it is written anyway: receipts stay live within 2 s of their step."""
+MAX_QUEUED = 100_000
+"""Events the queue holds; beyond it events are dropped and counted, the loop never waits."""
+MAX_RECEIPTS_PER_S = 500
+"""Step receipts written per second at most; a faster loop has the rest dropped and counted,
+so that encoding never takes more than a sliver of the script's interpreter."""
+
+_state: Optional["_Auto"] = None
+
+
+def imported(what: str, module: Any) -> None:
+    """The bootstrap saw the script import `what` ("torch", "wandb", ...)."""
+    global _state
+    if what == "torch":
+        if _state is None and not _is_launcher():
+            _state = _Auto(module)
+        return
+    if _state is not None:
+        _loggers.observe(what, module, _state.log)
+
+
+def _is_launcher() -> bool:
+    """torchrun (or `python -m torch.distributed.run`): its workers are the ranks."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return os.path.basename(argv0) == "torchrun" or argv0.replace("\\", "/").endswith(
+        ("torch/distributed/run.py", "torch/distributed/launch.py")
+    )
+
+
+def helper_started() -> bool:
+    """Whether this process writes receipts itself through `trainyard_receipts.start()`."""
+    from . import _receipts
+
+    return _receipts.started_in_process()
+
+
+class _Auto:
+    """The hooks and the queue they feed (see the module's doc)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.queue: Deque[Tuple[Any, ...]] = collections.deque()
+        self.dropped = 0
+        self.depth: List[int] = []  # ids of the optimizers stepping now, outermost first
+        self.last_grad: Tuple[int, Any] = (0, None)
+        self.grad_handles: Dict[int, Any] = {}  # id(param) -> handle, until learned
+        self.hooked: set = set()  # ids of the optimizers whose parameters are hooked
+        self.grad_param: Optional[int] = None  # the parameter whose gradient comes last
+        self.grads_seen: List[int] = []
+        self.leader: Optional[int] = None
+        self.leader_steps = 0
+        self.pre_count = 0  # every pre-hook, nested ones too (a GradScaler step that stepped)
+        self.cuda = False
+        os.environ["TRAINYARD_RECEIPTS_OWNER"] = f"{os.getpid()}:{os.environ.get('RANK', '')}"
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        register_optimizer_step_pre_hook(self._pre)
+        register_optimizer_step_post_hook(self._post)
+        _loggers.observe_torch(torch, self)
+        from ._worker import Worker
+
+        self.worker = Worker(self)
+
+    # --- the hook path: a clock reading, maybe an event, one append --------------------------
+
+    def _push(self, item: Tuple[Any, ...]) -> None:
+        if len(self.queue) < MAX_QUEUED:
+            self.queue.append(item)
+        else:
+            self.dropped += 1
+
+    def _event(self) -> Any:
+        if not self.cuda:
+            return None
+        try:
+            ev = self.torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        except Exception:
+            self.cuda = False
+            return None
+
+    def _pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        key = id(opt)
+        self.pre_count += 1
+        if key in self.depth:  # a step of this optimizer raised before its post-hook
+            del self.depth[self.depth.index(key) :]
+        self.depth.append(key)
+        if len(self.depth) > 1:
+            return  # nested: a parent's or an inner optimizer's step
+        if self.leader is None:
+            self.leader = key
+            self._learn_cuda(opt)
+        if key == self.leader:
+            self.leader_steps += 1
+            if self.leader_steps == 3:
+                self._keep_last_grad_hook()
+        if key not in self.hooked:
+            self._hook_grads(opt)
+        self._push(("pre", key, time.perf_counter_ns(), self._event() if key == self.leader else None))
+
+    def _post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        key = id(opt)
+        if self.depth and self.depth[-1] == key:
+            self.depth.pop()
+        if self.depth:
+            return
+        self._push(("post", key, time.perf_counter_ns(), self._event(), self.last_grad))
+
+    def _grad(self, param: Any) -> None:
+        self.last_grad = (time.perf_counter_ns(), self._event() if self.grad_param is not None else None)
+        if self.grad_param is None:
+            self.grads_seen.append(id(param))
+
+    def scaler_skipped(self, opt: Any) -> None:
+        """A GradScaler step that did not step `opt` (inf or NaN gradients)."""
+        now = time.perf_counter_ns()
+        self._push(("skip", id(opt), now, self._event(), self.last_grad))
+
+    def flag(self, what: str) -> None:
+        """An evaluation or a checkpoint happened now."""
+        self._push(("flag", what, time.perf_counter_ns()))
+
+    def log(self, values: Dict[str, Any], source: str) -> None:
+        """Values the script logged through `source` (wandb, mlflow, tensorboard, ...)."""
+        self._push(("log", bool(self.depth), time.perf_counter_ns(), values, source))
+
+    # --- set-up, off the steady path -----------------------------------------------------------
+
+    def _learn_cuda(self, opt: Any) -> None:
+        try:
+            first = next(p for g in opt.param_groups for p in g["params"])
+            self.cuda = bool(first.is_cuda) and self.torch.cuda.is_initialized()
+        except Exception:
+            self.cuda = False
+
+    def _hook_grads(self, opt: Any) -> None:
+        self.hooked.add(id(opt))
+        if self.grad_param is not None:
+            return
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) in self.grad_handles or not getattr(p, "requires_grad", False):
+                    continue
+                try:
+                    self.grad_handles[id(p)] = p.register_post_accumulate_grad_hook(self._grad)
+                except Exception:
+                    return  # torch < 2.1: no per-rank compute time
+
+    def _keep_last_grad_hook(self) -> None:
+        """After two iterations the parameter whose gradient comes last is known: keep its hook
+        alone (one call a step instead of one per parameter)."""
+        if not self.grads_seen:
+            return
+        last = self.grads_seen[-1]
+        for key, handle in list(self.grad_handles.items()):
+            if key != last:
+                handle.remove()
+                del self.grad_handles[key]
+        self.grad_param = last
+        self.grads_seen = []

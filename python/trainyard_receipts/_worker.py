@@ -1,0 +1,303 @@
+"""The bootstrap's worker thread: the hooks' queue into one step receipt per iteration.
+
+See `_auto` for what counts as a step; this module applies those rules to the queued events in
+order, reads CUDA events once they have completed, and writes the receipts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from . import _receipts
+
+Mark = Tuple[int, Any]
+"""A point in time: (perf_counter_ns, CUDA event or None)."""
+
+EVENT_WAIT_S = 2.0
+"""How long a step waits for its CUDA events to complete before its CPU times are used."""
+
+
+class _Iteration:
+    """One training iteration, as the events describe it."""
+
+    __slots__ = ("step", "start", "end", "grad", "values", "sources", "flags", "skipped", "ended_at", "closed")
+
+    def __init__(self, step: int, start: Mark) -> None:
+        self.step = step
+        self.start = start
+        self.end: Optional[Mark] = None
+        self.grad: Optional[Mark] = None
+        self.values: Dict[str, Any] = {}
+        self.sources: Dict[str, str] = {}
+        self.flags: Set[str] = set()
+        self.skipped = False
+        self.ended_at = 0.0  # time.monotonic() of its end
+        self.closed = False  # the next iteration began: no value can come any more
+
+
+def _first_step(environ: Any) -> int:
+    """The hook's counter starts at 0, or after the resume step of a resumed attempt."""
+    if environ.get("TRAINYARD_RESUME") == "1":
+        try:
+            return int(environ.get("TRAINYARD_RESUME_STEP", "")) + 1
+        except ValueError:
+            return 0
+    return 0
+
+
+class Worker:
+    """Drains `auto.queue` every `TICK_S` on a daemon thread; `finish` runs at exit."""
+
+    def __init__(self, auto: Any) -> None:
+        from . import _auto
+
+        self.auto = auto
+        self.tick_s = _auto.TICK_S
+        self.hold_s = _auto.HOLD_S
+        self.max_per_s = _auto.MAX_RECEIPTS_PER_S
+        self.next_step = _first_step(os.environ)
+        self.logs_before_step: Optional[bool] = None
+        self.open: Optional[_Iteration] = None
+        self.done: List[_Iteration] = []
+        self.prev_end: Optional[Mark] = None
+        self.leader: Optional[int] = None
+        self.posts = 0
+        self.pending_values: Dict[str, Any] = {}
+        self.pending_sources: Dict[str, str] = {}
+        self.pending_flags: Set[str] = set()
+        self.receipts: Optional[_receipts.Receipts] = None
+        self.silent = False  # the script writes receipts itself
+        self.written = 0
+        self.dropped_steps = 0
+        self.late_values = 0
+        self.bucket = (time.monotonic(), 0)
+        self.failure: Optional[str] = None
+        self.lock = threading.Lock()
+        self.stopping = False
+        self._hook_excepthook()
+        atexit.register(self.finish)
+        self.thread = threading.Thread(target=self._run, name=_receipts.AUTO_THREAD, daemon=True)
+        self.thread.start()
+
+    def _hook_excepthook(self) -> None:
+        """Notes an uncaught exception for the exit receipt, then lets the script's own hook
+        (or Python's) report it as before."""
+        previous = sys.excepthook
+
+        def hook(kind: Any, value: Any, tb: Any) -> None:
+            self.failure = f"{kind.__name__}: {value}"
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
+
+    def _run(self) -> None:
+        while not self.stopping:
+            time.sleep(self.tick_s)
+            try:
+                with self.lock:
+                    if not self.stopping:
+                        self._tick(final=False)
+            except Exception as e:  # never the script's problem
+                _receipts.warn(f"bootstrap receipts stopped: {type(e).__name__}: {e}")
+                return
+
+    # --- the events, in order ---------------------------------------------------------------
+
+    def _tick(self, final: bool) -> None:
+        queue = self.auto.queue
+        while queue:
+            item = queue.popleft()
+            getattr(self, "_on_" + item[0])(*item[1:])
+        self._write_ready(final)
+
+    def _on_pre(self, key: int, at: int, ev: Any) -> None:
+        if self.leader is None:
+            self.leader = key
+        if key != self.leader:
+            return
+        if self.open is not None:
+            self.open.closed = True
+            self.prev_end = self.open.end or self.prev_end
+            self.done.append(self.open)
+        self.open = it = _Iteration(self.next_step, self.prev_end or (at, ev))
+        self.next_step += 1
+        it.values, it.sources, it.flags = self.pending_values, self.pending_sources, self.pending_flags
+        self.pending_values, self.pending_sources, self.pending_flags = {}, {}, set()
+
+    def _on_post(self, key: int, at: int, ev: Any, grad: Mark) -> None:
+        it = self.open
+        if it is None:
+            return
+        self.posts += 1
+        it.end = (at, ev)
+        it.ended_at = time.monotonic()
+        if grad[0] > it.start[0]:
+            it.grad = grad
+
+    def _on_skip(self, key: int, at: int, ev: Any, grad: Mark) -> None:
+        if self.leader is None or key == self.leader:
+            self._on_pre(key, at, ev)
+        self._on_post(key, at, ev, grad)
+        if self.open is not None:
+            self.open.skipped = True
+
+    def _on_flag(self, what: str, at: int) -> None:
+        if self.open is not None and self.open.end is None:
+            self.open.flags.add(what)
+        else:
+            self.pending_flags.add(what)
+
+    def _on_log(self, inside: bool, at: int, values: Dict[str, Any], source: str) -> None:
+        if self.logs_before_step is None and not inside:
+            self.logs_before_step = self.posts == 0
+        it = self.open
+        if inside or (not self.logs_before_step and it is not None):
+            if it is None or it.closed:
+                self.late_values += len(values)
+                return
+            target, sources = it.values, it.sources
+        else:
+            target, sources = self.pending_values, self.pending_sources
+        for name, value in values.items():
+            target[name] = value
+            sources[name] = source
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def _write_ready(self, final: bool) -> None:
+        now = time.monotonic()
+        it = self.open
+        if it is not None and it.end is not None and (final or now - it.ended_at >= self.hold_s):
+            self.done.append(it)
+            self.prev_end = it.end
+            self.open = None
+        while self.done:
+            it = self.done[0]
+            times = _times(it, wait=not final and now - it.ended_at < EVENT_WAIT_S)
+            if times is None:
+                return  # its CUDA events have not completed yet
+            self.done.pop(0)
+            self._write(it, times)
+
+    def _write(self, it: _Iteration, times: Dict[str, Any]) -> None:
+        if self.receipts is None and not self._open_receipts():
+            return
+        at, count = self.bucket
+        now = time.monotonic()
+        if now - at >= 1.0:
+            at, count = now, 0
+        if count >= self.max_per_s:
+            self.dropped_steps += 1
+            return
+        self.bucket = (at, count + 1)
+        fields = dict(times)
+        sources = dict(times.pop("sources"))
+        fields.pop("sources")
+        from ._loggers import schema_fields
+
+        mapped, own = schema_fields(it.values, it.sources)
+        fields.update(own)
+        for name, (value, source) in mapped.items():
+            fields[name] = value
+            sources[name] = source
+        fields["sources"] = sources
+        if it.flags:
+            fields["contains"] = sorted(it.flags)
+        if it.skipped:
+            fields["skipped"] = True
+        if self.dropped_steps:
+            fields["dropped_steps"], self.dropped_steps = self.dropped_steps, 0
+        assert self.receipts is not None
+        self.receipts.step(it.step, **fields)
+        self.written += 1
+
+    def _open_receipts(self) -> bool:
+        """The launch receipt, written before the first step receipt: unless the script
+        writes receipts itself, in which case the bootstrap stays silent."""
+        if self.silent:
+            return False
+        from . import _auto
+
+        if _auto.helper_started():
+            self.silent = True
+            return False
+        torch = self.auto.torch
+        on_gpu = False
+        try:
+            on_gpu = bool(torch.cuda.is_initialized())
+        except Exception:
+            pass
+        receipts = _receipts.start(
+            device=None if on_gpu else "cpu",
+            producer=f"trainyard bootstrap {_receipts.__version__}",
+            bootstrap_hash=os.environ.get("TRAINYARD_BOOTSTRAP_HASH"),
+            receipts_auto=True,
+        )
+        atexit.unregister(receipts.close)  # closed by `finish`, after the last receipts
+        self.receipts = receipts
+        return True
+
+    def finish(self) -> None:
+        """At exit: every step still held, then the exit receipt."""
+        with self.lock:
+            if self.stopping:
+                return
+            self.stopping = True
+            try:
+                deadline = time.monotonic() + EVENT_WAIT_S
+                self._tick(final=False)
+                while self.done and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    self._write_ready(final=False)
+                self._tick(final=True)
+                if self.receipts is None and not self.silent and self.failure is not None:
+                    self._open_receipts()
+                if self.receipts is not None:
+                    self.receipts.exit(
+                        None,
+                        "failed" if self.failure else "ok",
+                        reason=self.failure,
+                        steps_written=self.written,
+                        dropped_events=self.auto.dropped,
+                        late_values=self.late_values,
+                    )
+                    self.receipts.close()
+            except Exception as e:
+                _receipts.warn(f"bootstrap receipts at exit: {type(e).__name__}: {e}")
+
+
+def _elapsed(a: Mark, b: Mark) -> Tuple[Optional[float], bool]:
+    """(milliseconds from a to b, whether CUDA events measured it); None while pending."""
+    if a[1] is not None and b[1] is not None:
+        try:
+            if a[1].query() and b[1].query():
+                return float(a[1].elapsed_time(b[1])), True
+            return None, True
+        except Exception:
+            pass
+    return (b[0] - a[0]) / 1e6, False
+
+
+def _times(it: _Iteration, wait: bool) -> Optional[Dict[str, Any]]:
+    """`step_time_ms` and `fwd_bwd_ms` of a finished iteration, with their sources; None when
+    its CUDA events are pending and `wait`."""
+    assert it.end is not None
+    out: Dict[str, Any] = {}
+    sources: Dict[str, str] = {}
+    for name, mark in (("step_time_ms", it.end), ("fwd_bwd_ms", it.grad)):
+        if mark is None:
+            continue
+        ms, cuda = _elapsed(it.start, mark)
+        if ms is None:
+            if wait:
+                return None
+            ms, cuda = (mark[0] - it.start[0]) / 1e6, False
+        out[name] = ms
+        sources[name] = "cuda_events" if cuda else "cpu_clock"
+    out["sources"] = sources
+    return out

@@ -1,0 +1,178 @@
+//! Scripts nobody changed for trainyard, run as `exec` jobs: their step receipts come from the
+//! bootstrap the agent puts on a Python rank's path (torch's optimizer hooks, and the loggers
+//! the script already calls), and everything downstream works on them: goodput, the hang watch,
+//! `ctl diagnose`. The script is tests/fixtures/scripts/plain_ddp.py, a DDP loop (gloo, 2
+//! ranks) that logs through wandb (offline), MLflow (a local file store) or TensorBoard, the
+//! real packages deploy/setup.sh installs.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use serde_json::Value;
+use trainyard_tests::{Cluster, PythonJob, fixture_scripts};
+
+const STEPS: u32 = 30;
+
+/// A 2-rank job running plain_ddp.py with `args` in `work`, plus `extra` TOML tables.
+fn plain_job(
+    c: &Cluster,
+    name: &str,
+    work: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    extra: &str,
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(work).expect("make the job's directory");
+    let script = fixture_scripts().join("plain_ddp.py").display().to_string();
+    let out = work.display().to_string();
+    let mut all = vec![script.as_str(), "--out", out.as_str()];
+    all.extend_from_slice(args);
+    let file = c.python_job(&PythonJob {
+        name,
+        gpus: 2,
+        per_node: 2,
+        workdir: work,
+        source_dir: None,
+        args: &all,
+        env,
+    });
+    let mut text = std::fs::read_to_string(&file).expect("read the job file");
+    text.push_str(extra);
+    std::fs::write(&file, text).expect("write the job file");
+    file
+}
+
+fn wait_success(c: &Cluster, id: u64) -> anyhow::Result<Value> {
+    let status = c.wait_state(id, &["succeeded", "failed", "cancelled"], Duration::from_secs(300))?;
+    ensure!(status["state"] == "succeeded", "job {id}: {status}\n{}", c.logs("agent-a"));
+    Ok(status)
+}
+
+/// The job's receipts of `kind`, as (rank, body) in (rank, seq) order.
+fn receipts(c: &Cluster, job: u64, kind: &str) -> anyhow::Result<Vec<(u32, Value)>> {
+    let rows = c.query_text(&format!(
+        "SELECT CAST(rank AS TEXT), body FROM receipts WHERE job_id = {job} AND kind = '{kind}' ORDER BY rank, seq"
+    ))?;
+    rows.iter().map(|r| Ok((r[0].parse()?, serde_json::from_str(&r[1]).context("a receipt body")?))).collect()
+}
+
+/// One step receipt per rank and step, 0..STEPS, each with its own compute time from rank 0's
+/// hooks; rank 0's losses are the ones the script logged (`logged.json`), attributed to `source`.
+fn check_steps(c: &Cluster, job: u64, work: &Path, source: &str) -> anyhow::Result<()> {
+    let steps = receipts(c, job, "step")?;
+    for rank in 0..2 {
+        let mine: Vec<&Value> = steps.iter().filter(|(r, _)| *r == rank).map(|(_, b)| b).collect();
+        let numbers: Vec<u64> = mine.iter().filter_map(|b| b["step"].as_u64()).collect();
+        ensure!(numbers == (0..STEPS as u64).collect::<Vec<_>>(), "rank {rank}'s steps: {numbers:?}");
+        for b in &mine[1..] {
+            ensure!(b["fwd_bwd_ms"].as_f64().is_some_and(|t| t > 0.0), "rank {rank}: {b}");
+            ensure!(b["step_time_ms"].as_f64().is_some_and(|t| t > 0.0), "rank {rank}: {b}");
+            ensure!(b["sources"]["step_time_ms"] == "cpu_clock", "rank {rank}: {b}");
+        }
+    }
+    let logged: Vec<f64> = serde_json::from_str(&std::fs::read_to_string(work.join("logged.json"))?)?;
+    let losses: Vec<f64> =
+        steps.iter().filter(|(r, _)| *r == 0).filter_map(|(_, b)| b["loss"].as_f64()).collect();
+    ensure!(losses == logged, "job {job}: rank 0's receipts {losses:?}, the script logged {logged:?}");
+    let rank0 = steps.iter().find(|(r, b)| *r == 0 && b["step"] == 3).map(|(_, b)| b).context("step 3")?;
+    ensure!(rank0["sources"]["loss"] == source && rank0["lr"].as_f64().is_some(), "{rank0}");
+    let launch = receipts(c, job, "launch")?;
+    ensure!(launch.len() == 2, "one launch receipt per rank: {launch:?}");
+    for (_, b) in &launch {
+        ensure!(b["bootstrap_hash"].as_str().is_some_and(|h| h.len() == 64), "{b}");
+        ensure!(b["producer"].as_str().is_some_and(|p| p.starts_with("trainyard bootstrap")), "{b}");
+    }
+    let exits = receipts(c, job, "exit")?;
+    ensure!(exits.len() == 2 && exits.iter().all(|(_, b)| b["status"] == "ok"), "{exits:?}");
+    let goodput = c.status(job)?["goodput"]["goodput"].as_f64().unwrap_or(0.0);
+    ensure!(goodput > 0.0, "job {job}: goodput {goodput}");
+    Ok(())
+}
+
+#[test]
+fn unchanged_ddp_loops_get_a_receipt_per_rank_and_step_with_what_their_loggers_logged() -> anyhow::Result<()>
+{
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 8)?;
+    let steps = STEPS.to_string();
+    let mut jobs = Vec::new();
+    for logger in ["wandb", "mlflow", "tensorboard"] {
+        let work = c.path(logger);
+        let file = plain_job(
+            &c,
+            logger,
+            &work,
+            &["--steps", &steps, "--logger", logger],
+            &[("WANDB_SILENT", "true")],
+            "",
+        );
+        jobs.push((logger, work, c.submit(&file)?));
+    }
+    // The same script with `[receipts] auto = false`: nothing but what the script writes.
+    let off_dir = c.path("off");
+    let off = plain_job(&c, "off", &off_dir, &["--steps", "5"], &[], "\n[receipts]\nauto = false\n");
+    let off = c.submit(&off)?;
+    for (logger, work, id) in &jobs {
+        wait_success(&c, *id)?;
+        check_steps(&c, *id, work, logger).with_context(|| {
+            let logs = c
+                .ctl(&["logs", &id.to_string(), "--tail", "30"])
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+            format!("the {logger} job; rank 0's output:\n{}", logs.unwrap_or_default())
+        })?;
+    }
+    // The users' own records are what they would be without trainyard.
+    let metrics = std::fs::read_dir(c.path("mlflow").join("mlruns/0"))?
+        .filter_map(Result::ok)
+        .map(|e| e.path().join("metrics/train/loss"))
+        .find(|p| p.is_file())
+        .context("MLflow's loss metric file")?;
+    ensure!(std::fs::read_to_string(&metrics)?.lines().count() == STEPS as usize, "{}", metrics.display());
+    ensure!(std::fs::read_dir(c.path("tensorboard").join("tb"))?.count() == 1, "one TensorBoard event file");
+    ensure!(std::fs::read_dir(c.path("wandb").join("wandb"))?.count() > 0, "wandb's offline run");
+
+    let status = wait_success(&c, off)?;
+    ensure!(receipts(&c, off, "step")?.is_empty(), "auto = false writes no step receipt");
+    let summary = status["goodput"]["summary"].as_str().unwrap_or_default();
+    ensure!(summary.starts_with("unknown (no step receipts)"), "{status}");
+    ensure!(status["goodput"]["goodput"].is_null(), "{status}");
+    Ok(())
+}
+
+#[test]
+fn a_slowed_rank_is_named_and_a_stopped_rank_is_declared_hung() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 4)?;
+    // Rank 1 sleeps 40 ms before every forward, as a slow GPU computes: every rank's step time
+    // is the same (they meet in the all-reduce), its own compute time is not.
+    let slow = c.path("slow");
+    let slow =
+        plain_job(&c, "slow", &slow, &["--steps", "60"], &[("SLOW_RANK", "1"), ("SLOW_RANK_MS", "40")], "");
+    let slow = c.submit(&slow)?;
+    let wedged = c.path("wedged");
+    let restart = "\n[restart]\nmax_restarts = 0\nhang_timeout_s = 5\n";
+    let wedged = plain_job(&c, "wedged", &wedged, &["--steps", "2000"], &[("STEP_SLEEP_MS", "50")], restart);
+    let wedged = c.submit(&wedged)?;
+
+    wait_success(&c, slow)?;
+    let json = c.ctl_ok(&["diagnose", &slow.to_string(), "-o", "json"])?;
+    let d: Value = serde_json::from_str(&json)?;
+    ensure!(d["metric"] == "fwd_bwd_ms", "the diagnosis compares the ranks' own compute time: {d:#}");
+    let finding = d["findings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|f| f["cause"].as_str().is_some_and(|c| c.starts_with("straggler")))
+        .with_context(|| format!("a straggler finding: {d:#}"))?;
+    ensure!(finding["ranks"] == serde_json::json!([1]), "rank 1 is named: {finding:#}");
+
+    c.wait_first_steps(wedged, 2, Duration::from_secs(120))?;
+    let pid = c.status(wedged)?["ranks"][1]["pid"].as_i64().context("rank 1's pid")?;
+    // SAFETY: a plain kill(2) of a process this test's job started.
+    ensure!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) } == 0, "SIGSTOP {pid}");
+    let status = c.wait_state(wedged, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
+    ensure!(status["state"] == "failed", "{status}");
+    ensure!(status["failures"][0]["kind"] == "hang", "declared hung: {status}");
+    Ok(())
+}
