@@ -127,9 +127,17 @@ def source_dir(environ: Mapping[str, str]) -> str:
 
 def overlay_env(environ: Mapping[str, str]) -> Optional[Dict[str, Optional[str]]]:
     """The job's env overlay as the process sees it: each variable TRAINYARD_ENV_OVERLAY names,
-    with its current value (None if the process has unset it). None outside trainyard."""
+    with its current value (None if the process has unset it). None outside trainyard.
+
+    A PYTHONPATH of the overlay is recorded without the bootstrap's directory, which the agent
+    puts first on it (TRAINYARD_BOOTSTRAP_HASH set): the overlay as the job gave it."""
     names = environ.get("TRAINYARD_ENV_OVERLAY")
     if names is None:
         return None
     listed = {name.strip() for name in names.split(",")} - {""}
-    return {name: environ.get(name) for name in sorted(listed)}
+    out = {name: environ.get(name) for name in sorted(listed)}
+    path = out.get("PYTHONPATH")
+    if path and environ.get("TRAINYARD_BOOTSTRAP_HASH"):
+        boot = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out["PYTHONPATH"] = os.pathsep.join(p for p in path.split(os.pathsep) if os.path.abspath(p or ".") != boot)
+    return out

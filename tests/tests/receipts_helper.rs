@@ -135,6 +135,9 @@ fn a_ddp_script_with_the_receipts_helper_writes_v1_receipts() -> anyhow::Result<
     ))?;
     let want: Vec<Vec<i64>> = (0..RANKS as i64).map(|r| vec![r, STEPS, STEPS, 0, STEPS - 1]).collect();
     assert_eq!(counts, want, "rank, steps with step_time_ms, tokens_per_s and loss, distinct, first, last");
+    // The agent's bootstrap is on this rank's path too: it sees the helper and writes nothing.
+    let all = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {id} AND kind = 'step'"))?;
+    assert_eq!(all[0][0], RANKS as i64 * STEPS, "no second receipt for a step: {all:?}");
     let rates = c.query_text(&format!(
         "SELECT CAST(step_time_ms AS TEXT), CAST(tokens_per_s AS TEXT) FROM step_metrics WHERE job_id = {id}"
     ))?;
