@@ -33,15 +33,16 @@ def _trainyard_bootstrap():
             pass
 
     def chain():
-        """Runs the next `sitecustomize` on sys.path, the one this file shadows."""
-        import importlib.machinery
-        import importlib.util
+        """Runs the next `sitecustomize` on sys.path, the one this file shadows. Through the
+        import system's own path finder, already loaded, so that chaining imports nothing."""
+        from _frozen_importlib_external import PathFinder
 
         rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
-        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+        spec = PathFinder.find_spec("sitecustomize", rest)
         if spec is None or spec.loader is None:
             return
-        module = importlib.util.module_from_spec(spec)
+        module = type(sys)("sitecustomize")
+        module.__spec__, module.__loader__, module.__file__ = spec, spec.loader, spec.origin
         try:
             spec.loader.exec_module(module)
         except Exception as e:  # as site.py does for a failing sitecustomize

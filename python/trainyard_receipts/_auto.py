@@ -26,6 +26,13 @@ What counts as one step (docs/receipts.md, "Receipts without code changes"):
   belong to the step before them, unless the script logged before its first optimizer step,
   which shows it logs before `opt.step()`: then they belong to the step after them.
 
+Under `torch.compile` of the optimizer step the hooks still fire every step. Dynamo cannot trace
+a clock read, so it runs the step's wrapper (where torch's own optimizer code already breaks the
+graph, before and after the update) in Python up to the update itself: the compiled graphs are
+the same ones, none is compiled again, and the graph breaks are no more than without the hooks
+(python/tests/test_auto.py). A hook that returns early under `torch.compiler.is_compiling()`
+would fire zero times, so these do not.
+
 Where the guess fails: a GAN whose critic steps several times per generator step (each critic
 step begins an iteration if the critic was the first optimizer seen), and an optimizer created
 mid-run that steps before the leader in an iteration.
@@ -67,6 +74,18 @@ def imported(what: str, module: Any) -> None:
         _loggers.observe(what, module, _state.log)
 
 
+def _finished(frame: Any) -> bool:
+    """Whether a frame has returned (or raised): only a frame still executing refuses to be
+    cleared. Clearing a finished one frees what it held."""
+    if frame is None:
+        return False
+    try:
+        frame.clear()
+        return True
+    except RuntimeError:
+        return False
+
+
 def _is_launcher() -> bool:
     """torchrun (or `python -m torch.distributed.run`): its workers are the ranks."""
     argv0 = sys.argv[0] if sys.argv else ""
@@ -89,7 +108,8 @@ class _Auto:
         self.torch = torch
         self.queue: Deque[Tuple[Any, ...]] = collections.deque()
         self.dropped = 0
-        self.depth: List[int] = []  # ids of the optimizers stepping now, outermost first
+        # The optimizers stepping now, outermost first: (id, the frame of its step's wrapper).
+        self.depth: List[Tuple[int, Any]] = []
         self.last_grad: Tuple[int, Any] = (0, None)
         self.grad_handles: Dict[int, Any] = {}  # id(param) -> handle, until learned
         self.hooked: set = set()  # ids of the optimizers whose parameters are hooked
@@ -99,6 +119,7 @@ class _Auto:
         self.leader_steps = 0
         self.pre_count = 0  # every pre-hook, nested ones too (a GradScaler step that stepped)
         self.cuda = False
+        self.optimizers: List[Any] = []  # weak references to every optimizer created
         os.environ["TRAINYARD_RECEIPTS_OWNER"] = f"{os.getpid()}:{os.environ.get('RANK', '')}"
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
@@ -132,11 +153,29 @@ class _Auto:
             return None
 
     def _pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        key = id(opt)
+        self._begin(id(opt), opt)
+
+    def _post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._end(id(opt))
+
+    def created(self, opt: Any) -> None:
+        """An optimizer was made: its parameters get the gradient hook (outside any compiled
+        region, where hooks can be registered)."""
+        import weakref
+
+        try:
+            self.optimizers.append(weakref.ref(opt))
+        except TypeError:
+            pass
+        if id(opt) not in self.hooked:
+            self._hook_grads(opt)
+
+    def _begin(self, key: int, opt: Any) -> None:
         self.pre_count += 1
-        if key in self.depth:  # a step of this optimizer raised before its post-hook
-            del self.depth[self.depth.index(key) :]
-        self.depth.append(key)
+        frame = sys._getframe(2)  # the frame of the optimizer's step wrapper
+        if self.depth and _finished(self.depth[0][1]):
+            self.depth.clear()  # a step raised before its post-hook: it is over
+        self.depth.append((key, frame))
         if len(self.depth) > 1:
             return  # nested: a parent's or an inner optimizer's step
         if self.leader is None:
@@ -146,13 +185,12 @@ class _Auto:
             self.leader_steps += 1
             if self.leader_steps == 3:
                 self._keep_last_grad_hook()
-        if key not in self.hooked:
+        if opt is not None and key not in self.hooked:
             self._hook_grads(opt)
         self._push(("pre", key, time.perf_counter_ns(), self._event() if key == self.leader else None))
 
-    def _post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        key = id(opt)
-        if self.depth and self.depth[-1] == key:
+    def _end(self, key: int) -> None:
+        if self.depth and self.depth[-1][0] == key:
             self.depth.pop()
         if self.depth:
             return
@@ -179,6 +217,8 @@ class _Auto:
     # --- set-up, off the steady path -----------------------------------------------------------
 
     def _learn_cuda(self, opt: Any) -> None:
+        if opt is None:
+            return
         try:
             first = next(p for g in opt.param_groups for p in g["params"])
             self.cuda = bool(first.is_cuda) and self.torch.cuda.is_initialized()

@@ -9,7 +9,7 @@ Observed entry points (the ones scripts and their frameworks really call):
   Lightning's MLFlowLogger);
 - TensorBoard: `SummaryWriter.add_scalar` of `torch.utils.tensorboard` and of `tensorboardX`;
 - torch: `GradScaler.step` (a skipped step), `torch.save` (a checkpoint), `Module.train(False)`
-  of a module (an evaluation).
+  of a module (an evaluation), `Optimizer.__init__` (its parameters get the gradient hook).
 """
 
 from __future__ import annotations
@@ -158,6 +158,7 @@ def observe_torch(torch: Any, auto: Any) -> None:
     except Exception:
         pass
     _after(torch, "save", lambda *a, **k: auto.flag("checkpoint"))
+    _after(torch.optim.Optimizer, "__init__", lambda opt, *a, **k: auto.created(opt))
     module = torch.nn.Module
 
     def train(m: Any, mode: bool = True) -> None:

@@ -75,6 +75,7 @@ class Worker:
         self.written = 0
         self.dropped_steps = 0
         self.late_values = 0
+        self.unfinished = 0
         self.bucket = (time.monotonic(), 0)
         self.failure: Optional[str] = None
         self.lock = threading.Lock()
@@ -120,9 +121,12 @@ class Worker:
             self.leader = key
         if key != self.leader:
             return
-        if self.open is not None:
+        if self.open is not None and self.open.end is None:
+            self.unfinished += 1  # its optimizer step raised: no end, no receipt
+            self.next_step -= 1
+        elif self.open is not None:
             self.open.closed = True
-            self.prev_end = self.open.end or self.prev_end
+            self.prev_end = self.open.end
             self.done.append(self.open)
         self.open = it = _Iteration(self.next_step, self.prev_end or (at, ev))
         self.next_step += 1
@@ -265,6 +269,7 @@ class Worker:
                         steps_written=self.written,
                         dropped_events=self.auto.dropped,
                         late_values=self.late_values,
+                        unfinished_steps=self.unfinished,
                     )
                     self.receipts.close()
             except Exception as e:
