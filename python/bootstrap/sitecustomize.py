@@ -12,7 +12,8 @@ nothing heavy:
    TRAINYARD_RECEIPTS_AUTO not "0", and not a child of a rank that already claimed the file
    (DataLoader workers, compile workers, any Python a rank starts: they inherit
    TRAINYARD_RECEIPTS_OWNER), nor a `torchrun` launcher (its workers act, each per its RANK);
-3. watches the imports of the script: when it imports torch (and wandb, MLflow, TensorBoard),
+3. watches the imports of the script: when it imports torch (and wandb, MLflow, TensorBoard,
+   Hugging Face's Trainer),
    `trainyard_receipts._auto` hooks into them. Until then nothing else happens, and a script
    that never imports torch costs a dictionary lookup per import.
 
@@ -68,6 +69,7 @@ def _trainyard_bootstrap():
         "mlflow.tracking.client": "mlflow",
         "torch.utils.tensorboard.writer": "tensorboard",
         "tensorboardX.writer": "tensorboardX",
+        "transformers.trainer": "transformers",
     }
 
     class Loader:

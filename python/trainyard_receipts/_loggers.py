@@ -8,6 +8,9 @@ Observed entry points (the ones scripts and their frameworks really call):
 - MLflow: `MlflowClient.log_metric` and `log_batch` (reached by `mlflow.log_metric(s)` and
   Lightning's MLFlowLogger);
 - TensorBoard: `SummaryWriter.add_scalar` of `torch.utils.tensorboard` and of `tensorboardX`;
+- Hugging Face transformers: `Trainer.log` (what its callbacks, the printed dict among them, are
+  given), on every rank that calls it; the summary at the end of training (`train_runtime`, a
+  `train_loss` averaged over the run) is not a step's;
 - torch: `GradScaler.step` (a skipped step), `torch.save` (a checkpoint), `Module.train(False)`
   of a module (an evaluation), `Optimizer.__init__` (its parameters get the gradient hook).
 """
@@ -133,6 +136,12 @@ def observe(what: str, module: Any, log: Callable[[Dict[str, Any], str], None]) 
 
         _after(module.MlflowClient, "log_metric", log_metric)
         _after(module.MlflowClient, "log_batch", log_batch)
+    elif what == "transformers":
+        def trainer_log(trainer: Any, logs: Any = None, *args: Any, **kwargs: Any) -> None:
+            if isinstance(logs, dict) and "train_runtime" not in logs:
+                log(dict(logs), "transformers")
+
+        _after(module.Trainer, "log", trainer_log)
     elif what in ("tensorboard", "tensorboardX"):
         def add_scalar(writer: Any, tag: str, scalar_value: Any, *args: Any, **kwargs: Any) -> None:
             log({tag: scalar_value}, what)

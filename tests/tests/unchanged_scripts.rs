@@ -141,6 +141,50 @@ fn unchanged_ddp_loops_get_a_receipt_per_rank_and_step_with_what_their_loggers_l
 }
 
 #[test]
+fn a_hugging_face_trainer_run_gets_its_steps_and_the_losses_trainer_logged() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 2)?;
+    let work = c.path("hf");
+    std::fs::create_dir_all(&work)?;
+    let script = fixture_scripts().join("hf_trainer.py").display().to_string();
+    let out = work.display().to_string();
+    let args = [script.as_str(), "--steps", "10", "--out", out.as_str()];
+    let env = [("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")];
+    let file = c.python_job(&PythonJob {
+        name: "hf",
+        gpus: 2,
+        per_node: 2,
+        workdir: &work,
+        source_dir: None,
+        args: &args,
+        env: &env,
+    });
+    let id = c.submit(&file)?;
+    wait_success(&c, id)?;
+    let steps = receipts(&c, id, "step")?;
+    for rank in 0..2 {
+        let numbers: Vec<u64> =
+            steps.iter().filter(|(r, _)| *r == rank).filter_map(|(_, b)| b["step"].as_u64()).collect();
+        ensure!(numbers == (0..10).collect::<Vec<_>>(), "rank {rank}: {numbers:?}");
+    }
+    let history: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(work.join("log_history.json"))?)?;
+    let logged: Vec<f64> = history.iter().filter_map(|h| h["loss"].as_f64()).collect();
+    let rank0: Vec<&Value> = steps.iter().filter(|(r, _)| *r == 0).map(|(_, b)| b).collect();
+    let losses: Vec<f64> = rank0.iter().filter_map(|b| b["loss"].as_f64()).collect();
+    ensure!(losses == logged, "receipts {losses:?}, Trainer logged {logged:?}");
+    for b in &rank0 {
+        ensure!(
+            b["sources"]["loss"] == "transformers"
+                && b["grad_norm"].as_f64().is_some()
+                && b["lr"].as_f64().is_some(),
+            "{b}"
+        );
+    }
+    ensure!(c.status(id)?["goodput"]["goodput"].as_f64().unwrap_or(0.0) > 0.0, "goodput above zero");
+    Ok(())
+}
+
+#[test]
 fn a_slowed_rank_is_named_and_a_stopped_rank_is_declared_hung() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
     c.start_agent("a", 4)?;
