@@ -125,6 +125,18 @@ pub const HASH: &str = "TRAINYARD_BOOTSTRAP_HASH";
 /// passed to a rank from the agent's own environment.
 const OWNER: &str = "TRAINYARD_RECEIPTS_OWNER";
 
+/// The reader of printed step lines an `exec` rank of `launch` gets (none for the built-in
+/// engine, which writes its own receipts, nor with `auto = false`).
+pub fn printed_state(launch: &Launch) -> Option<crate::printed::PrintedState> {
+    let spec = launch.spec.as_ref()?;
+    if !matches!(spec.engine, Some(job_spec::Engine::Exec(_))) || !auto(launch) {
+        return None;
+    }
+    let pattern = spec.receipts.as_ref().map(|r| r.pattern.clone()).filter(|p| !p.is_empty());
+    let position = crate::printed::PrintedPosition { written_through: -1, ..Default::default() };
+    Some(crate::printed::PrintedState { pattern, position })
+}
+
 /// Whether the job wants receipts without code changes (`[receipts] auto`, on by default).
 pub fn auto(launch: &Launch) -> bool {
     launch.spec.as_ref().and_then(|s| s.receipts.as_ref()).is_none_or(|r| !r.disable_auto)

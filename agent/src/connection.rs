@@ -415,10 +415,11 @@ impl Session<'_> {
         while self.unacked_batches < self.config.max_unacked_batches {
             let mut budget = Budget::new(self.config.max_batch_receipts, self.config.max_batch_bytes);
             let mut receipts = Vec::new();
+            let layout = self.launcher.layout().clone();
             for rank in self.launcher.ranks_mut() {
                 let id = rank.record.id;
                 let ended = rank.record.phase.is_done();
-                match rank.tailer.poll(&mut receipts, &mut budget, ended) {
+                match rank.read(&mut receipts, &mut budget, &layout) {
                     Ok(true) if ended => {
                         self.drained.insert(id);
                     }

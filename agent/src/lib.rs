@@ -17,6 +17,8 @@
 //! - [`tail`]: the receipts tailer: lines to receipts, acknowledged positions, rewinds.
 //! - [`connection`]: one stream to the controller: hello, then the select loop.
 //! - [`logs`]: a rank's stdout/stderr for `ctl logs`, read from its run directory in chunks.
+//! - [`printed`]: the step lines a rank prints (nanochat, modded-nanogpt, torchtitan,
+//!   Megatron-LM, Hugging Face, a job's own pattern), merged into its step receipts.
 //! - [`preflight`]: the node checks (topology, NUMA, host, NVML, CUDA, NCCL) and their report,
 //!   with [`preflight::host::HostProbe`], the seam around the hardware, and the JSON
 //!   host-description file behind it.
@@ -45,6 +47,7 @@ pub mod metrics;
 pub mod notice;
 pub mod pinning;
 pub mod preflight;
+pub mod printed;
 pub mod procfs;
 pub mod relay;
 pub mod state;

@@ -55,6 +55,10 @@ pub struct RankRecord {
     /// `MASTER_PORT` of the rank's job attempt (chosen here when this host holds rank 0).
     #[serde(default)]
     pub master_port: u16,
+    /// The reader of the rank's printed step lines (`exec` ranks with automatic receipts): the
+    /// job's pattern and how far it read ([`crate::printed`]).
+    #[serde(default)]
+    pub printed: Option<crate::printed::PrintedState>,
 }
 
 impl RankRecord {

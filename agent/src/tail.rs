@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use trainyard_proto::v1::Receipt;
+use trainyard_proto::words::ReceiptKind;
 
 use crate::layout::RankId;
 
@@ -155,6 +156,19 @@ impl Tailer {
         budget: &mut Budget,
         final_read: bool,
     ) -> io::Result<bool> {
+        self.poll_merged(out, budget, final_read, &mut |_, _| true)
+    }
+
+    /// [`Tailer::poll`], with `merge` called on each step receipt's body (its step, the body to
+    /// change) before it is sent: `false` leaves the line unread for now (it is read again on
+    /// the next poll), as a full budget does.
+    pub fn poll_merged(
+        &mut self,
+        out: &mut Vec<Receipt>,
+        budget: &mut Budget,
+        final_read: bool,
+        merge: &mut dyn FnMut(i64, &mut String) -> bool,
+    ) -> io::Result<bool> {
         let mut file = match File::open(&self.path) {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(self.consumed == 0),
@@ -204,7 +218,7 @@ impl Tailer {
             let mut chunk = &buf[..n];
             while let Some(i) = chunk.iter().position(|&b| b == b'\n') {
                 self.append(&chunk[..i]);
-                if !self.finish_line(out, budget, true) {
+                if !self.finish_line(out, budget, true, merge) {
                     return Ok(false);
                 }
                 chunk = &chunk[i + 1..];
@@ -214,7 +228,7 @@ impl Tailer {
             }
             self.append(chunk);
         }
-        if final_read && self.consumed > 0 && !self.finish_line(out, budget, false) {
+        if final_read && self.consumed > 0 && !self.finish_line(out, budget, false, merge) {
             return Ok(false);
         }
         Ok(self.consumed == 0)
@@ -235,7 +249,13 @@ impl Tailer {
 
     /// Ends the current line: a receipt into `out`, or a skip. `false` (and the line left
     /// unread, to be read again) when the budget has no room for it.
-    fn finish_line(&mut self, out: &mut Vec<Receipt>, budget: &mut Budget, newline: bool) -> bool {
+    fn finish_line(
+        &mut self,
+        out: &mut Vec<Receipt>,
+        budget: &mut Budget,
+        newline: bool,
+        merge: &mut dyn FnMut(i64, &mut String) -> bool,
+    ) -> bool {
         let seq = self.line.next_seq;
         let end = self.line.offset + self.consumed + u64::from(newline);
         if self.stored_through.is_some_and(|s| seq <= s) {
@@ -257,7 +277,11 @@ impl Tailer {
                     return false;
                 }
                 // parse_receipt checked the bytes are UTF-8.
-                let body = String::from_utf8_lossy(&self.partial).into_owned();
+                let mut body = String::from_utf8_lossy(&self.partial).into_owned();
+                if kind == ReceiptKind::Step.as_str() && step >= 0 && !merge(step, &mut body) {
+                    self.reset_line();
+                    return false;
+                }
                 out.push(Receipt { key: Some(self.id.into()), seq, kind, step, body });
                 let after = Position { offset: end, next_seq: seq + 1, skipped: self.line.skipped };
                 self.in_flight.push_back((seq, after));

@@ -47,11 +47,14 @@ pub struct ReceiptsFile {
     /// unbuffered output); on unless set to false.
     #[serde(default = "default_true")]
     pub auto: bool,
+    /// A regular expression for the job's own printed step lines, with a named group `step`.
+    #[serde(default)]
+    pub pattern: String,
 }
 
 impl Default for ReceiptsFile {
     fn default() -> Self {
-        ReceiptsFile { auto: true }
+        ReceiptsFile { auto: true, pattern: String::new() }
     }
 }
 
@@ -269,8 +272,12 @@ impl SpecFile {
             }),
             priority: self.priority,
             disable_pinning: !self.pinning,
-            receipts: (!self.receipts.auto)
-                .then_some(trainyard_proto::v1::ReceiptsSpec { disable_auto: true }),
+            receipts: (!self.receipts.auto || !self.receipts.pattern.is_empty()).then_some(
+                trainyard_proto::v1::ReceiptsSpec {
+                    disable_auto: !self.receipts.auto,
+                    pattern: self.receipts.pattern,
+                },
+            ),
         }
     }
 }
@@ -342,7 +349,10 @@ resume = false
     fn receipts_auto_can_be_turned_off_and_a_typo_is_named() {
         let base = "name = \"r\"\n[resources]\ngpus = 1\n[engine]\nkind = \"exec\"\nargv = [\"python3\"]\nworkdir = \"/w\"\n";
         let off = parse(&format!("{base}[receipts]\nauto = false\n")).unwrap();
-        assert_eq!(off.receipts, Some(trainyard_proto::v1::ReceiptsSpec { disable_auto: true }));
+        assert_eq!(
+            off.receipts,
+            Some(trainyard_proto::v1::ReceiptsSpec { disable_auto: true, pattern: String::new() })
+        );
         assert_eq!(parse(base).unwrap().receipts, None, "on by default");
         let err = parse(&format!("{base}[receipts]\nauot = false\n")).unwrap_err();
         assert!(err.contains("auot"), "{err}");

@@ -46,14 +46,39 @@ pub struct JobSpec {
 /// `[receipts]` of a job (docs/receipts.md, "Receipts without code changes").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReceiptsPolicy {
-    /// trainyard's bootstrap on the Python ranks' path (on unless the job says `auto = false`).
+    /// trainyard's bootstrap on the Python ranks' path, and the agent reading their printed
+    /// step lines (on unless the job says `auto = false`).
     pub auto: bool,
+    /// The job's own pattern for its printed step lines ([`receipts_pattern`]).
+    pub pattern: Option<String>,
 }
 
 impl Default for ReceiptsPolicy {
     fn default() -> Self {
-        ReceiptsPolicy { auto: true }
+        ReceiptsPolicy { auto: true, pattern: None }
     }
+}
+
+/// The longest `[receipts] pattern` a job may give (bytes).
+pub const MAX_PATTERN_BYTES: usize = 1024;
+/// The compiled size a pattern may take (the regex crate's limit, bytes).
+const PATTERN_SIZE_LIMIT: usize = 1 << 20;
+
+/// Compiles a job's `[receipts] pattern`: it must compile within the size limits and have a
+/// named group `step`. The error says what is wrong (the caller names the field). Rust's regex
+/// matches in time linear in the line, whatever the pattern.
+pub fn receipts_pattern(text: &str) -> Result<regex::Regex, String> {
+    if text.len() > MAX_PATTERN_BYTES {
+        return Err(format!("is {} bytes; at most {MAX_PATTERN_BYTES}", text.len()));
+    }
+    let re = regex::RegexBuilder::new(text)
+        .size_limit(PATTERN_SIZE_LIMIT)
+        .build()
+        .map_err(|e| format!("does not compile: {}", e.to_string().lines().last().unwrap_or("").trim()))?;
+    if !re.capture_names().flatten().any(|n| n == "step") {
+        return Err("has no named group `step` (write (?P<step>\\d+) where the step number is)".into());
+    }
+    Ok(re)
 }
 
 /// What a job asks of the fleet.
@@ -161,7 +186,10 @@ impl TryFrom<WireSpec> for JobSpec {
             min_gpus: restart.min_gpus,
             priority: spec.priority,
             disable_pinning: spec.disable_pinning,
-            receipts: ReceiptsPolicy { auto: spec.receipts.is_none_or(|r| !r.disable_auto) },
+            receipts: ReceiptsPolicy {
+                auto: spec.receipts.as_ref().is_none_or(|r| !r.disable_auto),
+                pattern: spec.receipts.as_ref().map(|r| r.pattern.clone()).filter(|p| !p.is_empty()),
+            },
         })
     }
 }
@@ -207,7 +235,10 @@ impl From<&JobSpec> for WireSpec {
             }),
             priority: spec.priority,
             disable_pinning: spec.disable_pinning,
-            receipts: (!spec.receipts.auto).then_some(pb::ReceiptsSpec { disable_auto: true }),
+            receipts: (!spec.receipts.auto || spec.receipts.pattern.is_some()).then(|| pb::ReceiptsSpec {
+                disable_auto: !spec.receipts.auto,
+                pattern: spec.receipts.pattern.clone().unwrap_or_default(),
+            }),
         }
     }
 }
@@ -253,6 +284,9 @@ pub fn validate(spec: &WireSpec) -> Result<(), SpecError> {
     validate_resources(spec)?;
     validate_engine(spec.engine.as_ref())?;
     validate_env(spec)?;
+    if let Some(r) = spec.receipts.as_ref().filter(|r| !r.pattern.is_empty()) {
+        receipts_pattern(&r.pattern).map_err(|e| bad("receipts.pattern", e))?;
+    }
     if !spec.preflight.is_empty() && PreflightLevel::parse(&spec.preflight).is_none() {
         return Err(bad(
             "preflight",

@@ -227,3 +227,27 @@ fn min_gpus_must_fit_the_job_and_its_nodes() {
     let e = with(4).unwrap_err();
     assert!(e.reason.contains("not a multiple of resources.gpus_per_node (8)"), "{}", e.reason);
 }
+
+#[test]
+fn a_receipts_pattern_must_compile_and_name_its_step_and_round_trips() {
+    let mut wire = good();
+    let with =
+        |pattern: &str| trainyard_proto::v1::ReceiptsSpec { disable_auto: false, pattern: pattern.into() };
+    for bad in ["(unclosed", r"loss=(?P<loss>\S+)"] {
+        wire.receipts = Some(with(bad));
+        let e = validate(&wire).expect_err(bad);
+        assert_eq!(e.field, "receipts.pattern", "{e}");
+    }
+    wire.receipts = Some(with(&"a".repeat(MAX_PATTERN_BYTES + 1)));
+    assert!(validate(&wire).unwrap_err().reason.contains("at most 1024"));
+    wire.receipts = Some(with(r"^it (?P<step>\d+)"));
+    let spec = parse(wire.clone()).unwrap();
+    assert_eq!(spec.receipts, ReceiptsPolicy { auto: true, pattern: Some(r"^it (?P<step>\d+)".into()) });
+    assert_eq!(WireSpec::from(&spec).receipts, wire.receipts);
+    wire.receipts = Some(trainyard_proto::v1::ReceiptsSpec { disable_auto: true, pattern: String::new() });
+    let spec = parse(wire.clone()).unwrap();
+    assert!(!spec.receipts.auto);
+    assert_eq!(WireSpec::from(&spec).receipts, wire.receipts);
+    wire.receipts = None;
+    assert_eq!(WireSpec::from(&parse(wire).unwrap()).receipts, None, "the default stays unwritten");
+}

@@ -188,19 +188,29 @@ impl DiagnosisStore for SqlStore {
     }
 }
 
-/// What rank 0's step, eval and checkpoint receipts of one attempt say about where its time
-/// went.
+/// What the step, eval and checkpoint receipts of one attempt's reporting rank say about where
+/// its time went. The reporting rank is rank 0, or the lowest rank with step receipts when rank
+/// 0 has none (Megatron-LM prints its steps from the last rank; a rank may write none of its
+/// own).
 async fn read_attempt_facts(c: &mut Conn<'_>, job: JobId, attempt: u32) -> Result<AttemptFacts> {
     let t = "receipts";
     let mut facts = AttemptFacts { attempt, ..Default::default() };
+    let reporting = c
+        .query("SELECT min(rank) AS rank FROM receipts WHERE job_id = $1 AND attempt = $2 AND kind = 'step'")
+        .bind(int(job)?)
+        .bind(i64::from(attempt))
+        .one()
+        .await?;
+    let rank: i64 = reporting.get::<Option<i64>>(t, "rank")?.unwrap_or(0);
     // The steps are summed where they lie: a long run has one row per step.
     let totals = c
         .query(
             "SELECT count(*) AS steps, max(step) AS last_step, coalesce(sum(step_time_ms), 0.0) AS train_ms \
-             FROM receipts WHERE job_id = $1 AND attempt = $2 AND rank = 0 AND kind = 'step'",
+             FROM receipts WHERE job_id = $1 AND attempt = $2 AND rank = $3 AND kind = 'step'",
         )
         .bind(int(job)?)
         .bind(i64::from(attempt))
+        .bind(rank)
         .one()
         .await?;
     facts.steps = totals.num(t, "steps")?;
@@ -209,10 +219,11 @@ async fn read_attempt_facts(c: &mut Conn<'_>, job: JobId, attempt: u32) -> Resul
     let first = c
         .query(
             "SELECT step, step_time_ms, stored_at_ms FROM receipts \
-             WHERE job_id = $1 AND attempt = $2 AND rank = 0 AND kind = 'step' ORDER BY seq LIMIT 1",
+             WHERE job_id = $1 AND attempt = $2 AND rank = $3 AND kind = 'step' ORDER BY seq LIMIT 1",
         )
         .bind(int(job)?)
         .bind(i64::from(attempt))
+        .bind(rank)
         .optional()
         .await?;
     if let Some(row) = first {
@@ -222,11 +233,12 @@ async fn read_attempt_facts(c: &mut Conn<'_>, job: JobId, attempt: u32) -> Resul
     }
     let timed = c
         .query(
-            "SELECT kind, body FROM receipts WHERE job_id = $1 AND attempt = $2 AND rank = 0 \
+            "SELECT kind, body FROM receipts WHERE job_id = $1 AND attempt = $2 AND rank = $3 \
              AND kind IN ('eval', 'checkpoint') ORDER BY seq",
         )
         .bind(int(job)?)
         .bind(i64::from(attempt))
+        .bind(rank)
         .all()
         .await?;
     for row in &timed {

@@ -109,6 +109,11 @@ fn unchanged_ddp_loops_get_a_receipt_per_rank_and_step_with_what_their_loggers_l
         );
         jobs.push((logger, work, c.submit(&file)?));
     }
+    // No logger, but a pattern for the line the script prints: the printed loss, merged.
+    let printed_dir = c.path("pattern");
+    let pattern = "\n[receipts]\npattern = '^step (?P<step>\\d+) loss (?P<loss>[\\d.]+)$'\n";
+    let printed = plain_job(&c, "pattern", &printed_dir, &["--steps", &steps], &[], pattern);
+    let printed = c.submit(&printed)?;
     // The same script with `[receipts] auto = false`: nothing but what the script writes.
     let off_dir = c.path("off");
     let off = plain_job(&c, "off", &off_dir, &["--steps", "5"], &[], "\n[receipts]\nauto = false\n");
@@ -131,6 +136,20 @@ fn unchanged_ddp_loops_get_a_receipt_per_rank_and_step_with_what_their_loggers_l
     ensure!(std::fs::read_to_string(&metrics)?.lines().count() == STEPS as usize, "{}", metrics.display());
     ensure!(std::fs::read_dir(c.path("tensorboard").join("tb"))?.count() == 1, "one TensorBoard event file");
     ensure!(std::fs::read_dir(c.path("wandb").join("wandb"))?.count() > 0, "wandb's offline run");
+
+    wait_success(&c, printed)?;
+    let logged: Vec<f64> = serde_json::from_str(&std::fs::read_to_string(printed_dir.join("logged.json"))?)?;
+    let rank0: Vec<Value> =
+        receipts(&c, printed, "step")?.into_iter().filter(|(r, _)| *r == 0).map(|(_, b)| b).collect();
+    ensure!(rank0.len() == STEPS as usize, "{rank0:?}");
+    for (b, want) in rank0.iter().zip(&logged) {
+        ensure!(b["sources"]["loss"] == "printed pattern", "{b}");
+        ensure!(
+            b["loss"].as_f64().is_some_and(|l| (l - want).abs() < 6e-5),
+            "printed with 4 decimals: {b} vs {want}"
+        );
+        ensure!(b["fwd_bwd_ms"].as_f64().is_some() || b["step"] == 0, "the hook's fields stay: {b}");
+    }
 
     let status = wait_success(&c, off)?;
     ensure!(receipts(&c, off, "step")?.is_empty(), "auto = false writes no step receipt");
@@ -181,6 +200,65 @@ fn a_hugging_face_trainer_run_gets_its_steps_and_the_losses_trainer_logged() -> 
         );
     }
     ensure!(c.status(id)?["goodput"]["goodput"].as_f64().unwrap_or(0.0) > 0.0, "goodput above zero");
+    Ok(())
+}
+
+/// The step lines of nanochat, modded-nanogpt, torchtitan and Megatron-LM, printed by a script
+/// that writes no receipt (tests/fixtures/scripts/print_steps.py): the agent reads them and
+/// writes one step receipt per printed step, from the rank that printed it; look-alike lines (a
+/// `nan` loss, a step that goes back) make none.
+#[test]
+fn printed_step_lines_of_four_trainers_become_step_receipts() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 8)?;
+    let script = fixture_scripts().join("print_steps.py").display().to_string();
+    let work = c.path("printed");
+    std::fs::create_dir_all(&work)?;
+    // (format, the ranks that print, decimals of the printed loss; modded-nanogpt prints none)
+    let cases = [
+        ("nanochat", vec![0u32], Some(1e-6)),
+        ("modded", vec![0], None),
+        ("titan", vec![0, 1], Some(1e-5)),
+        ("megatron", vec![1], Some(1e-6)),
+    ];
+    let mut jobs = Vec::new();
+    for (format, _, _) in &cases {
+        let args = [script.as_str(), format, "20", "40"];
+        let file = c.python_job(&PythonJob {
+            name: format,
+            gpus: 2,
+            per_node: 2,
+            workdir: &work,
+            source_dir: None,
+            args: &args,
+            env: &[],
+        });
+        jobs.push(c.submit(&file)?);
+    }
+    for ((format, printers, precision), id) in cases.iter().zip(jobs) {
+        wait_success(&c, id)?;
+        let steps = receipts(&c, id, "step")?;
+        for rank in 0..2 {
+            let mine: Vec<&Value> = steps.iter().filter(|(r, _)| *r == rank).map(|(_, b)| b).collect();
+            if !printers.contains(&rank) {
+                ensure!(mine.is_empty(), "{format}: rank {rank} printed nothing: {mine:?}");
+                continue;
+            }
+            let numbers: Vec<u64> = mine.iter().filter_map(|b| b["step"].as_u64()).collect();
+            ensure!(numbers == (0..20).collect::<Vec<_>>(), "{format}: rank {rank}'s steps {numbers:?}");
+            for b in &mine {
+                ensure!(b["producer"] == "trainyard agent (printed lines)", "{format}: {b}");
+                ensure!(b["step_time_ms"].as_f64().is_some_and(|t| t > 0.0), "{format}: {b}");
+                let want = 10.0 / (b["step"].as_f64().unwrap_or(0.0) + 1.0);
+                let got = b["loss"].as_f64().or(b["loss_smoothed"].as_f64());
+                match precision {
+                    Some(p) => ensure!(got.is_some_and(|l| (l - want).abs() <= *p * 10.0), "{format}: {b}"),
+                    None => ensure!(got.is_none(), "{format}: {b}"),
+                }
+            }
+        }
+        ensure!(c.status(id)?["goodput"]["goodput"].as_f64().unwrap_or(0.0) > 0.0, "{format}: goodput");
+    }
     Ok(())
 }
 

@@ -22,6 +22,7 @@ use tracing::{info, warn};
 use trainyard_proto::v1::{HostInventory, Launch, RankAssignment};
 
 mod engines;
+mod read;
 mod shim;
 mod watch;
 
@@ -40,11 +41,13 @@ use crate::supervise::{SHIM_PATH, SPAWN_FAILED_EXIT_CODE};
 use crate::tail::{Position, Tailer};
 use trainyard_proto::words::RankState;
 
-/// A rank the agent knows: its durable record and the tailer of its receipts.
+/// A rank the agent knows: its durable record, the tailer of its receipts and the reader of its
+/// printed step lines ([`read`]).
 #[derive(Debug)]
 pub struct Rank {
     pub record: RankRecord,
     pub tailer: Tailer,
+    pub printed: Option<crate::printed::Printed>,
 }
 
 /// Starts, watches and stops the ranks of this host.
@@ -115,8 +118,7 @@ impl Launcher {
                 }
             }
             info!(rank_id = %record.id, phase = record.phase.as_str(), "adopting rank");
-            let tailer = Tailer::new(record.id, record.files.receipts.clone(), record.acked);
-            self.ranks.insert(record.id, Rank { record, tailer });
+            self.ranks.insert(record.id, Rank::open(record));
         }
         Ok(count)
     }
@@ -185,8 +187,7 @@ impl Launcher {
             if let Err(e) = record.save(&self.layout) {
                 warn!(rank_id = %id, error = %e, "failed to write rank state file");
             }
-            let tailer = Tailer::new(id, record.files.receipts.clone(), Position::default());
-            self.ranks.insert(id, Rank { record, tailer });
+            self.ranks.insert(id, Rank::open(record));
         }
         ids
     }
@@ -283,6 +284,7 @@ impl Launcher {
             effective_cpus: String::new(),
             effective_mems: String::new(),
             master_port: u16::try_from(launch.master_port).unwrap_or(0),
+            printed: crate::bootstrap::printed_state(launch),
         };
         if let Some(reason) = refusal {
             record.phase = RankState::Lost;

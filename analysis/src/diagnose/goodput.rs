@@ -1,5 +1,6 @@
 //! Goodput: where a job's wall time went, per attempt and for the whole job, from its job
-//! events and the receipts of its rank 0.
+//! events and the receipts of its reporting rank (rank 0, or the lowest rank with step receipts
+//! when rank 0 has none).
 //!
 //! An attempt runs from its placement (`scheduled`) to its `restarting` or final event (now,
 //! while it runs). Its time splits into:
@@ -16,7 +17,7 @@
 
 use trainyard_model::domain::ReceiptKind;
 
-/// What the events and rank 0's receipts say about one attempt.
+/// What the events and the reporting rank's receipts say about one attempt.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct AttemptFacts {
     pub attempt: u32,
@@ -90,7 +91,7 @@ pub struct Goodput {
     pub restart_ms: f64,
     pub lost_ms: f64,
     pub other_ms: f64,
-    /// Step receipts of rank 0 over all attempts.
+    /// Step receipts of the reporting rank over all attempts.
     pub steps: u64,
     /// (training - lost) / wall; `None` before any wall time, and for a job with no step
     /// receipt (its training time is unknown, not zero).
