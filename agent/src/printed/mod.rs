@@ -304,10 +304,8 @@ impl Printed {
             return Merge::Now;
         };
         self.waiting = None;
-        let Ok(Value::Object(mut map)) = serde_json::from_str::<Value>(body) else { return Merge::Now };
-        merge_fields(&mut map, &p.fields);
-        if let Ok(text) = serde_json::to_string(&Value::Object(map)) {
-            *body = text;
+        if let Some(merged) = merge_into_text(body, &p.fields) {
+            *body = merged;
         }
         Merge::Now
     }
@@ -359,8 +357,42 @@ impl Printed {
     }
 }
 
-/// Printed fields into a receipt: those it lacks, and a printed step time over the hook's (the
-/// hook's kept as `hook_step_time_ms`); each one's source in `sources`.
+/// [`merge_fields`] on a receipt's text, keeping every value the rank wrote exactly as written:
+/// the body is read as raw JSON values, so no number is parsed and printed again (a float read
+/// by serde_json's default parser can come back one unit in the last place off). `None` when
+/// the body is not a JSON object (it goes as it is).
+fn merge_into_text(body: &str, fields: &BTreeMap<String, (f64, &'static str)>) -> Option<String> {
+    use serde_json::value::RawValue;
+    let raw: BTreeMap<String, Box<RawValue>> = serde_json::from_str(body).ok()?;
+    let mut sources: Map<String, Value> =
+        raw.get("sources").and_then(|s| serde_json::from_str(s.get()).ok()).unwrap_or_default();
+    let mut out: BTreeMap<String, Box<RawValue>> = raw;
+    let put = |map: &mut BTreeMap<String, Box<RawValue>>, name: &str, value: f64| {
+        if let Some(n) = serde_json::Number::from_f64(value)
+            && let Ok(raw) = RawValue::from_string(n.to_string())
+        {
+            map.insert(name.to_string(), raw);
+        }
+    };
+    for (name, (value, source)) in fields {
+        if name == "step_time_ms" {
+            if let Some(hook) = out.remove("step_time_ms") {
+                out.insert("hook_step_time_ms".into(), hook);
+            }
+        } else if out.contains_key(name) {
+            continue;
+        }
+        put(&mut out, name, *value);
+        sources.insert(name.clone(), Value::String((*source).to_string()));
+    }
+    if !sources.is_empty() {
+        out.insert("sources".into(), RawValue::from_string(Value::Object(sources).to_string()).ok()?);
+    }
+    serde_json::to_string(&out).ok()
+}
+
+/// Printed fields into a receipt the agent writes: those it lacks, and a printed step time over
+/// another; each one's source in `sources`.
 fn merge_fields(map: &mut Map<String, Value>, fields: &BTreeMap<String, (f64, &'static str)>) {
     let mut sources = match map.remove("sources") {
         Some(Value::Object(s)) => s,
