@@ -238,6 +238,22 @@ raise ValueError("bad batch")
         self.assertEqual(r.of("exit")[0]["status"], "failed")
         self.assertIn("bad batch", r.of("exit")[0]["reason"])
 
+    def test_a_loop_faster_than_the_cap_has_steps_counted_not_written(self) -> None:
+        r = self.b.run("""
+import torch
+p = torch.nn.Parameter(torch.zeros(1))
+opt = torch.optim.SGD([p], lr=0.1)
+for step in range(30000):
+    opt.step()
+""")
+        exit_ = r.of("exit")[0]
+        written, skipped = len(r.steps), exit_["steps_not_recorded"]
+        self.assertEqual(written + skipped, 30000, exit_)
+        self.assertLessEqual(written, 2000 + 500 * 10, "a burst, then 500 a second")
+        self.assertGreater(skipped, 0)
+        later = [s for s in r.of("step") if "dropped_steps" in s]
+        self.assertEqual(sum(s["dropped_steps"] for s in later), skipped - (30000 - 1 - r.steps[-1]))
+
     def test_auto_off_writes_nothing(self) -> None:
         r = self.b.run(LOOP + "batch().backward(); opt.step()\n", env={"TRAINYARD_RECEIPTS_AUTO": "0"})
         self.assertEqual(r.receipts, [])

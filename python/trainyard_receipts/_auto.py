@@ -57,8 +57,14 @@ it is written anyway: receipts stay live within 2 s of their step."""
 MAX_QUEUED = 100_000
 """Events the queue holds; beyond it events are dropped and counted, the loop never waits."""
 MAX_RECEIPTS_PER_S = 500
-"""Step receipts written per second at most; a faster loop has the rest dropped and counted,
-so that encoding never takes more than a sliver of the script's interpreter."""
+"""Step receipts written per second, on average, at most; bursts of up to `BURST_RECEIPTS`. The
+hooks themselves decide which iterations are recorded (a token bucket): a faster loop has the
+others counted in `dropped_steps`, so the worker, which shares the script's interpreter, does a
+bounded amount of work whatever the loop's rate."""
+BURST_RECEIPTS = 2000.0
+_TOKENS_PER_NS = MAX_RECEIPTS_PER_S / 1e9
+_clock = time.perf_counter_ns
+_getframe = sys._getframe
 
 _state: Optional["_Auto"] = None
 
@@ -116,7 +122,13 @@ class _Auto:
         self.grad_param: Optional[int] = None  # the parameter whose gradient comes last
         self.grads_seen: List[int] = []
         self.leader: Optional[int] = None
-        self.leader_steps = 0
+        self.n = 0  # iterations begun (the next one's index)
+        self.ended = False  # the current iteration had its last optimizer's post-hook
+        self.any_post = False
+        self.sampled = False  # the current iteration is recorded
+        self.tokens = float(BURST_RECEIPTS)  # the token bucket of recorded iterations
+        self.refilled_ns = time.perf_counter_ns()
+        self.last_end: Optional[Tuple[int, Any]] = None  # the end of the previous iteration
         self.pre_count = 0  # every pre-hook, nested ones too (a GradScaler step that stepped)
         self.cuda = False
         self.optimizers: List[Any] = []  # weak references to every optimizer created
@@ -153,10 +165,42 @@ class _Auto:
             return None
 
     def _pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._begin(id(opt), opt)
+        # The hook path, written for speed (locals, no call it can avoid): about 1 us with
+        # _post, python/bench_hooks.py.
+        key = id(opt)
+        self.pre_count += 1
+        depth = self.depth
+        if depth and _finished(depth[0][1]):
+            depth.clear()  # a step raised before its post-hook: it is over
+        depth.append((key, _getframe(1)))  # the frame of the optimizer's step wrapper
+        if len(depth) > 1:
+            return  # nested: a parent's or an inner optimizer's step
+        if key != self.leader and not self._first_sight(key, opt):
+            return
+        self._iteration(_clock())
+
+    def _first_sight(self, key: int, opt: Any) -> bool:
+        """An optimizer other than the leader begins a step at depth 0: hook its parameters if
+        new; it leads when it is the first seen."""
+        if self.leader is None:
+            self.leader = key
+            self._learn_cuda(opt)
+        if key not in self.hooked:
+            self._hook_grads(opt)
+        return key == self.leader
 
     def _post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._end(id(opt))
+        depth = self.depth
+        if depth and depth[-1][0] == id(opt):
+            depth.pop()
+        if depth:
+            return
+        now = _clock()
+        ev = self._event() if self.cuda else None
+        self.last_end = (now, ev)
+        self.ended = self.any_post = True
+        if self.sampled:
+            self._push(("post", now, ev, self.last_grad))
 
     def created(self, opt: Any) -> None:
         """An optimizer was made: its parameters get the gradient hook (outside any compiled
@@ -170,31 +214,33 @@ class _Auto:
         if id(opt) not in self.hooked:
             self._hook_grads(opt)
 
-    def _begin(self, key: int, opt: Any) -> None:
-        self.pre_count += 1
-        frame = sys._getframe(2)  # the frame of the optimizer's step wrapper
-        if self.depth and _finished(self.depth[0][1]):
-            self.depth.clear()  # a step raised before its post-hook: it is over
-        self.depth.append((key, frame))
-        if len(self.depth) > 1:
-            return  # nested: a parent's or an inner optimizer's step
-        if self.leader is None:
-            self.leader = key
-            self._learn_cuda(opt)
-        if key == self.leader:
-            self.leader_steps += 1
-            if self.leader_steps == 3:
-                self._keep_last_grad_hook()
-        if opt is not None and key not in self.hooked:
-            self._hook_grads(opt)
-        self._push(("pre", key, time.perf_counter_ns(), self._event() if key == self.leader else None))
-
-    def _end(self, key: int) -> None:
-        if self.depth and self.depth[-1][0] == key:
-            self.depth.pop()
-        if self.depth:
+    def _iteration(self, now: int) -> None:
+        """A new iteration begins (its index is `self.n`)."""
+        index = self.n
+        self.n = index + 1
+        if index == 2:
+            self._keep_last_grad_hook()
+        self.ended = False
+        tokens = self.tokens + (now - self.refilled_ns) * _TOKENS_PER_NS
+        self.refilled_ns = now
+        if tokens > BURST_RECEIPTS:
+            tokens = BURST_RECEIPTS
+        if tokens < 1.0:
+            self.tokens = tokens
+            self.sampled = False
             return
-        self._push(("post", key, time.perf_counter_ns(), self._event(), self.last_grad))
+        self.tokens = tokens - 1.0
+        self.sampled = True
+        first = self._event() if self.cuda and self.last_end is None else None  # step 0's start
+        self._push(("pre", index, now, first, self.last_end))
+
+    def _ended(self, now: int) -> None:
+        """The last optimizer of the iteration ended its step (so far)."""
+        ev = self._event()
+        self.last_end = (now, ev)
+        self.ended = self.any_post = True
+        if self.sampled:
+            self._push(("post", now, ev, self.last_grad))
 
     def _grad(self, param: Any) -> None:
         self.last_grad = (time.perf_counter_ns(), self._event() if self.grad_param is not None else None)
@@ -202,17 +248,24 @@ class _Auto:
             self.grads_seen.append(id(param))
 
     def scaler_skipped(self, opt: Any) -> None:
-        """A GradScaler step that did not step `opt` (inf or NaN gradients)."""
-        now = time.perf_counter_ns()
-        self._push(("skip", id(opt), now, self._event(), self.last_grad))
+        """A GradScaler step that did not step `opt` (inf or NaN gradients): an iteration of its
+        own when `opt` leads, flagged `skipped`."""
+        key = id(opt)
+        if self.leader is None:
+            self.leader = key
+        if key == self.leader:
+            self._iteration(time.perf_counter_ns())
+        if self.sampled:
+            self._push(("skip",))
+        self._ended(time.perf_counter_ns())
 
     def flag(self, what: str) -> None:
         """An evaluation or a checkpoint happened now."""
-        self._push(("flag", what, time.perf_counter_ns()))
+        self._push(("flag", self.n, self.ended, what))
 
     def log(self, values: Dict[str, Any], source: str) -> None:
         """Values the script logged through `source` (wandb, mlflow, tensorboard, ...)."""
-        self._push(("log", bool(self.depth), time.perf_counter_ns(), values, source))
+        self._push(("log", self.n, bool(self.depth), self.any_post, values, source))
 
     # --- set-up, off the steady path -----------------------------------------------------------
 

@@ -35,9 +35,10 @@ EXIT_STATUSES = ("ok", "failed")
 _warned_disabled = False
 
 AUTO_THREAD = "trainyard-auto"
-"""The thread of the bootstrap's worker (`_auto`): `start()` called there is not the script's."""
+"""The thread of the bootstrap's worker (`_auto`)."""
 
 _started_pid: Optional[int] = None
+_opening_for_bootstrap = False  # set by the bootstrap around its own call of `start()`
 
 
 def started_in_process() -> bool:
@@ -445,7 +446,7 @@ def start(
     fields: more fields for the launch receipt (a config, a run name, ...).
     """
     global _started_pid
-    if threading.current_thread().name != AUTO_THREAD:
+    if not _opening_for_bootstrap:
         _started_pid = os.getpid()
     environ = os.environ
     rank = _provenance.env_int(environ, "RANK", 0)

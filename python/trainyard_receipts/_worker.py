@@ -25,9 +25,10 @@ EVENT_WAIT_S = 2.0
 class _Iteration:
     """One training iteration, as the events describe it."""
 
-    __slots__ = ("step", "start", "end", "grad", "values", "sources", "flags", "skipped", "ended_at", "closed")
+    __slots__ = ("index", "step", "start", "end", "grad", "values", "sources", "flags", "skipped", "ended_at", "closed")
 
-    def __init__(self, step: int, start: Mark) -> None:
+    def __init__(self, index: int, step: int, start: Mark) -> None:
+        self.index = index
         self.step = step
         self.start = start
         self.end: Optional[Mark] = None
@@ -59,24 +60,21 @@ class Worker:
         self.auto = auto
         self.tick_s = _auto.TICK_S
         self.hold_s = _auto.HOLD_S
-        self.max_per_s = _auto.MAX_RECEIPTS_PER_S
-        self.next_step = _first_step(os.environ)
+        self.first_step = _first_step(os.environ)
         self.logs_before_step: Optional[bool] = None
         self.open: Optional[_Iteration] = None
         self.done: List[_Iteration] = []
-        self.prev_end: Optional[Mark] = None
-        self.leader: Optional[int] = None
-        self.posts = 0
-        self.pending_values: Dict[str, Any] = {}
-        self.pending_sources: Dict[str, str] = {}
-        self.pending_flags: Set[str] = set()
+        self.last_index = -1
+        # Values and flags for an iteration that has not begun yet: (its index, values,
+        # sources, flags).
+        self.pending: Tuple[int, Dict[str, Any], Dict[str, str], Set[str]] = (-1, {}, {}, set())
         self.receipts: Optional[_receipts.Receipts] = None
         self.silent = False  # the script writes receipts itself
         self.written = 0
         self.dropped_steps = 0
         self.late_values = 0
         self.unfinished = 0
-        self.bucket = (time.monotonic(), 0)
+        self.dropped_total = 0
         self.failure: Optional[str] = None
         self.lock = threading.Lock()
         self.stopping = False
@@ -116,57 +114,57 @@ class Worker:
             getattr(self, "_on_" + item[0])(*item[1:])
         self._write_ready(final)
 
-    def _on_pre(self, key: int, at: int, ev: Any) -> None:
-        if self.leader is None:
-            self.leader = key
-        if key != self.leader:
-            return
+    def _on_pre(self, index: int, at: int, ev: Any, prev_end: Optional[Mark]) -> None:
         if self.open is not None and self.open.end is None:
             self.unfinished += 1  # its optimizer step raised: no end, no receipt
-            self.next_step -= 1
         elif self.open is not None:
             self.open.closed = True
-            self.prev_end = self.open.end
             self.done.append(self.open)
-        self.open = it = _Iteration(self.next_step, self.prev_end or (at, ev))
-        self.next_step += 1
-        it.values, it.sources, it.flags = self.pending_values, self.pending_sources, self.pending_flags
-        self.pending_values, self.pending_sources, self.pending_flags = {}, {}, set()
+        skipped = max(0, index - self.last_index - 1)  # not recorded: the loop outran the bucket
+        self.dropped_steps += skipped
+        self.dropped_total += skipped
+        self.last_index = index
+        self.open = it = _Iteration(index, self.first_step + index, prev_end or (at, ev))
+        waiting, self.pending = self.pending, (-1, {}, {}, set())
+        if waiting[0] == index:
+            it.values, it.sources, it.flags = waiting[1], waiting[2], waiting[3]
 
-    def _on_post(self, key: int, at: int, ev: Any, grad: Mark) -> None:
+    def _on_post(self, at: int, ev: Any, grad: Mark) -> None:
         it = self.open
         if it is None:
             return
-        self.posts += 1
         it.end = (at, ev)
         it.ended_at = time.monotonic()
         if grad[0] > it.start[0]:
             it.grad = grad
 
-    def _on_skip(self, key: int, at: int, ev: Any, grad: Mark) -> None:
-        if self.leader is None or key == self.leader:
-            self._on_pre(key, at, ev)
-        self._on_post(key, at, ev, grad)
+    def _on_skip(self) -> None:
         if self.open is not None:
             self.open.skipped = True
 
-    def _on_flag(self, what: str, at: int) -> None:
-        if self.open is not None and self.open.end is None:
-            self.open.flags.add(what)
-        else:
-            self.pending_flags.add(what)
+    def _on_flag(self, n: int, ended: bool, what: str) -> None:
+        # Its time is in the iteration that ends next: the current one, or the next.
+        self._attach(n if ended or n == 0 else n - 1, {}, "", {what})
 
-    def _on_log(self, inside: bool, at: int, values: Dict[str, Any], source: str) -> None:
+    def _on_log(self, n: int, inside: bool, any_post: bool, values: Dict[str, Any], source: str) -> None:
         if self.logs_before_step is None and not inside:
-            self.logs_before_step = self.posts == 0
+            self.logs_before_step = not any_post
+        before = self.logs_before_step and not inside
+        self._attach(n if before else n - 1, values, source, set())
+
+    def _attach(self, index: int, values: Dict[str, Any], source: str, flags: Set[str]) -> None:
+        """Values and flags for iteration `index`: the open one, or one that has not begun."""
         it = self.open
-        if inside or (not self.logs_before_step and it is not None):
-            if it is None or it.closed:
-                self.late_values += len(values)
-                return
-            target, sources = it.values, it.sources
+        if it is not None and it.index == index and not it.closed:
+            target, sources, into = it.values, it.sources, it.flags
+        elif index > self.last_index:
+            if self.pending[0] != index:
+                self.pending = (index, {}, {}, set())
+            _, target, sources, into = self.pending
         else:
-            target, sources = self.pending_values, self.pending_sources
+            self.late_values += len(values)  # its iteration was written, or not recorded
+            return
+        into.update(flags)
         for name, value in values.items():
             target[name] = value
             sources[name] = source
@@ -177,8 +175,8 @@ class Worker:
         now = time.monotonic()
         it = self.open
         if it is not None and it.end is not None and (final or now - it.ended_at >= self.hold_s):
+            it.closed = True
             self.done.append(it)
-            self.prev_end = it.end
             self.open = None
         while self.done:
             it = self.done[0]
@@ -191,14 +189,11 @@ class Worker:
     def _write(self, it: _Iteration, times: Dict[str, Any]) -> None:
         if self.receipts is None and not self._open_receipts():
             return
-        at, count = self.bucket
-        now = time.monotonic()
-        if now - at >= 1.0:
-            at, count = now, 0
-        if count >= self.max_per_s:
-            self.dropped_steps += 1
+        from . import _auto
+
+        if _auto.helper_started():
+            self.silent = True  # the script began writing its own receipts
             return
-        self.bucket = (at, count + 1)
         fields = dict(times)
         sources = dict(times.pop("sources"))
         fields.pop("sources")
@@ -236,12 +231,16 @@ class Worker:
             on_gpu = bool(torch.cuda.is_initialized())
         except Exception:
             pass
-        receipts = _receipts.start(
-            device=None if on_gpu else "cpu",
-            producer=f"trainyard bootstrap {_receipts.__version__}",
-            bootstrap_hash=os.environ.get("TRAINYARD_BOOTSTRAP_HASH"),
-            receipts_auto=True,
-        )
+        _receipts._opening_for_bootstrap = True
+        try:
+            receipts = _receipts.start(
+                device=None if on_gpu else "cpu",
+                producer=f"trainyard bootstrap {_receipts.__version__}",
+                bootstrap_hash=os.environ.get("TRAINYARD_BOOTSTRAP_HASH"),
+                receipts_auto=True,
+            )
+        finally:
+            _receipts._opening_for_bootstrap = False
         atexit.unregister(receipts.close)  # closed by `finish`, after the last receipts
         self.receipts = receipts
         return True
@@ -261,6 +260,7 @@ class Worker:
                 self._tick(final=True)
                 if self.receipts is None and not self.silent and self.failure is not None:
                     self._open_receipts()
+                self.dropped_total += max(0, self.auto.n - 1 - self.last_index)  # after the last recorded
                 if self.receipts is not None:
                     self.receipts.exit(
                         None,
@@ -270,6 +270,7 @@ class Worker:
                         dropped_events=self.auto.dropped,
                         late_values=self.late_values,
                         unfinished_steps=self.unfinished,
+                        steps_not_recorded=self.dropped_total,
                     )
                     self.receipts.close()
             except Exception as e:
