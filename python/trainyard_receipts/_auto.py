@@ -61,7 +61,7 @@ MAX_RECEIPTS_PER_S = 500
 hooks themselves decide which iterations are recorded (a token bucket): a faster loop has the
 others counted in `dropped_steps`, so the worker, which shares the script's interpreter, does a
 bounded amount of work whatever the loop's rate."""
-BURST_RECEIPTS = 2000.0
+BURST_RECEIPTS = 500.0
 _TOKENS_PER_NS = MAX_RECEIPTS_PER_S / 1e9
 _clock = time.perf_counter_ns
 _getframe = sys._getframe
