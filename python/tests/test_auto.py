@@ -218,6 +218,19 @@ receipts.exit(2, "ok")
         self.assertEqual(r.steps, [0, 1, 2])
         self.assertNotIn("trainyard bootstrap", r.of("launch")[0]["producer"])
 
+    def test_a_script_writing_its_own_receipt_lines_gets_none_of_ours(self) -> None:
+        r = self.b.run(LOOP + """
+import json, os
+with open(os.environ["TRAINYARD_RECEIPTS"], "a") as f:
+    f.write(json.dumps({"kind": "launch", "schema": 1, "by": "hand"}) + "\\n")
+for step in range(3):
+    batch().backward(); opt.step(); opt.zero_grad()
+    with open(os.environ["TRAINYARD_RECEIPTS"], "a") as f:
+        f.write(json.dumps({"kind": "step", "schema": 1, "step": step, "step_time_ms": 1.0}) + "\\n")
+""")
+        self.assertEqual(r.steps, [0, 1, 2])
+        self.assertTrue(all("sources" not in s for s in r.of("step")), r.receipts)
+
     def test_children_of_the_rank_write_nothing(self) -> None:
         r = self.b.run(LOOP + """
 import subprocess, sys

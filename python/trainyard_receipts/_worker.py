@@ -7,6 +7,7 @@ order, reads CUDA events once they have completed, and writes the receipts.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 import threading
@@ -222,7 +223,7 @@ class Worker:
             return False
         from . import _auto
 
-        if _auto.helper_started():
+        if _auto.helper_started() or _others_write(os.environ.get("TRAINYARD_RECEIPTS", "")):
             self.silent = True
             return False
         torch = self.auto.torch
@@ -275,6 +276,28 @@ class Worker:
                     self.receipts.close()
             except Exception as e:
                 _receipts.warn(f"bootstrap receipts at exit: {type(e).__name__}: {e}")
+
+
+AGENT_PRODUCER = "trainyard agent (printed lines)"
+
+
+def _others_write(path: str) -> bool:
+    """Whether the rank's receipts file already holds receipts the rank wrote by other means (a
+    script that writes its own lines, without the helper): then the bootstrap writes none. The
+    agent's receipts from printed lines do not count."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64 * 1024)
+    except OSError:
+        return False
+    for line in head.splitlines():
+        try:
+            producer = json.loads(line).get("producer")
+        except (ValueError, AttributeError):
+            return True
+        if producer != AGENT_PRODUCER:
+            return True
+    return False
 
 
 def _elapsed(a: Mark, b: Mark) -> Tuple[Optional[float], bool]:
