@@ -262,6 +262,44 @@ fn printed_step_lines_of_four_trainers_become_step_receipts() -> anyhow::Result<
     Ok(())
 }
 
+/// Lightning runs forward and backward inside `optimizer.step(closure)`: still one step receipt
+/// per rank and step, and the loss it logs through its TensorBoardLogger (rank 0 only).
+#[test]
+fn a_lightning_run_with_a_tensorboard_logger_gets_its_steps() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 2)?;
+    let work = c.path("lightning");
+    std::fs::create_dir_all(&work)?;
+    let script = fixture_scripts().join("lightning_ddp.py").display().to_string();
+    let tb = work.join("tb").display().to_string();
+    let args = [script.as_str(), "--devices", "2", "--tensorboard", tb.as_str()];
+    let file = c.python_job(&PythonJob {
+        name: "lightning",
+        gpus: 2,
+        per_node: 2,
+        workdir: &work,
+        source_dir: None,
+        args: &args,
+        env: &[],
+    });
+    let id = c.submit(&file)?;
+    wait_success(&c, id)?;
+    let steps = receipts(&c, id, "step")?;
+    // 2 epochs of 256 samples in batches of 32 over 2 ranks: 4 steps an epoch per rank.
+    for rank in 0..2 {
+        let numbers: Vec<u64> =
+            steps.iter().filter(|(r, _)| *r == rank).filter_map(|(_, b)| b["step"].as_u64()).collect();
+        ensure!(numbers == (0..8).collect::<Vec<_>>(), "rank {rank}: {numbers:?}");
+    }
+    let rank0: Vec<&Value> = steps.iter().filter(|(r, _)| *r == 0).map(|(_, b)| b).collect();
+    ensure!(
+        rank0.iter().all(|b| b["loss"].as_f64().is_some() && b["sources"]["loss"] == "tensorboard"),
+        "the loss Lightning logged, every step: {rank0:?}"
+    );
+    ensure!(std::fs::read_dir(work.join("tb"))?.count() > 0, "Lightning's own event files are there");
+    Ok(())
+}
+
 #[test]
 fn a_slowed_rank_is_named_and_a_stopped_rank_is_declared_hung() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
