@@ -62,6 +62,8 @@ class Worker:
         self.tick_s = _auto.TICK_S
         self.hold_s = _auto.HOLD_S
         self.first_step = _first_step(os.environ)
+        # Wall-clock milliseconds of a perf_counter_ns reading (the hooks read the latter).
+        self.wall_offset_ns = time.time_ns() - time.perf_counter_ns()
         self.logs_before_step: Optional[bool] = None
         self.open: Optional[_Iteration] = None
         self.done: List[_Iteration] = []
@@ -198,6 +200,8 @@ class Worker:
         fields = dict(times)
         sources = dict(times.pop("sources"))
         fields.pop("sources")
+        assert it.end is not None
+        fields["ended_at_ms"] = (it.end[0] + self.wall_offset_ns) // 1_000_000
         from ._loggers import schema_fields
 
         mapped, own = schema_fields(it.values, it.sources)

@@ -314,6 +314,11 @@ fn a_slowed_rank_is_named_and_a_stopped_rank_is_declared_hung() -> anyhow::Resul
     let restart = "\n[restart]\nmax_restarts = 0\nhang_timeout_s = 5\n";
     let wedged = plain_job(&c, "wedged", &wedged, &["--steps", "2000"], &[("STEP_SLEEP_MS", "50")], restart);
     let wedged = c.submit(&wedged)?;
+    // Steps 1.5 s apart: each receipt leaves the rank when the bootstrap stops waiting for the
+    // next step (1 s), and must be stored within 2 s of its step's end.
+    let live = c.path("live");
+    let live = plain_job(&c, "live", &live, &["--steps", "4"], &[("STEP_SLEEP_MS", "1500")], "");
+    let live = c.submit(&live)?;
 
     wait_success(&c, slow)?;
     let json = c.ctl_ok(&["diagnose", &slow.to_string(), "-o", "json"])?;
@@ -326,6 +331,17 @@ fn a_slowed_rank_is_named_and_a_stopped_rank_is_declared_hung() -> anyhow::Resul
         .find(|f| f["cause"].as_str().is_some_and(|c| c.starts_with("straggler")))
         .with_context(|| format!("a straggler finding: {d:#}"))?;
     ensure!(finding["ranks"] == serde_json::json!([1]), "rank 1 is named: {finding:#}");
+
+    wait_success(&c, live)?;
+    let lag = c.query(&format!(
+        "SELECT stored_at_ms - CAST(json_extract(body, '$.ended_at_ms') AS INTEGER) FROM receipts \
+         WHERE job_id = {live} AND kind = 'step' ORDER BY seq"
+    ))?;
+    ensure!(
+        lag.len() == 8 && lag.iter().all(|r| (0..2000).contains(&r[0])),
+        "stored ms after each step ended: {lag:?}"
+    );
+    eprintln!("step receipts stored {lag:?} ms after their step ended");
 
     c.wait_first_steps(wedged, 2, Duration::from_secs(120))?;
     let pid = c.status(wedged)?["ranks"][1]["pid"].as_i64().context("rank 1's pid")?;
