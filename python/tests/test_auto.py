@@ -88,8 +88,10 @@ def batch():
 """
 
 
-class BootstrapStartUp(unittest.TestCase):
-    """What the bootstrap does before torch: chain, stay out of children, cost little."""
+class WithBoot(unittest.TestCase):
+    """A test class with its own bootstrap directory, `self.b`."""
+
+    b: Boot
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -98,6 +100,10 @@ class BootstrapStartUp(unittest.TestCase):
     @classmethod
     def tearDownClass(cls) -> None:
         cls.b.close()
+
+
+class BootstrapStartUp(WithBoot):
+    """What the bootstrap does before torch: chain, stay out of children, cost little."""
 
     def test_the_environments_own_sitecustomize_still_runs_and_one_that_raises_stops_nothing(self) -> None:
         site = self.b.tmp / "site"
@@ -130,16 +136,8 @@ class BootstrapStartUp(unittest.TestCase):
 
 
 @needs_torch
-class StepsFromHooks(unittest.TestCase):
+class StepsFromHooks(WithBoot):
     """One step receipt per training iteration, whatever the loop looks like."""
-
-    @classmethod
-    def setUpClass(cls) -> None:
-        cls.b = Boot()
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        cls.b.close()
 
     def test_a_plain_loop_gets_launch_steps_and_exit_with_its_own_compute_time(self) -> None:
         r = self.b.run(LOOP + """

@@ -5,7 +5,7 @@
 //! ranks) that logs through wandb (offline), MLflow (a local file store) or TensorBoard, the
 //! real packages deploy/setup.sh installs.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -43,6 +43,41 @@ fn plain_job(
     file
 }
 
+/// Submits a 2-rank job running the fixture `script` with `args` in a directory of its own;
+/// returns the job's id and its directory.
+fn fixture_job(
+    c: &Cluster,
+    name: &str,
+    script: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<(u64, PathBuf)> {
+    let work = c.path(name);
+    std::fs::create_dir_all(&work)?;
+    let script = fixture_scripts().join(script).display().to_string();
+    let mut all = vec![script.as_str()];
+    all.extend_from_slice(args);
+    let file = c.python_job(&PythonJob {
+        name,
+        gpus: 2,
+        per_node: 2,
+        workdir: &work,
+        source_dir: None,
+        args: &all,
+        env,
+    });
+    Ok((c.submit(&file)?, work))
+}
+
+/// The job's step receipts of `rank`, which must be steps 0..`steps`, one each.
+fn one_per_step(c: &Cluster, job: u64, rank: u32, steps: u64) -> anyhow::Result<Vec<Value>> {
+    let mine: Vec<Value> =
+        receipts(c, job, "step")?.into_iter().filter(|(r, _)| *r == rank).map(|(_, b)| b).collect();
+    let numbers: Vec<u64> = mine.iter().filter_map(|b| b["step"].as_u64()).collect();
+    ensure!(numbers == (0..steps).collect::<Vec<_>>(), "job {job}, rank {rank}: steps {numbers:?}");
+    Ok(mine)
+}
+
 fn wait_success(c: &Cluster, id: u64) -> anyhow::Result<Value> {
     let status = c.wait_state(id, &["succeeded", "failed", "cancelled"], Duration::from_secs(300))?;
     ensure!(status["state"] == "succeeded", "job {id}: {status}\n{}", c.logs("agent-a"));
@@ -62,9 +97,7 @@ fn receipts(c: &Cluster, job: u64, kind: &str) -> anyhow::Result<Vec<(u32, Value
 fn check_steps(c: &Cluster, job: u64, work: &Path, source: &str) -> anyhow::Result<()> {
     let steps = receipts(c, job, "step")?;
     for rank in 0..2 {
-        let mine: Vec<&Value> = steps.iter().filter(|(r, _)| *r == rank).map(|(_, b)| b).collect();
-        let numbers: Vec<u64> = mine.iter().filter_map(|b| b["step"].as_u64()).collect();
-        ensure!(numbers == (0..STEPS as u64).collect::<Vec<_>>(), "rank {rank}'s steps: {numbers:?}");
+        let mine = one_per_step(c, job, rank, u64::from(STEPS))?;
         for b in &mine[1..] {
             ensure!(b["fwd_bwd_ms"].as_f64().is_some_and(|t| t > 0.0), "rank {rank}: {b}");
             ensure!(b["step_time_ms"].as_f64().is_some_and(|t| t > 0.0), "rank {rank}: {b}");
@@ -163,41 +196,19 @@ fn unchanged_ddp_loops_get_a_receipt_per_rank_and_step_with_what_their_loggers_l
 fn a_hugging_face_trainer_run_gets_its_steps_and_the_losses_trainer_logged() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
     c.start_agent("a", 2)?;
-    let work = c.path("hf");
-    std::fs::create_dir_all(&work)?;
-    let script = fixture_scripts().join("hf_trainer.py").display().to_string();
-    let out = work.display().to_string();
-    let args = [script.as_str(), "--steps", "10", "--out", out.as_str()];
+    let out = c.path("hf").display().to_string();
     let env = [("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")];
-    let file = c.python_job(&PythonJob {
-        name: "hf",
-        gpus: 2,
-        per_node: 2,
-        workdir: &work,
-        source_dir: None,
-        args: &args,
-        env: &env,
-    });
-    let id = c.submit(&file)?;
+    let (id, work) = fixture_job(&c, "hf", "hf_trainer.py", &["--steps", "10", "--out", &out], &env)?;
     wait_success(&c, id)?;
-    let steps = receipts(&c, id, "step")?;
-    for rank in 0..2 {
-        let numbers: Vec<u64> =
-            steps.iter().filter(|(r, _)| *r == rank).filter_map(|(_, b)| b["step"].as_u64()).collect();
-        ensure!(numbers == (0..10).collect::<Vec<_>>(), "rank {rank}: {numbers:?}");
-    }
+    let rank0 = one_per_step(&c, id, 0, 10)?;
+    one_per_step(&c, id, 1, 10)?;
     let history: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(work.join("log_history.json"))?)?;
     let logged: Vec<f64> = history.iter().filter_map(|h| h["loss"].as_f64()).collect();
-    let rank0: Vec<&Value> = steps.iter().filter(|(r, _)| *r == 0).map(|(_, b)| b).collect();
     let losses: Vec<f64> = rank0.iter().filter_map(|b| b["loss"].as_f64()).collect();
     ensure!(losses == logged, "receipts {losses:?}, Trainer logged {logged:?}");
     for b in &rank0 {
-        ensure!(
-            b["sources"]["loss"] == "transformers"
-                && b["grad_norm"].as_f64().is_some()
-                && b["lr"].as_f64().is_some(),
-            "{b}"
-        );
+        let logged_here = b["grad_norm"].as_f64().is_some() && b["lr"].as_f64().is_some();
+        ensure!(b["sources"]["loss"] == "transformers" && logged_here, "{b}");
     }
     ensure!(c.status(id)?["goodput"]["goodput"].as_f64().unwrap_or(0.0) > 0.0, "goodput above zero");
     Ok(())
@@ -239,14 +250,12 @@ fn printed_step_lines_of_four_trainers_become_step_receipts() -> anyhow::Result<
         wait_success(&c, id)?;
         let steps = receipts(&c, id, "step")?;
         for rank in 0..2 {
-            let mine: Vec<&Value> = steps.iter().filter(|(r, _)| *r == rank).map(|(_, b)| b).collect();
             if !printers.contains(&rank) {
+                let mine: Vec<_> = steps.iter().filter(|(r, _)| *r == rank).collect();
                 ensure!(mine.is_empty(), "{format}: rank {rank} printed nothing: {mine:?}");
                 continue;
             }
-            let numbers: Vec<u64> = mine.iter().filter_map(|b| b["step"].as_u64()).collect();
-            ensure!(numbers == (0..20).collect::<Vec<_>>(), "{format}: rank {rank}'s steps {numbers:?}");
-            for b in &mine {
+            for b in &one_per_step(&c, id, rank, 20)? {
                 ensure!(b["producer"] == "trainyard agent (printed lines)", "{format}: {b}");
                 ensure!(b["step_time_ms"].as_f64().is_some_and(|t| t > 0.0), "{format}: {b}");
                 let want = 10.0 / (b["step"].as_f64().unwrap_or(0.0) + 1.0);
@@ -268,30 +277,13 @@ fn printed_step_lines_of_four_trainers_become_step_receipts() -> anyhow::Result<
 fn a_lightning_run_with_a_tensorboard_logger_gets_its_steps() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
     c.start_agent("a", 2)?;
-    let work = c.path("lightning");
-    std::fs::create_dir_all(&work)?;
-    let script = fixture_scripts().join("lightning_ddp.py").display().to_string();
-    let tb = work.join("tb").display().to_string();
-    let args = [script.as_str(), "--devices", "2", "--tensorboard", tb.as_str()];
-    let file = c.python_job(&PythonJob {
-        name: "lightning",
-        gpus: 2,
-        per_node: 2,
-        workdir: &work,
-        source_dir: None,
-        args: &args,
-        env: &[],
-    });
-    let id = c.submit(&file)?;
+    let tb = c.path("lightning").join("tb").display().to_string();
+    let (id, work) =
+        fixture_job(&c, "lightning", "lightning_ddp.py", &["--devices", "2", "--tensorboard", &tb], &[])?;
     wait_success(&c, id)?;
-    let steps = receipts(&c, id, "step")?;
     // 2 epochs of 256 samples in batches of 32 over 2 ranks: 4 steps an epoch per rank.
-    for rank in 0..2 {
-        let numbers: Vec<u64> =
-            steps.iter().filter(|(r, _)| *r == rank).filter_map(|(_, b)| b["step"].as_u64()).collect();
-        ensure!(numbers == (0..8).collect::<Vec<_>>(), "rank {rank}: {numbers:?}");
-    }
-    let rank0: Vec<&Value> = steps.iter().filter(|(r, _)| *r == 0).map(|(_, b)| b).collect();
+    let rank0 = one_per_step(&c, id, 0, 8)?;
+    one_per_step(&c, id, 1, 8)?;
     ensure!(
         rank0.iter().all(|b| b["loss"].as_f64().is_some() && b["sources"]["loss"] == "tensorboard"),
         "the loss Lightning logged, every step: {rank0:?}"
