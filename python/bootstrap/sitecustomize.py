@@ -11,7 +11,9 @@ nothing heavy:
 2. decides whether this interpreter is a rank's own process: TRAINYARD_RECEIPTS set,
    TRAINYARD_RECEIPTS_AUTO not "0", and not a child of a rank that already claimed the file
    (DataLoader workers, compile workers, any Python a rank starts: they inherit
-   TRAINYARD_RECEIPTS_OWNER), nor a `torchrun` launcher (its workers act, each per its RANK);
+   TRAINYARD_RECEIPTS_OWNER), nor a `torchrun` launcher: of a torchrun inside the job (its
+   TORCHELASTIC_RUN_ID is not the job's), the first local worker writes the trainyard rank's
+   receipts and the others write none;
 3. watches the imports of the script: when it imports torch (and wandb, MLflow, TensorBoard,
    Hugging Face's Trainer),
    `trainyard_receipts._auto` hooks into them. Until then nothing else happens, and a script
@@ -57,6 +59,11 @@ def _trainyard_bootstrap():
 
     env = os.environ
     if not env.get("TRAINYARD_RECEIPTS") or env.get("TRAINYARD_RECEIPTS_AUTO", "1") == "0":
+        return
+    job = env.get("TRAINYARD_JOB_ID")
+    if job and env.get("TORCHELASTIC_RUN_ID") != "trainyard-job-" + job and env.get("LOCAL_RANK", "0") != "0":
+        # A worker of a torchrun the job started itself: the trainyard rank has one receipts
+        # file, so the first local worker writes its receipts, the others none.
         return
     rank = env.get("RANK", "")
     owner = env.get("TRAINYARD_RECEIPTS_OWNER")

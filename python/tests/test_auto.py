@@ -117,6 +117,15 @@ class BootstrapStartUp(WithBoot):
         self.assertIn("broken site", r.stderr)
         self.assertIn("the script goes on", r.stderr)
 
+    @needs_torch
+    def test_of_a_torchrun_inside_the_job_its_first_local_worker_writes(self) -> None:
+        script = LOOP + "batch().backward(); opt.step()\n"
+        nested = {"TRAINYARD_JOB_ID": "5", "TORCHELASTIC_RUN_ID": "their-own"}
+        self.assertEqual(self.b.run(script, env={**nested, "LOCAL_RANK": "1", "RANK": "1"}).receipts, [])
+        self.assertEqual(self.b.run(script, env={**nested, "LOCAL_RANK": "0"}).steps, [0])
+        ours = {"TRAINYARD_JOB_ID": "5", "TORCHELASTIC_RUN_ID": "trainyard-job-5", "LOCAL_RANK": "1"}
+        self.assertEqual(self.b.run(script, env=ours).steps, [0], "a trainyard rank of local rank 1")
+
     def test_a_script_without_torch_gets_no_receipt(self) -> None:
         r = self.b.run("import json\nprint('no torch here')\n")
         self.assertEqual(r.receipts, [])

@@ -93,11 +93,17 @@ def _finished(frame: Any) -> bool:
 
 
 def _is_launcher() -> bool:
-    """torchrun (or `python -m torch.distributed.run`): its workers are the ranks."""
+    """torchrun, `python -m torch.distributed.run` (or `.launch`): its workers are the ranks.
+    Read from the interpreter's own command line: with `-m`, torch is imported while the
+    package is found, before `sys.argv` names the module."""
+    argv = list(getattr(sys, "orig_argv", None) or sys.argv)
+    if any(os.path.basename(a) == "torchrun" for a in argv[:2]):  # the console script
+        return True
+    modules = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-m"]
+    if any(m in ("torch.distributed.run", "torch.distributed.launch") for m in modules):
+        return True
     argv0 = sys.argv[0] if sys.argv else ""
-    return os.path.basename(argv0) == "torchrun" or argv0.replace("\\", "/").endswith(
-        ("torch/distributed/run.py", "torch/distributed/launch.py")
-    )
+    return argv0.replace("\\", "/").endswith(("torch/distributed/run.py", "torch/distributed/launch.py"))
 
 
 def helper_started() -> bool:

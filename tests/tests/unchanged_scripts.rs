@@ -292,6 +292,46 @@ fn a_lightning_run_with_a_tensorboard_logger_gets_its_steps() -> anyhow::Result<
     Ok(())
 }
 
+/// A job whose rank starts torchrun itself (2 local workers): the trainyard rank has one
+/// receipts file, written by torchrun's first local worker alone: one receipt per step.
+#[test]
+fn a_torchrun_inside_a_job_writes_one_receipt_per_step() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 1)?;
+    let work = c.path("nested");
+    std::fs::create_dir_all(&work)?;
+    let script = fixture_scripts().join("plain_ddp.py").display().to_string();
+    let out = work.display().to_string();
+    let args = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        &script,
+        "--steps",
+        "12",
+        "--out",
+        &out,
+    ];
+    let file = c.python_job(&PythonJob {
+        name: "nested",
+        gpus: 1,
+        per_node: 1,
+        workdir: &work,
+        source_dir: None,
+        args: &args,
+        env: &[],
+    });
+    let id = c.submit(&file)?;
+    wait_success(&c, id)?;
+    let rank0 = one_per_step(&c, id, 0, 12)?;
+    let logged: Vec<f64> = serde_json::from_str(&std::fs::read_to_string(work.join("logged.json"))?)?;
+    ensure!(rank0.len() == logged.len(), "{rank0:?}");
+    ensure!(receipts(&c, id, "launch")?.len() == 1, "one launch receipt");
+    Ok(())
+}
+
 #[test]
 fn a_slowed_rank_is_named_and_a_stopped_rank_is_declared_hung() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
