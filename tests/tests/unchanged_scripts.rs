@@ -14,19 +14,20 @@ use trainyard_tests::{Cluster, PythonJob, fixture_scripts};
 
 const STEPS: u32 = 30;
 
-/// A 2-rank job running plain_ddp.py with `args` in `work`, plus `extra` TOML tables.
-fn plain_job(
+/// A job file for a 2-rank job running the fixture `script` with `args` in `work`, with
+/// `extra` TOML tables after its `[env]`.
+fn script_job(
     c: &Cluster,
     name: &str,
     work: &Path,
+    script: &str,
     args: &[&str],
     env: &[(&str, &str)],
     extra: &str,
-) -> std::path::PathBuf {
+) -> PathBuf {
     std::fs::create_dir_all(work).expect("make the job's directory");
-    let script = fixture_scripts().join("plain_ddp.py").display().to_string();
-    let out = work.display().to_string();
-    let mut all = vec![script.as_str(), "--out", out.as_str()];
+    let script = fixture_scripts().join(script).display().to_string();
+    let mut all = vec![script.as_str()];
     all.extend_from_slice(args);
     let file = c.python_job(&PythonJob {
         name,
@@ -43,29 +44,33 @@ fn plain_job(
     file
 }
 
-/// Submits a 2-rank job running the fixture `script` with `args` in a directory of its own;
-/// returns the job's id and its directory.
+/// A job file running plain_ddp.py with `args`, its `--out` in `work`.
+fn plain_job(
+    c: &Cluster,
+    name: &str,
+    work: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    extra: &str,
+) -> PathBuf {
+    let out = work.display().to_string();
+    let mut all = vec!["--out", out.as_str()];
+    all.extend_from_slice(args);
+    script_job(c, name, work, "plain_ddp.py", &all, env, extra)
+}
+
+/// Submits a 2-rank job running the fixture `script` with `args` in a directory of its own, with
+/// `extra` TOML tables; returns the job's id and its directory.
 fn fixture_job(
     c: &Cluster,
     name: &str,
     script: &str,
     args: &[&str],
     env: &[(&str, &str)],
+    extra: &str,
 ) -> anyhow::Result<(u64, PathBuf)> {
     let work = c.path(name);
-    std::fs::create_dir_all(&work)?;
-    let script = fixture_scripts().join(script).display().to_string();
-    let mut all = vec![script.as_str()];
-    all.extend_from_slice(args);
-    let file = c.python_job(&PythonJob {
-        name,
-        gpus: 2,
-        per_node: 2,
-        workdir: &work,
-        source_dir: None,
-        args: &all,
-        env,
-    });
+    let file = script_job(c, name, &work, script, args, env, extra);
     Ok((c.submit(&file)?, work))
 }
 
@@ -198,7 +203,7 @@ fn a_hugging_face_trainer_run_gets_its_steps_and_the_losses_trainer_logged() -> 
     c.start_agent("a", 2)?;
     let out = c.path("hf").display().to_string();
     let env = [("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")];
-    let (id, work) = fixture_job(&c, "hf", "hf_trainer.py", &["--steps", "10", "--out", &out], &env)?;
+    let (id, work) = fixture_job(&c, "hf", "hf_trainer.py", &["--steps", "10", "--out", &out], &env, "")?;
     wait_success(&c, id)?;
     let rank0 = one_per_step(&c, id, 0, 10)?;
     one_per_step(&c, id, 1, 10)?;
@@ -279,7 +284,7 @@ fn a_lightning_run_with_a_tensorboard_logger_gets_its_steps() -> anyhow::Result<
     c.start_agent("a", 2)?;
     let tb = c.path("lightning").join("tb").display().to_string();
     let (id, work) =
-        fixture_job(&c, "lightning", "lightning_ddp.py", &["--devices", "2", "--tensorboard", &tb], &[])?;
+        fixture_job(&c, "lightning", "lightning_ddp.py", &["--devices", "2", "--tensorboard", &tb], &[], "")?;
     wait_success(&c, id)?;
     // 2 epochs of 256 samples in batches of 32 over 2 ranks: 4 steps an epoch per rank.
     let rank0 = one_per_step(&c, id, 0, 8)?;
@@ -375,12 +380,47 @@ fn a_slowed_rank_is_named_and_a_stopped_rank_is_declared_hung() -> anyhow::Resul
     );
     eprintln!("step receipts stored {lag:?} ms after their step ended");
 
-    c.wait_first_steps(wedged, 2, Duration::from_secs(120))?;
-    let pid = c.status(wedged)?["ranks"][1]["pid"].as_i64().context("rank 1's pid")?;
-    // SAFETY: a plain kill(2) of a process this test's job started.
-    ensure!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) } == 0, "SIGSTOP {pid}");
-    let status = c.wait_state(wedged, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
-    ensure!(status["state"] == "failed", "{status}");
-    ensure!(status["failures"][0]["kind"] == "hang", "declared hung: {status}");
+    declared_hung(&c, wedged, 20, &[1])
+}
+
+/// Once `job` stored `steps` step receipts (its receipts keep coming, so no hang yet), SIGSTOPs
+/// the ranks `stop`: the hang watch must stop the job, its failure a hang.
+fn declared_hung(c: &Cluster, job: u64, steps: i64, stop: &[usize]) -> anyhow::Result<()> {
+    c.wait_first_steps(job, 2, Duration::from_secs(120))?;
+    let sql = format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'step'");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while c.query(&sql)?[0][0] < steps {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "job {job}: not {steps} steps in 60 s: {}",
+            c.status(job)?
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = c.status(job)?;
+    for &rank in stop {
+        let pid = status["ranks"][rank]["pid"].as_i64().with_context(|| format!("rank {rank}'s pid"))?;
+        // SAFETY: a plain kill(2) of a process this test's job started.
+        ensure!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) } == 0, "SIGSTOP {pid}: {status}");
+    }
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
+    ensure!(status["state"] == "failed", "job {job}: {status}");
+    ensure!(status["failures"][0]["kind"] == "hang", "job {job} declared hung: {status}");
     Ok(())
+}
+
+/// The hang watch on the receipts of a Hugging Face Trainer run and of printed step lines alone.
+#[test]
+fn stopped_ranks_of_a_trainer_run_and_of_a_printing_script_are_declared_hung() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 4)?;
+    let restart = "\n[restart]\nmax_restarts = 0\nhang_timeout_s = 5\n";
+    let out = c.path("hf-hang").display().to_string();
+    let env = [("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")];
+    let (hf, _) =
+        fixture_job(&c, "hf-hang", "hf_trainer.py", &["--steps", "100000", "--out", &out], &env, restart)?;
+    let (printing, _) =
+        fixture_job(&c, "print-hang", "print_steps.py", &["titan", "100000", "50"], &[], restart)?;
+    declared_hung(&c, hf, 20, &[1])?;
+    declared_hung(&c, printing, 100, &[0, 1])
 }

@@ -97,6 +97,10 @@ struct Pending {
     gap_ms: Option<f64>,
 }
 
+/// The producer of the step receipts the agent writes, and how it reads in their text.
+const AGENT_PRODUCER: &str = "trainyard agent (printed lines)";
+const AGENT_WROTE: &str = r#""producer":"trainyard agent (printed lines)""#;
+
 /// The source of a step time the agent measured between two printed lines.
 const GAP_SOURCE: &str = "agent clock between printed lines";
 
@@ -287,6 +291,9 @@ impl Printed {
     /// The tailer reads step receipt `step` of this rank with `body`: merges the printed fields
     /// of that step into it, or says to wait for them. `last_read` (the rank ended) never waits.
     pub fn merge(&mut self, step: i64, body: &mut String, last_read: bool, now: Instant) -> Merge {
+        if body.contains(AGENT_WROTE) {
+            return Merge::Now; // one the agent wrote from printed lines: not the rank's own
+        }
         self.own_steps = true;
         let Some(p) = self.pending.remove(&step) else {
             // Until a second line shows its stride, a rank that printed is expected every step.
@@ -337,7 +344,7 @@ impl Printed {
             map.insert("kind".into(), "step".into());
             map.insert("schema".into(), 1.into());
             map.insert("step".into(), step.into());
-            map.insert("producer".into(), "trainyard agent (printed lines)".into());
+            map.insert("producer".into(), AGENT_PRODUCER.into());
             let mut fields = p.fields;
             if let (false, Some(gap)) = (fields.contains_key("step_time_ms"), p.gap_ms) {
                 fields.insert("step_time_ms".into(), (gap, GAP_SOURCE));
