@@ -9,7 +9,9 @@
 #   deploy/gpu/unchanged.sh BIN_DIR RESULTS_DIR
 #
 # Environment: STEPS (default 300) for the job, PAIRS (default 2) and PAIR_STEPS (default 120)
-# for the alternating runs. deploy/gpu/unchanged_summary.py writes summary.txt.
+# for the alternating runs; SKIP_JOB=1 runs the alternating runs alone, with a bootstrap
+# directory laid out from this checkout's python/ (and one unmeasured run first, to warm the
+# machine's caches). deploy/gpu/unchanged_summary.py writes summary.txt.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -36,6 +38,7 @@ SCRIPT="$ROOT/tests/fixtures/scripts/hf_trainer.py"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$RES/gpu.txt" 2>&1
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' >>"$RES/gpu.txt" 2>&1
 
+if [[ "${SKIP_JOB:-0}" != 1 ]]; then
 say "controller and an NVML agent"
 "$BIN/trainyard-controller" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --data-dir "$D/controller" \
     --addr-file "$D/addr" 2>"$RES/controller.log" &
@@ -86,17 +89,27 @@ cp "$D/work/log_history.json" "$RES/log_history.json" 2>/dev/null
 sql "SELECT kind, step, body FROM receipts WHERE job_id = $JOB ORDER BY seq" >"$RES/receipts.json"
 sql "SELECT start_ms, end_ms, samples, sm_clock_mean, power_mean, util_mean, clock_reasons, first_step, last_step FROM gpu_samples WHERE job_id = $JOB ORDER BY start_ms" >"$RES/windows.json"
 
-say "the bootstrap's cost: the script directly, $PAIRS pairs of $PAIR_STEPS steps, alternating"
 BOOT="$(ls -d "$D"/agent/bootstrap/*/ | head -n 1)"
+else
+    BOOT="$D/boot"
+    mkdir -p "$BOOT"
+    cp python/bootstrap/sitecustomize.py "$BOOT/" && cp -r python/trainyard_receipts "$BOOT/"
+    [[ "${WARM:-1}" == 1 ]] && say "warm-up run"
+    mkdir -p "$D/warm"
+    [[ "${WARM:-1}" == 1 ]] && env HF_HUB_OFFLINE=1 "$PY" "$SCRIPT" $GPU_FLAG --steps 20 --out "$D/warm" >"$D/warm/log" 2>&1
+fi
+say "the bootstrap's cost: the script directly, $PAIRS pairs of $PAIR_STEPS steps, alternating"
 for i in $(seq "$PAIRS"); do
-    for mode in off on; do
+    for mode in ${ORDER:-off on}; do
         out="$D/pair-$mode-$i"
         mkdir -p "$out"
         if [[ $mode == on ]]; then
             env PYTHONPATH="$BOOT" TRAINYARD_RECEIPTS="$out/receipts.jsonl" RANK=0 HF_HUB_OFFLINE=1 \
                 "$PY" "$SCRIPT" $GPU_FLAG --steps "$PAIR_STEPS" --out "$out" >"$out/log" 2>&1
         else
-            env HF_HUB_OFFLINE=1 "$PY" "$SCRIPT" $GPU_FLAG --steps "$PAIR_STEPS" --out "$out" >"$out/log" 2>&1
+            # The bootstrap on the path, turned off as `[receipts] auto = false` turns it off.
+            env PYTHONPATH="$BOOT" TRAINYARD_RECEIPTS="$out/receipts.jsonl" TRAINYARD_RECEIPTS_AUTO=0 RANK=0 \
+                HF_HUB_OFFLINE=1 "$PY" "$SCRIPT" $GPU_FLAG --steps "$PAIR_STEPS" --out "$out" >"$out/log" 2>&1
         fi
         cp "$out/log_history.json" "$RES/pair-$mode-$i.json" 2>/dev/null
         say "pair $i $mode: exit $?"

@@ -49,8 +49,9 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from . import _loggers
 
-TICK_S = 0.05
-"""How often the worker drains the queue."""
+TICK_S = 0.1
+"""How often the worker drains the queue (each time it takes the interpreter from the script:
+ten times a second, not twenty)."""
 HOLD_S = 1.0
 """How long a finished step waits for the next one (to collect values logged after it) before
 it is written anyway: receipts stay live within 2 s of their step."""

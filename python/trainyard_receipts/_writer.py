@@ -56,7 +56,10 @@ class Writer:
                 return False
             self._lines.append(line)
             self._accepted += 1
-            self._cond.notify()
+            if len(self._lines) == 1:
+                # Woken only when it waits for a first line: a batch of receipts costs one
+                # switch to the writer thread, not one each.
+                self._cond.notify()
         return True
 
     def close(self, timeout: float) -> int:
