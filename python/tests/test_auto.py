@@ -231,12 +231,22 @@ import json, os
 with open(os.environ["TRAINYARD_RECEIPTS"], "a") as f:
     f.write(json.dumps({"kind": "launch", "schema": 1, "by": "hand"}) + "\\n")
 for step in range(3):
-    batch().backward(); opt.step(); opt.zero_grad()
-    with open(os.environ["TRAINYARD_RECEIPTS"], "a") as f:
+    with open(os.environ["TRAINYARD_RECEIPTS"], "a") as f:  # its own receipt, before the step ends
         f.write(json.dumps({"kind": "step", "schema": 1, "step": step, "step_time_ms": 1.0}) + "\\n")
+    batch().backward(); opt.step(); opt.zero_grad()
 """)
         self.assertEqual(r.steps, [0, 1, 2])
         self.assertTrue(all("sources" not in s for s in r.of("step")), r.receipts)
+
+    def test_a_script_writing_records_of_other_kinds_still_gets_its_steps(self) -> None:
+        r = self.b.run(LOOP + """
+import json, os
+with open(os.environ["TRAINYARD_RECEIPTS"], "a") as f:
+    f.write(json.dumps({"kind": "my-config", "lr": 0.1}) + "\\n")
+for step in range(3):
+    batch().backward(); opt.step(); opt.zero_grad()
+""")
+        self.assertEqual(r.steps, [0, 1, 2])
 
     def test_children_of_the_rank_write_nothing(self) -> None:
         r = self.b.run(LOOP + """

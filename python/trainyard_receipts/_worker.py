@@ -286,9 +286,10 @@ AGENT_PRODUCER = "trainyard agent (printed lines)"
 
 
 def _others_write(path: str) -> bool:
-    """Whether the rank's receipts file already holds receipts the rank wrote by other means (a
-    script that writes its own lines, without the helper): then the bootstrap writes none. The
-    agent's receipts from printed lines do not count."""
+    """Whether the rank's receipts file already holds step receipts the rank wrote by other means
+    (a script that writes its own lines, without the helper): then the bootstrap writes none.
+    Other kinds a script writes (its own launch record, say) and the agent's receipts from
+    printed lines do not count."""
     try:
         with open(path, "rb") as f:
             head = f.read(64 * 1024)
@@ -296,10 +297,10 @@ def _others_write(path: str) -> bool:
         return False
     for line in head.splitlines():
         try:
-            producer = json.loads(line).get("producer")
-        except (ValueError, AttributeError):
-            return True
-        if producer != AGENT_PRODUCER:
+            receipt = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(receipt, dict) and receipt.get("kind") == "step" and receipt.get("producer") != AGENT_PRODUCER:
             return True
     return False
 
