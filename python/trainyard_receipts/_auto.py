@@ -43,7 +43,6 @@ from __future__ import annotations
 import collections
 import os
 import sys
-import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
