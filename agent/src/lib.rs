@@ -20,7 +20,7 @@
 //! - [`printed`]: the step lines a rank prints (nanochat, modded-nanogpt, torchtitan,
 //!   Megatron-LM, Hugging Face, a job's own pattern), merged into its step receipts.
 //! - [`preflight`]: the node checks (topology, NUMA, host, NVML, CUDA, NCCL) and their report,
-//!   with [`preflight::host::HostProbe`], the seam around the hardware, and the JSON
+//!   with [`preflight::probe::HostProbe`], the seam around the hardware, and the JSON
 //!   host-description file behind it.
 //! - [`topology`]: the node's GPU/NUMA/NIC model, its interconnect class, `nvidia-smi topo -m`
 //!   rendering and parsing.

@@ -22,8 +22,9 @@ use crate::connection::{self, Ended, Identity};
 use crate::launcher::Launcher;
 use crate::layout::Layout;
 use crate::preflight::failure_reason;
-use crate::preflight::host::{HostFile, HostProbe};
+use crate::preflight::host::HostFile;
 use crate::preflight::nvml::NvmlProbe;
+use crate::preflight::probe::HostProbe;
 use crate::preflight::runner::Runner;
 use trainyard_proto::words::PreflightLevel;
 

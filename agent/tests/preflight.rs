@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use trainyard_agent::preflight::host::{HostFile, HostProbe};
 use trainyard_agent::preflight::{self, HostFacts, Request};
+use trainyard_agent::preflight::{host::HostFile, probe::HostProbe};
 use trainyard_proto::v1::PreflightReport;
 use trainyard_proto::words::PreflightLevel;
 

@@ -23,14 +23,14 @@ use crate::sqlite::{Mode, Sqlite};
 pub struct SqlStore {
     backend: Backend,
     /// When set, every write transaction first checks that this lease still holds
-    /// (`lease::check_fence`); shared by the store's clones.
+    /// (`fence::check_fence`); shared by the store's clones.
     fence: std::sync::Arc<std::sync::RwLock<Option<crate::Fence>>>,
     /// Notified when a leader's write is refused by its fence ([`crate::LeaseStore::fenced`]).
     fenced: std::sync::Arc<tokio::sync::Notify>,
     /// Receipt batches waiting to be written together ([`crate::group`]).
-    pub(crate) receipt_group: std::sync::Arc<crate::receipts::ReceiptGroup>,
+    pub(crate) receipt_group: std::sync::Arc<crate::waiting::ReceiptGroup>,
     /// Rank reports waiting to be written together ([`crate::group`]).
-    pub(crate) rank_group: std::sync::Arc<crate::jobs::RankGroup>,
+    pub(crate) rank_group: std::sync::Arc<crate::waiting::RankGroup>,
 }
 
 #[derive(Debug, Clone)]
@@ -162,7 +162,7 @@ impl SqlStore {
                     crate::postgres::lock_receipts(pg).await?;
                 }
                 if let Some(fence) = &fence {
-                    crate::lease::check_fence(c, fence).await?;
+                    crate::fence::check_fence(c, fence).await?;
                 }
                 body(c).await
             })

@@ -2,9 +2,10 @@
 
 use async_trait::async_trait;
 
-use crate::group::{Answer, Group, Next, answer_each};
+use crate::group::{Next, answer_each};
 use crate::rows::{self, ALLOCATION_COLUMNS, JOB_COLUMNS, duplicate_or, encode_spec, engine_columns, int};
 use crate::sql::{Conn, multi_row_insert};
+use crate::waiting::Observation;
 use crate::{
     Allocation, FailureRecord, JobEventRecord, JobId, JobOwner, JobRecord, JobSpec, JobState, JobStore,
     RankId, RankObserved, Result, SqlStore, StoreError,
@@ -186,19 +187,8 @@ impl JobStore for SqlStore {
     }
 }
 
-/// Rank reports waiting to be written together ([`crate::group`]): when a 64-rank job starts
-/// or ends, its agents report every rank within a few milliseconds.
-pub(crate) type RankGroup = Group<Observation>;
-
 /// Rank reports in one transaction at most.
 const GROUP_REPORTS: usize = 1_000;
-
-#[derive(Debug)]
-pub(crate) struct Observation {
-    id: RankId,
-    observed: RankObserved,
-    done: Answer<bool>,
-}
 
 impl SqlStore {
     /// Writes `group` in order (in rounds of at most [`GROUP_REPORTS`]) and answers each report:

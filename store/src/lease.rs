@@ -7,7 +7,7 @@
 //! bumps the epoch. Not a session advisory lock: a frozen leader's connection stays open and
 //! would keep such a lock for as long as the process lives.
 //!
-//! **Fencing.** A store that was given a [`Fence`] (the leader's holder and epoch) checks it at
+//! **Fencing** (`fence`). A store that was given a [`Fence`] (the leader's holder and epoch) checks it at
 //! the start of every write transaction: the lease row must still name that holder and epoch
 //! and be unexpired, or the write fails with [`StoreError::Fenced`] and writes nothing. On
 //! PostgreSQL the check takes a share lock on the lease row, so a new leader's takeover waits
@@ -15,26 +15,9 @@
 //! paused past its lease (SIGSTOP, a partition from the database) therefore cannot write when
 //! it wakes; it learns it lost and steps down.
 
+use crate::fence::{LEADER, now_ms};
 use crate::sql::Conn;
-use crate::{LeaseStore, Result, SqlStore, StoreError};
-
-/// The one lease a group elects.
-const LEADER: &str = "leader";
-
-/// Who may write: the holder and epoch of a lease.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fence {
-    pub holder: String,
-    pub epoch: u64,
-}
-
-impl Fence {
-    /// A fence no lease ever matches (epoch 0 is never led: the first leader takes epoch 1), for
-    /// a controller that follows: its store writes nothing.
-    pub fn read_only(holder: &str) -> Fence {
-        Fence { holder: holder.to_string(), epoch: 0 }
-    }
-}
+use crate::{Fence, LeaseStore, Result, SqlStore, StoreError};
 
 /// The lease as the database holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,25 +41,6 @@ pub enum Election {
     Following(Lease),
 }
 
-/// The database's clock in ms, as SQL: the one place the backends differ here.
-fn now_ms(c: &Conn<'_>) -> &'static str {
-    match c {
-        Conn::Postgres(_) => "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
-        Conn::Sqlite(_) => "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)",
-    }
-}
-
-fn share_lock(c: &Conn<'_>) -> &'static str {
-    match c {
-        // KEY SHARE: a takeover (`FOR UPDATE`, below) waits for every write that passed its
-        // fence, but the leader's renewal (an UPDATE of no key column) does not. Under `FOR
-        // SHARE` a stream of writes held the row share-locked without pause, the renewal
-        // queued behind them until the lease ran out, and leadership flapped under load.
-        Conn::Postgres(_) => " FOR KEY SHARE",
-        Conn::Sqlite(_) => "",
-    }
-}
-
 async fn read_lease(c: &mut Conn<'_>, lock: &str) -> Result<Option<Lease>> {
     let sql = format!(
         "SELECT holder, epoch, address, tls_ca, expires_at_ms - {} AS remaining_ms FROM controller_lease WHERE name = $1{lock}",
@@ -91,30 +55,6 @@ async fn read_lease(c: &mut Conn<'_>, lock: &str) -> Result<Option<Lease>> {
         remaining_ms: row.get(t, "remaining_ms")?,
         tls_ca: row.get(t, "tls_ca")?,
     }))
-}
-
-/// The fence check at the start of a write transaction.
-pub(crate) async fn check_fence(c: &mut Conn<'_>, fence: &Fence) -> Result<()> {
-    let sql = format!(
-        "SELECT epoch FROM controller_lease WHERE name = $1 AND holder = $2 AND epoch = $3 \
-         AND expires_at_ms > {}{}",
-        now_ms(c),
-        share_lock(c)
-    );
-    let epoch = i64::try_from(fence.epoch)
-        .map_err(|_| StoreError::Fenced(format!("epoch {} out of range", fence.epoch)))?;
-    let held = c.query(sql).bind(LEADER).bind(fence.holder.as_str()).bind(epoch).optional().await?;
-    match held {
-        Some(_) => Ok(()),
-        None if fence.epoch == 0 => Err(StoreError::Fenced(format!(
-            "controller {} follows: its store is read-only until it leads",
-            fence.holder
-        ))),
-        None => Err(StoreError::Fenced(format!(
-            "controller {} no longer holds the lease of epoch {}: another controller leads, or the lease ran out",
-            fence.holder, fence.epoch
-        ))),
-    }
 }
 
 #[async_trait::async_trait]

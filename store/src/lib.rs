@@ -50,6 +50,7 @@
 mod auth;
 mod db;
 mod diagnosis;
+mod fence;
 mod fleet;
 mod group;
 mod jobs;
@@ -65,6 +66,7 @@ mod sqlite;
 mod telemetry;
 #[cfg(test)]
 mod tests;
+mod waiting;
 
 use std::sync::Arc;
 
@@ -74,7 +76,8 @@ pub use trainyard_model::domain::Inventory;
 pub use trainyard_model::spec::JobSpec;
 
 pub use db::SqlStore;
-pub use lease::{Election, Fence, Lease};
+pub use fence::Fence;
+pub use lease::{Election, Lease};
 pub use sqlite::SqliteClaim;
 pub use trainyard_model::domain::{
     AgentState, CheckStatus, FailureKind, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,

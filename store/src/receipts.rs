@@ -2,9 +2,10 @@
 
 use async_trait::async_trait;
 
-use crate::group::{Answer, Group, Next, answer_each};
+use crate::group::{Next, answer_each};
 use crate::rows::{self, int};
 use crate::sql::Conn;
+use crate::waiting::Pending;
 use crate::{JobId, NewReceipt, ReceiptStore, Result, SqlStore, StoredReceiptRecord, postgres, sqlite};
 
 #[async_trait]
@@ -98,21 +99,8 @@ impl ReceiptStore for SqlStore {
     }
 }
 
-/// Receipt batches waiting to be written together ([`crate::group`]). Every agent's stream
-/// stores its batches in order; a group is written in one transaction, on PostgreSQL in one
-/// statement (each batch still learns how many of its rows were new); on SQLite, with no round
-/// trips to save, a statement per batch.
-pub(crate) type ReceiptGroup = Group<Pending>;
-
 /// Rows in one group at most: a group's transaction stays short.
 const GROUP_ROWS: usize = 50_000;
-
-#[derive(Debug)]
-pub(crate) struct Pending {
-    rows: Vec<NewReceipt>,
-    now_ms: i64,
-    done: Answer<u64>,
-}
 
 impl SqlStore {
     /// Writes `group` (in rounds of at most [`GROUP_ROWS`] rows) and answers every batch.

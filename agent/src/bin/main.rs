@@ -499,7 +499,7 @@ fn topo_failed(message: String) -> ExitCode {
 }
 
 /// The host file when one is given, NVML otherwise; the error says why neither can be used.
-fn host_probe(cli: &Cli) -> Result<Box<dyn trainyard_agent::preflight::host::HostProbe>, String> {
+fn host_probe(cli: &Cli) -> Result<Box<dyn trainyard_agent::preflight::probe::HostProbe>, String> {
     use trainyard_agent::preflight::host::HostFile;
     use trainyard_agent::preflight::nvml::NvmlProbe;
     match &cli.host_file {

@@ -8,9 +8,63 @@ use trainyard_proto::v1::HostInventory;
 use super::facts::HostFacts;
 use trainyard_proto::words::CheckStatus;
 
-use super::{Check, cuda, nccl, nvml};
+use super::probe::Health;
+use super::{cuda, nccl};
 use crate::topology::{self, Topology};
+use trainyard_proto::v1::PreflightCheck;
 use trainyard_proto::words::InterconnectClass;
+
+/// One check's row, before it becomes the proto's `PreflightCheck`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Check {
+    pub id: String,
+    pub status: CheckStatus,
+    pub measured: String,
+    pub expected: String,
+    pub remedy: String,
+}
+
+impl Check {
+    pub fn new(
+        id: impl Into<String>,
+        status: CheckStatus,
+        measured: impl Into<String>,
+        expected: impl Into<String>,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            status,
+            measured: measured.into(),
+            expected: expected.into(),
+            remedy: String::new(),
+        }
+    }
+
+    /// A skipped check: `measured` reads `skipped: <why>`.
+    pub fn skipped(id: impl Into<String>, why: &str, expected: impl Into<String>) -> Self {
+        Self::new(id, CheckStatus::Skipped, format!("skipped: {why}"), expected)
+    }
+
+    pub fn remedy(mut self, remedy: impl Into<String>) -> Self {
+        self.remedy = remedy.into();
+        self
+    }
+
+    /// The remedy only when the check did not pass.
+    pub fn remedy_if_bad(self, remedy: impl Into<String>) -> Self {
+        if matches!(self.status, CheckStatus::Warn | CheckStatus::Fail) { self.remedy(remedy) } else { self }
+    }
+
+    pub(super) fn into_proto(self) -> PreflightCheck {
+        PreflightCheck {
+            id: self.id,
+            status: self.status.as_str().to_string(),
+            measured: self.measured,
+            expected: self.expected,
+            remedy: self.remedy,
+        }
+    }
+}
 
 /// `/dev/shm` below this fails: Docker's 64 MiB default makes NCCL die creating its segments
 /// ("Error while creating shared memory segment") with 8 ranks.
@@ -264,7 +318,7 @@ fn nic_locality(facts: &HostFacts) -> Check {
 }
 
 /// `nvml` and per GPU `nvml.ecc.gpuN`, `nvml.remap.gpuN`, `nvml.pcie.gpuN`, `nvml.throttle.gpuN`.
-pub fn nvml(health: &Result<nvml::Health, String>) -> Vec<Check> {
+pub fn nvml(health: &Result<Health, String>) -> Vec<Check> {
     let health = match health {
         Err(why) => {
             return vec![Check::skipped(

@@ -1,12 +1,7 @@
-//! What the host has: GPUs, their links, NUMA nodes and their CPUs.
-//!
-//! [`HostProbe`] is the seam around the hardware: the JSON host-description file ([`HostFile`])
-//! implements it so every code path runs on machines without GPUs, and
-//! [`crate::preflight::nvml::NvmlProbe`] implements it from the driver. Beside the inventory it
-//! carries the preflight's hardware calls (NVML health, CUDA, NCCL), whose default
-//! implementations use the real libraries and say `skipped: ... not found` without them; the
-//! host file's optional `host` and `cuda` sections stand in for the machine in fixtures.
-//! The file is validated completely at load, and every error names the offending field, because
+//! The JSON host-description file ([`HostFile`]): what the host has (GPUs, their links, NUMA
+//! nodes and their CPUs) for machines without GPUs. It implements [`HostProbe`] so every code
+//! path runs there; its optional `host` and `cuda` sections stand in for the machine in
+//! fixtures. The file is validated completely at load, and every error names the offending field, because
 //! an operator reads it once at start-up and has to fix the file from that one line.
 
 use std::collections::BTreeSet;
@@ -16,38 +11,8 @@ use serde::Deserialize;
 use trainyard_proto::v1::{Gpu, HostInventory, NumaNode};
 
 use super::facts::HostFacts;
-use super::{cuda, nccl, nvml};
-
-/// Source of the host's inventory, and the hardware calls of the preflight.
-pub trait HostProbe: Send + Sync {
-    /// The host as it is now.
-    fn inventory(&self) -> anyhow::Result<HostInventory>;
-
-    /// Where the inventory comes from: `nvml` or `host-file`.
-    fn source(&self) -> &'static str {
-        "host-file"
-    }
-
-    /// NVML's view of the GPUs' health; `Err` is the reason the check is skipped.
-    fn gpu_health(&self) -> Result<nvml::Health, String> {
-        Err(nvml::host_file_reason())
-    }
-
-    /// The CUDA check on GPUs `0..n` (blocking).
-    fn cuda_check(&self, n: usize) -> cuda::Outcome {
-        cuda::check(n)
-    }
-
-    /// The NCCL all_reduce sweep over GPUs `0..n` (blocking, seconds to minutes).
-    fn nccl_sweep(&self, n: usize, sizes: &[u64]) -> nccl::Outcome {
-        nccl::sweep_with_agent_binary(n, sizes)
-    }
-
-    /// Host facts this probe stands in for (a fixture's), or `None` to read the real machine.
-    fn host_facts(&self) -> Option<HostFacts> {
-        None
-    }
-}
+use super::probe::{Health, HostProbe};
+use super::{cuda, nvml};
 
 /// Why a host file was refused.
 #[derive(Debug, thiserror::Error)]
@@ -152,6 +117,10 @@ impl HostFile {
 impl HostProbe for HostFile {
     fn inventory(&self) -> anyhow::Result<HostInventory> {
         Ok(self.inventory.clone())
+    }
+
+    fn gpu_health(&self) -> Result<Health, String> {
+        Err(nvml::host_file_reason())
     }
 
     fn cuda_check(&self, n: usize) -> cuda::Outcome {

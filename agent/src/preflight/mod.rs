@@ -6,7 +6,8 @@
 //! from fixtures without a GPU. A library that is missing makes its check `skipped` with the
 //! reason, never `pass`.
 //!
-//! - [`host`]: [`HostProbe`], the seam around the hardware, and the JSON host-description file.
+//! - [`probe`]: [`HostProbe`], the seam around the hardware, and the GPU health it reports.
+//! - [`host`]: the JSON host-description file, the probe of machines without GPUs.
 //! - [`facts`]: [`HostFacts`], the non-GPU state of the host (NUMA balancing, /dev/shm, env, NICs).
 //! - [`checks`]: the pure checks over topology, facts and probe results.
 //! - [`nvml`]: the NVML probe (inventory and GPU health), loaded at run time.
@@ -21,17 +22,19 @@ pub mod facts;
 pub mod host;
 pub mod nccl;
 pub mod nvml;
+pub mod probe;
 pub mod runner;
 pub mod table;
 
 use std::collections::BTreeMap;
 
+pub use checks::Check;
 pub use facts::HostFacts;
-use trainyard_proto::v1::{PreflightCheck, PreflightReport};
+use trainyard_proto::v1::PreflightReport;
 use trainyard_proto::words::{CheckStatus, PreflightLevel, UnknownWord, Verdict};
 
 use crate::topology::{self, Topology};
-use host::HostProbe;
+use probe::HostProbe;
 
 /// The all_reduce message sizes of the NCCL sweep at `level`: none for `quick`; up to 256 MiB
 /// for `standard`; up to 1 GiB, where busbw peaks, for `full`.
@@ -63,58 +66,6 @@ pub fn runnable_level(word: &str) -> Result<PreflightLevel, String> {
             Err("preflight level \"none\" runs no check: use quick, standard or full".into())
         }
         level => Ok(level),
-    }
-}
-
-/// One check's row, before it becomes the proto's `PreflightCheck`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Check {
-    pub id: String,
-    pub status: CheckStatus,
-    pub measured: String,
-    pub expected: String,
-    pub remedy: String,
-}
-
-impl Check {
-    pub fn new(
-        id: impl Into<String>,
-        status: CheckStatus,
-        measured: impl Into<String>,
-        expected: impl Into<String>,
-    ) -> Self {
-        Self {
-            id: id.into(),
-            status,
-            measured: measured.into(),
-            expected: expected.into(),
-            remedy: String::new(),
-        }
-    }
-
-    /// A skipped check: `measured` reads `skipped: <why>`.
-    pub fn skipped(id: impl Into<String>, why: &str, expected: impl Into<String>) -> Self {
-        Self::new(id, CheckStatus::Skipped, format!("skipped: {why}"), expected)
-    }
-
-    pub fn remedy(mut self, remedy: impl Into<String>) -> Self {
-        self.remedy = remedy.into();
-        self
-    }
-
-    /// The remedy only when the check did not pass.
-    pub fn remedy_if_bad(self, remedy: impl Into<String>) -> Self {
-        if matches!(self.status, CheckStatus::Warn | CheckStatus::Fail) { self.remedy(remedy) } else { self }
-    }
-
-    fn into_proto(self) -> PreflightCheck {
-        PreflightCheck {
-            id: self.id,
-            status: self.status.as_str().to_string(),
-            measured: self.measured,
-            expected: self.expected,
-            remedy: self.remedy,
-        }
     }
 }
 

@@ -14,40 +14,12 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 use trainyard_proto::v1::{Gpu, HostInventory, NumaNode};
 
-use crate::preflight::host::HostProbe;
+use super::probe::{GpuHealth, Health, HostProbe};
 use crate::topology::Link;
 
 /// What `skipped` says when the library is absent.
 pub const NOT_FOUND: &str = "NVML (libnvidia-ml.so.1) not found";
 const MAX_NVLINKS: u32 = 18;
-
-/// Health of the node's GPUs as NVML reports it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Health {
-    pub driver_version: String,
-    /// CUDA version the driver supports, e.g. "12.8".
-    pub cuda_version: String,
-    pub gpus: Vec<GpuHealth>,
-}
-
-/// One GPU's health; `None` where NVML does not support the query on this GPU.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct GpuHealth {
-    pub index: u32,
-    pub name: String,
-    pub ecc_enabled: Option<bool>,
-    /// Uncorrected ECC errors since the driver loaded (volatile).
-    pub ecc_uncorrected: Option<u64>,
-    /// Row remapping waiting for a GPU reset.
-    pub remap_pending: Option<bool>,
-    /// A row remapping failed: the GPU needs service.
-    pub remap_failed: Option<bool>,
-    pub power_limit_w: Option<u32>,
-    pub pcie_gen: (Option<u32>, Option<u32>),
-    pub pcie_width: (Option<u32>, Option<u32>),
-    /// Active throttle reasons that matter (idle and application clocks left out).
-    pub throttle: Vec<String>,
-}
 
 /// Why NVML cannot be used here, for the `nvml` check of a host-file probe.
 pub fn host_file_reason() -> String {

@@ -13,7 +13,7 @@ use trainyard_proto::words::{CheckStatus, PreflightLevel, Verdict};
 
 use super::{HostFacts, Request};
 use crate::layout::write_atomic;
-use crate::preflight::host::HostProbe;
+use crate::preflight::probe::HostProbe;
 
 /// Runs preflights for one agent; cheap to clone.
 #[derive(Clone)]

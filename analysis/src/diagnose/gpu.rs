@@ -20,7 +20,8 @@ use trainyard_model::domain::Cause;
 use trainyard_model::records::GpuWindowRecord;
 use trainyard_proto::telemetry::{self as tel, reason_words};
 
-use super::{Finding, Measure, measure, median};
+use super::report::{Finding, Measure, measure};
+use super::stragglers::median;
 
 /// A window is slow when its rank's median time is this much over the job's at the same steps.
 pub const SLOW_WINDOW_RATIO: f64 = 1.2;

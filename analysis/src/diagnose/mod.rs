@@ -26,168 +26,20 @@
 pub mod compare;
 pub mod goodput;
 pub mod gpu;
+mod input;
 pub mod live;
+mod report;
 mod rules;
 pub mod stall;
 pub mod stragglers;
 
 use std::collections::{BTreeMap, BTreeSet};
 
+pub use input::{Input, NodeFacts, StepSample};
+pub use report::{Diagnosis, Finding, Measure, NodeSummary};
+pub use rules::{DEFAULT_DEVICE_MAX_CONNECTIONS, FALLBACK_RATIO, SLOW_NODE_RATIO, cost_of};
 pub use stragglers::{RankScore, StragglerPolicy, median, score_ranks};
-use trainyard_model::domain::{Cause, CheckStatus, Inventory};
-use trainyard_model::records::{Allocation, GpuWindowRecord, PreflightRecord};
-use trainyard_model::spec::JobSpec;
-
-/// A node this much slower than the job's fastest node is slow.
-pub const SLOW_NODE_RATIO: f64 = 1.25;
-/// Measured collectives this many times the cost model's prediction are a fabric fallback.
-pub const FALLBACK_RATIO: f64 = 3.0;
-/// `CUDA_DEVICE_MAX_CONNECTIONS` below this serialises communication with compute.
-pub const DEFAULT_DEVICE_MAX_CONNECTIONS: u32 = 8;
-
-/// What the field reports measured for each cause (docs/field-notes.md §1, §2), quoted as the
-/// expected cost of a finding.
-pub mod cost_of {
-    pub const NUMA_SPLIT: &str = "nanochat d26 on an 8xH100 SXM node ran 1295 ms per step instead of 702 ms \
-        (1.84x) with its GPUs split 4+4 over two NUMA nodes: NCCL's CPU proxy threads starved";
-    pub const BINDING: &str = "an unbound rank's NCCL threads run on any socket: the NUMA-split cost, up to \
-        1.84x per step (1295 against 702 ms on SXM)";
-    pub const CPU: &str = "too few CPUs per GPU stalls NCCL's control threads like a NUMA split: up to 1.84x \
-        per step";
-    pub const SHM: &str = "NCCL_SHM_DISABLE=1 made an H100 NVL node 3.2x slower per step (2031 -> 6495 ms), \
-        its optimizer step 13.7x and total NCCL time 14.3x (traffic fell back to sockets)";
-    pub const P2P: &str = "without P2P, GPU-GPU traffic goes through host memory: PCIe-class collectives, \
-        ~7x slower than NVLink (28.5 s against 3.9 s of NCCL time per 10 steps of nanochat d26)";
-    pub const FABRIC: &str = "collectives over PCIe instead of NVLink ran ~7x slower (nanochat d26: NCCL \
-        28.5 s against 3.9 s per 10 steps; step 1412 against 702 ms)";
-    pub const CONNECTIONS: &str = "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises all_gather/reduce_scatter with \
-        compute: the optimizer's collectives no longer overlap the backward pass";
-    pub const STRAGGLER: &str = "in data-parallel training every rank waits for the slowest at each \
-        collective: the whole job runs at the straggler's pace";
-}
-
-/// One step receipt's typed fields, as the diagnosis reads them.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct StepSample {
-    pub rank: u32,
-    pub step: i64,
-    pub step_time_ms: Option<f64>,
-    pub fwd_bwd_ms: Option<f64>,
-    pub optimizer_ms: Option<f64>,
-    pub tokens_per_s: Option<f64>,
-    /// The receipt broke schema v1 (`receipts.problem`).
-    pub flagged: bool,
-}
-
-/// What the controller knows of one node of the job.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct NodeFacts {
-    pub inventory: Inventory,
-    pub preflight: Option<PreflightRecord>,
-}
-
-/// Everything a diagnosis reads.
-#[derive(Debug, Clone, Copy)]
-pub struct Input<'a> {
-    pub spec: &'a JobSpec,
-    /// The attempt diagnosed (its allocations and samples).
-    pub attempt: u32,
-    pub allocations: &'a [Allocation],
-    pub samples: &'a [StepSample],
-    /// By agent id; nodes the controller no longer knows are absent.
-    pub nodes: &'a BTreeMap<String, NodeFacts>,
-    /// The cost model's collective time per step for this placement, ms; 0 when unknown.
-    pub predicted_comm_ms: f64,
-    /// GPU telemetry windows of the attempt (empty without telemetry).
-    pub windows: &'a [GpuWindowRecord],
-}
-
-/// A number behind a finding.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Measure {
-    pub name: String,
-    pub value: f64,
-    pub unit: &'static str,
-}
-
-fn measure(name: impl Into<String>, value: f64, unit: &'static str) -> Measure {
-    Measure { name: name.into(), value, unit }
-}
-
-/// A likely cause, where it is, the numbers behind it, what it costs and what to do.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Finding {
-    pub cause: Cause,
-    /// One line for people.
-    pub summary: String,
-    /// What it is about: `job`, a node, `node/gpuN`, or `ranks 3,5` (the live diagnosis keeps
-    /// one open finding per job, cause and subject).
-    pub subject: String,
-    /// The steps it concerns, where a rule knows them (a GPU condition's windows): a plot's band.
-    pub steps: Option<(i64, i64)>,
-    pub nodes: Vec<String>,
-    pub ranks: Vec<u32>,
-    pub evidence: Vec<Measure>,
-    pub expected_cost: &'static str,
-    pub remedy: String,
-}
-
-/// The job's ranks on one node, with their pace.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NodeSummary {
-    pub agent_id: String,
-    pub ranks: Vec<u32>,
-    /// Median over its ranks of their median measured time, ms; `None` without samples.
-    pub median_ms: Option<f64>,
-    /// `median_ms` over the fastest node's; `None` with fewer than two measured nodes.
-    pub vs_fastest: Option<f64>,
-    /// The job's GPUs on the node per NUMA node, "0:4 1:4" ("?" for unknown).
-    pub numa_layout: String,
-}
-
-/// The answer of `ctl diagnose`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Diagnosis {
-    pub attempt: u32,
-    /// The time the scores compare: `fwd_bwd_ms` when every rank reports it (in synchronous
-    /// training the fast ranks wait in collectives, so whole steps look alike), else
-    /// `step_time_ms`.
-    pub metric: &'static str,
-    pub warmup_steps: i64,
-    /// Step receipts the diagnosis used.
-    pub samples_used: usize,
-    pub ranks: Vec<RankScore>,
-    pub nodes: Vec<NodeSummary>,
-    pub findings: Vec<Finding>,
-    /// What the diagnosis could not use, and why.
-    pub unusable: Vec<String>,
-    /// What it saw that explains nothing (a throttle on a GPU whose rank kept pace, a property
-    /// the fast nodes share): said, not blamed.
-    pub notes: Vec<String>,
-    pub predicted_comm_ms: f64,
-    /// Median optimizer step over all ranks (collectives included), ms.
-    pub measured_optimizer_ms: Option<f64>,
-    pub median_step_ms: Option<f64>,
-    pub median_tokens_per_s: Option<f64>,
-}
-
-impl Diagnosis {
-    /// One line: the first finding, or that the run is healthy.
-    pub fn verdict(&self) -> String {
-        match self.findings.first() {
-            Some(f) if self.findings.len() == 1 => format!("{}: {}", f.cause, f.summary),
-            Some(f) => {
-                format!("{}: {} (and {} more finding(s))", f.cause, f.summary, self.findings.len() - 1)
-            }
-            None if self.samples_used == 0 => "no step receipts to judge yet".to_string(),
-            None => format!(
-                "healthy: no finding over {} step receipts of {} rank(s)",
-                self.samples_used,
-                self.ranks.len()
-            ),
-        }
-    }
-}
+use trainyard_model::records::Allocation;
 
 /// Diagnoses one attempt of a job.
 pub fn diagnose(input: &Input<'_>) -> Diagnosis {
@@ -305,30 +157,6 @@ fn node_summaries(input: &Input<'_>, ranks: &[RankScore]) -> Vec<NodeSummary> {
         }
     }
     nodes
-}
-
-/// The value of `name` in the job's env overlay when it is set to something other than 0.
-fn env_on<'a>(spec: &'a JobSpec, name: &str) -> Option<&'a str> {
-    spec.env.get(name).map(|v| v.trim()).filter(|v| !v.is_empty() && *v != "0")
-}
-
-/// (measured, status) of the check `id` in the node's newest preflight.
-fn node_check<'a>(input: &'a Input<'_>, agent: &str, id: &str) -> Option<(&'a str, CheckStatus)> {
-    let report = input.nodes.get(agent)?.preflight.as_ref()?;
-    report.checks.iter().find(|c| c.id == id).map(|c| (c.measured.as_str(), c.status))
-}
-
-fn bad(status: CheckStatus) -> bool {
-    matches!(status, CheckStatus::Warn | CheckStatus::Fail)
-}
-
-/// Two kernel CPU lists naming the same CPUs ("0-3" and "0,1,2,3").
-fn same_cpus(a: &str, b: &str) -> bool {
-    use trainyard_proto::contract::cpulist;
-    match (cpulist::parse(a), cpulist::parse(b)) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => a == b,
-    }
 }
 
 #[cfg(test)]

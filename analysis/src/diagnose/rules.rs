@@ -7,10 +7,37 @@ use std::collections::BTreeSet;
 use trainyard_model::domain::{Cause, CheckStatus};
 use trainyard_model::records::Allocation;
 
-use super::{
-    DEFAULT_DEVICE_MAX_CONNECTIONS, Diagnosis, FALLBACK_RATIO, Finding, Input, Measure, NodeSummary,
-    RankScore, SLOW_NODE_RATIO, bad, cost_of, env_on, measure, median, node_check, same_cpus,
-};
+use super::input::{Input, bad, env_on, node_check, same_cpus};
+use super::report::{Diagnosis, Finding, Measure, NodeSummary, measure};
+use super::stragglers::{RankScore, median};
+
+/// A node this much slower than the job's fastest node is slow.
+pub const SLOW_NODE_RATIO: f64 = 1.25;
+/// Measured collectives this many times the cost model's prediction are a fabric fallback.
+pub const FALLBACK_RATIO: f64 = 3.0;
+/// `CUDA_DEVICE_MAX_CONNECTIONS` below this serialises communication with compute.
+pub const DEFAULT_DEVICE_MAX_CONNECTIONS: u32 = 8;
+
+/// What the field reports measured for each cause (docs/field-notes.md §1, §2), quoted as the
+/// expected cost of a finding.
+pub mod cost_of {
+    pub const NUMA_SPLIT: &str = "nanochat d26 on an 8xH100 SXM node ran 1295 ms per step instead of 702 ms \
+        (1.84x) with its GPUs split 4+4 over two NUMA nodes: NCCL's CPU proxy threads starved";
+    pub const BINDING: &str = "an unbound rank's NCCL threads run on any socket: the NUMA-split cost, up to \
+        1.84x per step (1295 against 702 ms on SXM)";
+    pub const CPU: &str = "too few CPUs per GPU stalls NCCL's control threads like a NUMA split: up to 1.84x \
+        per step";
+    pub const SHM: &str = "NCCL_SHM_DISABLE=1 made an H100 NVL node 3.2x slower per step (2031 -> 6495 ms), \
+        its optimizer step 13.7x and total NCCL time 14.3x (traffic fell back to sockets)";
+    pub const P2P: &str = "without P2P, GPU-GPU traffic goes through host memory: PCIe-class collectives, \
+        ~7x slower than NVLink (28.5 s against 3.9 s of NCCL time per 10 steps of nanochat d26)";
+    pub const FABRIC: &str = "collectives over PCIe instead of NVLink ran ~7x slower (nanochat d26: NCCL \
+        28.5 s against 3.9 s per 10 steps; step 1412 against 702 ms)";
+    pub const CONNECTIONS: &str = "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises all_gather/reduce_scatter with \
+        compute: the optimizer's collectives no longer overlap the backward pass";
+    pub const STRAGGLER: &str = "in data-parallel training every rank waits for the slowest at each \
+        collective: the whole job runs at the straggler's pace";
+}
 
 /// What the rules read.
 struct Scene<'a> {

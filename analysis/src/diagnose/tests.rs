@@ -1,7 +1,8 @@
 use super::*;
-use trainyard_model::domain::{GpuInfo, PreflightLevel, RankState, Verdict};
-use trainyard_model::records::{CheckRecord, GpuWindowRecord, RankId, RankObserved};
-use trainyard_model::spec::{Engine, Resources};
+use std::collections::BTreeMap;
+use trainyard_model::domain::{Cause, CheckStatus, GpuInfo, Inventory, PreflightLevel, RankState, Verdict};
+use trainyard_model::records::{CheckRecord, GpuWindowRecord, PreflightRecord, RankId, RankObserved};
+use trainyard_model::spec::{Engine, JobSpec, Resources};
 
 fn spec(env: &[(&str, &str)]) -> JobSpec {
     JobSpec {

@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 
-use super::{NodePlacement, NodeView, Placement, Request};
+use super::types::{NodePlacement, NodeView, Placement, Request};
 use crate::links::{LinkClass, LinkMatrix, SetScore, best_set, bits};
 use trainyard_model::domain::InterconnectClass;
 

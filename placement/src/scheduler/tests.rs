@@ -2,6 +2,7 @@
 //! H100 NVL nodes (NVLink pairs) and PCIe nodes, as their preflight would describe them.
 
 use super::*;
+use trainyard_model::domain::InterconnectClass;
 
 fn gpus(numa: &[i32]) -> Vec<GpuView> {
     numa.iter()
