@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 
-use super::RefusalBudget;
+use super::budget::RefusalBudget;
 
 /// Refused calls an address may make at once before it is limited, and per second after.
 pub const REFUSALS_BURST: f64 = 20.0;

@@ -13,6 +13,7 @@
 //! - this module: the [`Policy`], [`Authenticator`] (token to [`Caller`], through the auth
 //!   service), the permission rules, and the audit of calls.
 
+mod budget;
 pub mod door;
 pub mod pki;
 
@@ -20,6 +21,7 @@ use std::sync::Arc;
 
 use crate::core::Auth;
 pub use crate::core::auth::{TOKEN_PREFIX, new_token, token_hash, token_prefix};
+use budget::RefusalBudget;
 use trainyard_store::{AuditEntry, JobOwner, StoreError, UserRecord};
 
 /// The user a tokenless call acts as in the loopback demo.
@@ -120,37 +122,6 @@ struct KnownTokens {
     loaded_at: Option<std::time::Instant>,
     /// Lookups of missing tokens between reloads.
     lookups: RefusalBudget,
-}
-
-/// A token bucket: of [`Authenticator::audit_refusal`] (rows it may still write, and the
-/// refusals it left out since the last row), and of lookups of unknown tokens.
-#[derive(Debug)]
-struct RefusalBudget {
-    tokens: f64,
-    at_ms: i64,
-    suppressed: u64,
-    per_sec: f64,
-    burst: f64,
-}
-
-impl RefusalBudget {
-    fn new(per_sec: f64, burst: f64) -> Self {
-        RefusalBudget { tokens: burst, at_ms: 0, suppressed: 0, per_sec, burst }
-    }
-
-    /// Whether one more may go at `now_ms`; when not, it is counted.
-    fn take(&mut self, now_ms: i64) -> bool {
-        let elapsed = (now_ms - self.at_ms).max(0) as f64 / 1000.0;
-        self.tokens = (self.tokens + elapsed * self.per_sec).min(self.burst);
-        self.at_ms = now_ms;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            self.suppressed += 1;
-            false
-        }
-    }
 }
 
 /// `text` cut to [`MAX_AUDIT_FIELD_BYTES`] on a character boundary, its full length noted.

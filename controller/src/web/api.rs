@@ -8,7 +8,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::{Query, Reject, Web, WebState, error, int_param, job_id, query_pairs, reject, store_error};
+use super::request::{
+    Query, Reject, Web, WebState, error, int_param, job_id, query_pairs, reject, store_error,
+};
 use crate::auth::Caller;
 use crate::core::LogEvent;
 use trainyard_analysis::diagnose::Diagnosis;

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use trainyard_store::GpuWindowRecord;
 
-use super::{Query, WebState, error, query_pairs, store_error};
+use super::request::{Query, WebState, error, query_pairs, store_error};
 
 /// Windows one request reads at most (64 GPUs x 10 s windows for ~4.5 hours).
 const MAX_WINDOWS: u32 = 100_000;
