@@ -16,10 +16,13 @@
 //! - [`alerts`]: the alert webhooks live findings are posted to (opened, closed).
 //! - [`tls`]: the certificate, key and client CA both listeners load.
 //! - [`server`]: `run(listener, http, controller, security, shutdown)`, the entry point.
+//! - [`group`]: a member of a controller group on PostgreSQL: follows, leads, steps down,
+//!   hands its listeners from one role to the other.
 pub mod alerts;
 pub mod auth;
 pub mod config;
 pub mod core;
+pub mod group;
 pub mod http;
 pub mod metrics;
 pub mod server;

@@ -158,6 +158,21 @@ impl Metrics {
             m.agent_hellos.clone(),
         );
         registry.register("agents_known", "Agents ever seen", m.agents_known.clone());
+        m.register_receipts(&mut registry);
+        trainyard_store::metrics::metrics().register(&mut registry);
+        registry.register("schedule_pass_seconds", "One scheduling pass", m.schedule_pass.clone());
+        registry.register(
+            "connections_turned_away",
+            "New gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential",
+            m.connections_turned_away.clone(),
+        );
+        m.register_telemetry_and_group(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// The receipts' metrics: stored, skipped, refused, flagged, and a batch's latency.
+    fn register_receipts(&self, registry: &mut Registry) {
+        let m = self;
         registry.register("receipts_ingested", "Receipts stored", m.receipts_ingested.clone());
         registry.register(
             "receipts_skipped",
@@ -179,15 +194,6 @@ impl Metrics {
             "A receipt batch from arrival to committed",
             m.receipt_batch.clone(),
         );
-        trainyard_store::metrics::metrics().register(&mut registry);
-        registry.register("schedule_pass_seconds", "One scheduling pass", m.schedule_pass.clone());
-        registry.register(
-            "connections_turned_away",
-            "New gRPC and HTTPS connections closed at accept: their address is limited for a flood of calls without a valid credential",
-            m.connections_turned_away.clone(),
-        );
-        m.register_telemetry_and_group(&mut registry);
-        Metrics { registry, ..m }
     }
 
     /// The GPU telemetry, live diagnosis and controller group metrics.

@@ -82,14 +82,7 @@ pub async fn run(
         None => None,
     };
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<JobsServer<JobsService>>().await;
-    if leads {
-        health.set_serving::<AgentsServer<AgentsService>>().await;
-        health.set_service_status(LEADER_HEALTH_SERVICE, tonic_health::ServingStatus::Serving).await;
-    } else {
-        health.set_not_serving::<AgentsServer<AgentsService>>().await;
-        health.set_service_status(LEADER_HEALTH_SERVICE, tonic_health::ServingStatus::NotServing).await;
-    }
+    set_health(&health, leads).await;
     let jobs = JobsServer::new(JobsService::new(controller.clone(), auth, token.clone()))
         .max_decoding_message_size(limits::MAX_REQUEST_BYTES)
         .max_encoding_message_size(limits::MAX_RESPONSE_BYTES);
@@ -133,6 +126,19 @@ pub async fn run(
         let _ = server.await;
     }
     result.map_err(|e| anyhow::anyhow!("gRPC server failed: {e}"))
+}
+
+/// The gRPC health service: the jobs service always serves; the agents service and the
+/// leader's own entry only while this controller leads.
+async fn set_health(health: &tonic_health::server::HealthReporter, leads: bool) {
+    health.set_serving::<JobsServer<JobsService>>().await;
+    if leads {
+        health.set_serving::<AgentsServer<AgentsService>>().await;
+        health.set_service_status(LEADER_HEALTH_SERVICE, tonic_health::ServingStatus::Serving).await;
+    } else {
+        health.set_not_serving::<AgentsServer<AgentsService>>().await;
+        health.set_service_status(LEADER_HEALTH_SERVICE, tonic_health::ServingStatus::NotServing).await;
+    }
 }
 
 /// Starts the HTTP listener's server. Off loopback the demo's tokenless admin never applies

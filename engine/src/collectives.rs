@@ -88,77 +88,92 @@ pub fn rendezvous(
 ) -> Result<Rendezvous> {
     ensure!(rank < world, "rank {rank} is not below the world size {world}");
     if rank == 0 {
-        let server = TcpListener::bind(master)
-            .with_context(|| format!("rank 0: bind the bootstrap address {master}"))?;
-        let ip = server.local_addr()?.ip();
-        let listener = TcpListener::bind((ip, 0))?;
-        let blob = make_blob()?;
-        let mut peers = vec![listener.local_addr()?; world];
-        let mut conns = Vec::new();
-        server.set_nonblocking(true)?;
-        let deadline = Instant::now() + timeout;
-        while conns.len() + 1 < world {
-            match server.accept() {
-                Ok((mut s, _)) => {
-                    s.set_nonblocking(false)?;
-                    s.set_read_timeout(Some(timeout))?;
-                    let r = u32::from_le_bytes(read_exact_vec(&mut s, 4)?.try_into().unwrap());
-                    let n = u32::from_le_bytes(read_exact_vec(&mut s, 4)?.try_into().unwrap());
-                    let addr: SocketAddr = String::from_utf8(read_exact_vec(&mut s, n as usize)?)?.parse()?;
-                    ensure!((r as usize) < world && r != 0, "bootstrap: bad rank {r}");
-                    peers[r as usize] = addr;
-                    conns.push(s);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
-                        bail!(
-                            "bootstrap: only {} of {world} ranks arrived at {master} within {:?}",
-                            conns.len() + 1,
-                            timeout
-                        );
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let table = peers.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",");
-        for s in &mut conns {
-            s.write_all(&(table.len() as u32).to_le_bytes())?;
-            s.write_all(table.as_bytes())?;
-            s.write_all(&blob)?;
-        }
-        Ok(Rendezvous { peers, blob, listener })
+        serve_table(master, world, timeout, make_blob)
     } else {
-        let deadline = Instant::now() + timeout;
-        let mut s = loop {
-            match TcpStream::connect(master) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() < deadline => {
-                    let _ = e;
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => {
-                    return Err(e).with_context(|| format!("rank {rank}: connect to {master}"));
-                }
-            }
-        };
-        s.set_read_timeout(Some(timeout))?;
-        let listener = TcpListener::bind((s.local_addr()?.ip(), 0))?;
-        let me = listener.local_addr()?.to_string();
-        s.write_all(&(rank as u32).to_le_bytes())?;
-        s.write_all(&(me.len() as u32).to_le_bytes())?;
-        s.write_all(me.as_bytes())?;
-        let n = u32::from_le_bytes(read_exact_vec(&mut s, 4)?.try_into().unwrap());
-        let table = String::from_utf8(read_exact_vec(&mut s, n as usize)?)?;
-        let peers = table
-            .split(',')
-            .map(|a| a.parse::<SocketAddr>().map_err(anyhow::Error::from))
-            .collect::<Result<Vec<_>>>()?;
-        ensure!(peers.len() == world, "bootstrap: table has {} ranks", peers.len());
-        let blob: [u8; 128] = read_exact_vec(&mut s, 128)?.try_into().unwrap();
-        Ok(Rendezvous { peers, blob, listener })
+        fetch_table(master, rank, world, timeout)
     }
+}
+
+/// Rank 0's side: waits for every other rank's address, then sends each the table and `blob`.
+fn serve_table(
+    master: &str,
+    world: usize,
+    timeout: Duration,
+    make_blob: impl FnOnce() -> Result<[u8; 128]>,
+) -> Result<Rendezvous> {
+    let server =
+        TcpListener::bind(master).with_context(|| format!("rank 0: bind the bootstrap address {master}"))?;
+    let ip = server.local_addr()?.ip();
+    let listener = TcpListener::bind((ip, 0))?;
+    let blob = make_blob()?;
+    let mut peers = vec![listener.local_addr()?; world];
+    let mut conns = Vec::new();
+    server.set_nonblocking(true)?;
+    let deadline = Instant::now() + timeout;
+    while conns.len() + 1 < world {
+        match server.accept() {
+            Ok((mut s, _)) => {
+                s.set_nonblocking(false)?;
+                s.set_read_timeout(Some(timeout))?;
+                let r = u32::from_le_bytes(read_exact_vec(&mut s, 4)?.try_into().unwrap());
+                let n = u32::from_le_bytes(read_exact_vec(&mut s, 4)?.try_into().unwrap());
+                let addr: SocketAddr = String::from_utf8(read_exact_vec(&mut s, n as usize)?)?.parse()?;
+                ensure!((r as usize) < world && r != 0, "bootstrap: bad rank {r}");
+                peers[r as usize] = addr;
+                conns.push(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    bail!(
+                        "bootstrap: only {} of {world} ranks arrived at {master} within {:?}",
+                        conns.len() + 1,
+                        timeout
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let table = peers.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",");
+    for s in &mut conns {
+        s.write_all(&(table.len() as u32).to_le_bytes())?;
+        s.write_all(table.as_bytes())?;
+        s.write_all(&blob)?;
+    }
+    Ok(Rendezvous { peers, blob, listener })
+}
+
+/// Another rank's side: sends its address to rank 0, then reads the table and the blob.
+fn fetch_table(master: &str, rank: usize, world: usize, timeout: Duration) -> Result<Rendezvous> {
+    let deadline = Instant::now() + timeout;
+    let mut s = loop {
+        match TcpStream::connect(master) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("rank {rank}: connect to {master}"));
+            }
+        }
+    };
+    s.set_read_timeout(Some(timeout))?;
+    let listener = TcpListener::bind((s.local_addr()?.ip(), 0))?;
+    let me = listener.local_addr()?.to_string();
+    s.write_all(&(rank as u32).to_le_bytes())?;
+    s.write_all(&(me.len() as u32).to_le_bytes())?;
+    s.write_all(me.as_bytes())?;
+    let n = u32::from_le_bytes(read_exact_vec(&mut s, 4)?.try_into().unwrap());
+    let table = String::from_utf8(read_exact_vec(&mut s, n as usize)?)?;
+    let peers = table
+        .split(',')
+        .map(|a| a.parse::<SocketAddr>().map_err(anyhow::Error::from))
+        .collect::<Result<Vec<_>>>()?;
+    ensure!(peers.len() == world, "bootstrap: table has {} ranks", peers.len());
+    let blob: [u8; 128] = read_exact_vec(&mut s, 128)?.try_into().unwrap();
+    Ok(Rendezvous { peers, blob, listener })
 }
 
 /// Ring reduce-scatter / all-gather over TCP between CPU ranks (fp32 on the wire).

@@ -158,70 +158,74 @@ fn main() -> Result<()> {
         Command::Entropy { shards } => {
             println!("{:.6}", trainyard_engine::data::unigram_entropy(&shards)?);
         }
-        Command::Train(mut a) => {
-            let env = RankEnv::from_env()?;
-            if let Some(dir) = &a.data {
-                let list = |prefix: &str| -> Result<Vec<PathBuf>> {
-                    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-                        .map_err(|e| anyhow::anyhow!("--data {}: {e}", dir.display()))?
-                        .filter_map(|e| e.ok().map(|e| e.path()))
-                        .filter(|p| {
-                            let n = p.file_name().unwrap_or_default().to_string_lossy();
-                            n.starts_with(prefix) && n.ends_with(".bin")
-                        })
-                        .collect();
-                    v.sort();
-                    Ok(v)
-                };
-                a.train.extend(list("train_")?);
-                a.val.extend(list("val_")?);
-            }
-            anyhow::ensure!(!a.train.is_empty(), "no training shards (--train FILES or --data DIR)");
-            let model = GptConfig::preset(&a.preset, a.seq_len, a.vocab_size)?
-                .with_window_pattern(&a.window_pattern)?;
-            let total = a.total_batch_size.unwrap_or(a.device_batch_size * a.seq_len * env.world as i64);
-            let cfg = TrainConfig {
-                model,
-                device_batch_size: a.device_batch_size,
-                total_batch_size: total,
-                num_iterations: a.num_iterations,
-                warmup_steps: a.warmup_steps,
-                warmdown_ratio: a.warmdown_ratio,
-                final_lr_frac: a.final_lr_frac,
-                matrix_lr: a.matrix_lr,
-                embedding_lr: a.embedding_lr,
-                unembedding_lr: a.unembedding_lr,
-                scalar_lr: a.scalar_lr,
-                weight_decay: a.weight_decay,
-                lr_scale: a.lr_scale,
-                seed: a.seed,
-                eval_every: a.eval_every,
-                eval_batches: a.eval_batches,
-                checkpoint_every: a.checkpoint_every,
-            };
-            let spec = RunSpec {
-                cfg,
-                train_shards: a.train,
-                val_shards: a.val,
-                device: a.device,
-                threads: a.threads,
-                checkpoint_dir: a.checkpoint_dir,
-                // The agent sets TRAINYARD_RESUME=1 in a restarted attempt of a job whose restart
-                // policy says resume.
-                resume: a.resume || std::env::var("TRAINYARD_RESUME").is_ok_and(|v| v == "1"),
-                init_weights: a.init_weights,
-                export_init: a.export_init,
-                stop_after: a.stop_after,
-                unfused_loss: a.unfused_loss,
-                unfused_blocks: a.unfused_blocks,
-                profile: a
-                    .profile_steps
-                    .as_deref()
-                    .map(|s| trainyard_engine::profiler::ProfileSpec::parse(s, a.profile_out.clone()))
-                    .transpose()?,
-            };
-            trainyard_engine::train::run(spec, env)?;
-        }
+        Command::Train(a) => train(*a)?,
     }
+    Ok(())
+}
+
+/// `train`: the run's configuration from the flags and the rank's environment, then the run.
+fn train(mut a: TrainArgs) -> Result<()> {
+    let env = RankEnv::from_env()?;
+    if let Some(dir) = &a.data {
+        let list = |prefix: &str| -> Result<Vec<PathBuf>> {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| anyhow::anyhow!("--data {}: {e}", dir.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    let n = p.file_name().unwrap_or_default().to_string_lossy();
+                    n.starts_with(prefix) && n.ends_with(".bin")
+                })
+                .collect();
+            v.sort();
+            Ok(v)
+        };
+        a.train.extend(list("train_")?);
+        a.val.extend(list("val_")?);
+    }
+    anyhow::ensure!(!a.train.is_empty(), "no training shards (--train FILES or --data DIR)");
+    let model =
+        GptConfig::preset(&a.preset, a.seq_len, a.vocab_size)?.with_window_pattern(&a.window_pattern)?;
+    let total = a.total_batch_size.unwrap_or(a.device_batch_size * a.seq_len * env.world as i64);
+    let cfg = TrainConfig {
+        model,
+        device_batch_size: a.device_batch_size,
+        total_batch_size: total,
+        num_iterations: a.num_iterations,
+        warmup_steps: a.warmup_steps,
+        warmdown_ratio: a.warmdown_ratio,
+        final_lr_frac: a.final_lr_frac,
+        matrix_lr: a.matrix_lr,
+        embedding_lr: a.embedding_lr,
+        unembedding_lr: a.unembedding_lr,
+        scalar_lr: a.scalar_lr,
+        weight_decay: a.weight_decay,
+        lr_scale: a.lr_scale,
+        seed: a.seed,
+        eval_every: a.eval_every,
+        eval_batches: a.eval_batches,
+        checkpoint_every: a.checkpoint_every,
+    };
+    let spec = RunSpec {
+        cfg,
+        train_shards: a.train,
+        val_shards: a.val,
+        device: a.device,
+        threads: a.threads,
+        checkpoint_dir: a.checkpoint_dir,
+        // The agent sets TRAINYARD_RESUME=1 in a restarted attempt of a job whose restart
+        // policy says resume.
+        resume: a.resume || std::env::var("TRAINYARD_RESUME").is_ok_and(|v| v == "1"),
+        init_weights: a.init_weights,
+        export_init: a.export_init,
+        stop_after: a.stop_after,
+        unfused_loss: a.unfused_loss,
+        unfused_blocks: a.unfused_blocks,
+        profile: a
+            .profile_steps
+            .as_deref()
+            .map(|s| trainyard_engine::profiler::ProfileSpec::parse(s, a.profile_out.clone()))
+            .transpose()?,
+    };
+    trainyard_engine::train::run(spec, env)?;
     Ok(())
 }

@@ -10,6 +10,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 use trainyard_controller::auth::Policy;
+use trainyard_controller::group::{Listeners, Member};
 use trainyard_controller::http::Exposure;
 use trainyard_controller::server::Security;
 use trainyard_controller::tls::TlsFiles;
@@ -327,7 +328,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     // Held for the process's life: a second controller on the same SQLite file refuses to start.
     let claim = store.claim_for_controller().context("claim the SQLite database for this controller")?;
     let store: Arc<dyn trainyard_store::Store> = Arc::new(store);
-    let listeners = Listeners::bind(&cli, &security).await?;
+    let listeners = bind_listeners(&cli, &security).await?;
     // On PostgreSQL several controllers may share the database: lead or follow.
     let group = match (&claim, cli.db.as_deref()) {
         (None, Some(url)) if url.starts_with("postgres") => {
@@ -346,164 +347,38 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         let (grpc, http) = listeners.dup()?;
         return server::run(grpc, http, controller, security, shutdown_signal()).await.context("serve");
     };
-    // A member of a group follows until it leads, leads until it loses its lease (it was
-    // frozen, or cut off from the database), then follows again.
-    loop {
-        let Some(lease) = follow_until_leading(&store, &group, &cli, &listeners, &security).await? else {
-            return Ok(()); // stopped while following
-        };
-        let fence = trainyard_controller::core::leader::take_office(&store, &lease);
-        let controller = Controller::start_leading(store.clone(), ControllerConfig::from(&cli), lease)
-            .await
-            .context("load jobs and agents from the store")?;
-        let stop = tokio_util::sync::CancellationToken::new();
-        let lost = trainyard_controller::core::leader::keep(
-            store.clone(),
-            group.clone(),
-            fence.clone(),
-            stop.clone(),
-        );
-        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let until = {
-            let (lost, stopping) = (lost.clone(), stopping.clone());
-            async move {
-                tokio::select! {
-                    _ = shutdown_signal() => stopping.store(true, std::sync::atomic::Ordering::Relaxed),
-                    _ = lost.cancelled() => {}
-                }
+    let member = Member { store, group, config: ControllerConfig::from(&cli), security };
+    member.serve(&listeners, shutdown_signal).await
+}
+
+/// Binds the gRPC and HTTP listeners the flags name, once for the process's life.
+async fn bind_listeners(cli: &Cli, security: &Security) -> anyhow::Result<Listeners> {
+    let grpc = TcpListener::bind(cli.listen).await.with_context(|| format!("listen on {}", cli.listen))?;
+    let addr = grpc.local_addr().context("read the bound address")?;
+    if let Some(path) = &cli.addr_file {
+        write_atomically(path, &addr.to_string()).with_context(|| format!("write {}", path.display()))?;
+    }
+    let http = match cli.http_listen.as_str() {
+        "off" => None,
+        text => {
+            let at: SocketAddr = text
+                .parse()
+                .with_context(|| format!("--http-listen {text:?} is not an address like 127.0.0.1:7071"))?;
+            let listener =
+                TcpListener::bind(at).await.with_context(|| format!("listen on {at} (--http-listen)"))?;
+            let bound = listener.local_addr().context("read the bound HTTP address")?;
+            let exposure = http_exposure(cli, bound, security)?;
+            if let Some(path) = &cli.http_addr_file {
+                write_atomically(path, &bound.to_string())
+                    .with_context(|| format!("write {}", path.display()))?;
             }
-        };
-        let (grpc, http) = listeners.dup()?;
-        let mut serving = tokio::spawn(server::run(grpc, http, controller, security.clone(), until));
-        let served = tokio::select! {
-            served = &mut serving => served,
-            // A lost lease ends the service at once: requests stuck on a database that went
-            // away get STEP_DOWN_GRACE, then their connections are cut.
-            _ = lost.cancelled() => match tokio::time::timeout(STEP_DOWN_GRACE, &mut serving).await {
-                Ok(served) => served,
-                Err(_) => {
-                    serving.abort();
-                    Ok(Ok(()))
-                }
-            },
-        };
-        served.context("the server task failed")?.context("serve")?;
-        stop.cancel();
-        if stopping.load(std::sync::atomic::Ordering::Relaxed) {
-            trainyard_controller::core::leader::resign(&store, &fence).await;
-            return Ok(());
+            let scheme = if exposure.tls.is_some() { "https" } else { "http" };
+            tracing::info!(addr = %bound, scheme, "serving the web view, /metrics and /healthz");
+            Some((listener, exposure))
         }
-        tracing::error!(
-            epoch = fence.epoch,
-            "stepped down: the lease of epoch {} was lost and nothing more was written under it; following again",
-            fence.epoch
-        );
-    }
-}
-
-/// How long a leader that lost its lease waits for requests in flight before it cuts them.
-const STEP_DOWN_GRACE: Duration = Duration::from_secs(3);
-
-/// The gRPC and HTTP listeners, bound once for the process's life: a follower and then a
-/// leader serve on duplicates of the same sockets, so connections that arrive while one hands
-/// over to the other wait in the kernel's backlog instead of being refused.
-struct Listeners {
-    grpc: TcpListener,
-    http: Option<(TcpListener, Exposure)>,
-}
-
-impl Listeners {
-    async fn bind(cli: &Cli, security: &Security) -> anyhow::Result<Listeners> {
-        let grpc =
-            TcpListener::bind(cli.listen).await.with_context(|| format!("listen on {}", cli.listen))?;
-        let addr = grpc.local_addr().context("read the bound address")?;
-        if let Some(path) = &cli.addr_file {
-            write_atomically(path, &addr.to_string()).with_context(|| format!("write {}", path.display()))?;
-        }
-        let http = match cli.http_listen.as_str() {
-            "off" => None,
-            text => {
-                let at: SocketAddr = text.parse().with_context(|| {
-                    format!("--http-listen {text:?} is not an address like 127.0.0.1:7071")
-                })?;
-                let listener =
-                    TcpListener::bind(at).await.with_context(|| format!("listen on {at} (--http-listen)"))?;
-                let bound = listener.local_addr().context("read the bound HTTP address")?;
-                let exposure = http_exposure(cli, bound, security)?;
-                if let Some(path) = &cli.http_addr_file {
-                    write_atomically(path, &bound.to_string())
-                        .with_context(|| format!("write {}", path.display()))?;
-                }
-                let scheme = if exposure.tls.is_some() { "https" } else { "http" };
-                tracing::info!(addr = %bound, scheme, "serving the web view, /metrics and /healthz");
-                Some((listener, exposure))
-            }
-        };
-        tracing::info!(%addr, "trainyard-controller listening");
-        Ok(Listeners { grpc, http })
-    }
-
-    /// Duplicates of the sockets (the same listening socket under new descriptors), for one
-    /// server's life.
-    fn dup(&self) -> anyhow::Result<(TcpListener, Option<(TcpListener, Exposure)>)> {
-        let http = match &self.http {
-            Some((l, exposure)) => Some((dup_listener(l)?, exposure.clone())),
-            None => None,
-        };
-        Ok((dup_listener(&self.grpc)?, http))
-    }
-}
-
-fn dup_listener(listener: &TcpListener) -> anyhow::Result<TcpListener> {
-    use std::os::fd::AsFd;
-    let fd = listener.as_fd().try_clone_to_owned().context("duplicate a listening socket")?;
-    let std = std::net::TcpListener::from(fd);
-    std.set_nonblocking(true).context("set a listening socket non-blocking")?;
-    TcpListener::from_std(std).context("register a listening socket")
-}
-
-/// Takes part in the group's elections, serving as a follower on the listeners from the first
-/// election that finds another leader; returns this controller's lease once it leads (the
-/// follower stopped), or `None` on ctrl-c or SIGTERM.
-async fn follow_until_leading(
-    store: &Arc<dyn trainyard_store::Store>,
-    group: &trainyard_controller::core::leader::GroupConfig,
-    cli: &Cli,
-    listeners: &Listeners,
-    security: &Security,
-) -> anyhow::Result<Option<trainyard_store::Lease>> {
-    let (seen, mut leader) = tokio::sync::watch::channel(None);
-    let stop = tokio_util::sync::CancellationToken::new();
-    let mut follower = {
-        let (store, config, id) = (store.clone(), ControllerConfig::from(cli), group.id.clone());
-        let (grpc, http) = listeners.dup()?;
-        let (security, stop) = (security.clone(), stop.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = stop.cancelled() => return Ok(()),
-                // The first election that did not make this controller lead.
-                told = leader.changed() => if told.is_err() { return Ok(()) },
-            }
-            let follower = Controller::follow(store, config, id, leader)
-                .await
-                .context("load jobs and agents from the store")?;
-            server::run(grpc, http, follower, security, stop.cancelled_owned())
-                .await
-                .context("serve as a follower")
-        })
     };
-    let lease = trainyard_controller::core::leader::lead(store, group, shutdown_signal(), &seen).await;
-    stop.cancel();
-    match tokio::time::timeout(Duration::from_secs(10), &mut follower).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => tracing::error!(error = %format!("{e:#}"), "the follower failed"),
-        Ok(Err(e)) => tracing::error!(error = %e, "the follower panicked"),
-        Err(_) => {
-            tracing::warn!("the follower did not stop within 10 s; stopping it now");
-            follower.abort();
-        }
-    }
-    lease
+    tracing::info!(%addr, "trainyard-controller listening");
+    Ok(Listeners { grpc, http })
 }
 
 /// The group settings of a controller on PostgreSQL.
