@@ -38,7 +38,7 @@ impl<T> Group<T> {
     /// loop {
     ///     match waiter.next().await {
     ///         Next::Answered(result) => return result,
-    ///         Next::Write(group) => self.write_group(group).await, // answers every write
+    ///         Next::Write(group) => write_group(self, group).await, // answers every write
     ///     }
     /// }
     /// ```

@@ -181,7 +181,7 @@ impl JobStore for SqlStore {
         loop {
             match waiter.next().await {
                 Next::Answered(changed) => return changed,
-                Next::Write(group) => self.write_observations(group).await,
+                Next::Write(group) => write_observations(self, group).await,
             }
         }
     }
@@ -190,24 +190,22 @@ impl JobStore for SqlStore {
 /// Rank reports in one transaction at most.
 const GROUP_REPORTS: usize = 1_000;
 
-impl SqlStore {
-    /// Writes `group` in order (in rounds of at most [`GROUP_REPORTS`]) and answers each report:
-    /// whether its rank's row exists.
-    async fn write_observations(&self, mut group: Vec<Observation>) {
-        while !group.is_empty() {
-            let round: Vec<Observation> = group.drain(..group.len().min(GROUP_REPORTS)).collect();
-            let reports: Vec<(RankId, &RankObserved)> = round.iter().map(|o| (o.id, &o.observed)).collect();
-            let result = self
-                .write("observe_rank", async |c| {
-                    let mut changed = Vec::with_capacity(reports.len());
-                    for (id, observed) in &reports {
-                        changed.push(update_allocation(c, *id, observed).await?);
-                    }
-                    Ok(changed)
-                })
-                .await;
-            answer_each(round, result, |w| w.done);
-        }
+/// Writes `group` in order (in rounds of at most [`GROUP_REPORTS`]) and answers each report:
+/// whether its rank's row exists.
+async fn write_observations(store: &SqlStore, mut group: Vec<Observation>) {
+    while !group.is_empty() {
+        let round: Vec<Observation> = group.drain(..group.len().min(GROUP_REPORTS)).collect();
+        let reports: Vec<(RankId, &RankObserved)> = round.iter().map(|o| (o.id, &o.observed)).collect();
+        let result = store
+            .write("observe_rank", async |c| {
+                let mut changed = Vec::with_capacity(reports.len());
+                for (id, observed) in &reports {
+                    changed.push(update_allocation(c, *id, observed).await?);
+                }
+                Ok(changed)
+            })
+            .await;
+        answer_each(round, result, |w| w.done);
     }
 }
 

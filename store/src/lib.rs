@@ -8,10 +8,10 @@
 //! - `db`: [`SqlStore`], the one implementation, on either database, and the one helper
 //!   every operation goes through (a span, a transaction, metrics).
 //! - `jobs`, `fleet`, `receipts`, `diagnosis`, `preflight`, `auth`, `series`, `telemetry`,
-//!   `lease`: each trait's implementation with its SQL, written once for both databases (the
-//!   lease also holds the fence every write of a group's leader checks).
-//! - `group`: group commit, for the writes a fleet sends hundreds or thousands of a second
-//!   (receipt batches, rank reports): those that arrive together commit in one transaction.
+//!   `lease`: each trait's implementation with its SQL, written once for both databases;
+//!   `fence`: the check of the leader's lease at the start of every write.
+//! - `group` and `waiting`: group commit, for the writes a fleet sends by the thousand a
+//!   second (receipt batches, rank reports): those that arrive together commit at once.
 //! - `sql`: the seam between those queries and the two drivers: a connection, a query, a row.
 //! - `sqlite` and `postgres`: what is each database's own: opening it, running a transaction
 //!   (SQLite's writer queue, PostgreSQL's retries), and the receipt batch in its fastest form.
@@ -19,9 +19,8 @@
 //! - [`metrics`]: the duration and failures of every store operation, for `/metrics`.
 //!
 //! The records the core holds (jobs, allocations, agents, preflight reports) are
-//! [`trainyard_model::records`], re-exported here because every method speaks them; the
-//! analysis types the store reads and writes (step samples, findings, goodput, rollups) are
-//! [`trainyard_analysis`]'s.
+//! [`trainyard_model::records`], re-exported here because every method speaks them; the analysis
+//! types it reads and writes (samples, findings, goodput, rollups) are [`trainyard_analysis`]'s.
 //!
 //! # What we persist
 //! - `jobs`: one row per job with its spec (protobuf bytes plus plain columns an operator
@@ -39,13 +38,11 @@
 //! - `gpu_samples`: one row per GPU per telemetry window, with the rank on it and its steps.
 //! - `live_findings`: the live diagnosis's findings, open and closed, with their alerts.
 //!
-//! What is *not* persisted: which agents are connected right now, and the in-memory fleet
-//! view the scheduler works on. Both are rebuilt at start-up from these tables plus the
-//! agents' hellos.
+//! Not persisted: which agents are connected now, and the fleet view the scheduler works on:
+//! both are rebuilt at start-up from these tables and the agents' hellos.
 //!
 //! The traits are narrow on purpose, because a backend nobody runs rots: every method is one
-//! transaction, there is one implementation, and its test suite runs every test on both
-//! databases.
+//! transaction, there is one implementation, and its tests run on both databases.
 
 mod auth;
 mod db;
@@ -72,17 +69,16 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-pub use trainyard_model::domain::Inventory;
-pub use trainyard_model::spec::JobSpec;
-
 pub use db::SqlStore;
 pub use fence::Fence;
 pub use lease::{Election, Lease};
 pub use sqlite::SqliteClaim;
 pub use trainyard_model::domain::{
-    AgentState, CheckStatus, FailureKind, InterconnectClass, JobState, PreflightLevel, RankState, Verdict,
+    AgentState, CheckStatus, FailureKind, InterconnectClass, Inventory, JobState, PreflightLevel, RankState,
+    Verdict,
 };
 pub use trainyard_model::records::*;
+pub use trainyard_model::spec::JobSpec;
 
 /// Opens the store a `--db` value names: `postgres://` or `postgresql://` URLs open
 /// PostgreSQL, `sqlite:` URLs and plain paths open SQLite. Migrations run on open.

@@ -19,7 +19,7 @@ impl ReceiptStore for SqlStore {
         loop {
             match waiter.next().await {
                 Next::Answered(stored) => return stored,
-                Next::Write(group) => self.write_group(group).await,
+                Next::Write(group) => write_group(self, group).await,
             }
         }
     }
@@ -102,33 +102,31 @@ impl ReceiptStore for SqlStore {
 /// Rows in one group at most: a group's transaction stays short.
 const GROUP_ROWS: usize = 50_000;
 
-impl SqlStore {
-    /// Writes `group` (in rounds of at most [`GROUP_ROWS`] rows) and answers every batch.
-    async fn write_group(&self, mut group: Vec<Pending>) {
-        while !group.is_empty() {
-            let mut rows = 0;
-            let take = group.iter().take_while(|p| {
-                rows += p.rows.len();
-                rows <= GROUP_ROWS || rows == p.rows.len()
-            });
-            let n = take.count().max(1);
-            let round: Vec<Pending> = group.drain(..n).collect();
-            let batches: Vec<(&[NewReceipt], i64)> =
-                round.iter().map(|p| (p.rows.as_slice(), p.now_ms)).collect();
-            // The hot path: each database gets each batch in the form it takes fastest.
-            let result = self
-                .write_receipts("insert_receipts", async |c| match c {
-                    Conn::Sqlite(c) => {
-                        let mut counts = Vec::with_capacity(batches.len());
-                        for (rows, now_ms) in &batches {
-                            counts.push(sqlite::insert_receipts(c, rows, *now_ms).await?);
-                        }
-                        Ok(counts)
+/// Writes `group` (in rounds of at most [`GROUP_ROWS`] rows) and answers every batch.
+async fn write_group(store: &SqlStore, mut group: Vec<Pending>) {
+    while !group.is_empty() {
+        let mut rows = 0;
+        let take = group.iter().take_while(|p| {
+            rows += p.rows.len();
+            rows <= GROUP_ROWS || rows == p.rows.len()
+        });
+        let n = take.count().max(1);
+        let round: Vec<Pending> = group.drain(..n).collect();
+        let batches: Vec<(&[NewReceipt], i64)> =
+            round.iter().map(|p| (p.rows.as_slice(), p.now_ms)).collect();
+        // The hot path: each database gets each batch in the form it takes fastest.
+        let result = store
+            .write_receipts("insert_receipts", async |c| match c {
+                Conn::Sqlite(c) => {
+                    let mut counts = Vec::with_capacity(batches.len());
+                    for (rows, now_ms) in &batches {
+                        counts.push(sqlite::insert_receipts(c, rows, *now_ms).await?);
                     }
-                    Conn::Postgres(c) => postgres::insert_receipt_group(c, &batches).await,
-                })
-                .await;
-            answer_each(round, result, |w| w.done);
-        }
+                    Ok(counts)
+                }
+                Conn::Postgres(c) => postgres::insert_receipt_group(c, &batches).await,
+            })
+            .await;
+        answer_each(round, result, |w| w.done);
     }
 }

@@ -8,10 +8,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::request::{
-    Query, Reject, Web, WebState, error, int_param, job_id, query_pairs, reject, store_error,
-};
-use crate::auth::Caller;
+use super::request::{Query, Web, WebState, error, int_param, query_pairs, store_error};
 use crate::core::LogEvent;
 use trainyard_analysis::diagnose::Diagnosis;
 use trainyard_analysis::diagnose::compare::{Comparison, Distribution, Side};
@@ -45,22 +42,6 @@ pub(super) fn json_ok(value: Value) -> Response {
 fn ok(value: Value) -> Response {
     (StatusCode::OK, [(axum::http::header::CONTENT_TYPE, "application/json")], value.to_string())
         .into_response()
-}
-
-impl Web {
-    /// The job, if `caller` may see it: 404 when unknown, 403 when it is someone else's.
-    pub(super) async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Reject> {
-        let id = job_id(raw)?;
-        let job = self.controller.jobs().record(id).await.map_err(store_error)?;
-        let job = job.ok_or_else(|| reject(StatusCode::NOT_FOUND, format!("job {id} not found")))?;
-        if !caller.may_access(&job.owner) {
-            return Err(reject(
-                StatusCode::FORBIDDEN,
-                format!("job {id} is not yours; only its owner or an admin may see it"),
-            ));
-        }
-        Ok(job)
-    }
 }
 
 /// `GET /api/jobs[?limit=N&active=1]`: newest first; non-admins see their own only.

@@ -9,6 +9,7 @@ use axum::response::{IntoResponse, Response};
 
 use crate::auth::{AuthError, Authenticator, Caller};
 use crate::core::Controller;
+use trainyard_store::JobRecord;
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -27,6 +28,20 @@ impl Web {
             Err(AuthError::PermissionDenied(why)) => Err(reject(StatusCode::FORBIDDEN, why)),
             Err(AuthError::Store(e)) => Err(store_error(e.into())),
         }
+    }
+
+    /// The job, if `caller` may see it: 404 when unknown, 403 when it is someone else's.
+    pub(super) async fn job_for(&self, caller: &Caller, raw: &str) -> Result<JobRecord, Reject> {
+        let id = job_id(raw)?;
+        let job = self.controller.jobs().record(id).await.map_err(store_error)?;
+        let job = job.ok_or_else(|| reject(StatusCode::NOT_FOUND, format!("job {id} not found")))?;
+        if !caller.may_access(&job.owner) {
+            return Err(reject(
+                StatusCode::FORBIDDEN,
+                format!("job {id} is not yours; only its owner or an admin may see it"),
+            ));
+        }
+        Ok(job)
     }
 }
 
