@@ -1,4 +1,5 @@
-//! Compiles `proto/trainyard/v1/*.proto` with the protoc that the `protoc-bin-vendored`
+//! Compiles the package `trainyard.v1` (`proto/trainyard/v1/*.proto`: the spec, the two
+//! services and the preflight report they share) with the protoc that the `protoc-bin-vendored`
 //! crate ships, so a fresh machine needs no system protobuf compiler.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -13,7 +14,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(grpc)
         .build_server(grpc)
         .build_transport(false)
-        .compile_protos(&["proto/trainyard/v1/trainyard.proto"], &["proto"])?;
+        .compile_protos(
+            &[
+                "proto/trainyard/v1/spec.proto",
+                "proto/trainyard/v1/jobs.proto",
+                "proto/trainyard/v1/agents.proto",
+                "proto/trainyard/v1/preflight.proto",
+            ],
+            &["proto"],
+        )?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

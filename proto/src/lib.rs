@@ -4,7 +4,8 @@
 //! on every size a peer controls ([`limits`]); and the vocabulary of GPU telemetry
 //! ([`telemetry`]: throttle reasons and XIDs). Both ends share one definition.
 //!
-//! `trainyard.proto` is the source of truth; see its comments for field meanings. The words a
+//! `proto/trainyard/v1/*.proto` (the spec, the Jobs and Agents services, the preflight report)
+//! is the source of truth; see its comments for field meanings. The words a
 //! message carries (states, verdicts, levels, statuses, classes, causes, streams) are defined
 //! once in [`words`] and read through the typed accessors of [`typed`].
 

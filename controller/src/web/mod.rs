@@ -53,10 +53,18 @@ async fn page() -> Response {
         .into_response()
 }
 
-/// The static files, built into the binary.
+const JS: &str = "text/javascript; charset=utf-8";
+
+/// The static files, built into the binary: the page's ES modules (`app.js` imports the rest),
+/// its style and the vendored plotting library.
 async fn asset(Path(file): Path<String>) -> Response {
     let (body, kind): (&'static [u8], &str) = match file.as_str() {
-        "app.js" => (include_bytes!("../../web/app.js"), "text/javascript; charset=utf-8"),
+        "app.js" => (include_bytes!("../../web/app.js"), JS),
+        "common.js" => (include_bytes!("../../web/common.js"), JS),
+        "plots.js" => (include_bytes!("../../web/plots.js"), JS),
+        "jobs.js" => (include_bytes!("../../web/jobs.js"), JS),
+        "nodes.js" => (include_bytes!("../../web/nodes.js"), JS),
+        "compare.js" => (include_bytes!("../../web/compare.js"), JS),
         "style.css" => (include_bytes!("../../web/style.css"), "text/css; charset=utf-8"),
         "uPlot.iife.min.js" => {
             (include_bytes!("../../web/vendor/uPlot.iife.min.js"), "text/javascript; charset=utf-8")

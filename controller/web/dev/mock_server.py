@@ -29,7 +29,8 @@ from urllib.parse import parse_qs, urlsplit
 WEB = Path(__file__).resolve().parent.parent  # controller/web
 
 STATIC = {
-    "/assets/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    **{f"/assets/{name}": (name, "text/javascript; charset=utf-8")
+       for name in ("app.js", "common.js", "plots.js", "jobs.js", "nodes.js", "compare.js")},
     "/assets/style.css": ("style.css", "text/css; charset=utf-8"),
     "/assets/uPlot.iife.min.js": ("vendor/uPlot.iife.min.js", "text/javascript; charset=utf-8"),
     "/assets/uplot.min.css": ("vendor/uplot.min.css", "text/css; charset=utf-8"),
