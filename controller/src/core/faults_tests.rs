@@ -6,7 +6,9 @@ use std::time::Duration;
 use trainyard_proto::v1::{RankKey, RankReport, Receipt, ReceiptBatch, controller_message::Msg};
 
 use super::*;
+use crate::config::ControllerConfig;
 use crate::core::test_support::{Agent, connect, report, spec, store};
+use std::sync::Arc;
 use trainyard_store::FailureKind;
 
 fn config() -> ControllerConfig {

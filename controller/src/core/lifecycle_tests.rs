@@ -6,7 +6,10 @@ use std::time::Duration;
 use trainyard_proto::v1::{RankKey, controller_message::Msg};
 
 use super::*;
+use crate::config::ControllerConfig;
 use crate::core::test_support::{connect, controller, report, spec, store};
+use std::sync::Arc;
+use trainyard_store::Store;
 use trainyard_store::{Allocation, JobState, RankId, RankObserved};
 
 async fn state_of(c: &Controller, job: u64) -> (String, String) {

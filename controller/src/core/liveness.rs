@@ -13,7 +13,7 @@ use super::{Controller, Core, Result, rank_done};
 impl Controller {
     /// Marks connected agents that have sent nothing for `unresponsive_after` as
     /// `unresponsive` (no new work) and back when they speak again, moves their `last_seen_ms`
-    /// forward, and writes it to the store every [`super::SEEN_PERSIST_EVERY`].
+    /// forward, and writes it to the store every [`super::controller::SEEN_PERSIST_EVERY`].
     pub(crate) async fn check_liveness(&self) -> Result<()> {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let limit = self.config.unresponsive_after.as_millis() as i64;
@@ -48,7 +48,7 @@ impl Controller {
         }
         let due = {
             let mut last = self.seen_persisted.lock().unwrap_or_else(|p| p.into_inner());
-            let due = last.elapsed() >= super::SEEN_PERSIST_EVERY;
+            let due = last.elapsed() >= super::controller::SEEN_PERSIST_EVERY;
             if due {
                 *last = Instant::now();
             }

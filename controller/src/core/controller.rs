@@ -1,0 +1,215 @@
+//! [`Controller`]: the core's one owner. It holds the store, the configuration, the clock, the
+//! wake-ups of the reconciler, the in-memory state behind one lock, and the side systems' own
+//! small locks; the five services (`Controller::jobs`, ...) are the way in, and
+//! [`Controller::run_background`] is the reconciler's loop.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use trainyard_store::{JobId, Store};
+
+use super::state::Core;
+use super::{Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, logs};
+use crate::config::ControllerConfig;
+
+/// The controller: its store, its in-memory view of the fleet and its jobs, and a change
+/// counter that watchers wait on.
+pub struct Controller {
+    pub(super) store: Arc<dyn Store>,
+    /// Users, tokens and the audit log (over the same store).
+    pub(super) auth: Auth,
+    pub(super) config: ControllerConfig,
+    /// Leader (the one writer) or follower (reads only; `follow`).
+    pub(super) role: Role,
+    /// Never held across an `.await` (see the module documentation).
+    pub(super) core: Mutex<Core>,
+    /// Wakes the reconciler: a job or an agent changed and it may have work.
+    pub(super) wake: Notify,
+    pub(super) clock: Clock,
+    /// Bumped whenever receipts are stored or a job changes; `Watch` streams wait on it.
+    pub(super) changes: watch::Sender<u64>,
+    /// When each agent last sent anything (a heartbeat or any other message), in ms. A
+    /// `std::sync::Mutex`, not the core's lock: every message of every agent touches it, no
+    /// `.await` happens while it is held, and the liveness check reads it twice a second.
+    pub(super) seen: std::sync::Mutex<HashMap<String, i64>>,
+    /// When `last_seen_ms` was last written to the store (at most every [`SEEN_PERSIST_EVERY`]).
+    pub(super) seen_persisted: std::sync::Mutex<Instant>,
+    /// Open `Logs` requests by id (see `logs`), and the last id handed out.
+    pub(super) logs: std::sync::Mutex<HashMap<u64, logs::LogWaiter>>,
+    pub(super) next_log_request: std::sync::atomic::AtomicU64,
+    /// When each running job's ranks last wrote a step receipt (the hang watch). Its own
+    /// `std::sync::Mutex`: ingest updates it once per batch and never takes the core's lock.
+    pub(super) steps: std::sync::Mutex<HashMap<JobId, faults::StepWatch>>,
+    /// When this controller started: host-loss and hang clocks wait `reconnect_grace` after it.
+    pub(super) started: Instant,
+    /// Turns to record an ended job's outcome (`diagnosis::OUTCOMES_AT_ONCE` at a time).
+    pub(super) outcomes: tokio::sync::Semaphore,
+    /// Streams of hosts declared lost while their stream stayed open (a cut network): the
+    /// next message on one ends it, so the agent must say hello again and have the ranks of
+    /// old attempts stopped. Its own small lock: every agent message checks it.
+    pub(super) fenced: std::sync::Mutex<std::collections::HashSet<u64>>,
+}
+
+/// How often heartbeats move `agents.last_seen_ms` forward in the store.
+pub(super) const SEEN_PERSIST_EVERY: Duration = Duration::from_secs(10);
+
+/// What lives only in memory, rebuilt at start-up from the store and the agents' hellos.
+/// How often telemetry past its retention is deleted.
+pub(super) const PRUNE_EVERY: Duration = Duration::from_secs(600);
+
+impl Controller {
+    /// Rebuilds the in-memory state from the store. Agents count as disconnected until they
+    /// say hello again; those that do not come back within `agent_timeout` lose their ranks.
+    /// The controller leads: alone (SQLite), or under `lease` in a group ([`Controller::follow`]
+    /// builds one that does not).
+    pub async fn start(store: Arc<dyn Store>, config: ControllerConfig) -> Result<Arc<Controller>> {
+        Controller::start_as(store, config, Role::Leader(None)).await
+    }
+
+    /// As [`Controller::start`], for the leader of a group under `lease`.
+    pub async fn start_leading(
+        store: Arc<dyn Store>,
+        config: ControllerConfig,
+        lease: trainyard_store::Lease,
+    ) -> Result<Arc<Controller>> {
+        Controller::start_as(store, config, Role::Leader(Some(lease))).await
+    }
+
+    pub(super) async fn start_as(
+        store: Arc<dyn Store>,
+        config: ControllerConfig,
+        role: Role,
+    ) -> Result<Arc<Controller>> {
+        let clock = Clock::new();
+        let now = Instant::now();
+        let mut core = match (Core::load(store.as_ref(), now).await, &role) {
+            (Ok(core), _) => core,
+            // A follower may start while the database is away: its mirror fills in later.
+            (Err(e), Role::Follower { .. }) => {
+                tracing::warn!(error = %e, "follower: the store cannot be read yet; serving an empty mirror until it can");
+                Core::default()
+            }
+            (Err(e), Role::Leader(_)) => return Err(e),
+        };
+        let watches = match role {
+            Role::Leader(_) => faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?,
+            Role::Follower { .. } => HashMap::new(),
+        };
+        tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
+        let (changes, _) = watch::channel(0);
+        Ok(Arc::new(Controller {
+            auth: Auth::new(store.clone()),
+            store,
+            config,
+            role,
+            core: Mutex::new(core),
+            wake: Notify::new(),
+            clock,
+            changes,
+            seen: std::sync::Mutex::new(HashMap::new()),
+            seen_persisted: std::sync::Mutex::new(now),
+            logs: std::sync::Mutex::new(HashMap::new()),
+            next_log_request: std::sync::atomic::AtomicU64::new(0),
+            steps: std::sync::Mutex::new(watches),
+            started: now,
+            fenced: std::sync::Mutex::new(Default::default()),
+            outcomes: tokio::sync::Semaphore::new(diagnosis::OUTCOMES_AT_ONCE),
+        }))
+    }
+
+    /// The auth service: users, tokens and the audit log.
+    pub fn auth(&self) -> &Auth {
+        &self.auth
+    }
+
+    /// The jobs service: submit, cancel, read, rank reports and logs.
+    pub fn jobs(&self) -> Jobs<'_> {
+        Jobs { c: self }
+    }
+
+    /// The diagnosis service: diagnoses, comparisons, goodput and live findings.
+    pub fn diagnoses(&self) -> Diagnoses<'_> {
+        Diagnoses { c: self }
+    }
+
+    /// The nodes service: the fleet table, preflights, cordons and drains, and what each
+    /// agent's stream says about its node.
+    pub fn nodes(&self) -> Nodes<'_> {
+        Nodes { c: self }
+    }
+
+    /// The receipts service: step receipts and telemetry in, and their reads.
+    pub fn receipts(&self) -> Receipts<'_> {
+        Receipts { c: self }
+    }
+
+    pub fn config(&self) -> &ControllerConfig {
+        &self.config
+    }
+
+    /// A receiver that changes whenever receipts are stored or a job changes state.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    pub(super) fn bump(&self) {
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Something changed that the reconciler may act on.
+    pub(super) fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// The in-memory state. Callers drop the guard before any `.await`.
+    pub(super) fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Milliseconds since the Unix epoch, from the controller's [`Clock`].
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
+    /// The reconciler: runs a pass whenever a request wakes it, and every 500 ms (the reaper
+    /// of vanished agents, liveness, and any pass a store error cut short) until `shutdown`
+    /// resolves; the scheduling part of a pass at most every 100 ms. The only task that
+    /// reconciles in a running controller.
+    pub async fn run_background(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        let mut prune = tokio::time::interval(PRUNE_EVERY);
+        // The scheduling pass is paced (`reconcile::SCHEDULE_EVERY`): one owed comes at `next_pass`.
+        let (mut next_pass, mut owed) = (Instant::now(), false);
+        loop {
+            let periodic = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = prune.tick() => {
+                    self.prune_telemetry().await;
+                    continue;
+                }
+                _ = self.wake.notified() => false,
+                _ = tokio::time::sleep_until(next_pass), if owed => false,
+                _ = tick.tick() => true,
+            };
+            if periodic {
+                self.mark_all();
+                if let Err(e) = self.check_liveness().await {
+                    tracing::error!(error = %e, "failed to check agent liveness");
+                }
+                self.reap_vanished_agents().await;
+                self.check_hangs();
+                self.check_evictions();
+                self.store_cordons().await;
+            }
+            owed = !self.reconcile_paced(&mut next_pass).await;
+            let ended = std::mem::take(&mut self.lock().ended);
+            for job_id in ended {
+                let controller = self.clone();
+                tokio::spawn(async move { controller.diagnoses().record_outcome(job_id).await });
+            }
+        }
+    }
+}
