@@ -37,9 +37,8 @@ pub struct Controller {
     pub(super) seen: std::sync::Mutex<HashMap<String, i64>>,
     /// When `last_seen_ms` was last written to the store (at most every [`SEEN_PERSIST_EVERY`]).
     pub(super) seen_persisted: std::sync::Mutex<Instant>,
-    /// Open `Logs` requests by id (see `logs`), and the last id handed out.
-    pub(super) logs: std::sync::Mutex<HashMap<u64, logs::LogWaiter>>,
-    pub(super) next_log_request: std::sync::atomic::AtomicU64,
+    /// Open `Logs` requests (see `logs`).
+    pub(super) logs: logs::LogRelay,
     /// When each running job's ranks last wrote a step receipt (the hang watch). Its own
     /// `std::sync::Mutex`: ingest updates it once per batch and never takes the core's lock.
     pub(super) steps: std::sync::Mutex<HashMap<JobId, faults::StepWatch>>,
@@ -111,8 +110,7 @@ impl Controller {
             changes,
             seen: std::sync::Mutex::new(HashMap::new()),
             seen_persisted: std::sync::Mutex::new(now),
-            logs: std::sync::Mutex::new(HashMap::new()),
-            next_log_request: std::sync::atomic::AtomicU64::new(0),
+            logs: logs::LogRelay::default(),
             steps: std::sync::Mutex::new(watches),
             started: now,
             fenced: std::sync::Mutex::new(Default::default()),

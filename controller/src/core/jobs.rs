@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use tokio::sync::mpsc;
-use trainyard_proto::v1::{Job, JobEvent, JobSpec as WireSpec, LogData, RankReport};
+use trainyard_proto::v1::{Job, JobEvent, JobSpec as WireSpec, LogData, RankReport, ReadLogs};
 
 use super::agents::rank_id;
 use super::launch::request_of;
@@ -279,22 +279,54 @@ impl Jobs<'_> {
         tail_lines: u32,
         follow: bool,
     ) -> Result<(u64, mpsc::Receiver<LogEvent>)> {
-        self.c.open_logs(job_id, rank, tail_lines, follow).await
+        let c = self.c;
+        let job = c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
+        let attempt = job.attempt;
+        let allocations = c.store.allocations(job_id, attempt).await?;
+        if allocations.is_empty() {
+            return Err(ControllerError::LogsUnavailable(format!(
+                "job {job_id} has no ranks placed yet (it is {}): there are no logs",
+                job.state.as_str()
+            )));
+        }
+        let Some(alloc) = allocations.iter().find(|a| a.id.rank == rank) else {
+            return Err(ControllerError::BadRequest(format!(
+                "job {job_id} has ranks 0 to {}; there is no rank {rank}",
+                allocations.len() - 1
+            )));
+        };
+        let agent_id = alloc.agent_id.as_str();
+        let link = c.lock().agents.get(agent_id).and_then(|e| e.link.as_ref()).map(|l| l.tx.clone());
+        let Some(link) = link else {
+            return Err(ControllerError::LogsUnavailable(format!(
+                "node {agent_id} is not connected, so the logs of job {job_id} rank {rank} cannot be read now; they \
+                 stay on that host under the agent's data directory, in runs/job-{job_id}/attempt-{attempt}/rank-{rank}/"
+            )));
+        };
+        let read = ReadLogs { request_id: 0, job_id, attempt, rank, tail_lines, follow };
+        c.logs.open(agent_id, link, read).await
     }
 
     /// The client of a `Logs` request read `pieces` more: the agent may send that many more.
+    /// Lost only when the agent's stream is full or gone, and then the request fails anyway.
     pub fn log_credit(self, request_id: u64, pieces: u32) {
-        self.c.log_credit(request_id, pieces)
+        if let Some((agent_id, msg)) = self.c.logs.credit(request_id, pieces) {
+            self.c.lock().try_send(&agent_id, msg);
+        }
     }
 
     /// The client of a `Logs` request went away: the agent stops reading.
     pub fn close_logs(self, request_id: u64) {
-        self.c.close_logs(request_id)
+        if let Some((agent_id, msg)) = self.c.logs.close(request_id) {
+            self.c.lock().try_send(&agent_id, msg);
+        }
     }
 
     /// A piece of a `Logs` answer from an agent, for the client that asked.
     pub fn log_data(self, agent_id: &str, data: LogData) {
-        self.c.log_data(agent_id, data)
+        if let Some(stop) = self.c.logs.data(agent_id, data) {
+            self.c.lock().try_send(agent_id, stop);
+        }
     }
 
     /// A rank changed state on an agent. A report about a rank of the current attempt that

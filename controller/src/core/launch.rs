@@ -67,6 +67,14 @@ impl Core {
         }
     }
 
+    /// Sends a message to an agent's stream if it takes it now; a full or closed stream keeps
+    /// its link (for messages whose loss only fails the request they belong to).
+    pub(super) fn try_send(&self, agent_id: &str, msg: Msg) {
+        if let Some(link) = self.agents.get(agent_id).and_then(|e| e.link.as_ref()) {
+            let _ = link.tx.try_send(ControllerMessage { msg: Some(msg) });
+        }
+    }
+
     /// The fleet as the scheduler sees it. `all`: every known agent with every GPU free (for
     /// feasibility, failing nodes included: an operator can fix them); otherwise connected
     /// agents that are not leaving and whose newest preflight verdict is not `fail`, with busy

@@ -122,7 +122,7 @@ impl Controller {
             lost
         };
         for agent_id in dropped {
-            self.fail_logs_of(&agent_id);
+            self.logs.fail_agent(&agent_id);
             if let Err(e) = self.store.set_agent_state(&agent_id, AgentState::Disconnected, now_ms).await {
                 tracing::error!(agent_id, error = %e, "failed to record a lost host as disconnected");
             }

@@ -421,7 +421,7 @@ impl Nodes<'_> {
             state
         };
         tracing::info!(agent_id, conn_id, %state, "agent stream ended");
-        self.c.fail_logs_of(agent_id);
+        self.c.logs.fail_agent(agent_id);
         self.c.store.set_agent_state(agent_id, state, now).await?;
         Ok(())
     }
