@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
-use trainyard_store::{JobId, Store};
+use trainyard_store::Store;
 
 use super::state::Core;
-use super::{Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, logs};
+use super::{Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, logs, steps};
 use crate::config::ControllerConfig;
 
 /// The controller: its store, its in-memory view of the fleet and its jobs, and a change
@@ -41,7 +41,7 @@ pub struct Controller {
     pub(super) logs: logs::LogRelay,
     /// When each running job's ranks last wrote a step receipt (the hang watch). Its own
     /// `std::sync::Mutex`: ingest updates it once per batch and never takes the core's lock.
-    pub(super) steps: std::sync::Mutex<HashMap<JobId, faults::StepWatch>>,
+    pub(super) steps: steps::StepWatches,
     /// When this controller started: host-loss and hang clocks wait `reconnect_grace` after it.
     pub(super) started: Instant,
     /// Turns to record an ended job's outcome (`diagnosis::OUTCOMES_AT_ONCE` at a time).
@@ -111,7 +111,7 @@ impl Controller {
             seen: std::sync::Mutex::new(HashMap::new()),
             seen_persisted: std::sync::Mutex::new(now),
             logs: logs::LogRelay::default(),
-            steps: std::sync::Mutex::new(watches),
+            steps: steps::StepWatches::new(watches),
             started: now,
             fenced: std::sync::Mutex::new(Default::default()),
             outcomes: tokio::sync::Semaphore::new(diagnosis::OUTCOMES_AT_ONCE),

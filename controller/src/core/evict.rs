@@ -177,7 +177,7 @@ impl Controller {
     pub(super) fn check_evictions(&self) {
         let now = Instant::now();
         let now_ms = self.now_ms();
-        let steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        let steps = self.steps.read();
         let mut core = self.lock();
         let mut done = Vec::new();
         for job in core.jobs.values().filter(|j| j.detected.is_none()) {

@@ -18,26 +18,24 @@
 //! asked for one at once, and again when it reconnects), and a node blamed
 //! `cordon_after_blames` times within `blame_window` is cordoned fleet-wide until it passes one.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use tokio::time::Instant;
 use trainyard_proto::v1::{RunPreflight, controller_message::Msg};
-use trainyard_proto::words::{PreflightLevel, ReceiptKind};
+use trainyard_proto::words::PreflightLevel;
 use trainyard_store::{
     Allocation, Cordon, FailureKind, FailureRecord, JobId, JobState, PreflightRecord, RankState, Store,
     Verdict,
 };
 
+use super::steps::StepWatch;
 use super::{ActiveJob, Controller, Core, Result, rank_failure};
 use crate::config::ControllerConfig;
 
 /// Attempts a job may take, beyond `max_restarts`, for failures that are not its own (a lost
 /// host, a preemption): enough to ride out a bad week on a flaky fleet, never a loop for ever.
 pub(super) const FLEET_RESTARTS: u32 = 50;
-
-/// Step times the hang watch keeps per job for its median.
-const STEP_WINDOW: usize = 64;
 
 /// How the controller's own reports of a lost host's ranks begin (`host_lost_message`).
 const HOST_LOST: &str = "host lost: ";
@@ -205,11 +203,9 @@ pub(super) async fn reload(
         if progress.ranks.is_empty() {
             continue;
         }
-        let mut watch = StepWatch::new(job.record.attempt);
-        watch.last = job.allocations.iter().map(|a| (a.id.rank, resume_at)).collect();
-        watch.seeded = Some(resume_at);
-        watch.step_ms = progress.recent_step_ms.iter().rev().take(STEP_WINDOW).copied().collect();
-        watches.insert(job.record.id, watch);
+        let ranks = job.allocations.iter().map(|a| a.id.rank);
+        let recent = progress.recent_step_ms.iter().rev().copied();
+        watches.insert(job.record.id, StepWatch::seeded(job.record.attempt, ranks, resume_at, recent));
     }
     Ok(watches)
 }
@@ -314,131 +310,7 @@ impl Core {
     }
 }
 
-/// When a job's ranks last wrote a step receipt, and its recent step times.
-#[derive(Debug)]
-pub(crate) struct StepWatch {
-    attempt: u32,
-    /// Per rank, when its newest step receipt arrived.
-    last: HashMap<u32, Instant>,
-    step_ms: VecDeque<f64>,
-    /// The longest checkpoint the attempt wrote, allowed for on top of the timeout.
-    longest_checkpoint: Duration,
-    /// Per rank, when its newest checkpoint receipt arrived and its step (drains wait on it).
-    checkpointed: HashMap<u32, (Instant, i64)>,
-    /// The time `reload` seeded `last` with after a restart of the controller (the end of the
-    /// reconnect grace), which is no step.
-    seeded: Option<Instant>,
-}
-
-/// What one receipt batch says about a job's steps.
-#[derive(Debug, Default)]
-pub(super) struct StepNews {
-    pub ranks: BTreeSet<u32>,
-    pub step_ms: Vec<f64>,
-    pub checkpoint_s: f64,
-    /// Ranks that wrote a checkpoint receipt, with its step.
-    pub checkpoints: BTreeMap<u32, i64>,
-}
-
-/// Adds what one receipt says to a batch's [`StepNews`] (a step: its rank and step time; a
-/// checkpoint: how long it took).
-pub(super) fn note_receipt(
-    news: &mut BTreeMap<(JobId, u32), StepNews>,
-    id: trainyard_store::RankId,
-    (kind, step): (&str, Option<i64>),
-    body: &str,
-    metrics: Option<&trainyard_model::receipts::StepMetrics>,
-) {
-    match kind.parse::<ReceiptKind>() {
-        Ok(ReceiptKind::Step) => {
-            let n = news.entry((id.job_id, id.attempt)).or_default();
-            n.ranks.insert(id.rank);
-            if let Some(t) = metrics.and_then(|m| m.step_time_ms) {
-                n.step_ms.push(t);
-            }
-        }
-        Ok(ReceiptKind::Checkpoint) => {
-            let seconds = serde_json::from_str::<serde_json::Value>(body)
-                .ok()
-                .and_then(|v| v.get("duration_ms").and_then(serde_json::Value::as_f64))
-                .unwrap_or(0.0)
-                / 1000.0;
-            let n = news.entry((id.job_id, id.attempt)).or_default();
-            n.checkpoint_s = n.checkpoint_s.max(seconds);
-            n.checkpoints.insert(id.rank, step.unwrap_or(-1));
-        }
-        _ => {}
-    }
-}
-
-impl StepWatch {
-    fn new(attempt: u32) -> StepWatch {
-        StepWatch {
-            attempt,
-            last: HashMap::new(),
-            step_ms: VecDeque::new(),
-            longest_checkpoint: Duration::ZERO,
-            checkpointed: HashMap::new(),
-            seeded: None,
-        }
-    }
-
-    /// The step every rank of `live` checkpointed at since `asked`, in `attempt` (the lowest,
-    /// should they differ); `None` until all have.
-    pub(super) fn checkpoint_since(&self, attempt: u32, asked: Instant, live: &[u32]) -> Option<i64> {
-        if self.attempt != attempt || live.is_empty() {
-            return None;
-        }
-        live.iter()
-            .map(|r| self.checkpointed.get(r).filter(|(at, _)| *at >= asked).map(|(_, step)| *step))
-            .collect::<Option<Vec<i64>>>()?
-            .into_iter()
-            .min()
-    }
-
-    fn median_step(&self) -> Option<Duration> {
-        let mut v: Vec<f64> = self.step_ms.iter().copied().filter(|t| t.is_finite() && *t >= 0.0).collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        Some(Duration::from_secs_f64(v[v.len() / 2] / 1000.0))
-    }
-}
-
 impl Controller {
-    /// Notes the steps and checkpoints a receipt batch carried (ingest; no core lock).
-    pub(super) fn note_steps(&self, news: BTreeMap<(JobId, u32), StepNews>) {
-        if news.is_empty() {
-            return;
-        }
-        let now = Instant::now();
-        let mut steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
-        for ((job_id, attempt), n) in news {
-            let watch = steps.entry(job_id).or_insert_with(|| StepWatch::new(attempt));
-            if watch.attempt > attempt {
-                continue;
-            }
-            if watch.attempt < attempt {
-                *watch = StepWatch::new(attempt);
-            }
-            for rank in n.ranks {
-                watch.last.insert(rank, now);
-            }
-            for t in n.step_ms {
-                if watch.step_ms.len() == STEP_WINDOW {
-                    watch.step_ms.pop_front();
-                }
-                watch.step_ms.push_back(t);
-            }
-            let ckpt = Duration::from_secs_f64(n.checkpoint_s.clamp(0.0, 86_400.0));
-            watch.longest_checkpoint = watch.longest_checkpoint.max(ckpt);
-            for (rank, step) in n.checkpoints {
-                watch.checkpointed.insert(rank, (now, step));
-            }
-        }
-    }
-
     /// The hang watch (every 500 ms): a running attempt whose ranks wrote no step receipt for
     /// the job's [`trainyard_model::restart::HangRule`] timeout is hung. Attempts that never
     /// stepped are not watched (start-up and compilation take as long as they take); after a
@@ -446,7 +318,7 @@ impl Controller {
     /// while a host of the job is silent or away, its verdict comes first.
     pub(super) fn check_hangs(&self) {
         let now = Instant::now();
-        let steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        let steps = self.steps.read();
         let mut core = self.lock();
         let now_ms = self.now_ms();
         let mut found = Vec::new();
@@ -476,23 +348,6 @@ impl Controller {
                 job.detected = Some(f);
             }
         }
-    }
-
-    /// The ranks of each job that stored a step receipt within `window` (the reaper's evidence
-    /// that a job is alive).
-    pub(super) fn ranks_stepping_within(&self, window: Duration) -> HashMap<JobId, BTreeSet<u32>> {
-        let now = Instant::now();
-        let steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
-        steps
-            .iter()
-            .map(|(job, w)| {
-                // A clock seeded at a restart of the controller (`reload`) is no step.
-                let ranks = w.last.iter().filter(|(_, at)| {
-                    Some(**at) != w.seeded && now.saturating_duration_since(**at) <= window
-                });
-                (*job, ranks.map(|(r, _)| *r).collect())
-            })
-            .collect()
     }
 
     /// Writes the cordons decided under the lock; on a store error they are kept for the next

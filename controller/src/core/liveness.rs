@@ -75,7 +75,7 @@ impl Controller {
         let timeout = self.config.agent_timeout;
         let grace_over = Instant::now() >= self.started + self.config.reconnect_grace;
         let now_ms = self.now_ms();
-        let stepping = self.ranks_stepping_within(timeout / 2);
+        let stepping = self.steps.ranks_stepping_within(timeout / 2);
         let mut dropped = Vec::new();
         let lost: Vec<(String, RankId, String)> = {
             let mut core = self.lock();

@@ -42,7 +42,9 @@
 //!   for its own ranks.
 //! - `liveness`: unresponsive agents, and the reaper of lost hosts.
 //! - `faults`: what ended an attempt (rank exit, host lost, hang), blame, exclusion, cordons,
-//!   backoff, and the watch on each job's steps that finds hangs.
+//!   backoff, and the hang watch over each job's steps.
+//! - `steps`: when each running job's ranks last stepped and checkpointed (the hang watch's
+//!   memory, updated by ingest under its own lock).
 //! - `view`: a job's summary as `ctl` shows it, read from the store.
 //! - `evict`: drains and preemption notices (checkpoint, then move without the node).
 //! - `resume`: the checkpoints a restarted attempt resumes from.
@@ -74,6 +76,7 @@ mod receipts;
 mod reconcile;
 mod resume;
 mod state;
+mod steps;
 mod telemetry;
 mod view;
 

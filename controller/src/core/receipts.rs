@@ -38,7 +38,7 @@ impl Receipts<'_> {
         let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();
         let mut rows = Vec::with_capacity(batch.receipts.len());
         let (mut not_objects, mut flagged) = (0, 0);
-        let mut news: BTreeMap<(u64, u32), super::faults::StepNews> = BTreeMap::new();
+        let mut news: BTreeMap<(u64, u32), super::steps::StepNews> = BTreeMap::new();
         for r in batch.receipts {
             let Some(id) = r.key.map(rank_id) else { continue };
             let seq = highest.entry(id).or_insert(r.seq);
@@ -51,7 +51,7 @@ impl Receipts<'_> {
             };
             flagged += usize::from(checked.problem.is_some());
             let step = (r.step >= 0).then_some(r.step);
-            super::faults::note_receipt(&mut news, id, (&r.kind, step), &r.body, checked.metrics.as_ref());
+            super::steps::note_receipt(&mut news, id, (&r.kind, step), &r.body, checked.metrics.as_ref());
             let step = (r.step >= 0).then_some(r.step);
             let (problem, metrics) = (checked.problem, checked.metrics);
             rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body: r.body, problem, metrics });
@@ -82,7 +82,7 @@ impl Receipts<'_> {
             highest.retain(|id, _| id.job_id != job_id);
         }
         news.retain(|(job_id, _), _| highest.keys().any(|id| id.job_id == *job_id));
-        self.c.note_steps(news);
+        self.c.steps.note(news);
         let mut stored = 0;
         if !rows.is_empty() {
             stored = self.c.store.insert_receipts(&rows, self.c.now_ms()).await?;
