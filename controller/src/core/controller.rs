@@ -12,7 +12,9 @@ use tokio::time::Instant;
 use trainyard_store::Store;
 
 use super::state::Core;
-use super::{Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, logs, steps};
+use super::{
+    Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, heard, logs, steps,
+};
 use crate::config::ControllerConfig;
 
 /// The controller: its store, its in-memory view of the fleet and its jobs, and a change
@@ -31,12 +33,8 @@ pub struct Controller {
     pub(super) clock: Clock,
     /// Bumped whenever receipts are stored or a job changes; `Watch` streams wait on it.
     pub(super) changes: watch::Sender<u64>,
-    /// When each agent last sent anything (a heartbeat or any other message), in ms. A
-    /// `std::sync::Mutex`, not the core's lock: every message of every agent touches it, no
-    /// `.await` happens while it is held, and the liveness check reads it twice a second.
-    pub(super) seen: std::sync::Mutex<HashMap<String, i64>>,
-    /// When `last_seen_ms` was last written to the store (at most every [`SEEN_PERSIST_EVERY`]).
-    pub(super) seen_persisted: std::sync::Mutex<Instant>,
+    /// When each agent last spoke, and the streams of hosts declared lost (`heard`).
+    pub(super) heard: heard::Heard,
     /// Open `Logs` requests (see `logs`).
     pub(super) logs: logs::LogRelay,
     /// When each running job's ranks last wrote a step receipt (the hang watch). Its own
@@ -46,14 +44,7 @@ pub struct Controller {
     pub(super) started: Instant,
     /// Turns to record an ended job's outcome (`diagnosis::OUTCOMES_AT_ONCE` at a time).
     pub(super) outcomes: tokio::sync::Semaphore,
-    /// Streams of hosts declared lost while their stream stayed open (a cut network): the
-    /// next message on one ends it, so the agent must say hello again and have the ranks of
-    /// old attempts stopped. Its own small lock: every agent message checks it.
-    pub(super) fenced: std::sync::Mutex<std::collections::HashSet<u64>>,
 }
-
-/// How often heartbeats move `agents.last_seen_ms` forward in the store.
-pub(super) const SEEN_PERSIST_EVERY: Duration = Duration::from_secs(10);
 
 /// What lives only in memory, rebuilt at start-up from the store and the agents' hellos.
 /// How often telemetry past its retention is deleted.
@@ -108,12 +99,10 @@ impl Controller {
             wake: Notify::new(),
             clock,
             changes,
-            seen: std::sync::Mutex::new(HashMap::new()),
-            seen_persisted: std::sync::Mutex::new(now),
+            heard: heard::Heard::new(now),
             logs: logs::LogRelay::default(),
             steps: steps::StepWatches::new(watches),
             started: now,
-            fenced: std::sync::Mutex::new(Default::default()),
             outcomes: tokio::sync::Semaphore::new(diagnosis::OUTCOMES_AT_ONCE),
         }))
     }

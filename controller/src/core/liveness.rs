@@ -13,9 +13,9 @@ use super::{Controller, Core, Result, rank_done};
 impl Controller {
     /// Marks connected agents that have sent nothing for `unresponsive_after` as
     /// `unresponsive` (no new work) and back when they speak again, moves their `last_seen_ms`
-    /// forward, and writes it to the store every [`super::controller::SEEN_PERSIST_EVERY`].
+    /// forward, and writes it to the store every [`super::heard::SEEN_PERSIST_EVERY`].
     pub(crate) async fn check_liveness(&self) -> Result<()> {
-        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let seen = self.heard.last();
         let limit = self.config.unresponsive_after.as_millis() as i64;
         let now = self.now_ms();
         let mut recovered = false;
@@ -46,15 +46,7 @@ impl Controller {
         if recovered {
             self.wake();
         }
-        let due = {
-            let mut last = self.seen_persisted.lock().unwrap_or_else(|p| p.into_inner());
-            let due = last.elapsed() >= super::controller::SEEN_PERSIST_EVERY;
-            if due {
-                *last = Instant::now();
-            }
-            due
-        };
-        if due {
+        if self.heard.persist_due() {
             self.store.touch_agents(&touched).await?;
         }
         Ok(())
@@ -113,7 +105,7 @@ impl Controller {
                 let Some(e) = core.agents.get_mut(id) else { continue };
                 tracing::error!(agent_id = %id, silent_s = away.as_secs_f64(), "host lost: its stream is open but it sent nothing; dropping the stream");
                 if let Some(link) = e.link.take() {
-                    self.fenced.lock().unwrap_or_else(|p| p.into_inner()).insert(link.conn_id);
+                    self.heard.fence(link.conn_id);
                 }
                 e.disconnected_since = Some(Instant::now());
                 e.record.state = AgentState::Disconnected;

@@ -40,7 +40,8 @@
 //! - `fleet`: each node's state as the table shows it, busy GPUs, hostnames to agent ids.
 //! - `agents`: what agents observe about their ranks, and the check that an agent speaks only
 //!   for its own ranks.
-//! - `liveness`: unresponsive agents, and the reaper of lost hosts.
+//! - `liveness`: unresponsive agents, and the reaper of lost hosts; `heard`: when each agent
+//!   last spoke, and the streams of hosts declared lost (outside the core's lock).
 //! - `faults`: what ended an attempt (rank exit, host lost, hang), blame, exclusion, cordons,
 //!   backoff, and the hang watch over each job's steps.
 //! - `steps`: when each running job's ranks last stepped and checkpointed (the hang watch's
@@ -65,6 +66,7 @@ mod evict;
 mod faults;
 mod fleet;
 mod follow;
+mod heard;
 mod jobs;
 mod launch;
 pub mod leader;

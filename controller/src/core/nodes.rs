@@ -39,7 +39,7 @@ pub struct Nodes<'c> {
 impl Nodes<'_> {
     /// One row per known agent, by agent id.
     pub async fn list(self) -> Vec<NodeInfo> {
-        let seen = self.c.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let seen = self.c.heard.last();
         let follower = !self.c.leads();
         let core = self.c.lock();
         let busy = core.busy_gpus();
@@ -408,7 +408,7 @@ impl Nodes<'_> {
         let now = self.c.now_ms();
         let state = {
             let mut core = self.c.lock();
-            self.c.fenced.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn_id);
+            self.c.heard.unfence(conn_id);
             let Some(entry) = core.agents.get_mut(agent_id) else { return Ok(()) };
             if entry.link.as_ref().is_none_or(|l| l.conn_id != conn_id) {
                 return Ok(());
@@ -429,14 +429,13 @@ impl Nodes<'_> {
     /// Notes that `agent_id` just sent something (every message of its stream counts, a
     /// heartbeat included). Takes no lock on the controller's state.
     pub fn seen(self, agent_id: &str) {
-        let mut seen = self.c.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.insert(agent_id.to_string(), self.c.now_ms());
+        self.c.heard.note(agent_id, self.c.now_ms());
     }
 
     /// Whether stream `conn_id` belongs to a host declared lost: it must end, and the agent
     /// say hello again.
     pub fn stream_fenced(self, conn_id: u64) -> bool {
-        self.c.fenced.lock().unwrap_or_else(|p| p.into_inner()).contains(&conn_id)
+        self.c.heard.is_fenced(conn_id)
     }
 }
 
