@@ -13,7 +13,7 @@ use trainyard_store::Store;
 
 use super::state::Core;
 use super::{
-    Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, heard, logs, steps,
+    Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, heard, live, logs, steps,
 };
 use crate::config::ControllerConfig;
 
@@ -159,6 +159,20 @@ impl Controller {
     /// Milliseconds since the Unix epoch, from the controller's [`Clock`].
     pub fn now_ms(&self) -> i64 {
         self.clock.now_ms()
+    }
+
+    /// Starts the live diagnosis and its alerts (`live`) with the configured webhooks, until
+    /// `shutdown`; the error names a bad webhook URL or CA bundle.
+    pub fn spawn_live(
+        self: &Arc<Self>,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> std::result::Result<tokio::task::JoinHandle<()>, String> {
+        let config = &self.config;
+        let webhooks = crate::alerts::Webhooks::new(&config.alert_webhooks, config.alert_ca_file.as_deref())?;
+        let (store, clock, every) = (self.store.clone(), self.clock, config.live_every);
+        let me = self.clone();
+        let running = move || live::running_contexts(&me.lock());
+        Ok(tokio::spawn(live::run(store, clock, every, running, webhooks, shutdown)))
     }
 
     /// The reconciler: runs a pass whenever a request wakes it, and every 500 ms (the reaper
