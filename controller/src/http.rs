@@ -160,7 +160,7 @@ async fn scrape(State(s): State<Scrape>, headers: HeaderMap) -> Response {
 /// epoch in a group), or `ok: follows LEADER at ADDRESS` (probes that want the leader match
 /// `leads`). The store's health shows in `/metrics` (`trainyard_store_errors_total`).
 async fn healthz(controller: Arc<Controller>) -> String {
-    let l = controller.leadership();
+    let l = controller.role().leadership();
     match (l.leads, l.epoch) {
         (true, 0) => "ok: leads\n".to_string(),
         (true, epoch) => format!("ok: leads (controller {}, epoch {epoch})\n", l.controller_id),

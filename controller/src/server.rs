@@ -60,7 +60,7 @@ pub async fn run(
     shutdown: impl Future,
 ) -> anyhow::Result<()> {
     let auth = crate::auth::Authenticator::new(controller.auth().clone(), security.policy.clone());
-    let leads = controller.leads();
+    let leads = controller.role().leads();
     if leads {
         auth.ensure_local_admin(controller.now_ms()).await.context("create the local admin user")?;
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
-use trainyard_store::Store;
+use trainyard_store::{Fence, Lease, Store};
 
 use super::state::Core;
 use super::{
@@ -105,6 +105,37 @@ impl Controller {
             started: now,
             outcomes: tokio::sync::Semaphore::new(diagnosis::OUTCOMES_AT_ONCE),
         }))
+    }
+
+    /// A follower over `store`: the mirror loaded once, its store fenced read-only. `leader`
+    /// follows the elections ([`crate::core::leader::lead`] sends what each one finds).
+    pub async fn follow(
+        store: Arc<dyn Store>,
+        config: ControllerConfig,
+        id: String,
+        leader: watch::Receiver<Option<Lease>>,
+    ) -> Result<Arc<Controller>> {
+        store.set_fence(Some(Fence::read_only(&id)));
+        Controller::start_as(store, config, Role::Follower { id, leader }).await
+    }
+
+    /// A follower's loop: its mirror of the jobs and agents reloaded from the store
+    /// (`follow::mirror`) until `shutdown`.
+    pub async fn mirror(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let store = self.store.clone();
+        let replace = |fresh: Core| {
+            let mut core = self.lock();
+            core.agents = fresh.agents;
+            core.jobs = fresh.jobs;
+            drop(core);
+            self.bump();
+        };
+        super::follow::mirror(store, replace, shutdown).await
+    }
+
+    /// Leader or follower, and the lease it knows of.
+    pub fn role(&self) -> &Role {
+        &self.role
     }
 
     /// The auth service: users, tokens and the audit log.

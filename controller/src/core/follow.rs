@@ -6,7 +6,7 @@
 //! logs, which need the agent's stream, and the agents' streams themselves) to the leader the
 //! elections name, as [`ControllerError::NotLeader`]. It runs no reconciler and none of the
 //! liveness, hang or live-diagnosis clocks, and its store carries a fence no lease matches
-//! ([`Fence::read_only`]), so nothing it does can write. When it wins the lease, the daemon
+//! ([`trainyard_store::Fence::read_only`]), so nothing it does can write. When it wins the lease, the daemon
 //! stops it and starts a leader over the same listeners.
 
 use std::sync::Arc;
@@ -15,10 +15,9 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use trainyard_proto::v1::LeaderReply;
-use trainyard_store::{Fence, Lease, Store};
+use trainyard_store::{Lease, Store};
 
-use super::{Controller, ControllerError, Core, Result};
-use crate::config::ControllerConfig;
+use super::{ControllerError, Core, Result};
 
 /// How often a follower reloads its mirror of the jobs and agents from the store.
 pub const MIRROR_EVERY: Duration = Duration::from_secs(2);
@@ -61,27 +60,15 @@ impl NotLeader {
     }
 }
 
-impl Controller {
-    /// A follower over `store`: the mirror loaded once, its store fenced read-only. `leader`
-    /// follows the elections ([`crate::core::leader::lead`] sends what each one finds).
-    pub async fn follow(
-        store: Arc<dyn Store>,
-        config: ControllerConfig,
-        id: String,
-        leader: watch::Receiver<Option<Lease>>,
-    ) -> Result<Arc<Controller>> {
-        store.set_fence(Some(Fence::read_only(&id)));
-        Controller::start_as(store, config, Role::Follower { id, leader }).await
-    }
-
+impl Role {
     /// This controller leads (or serves alone): it takes writes and runs the reconciler.
     pub fn leads(&self) -> bool {
-        matches!(self.role, Role::Leader(_))
+        matches!(self, Role::Leader(_))
     }
 
     /// `Ok` on the leader; on a follower, the refusal every write starts with.
     pub fn writable(&self) -> Result<()> {
-        match &self.role {
+        match self {
             Role::Leader(_) => Ok(()),
             Role::Follower { leader, .. } => {
                 Err(ControllerError::NotLeader(NotLeader { leader: leader.borrow().clone() }))
@@ -98,40 +85,37 @@ impl Controller {
             leader_address: lease.map(|l| l.address.clone()).unwrap_or_default(),
             epoch: lease.map_or(0, |l| l.epoch),
         };
-        match &self.role {
+        match self {
             Role::Leader(lease) => {
                 reply(true, lease.as_ref().map_or("", |l| l.holder.as_str()), lease.as_ref())
             }
             Role::Follower { id, leader } => reply(false, id, leader.borrow().as_ref()),
         }
     }
+}
 
-    /// A follower's loop: reloads the mirror every [`MIRROR_EVERY`] until `shutdown`. A store
-    /// error keeps the previous mirror and is logged once per outage.
-    pub async fn mirror(self: Arc<Self>, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(MIRROR_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut failing = false;
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {}
+/// A follower's loop: reloads the mirror from `store` every [`MIRROR_EVERY`] and hands each
+/// fresh copy to `replace`, until `shutdown`. A store error keeps the previous mirror and is
+/// logged once per outage.
+pub(super) async fn mirror(store: Arc<dyn Store>, replace: impl Fn(Core), shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(MIRROR_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match Core::load(store.as_ref(), tokio::time::Instant::now()).await {
+            Ok(fresh) => {
+                failing = false;
+                replace(fresh);
             }
-            match Core::load(self.store.as_ref(), tokio::time::Instant::now()).await {
-                Ok(fresh) => {
-                    failing = false;
-                    let mut core = self.lock();
-                    core.agents = fresh.agents;
-                    core.jobs = fresh.jobs;
-                    drop(core);
-                    self.bump();
-                }
-                Err(e) if !failing => {
-                    failing = true;
-                    tracing::warn!(error = %e, "follower: cannot reload jobs and agents from the store; serving the last copy");
-                }
-                Err(_) => {}
+            Err(e) if !failing => {
+                failing = true;
+                tracing::warn!(error = %e, "follower: cannot reload jobs and agents from the store; serving the last copy");
             }
+            Err(_) => {}
         }
     }
 }

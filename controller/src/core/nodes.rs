@@ -40,7 +40,7 @@ impl Nodes<'_> {
     /// One row per known agent, by agent id.
     pub async fn list(self) -> Vec<NodeInfo> {
         let seen = self.c.heard.last();
-        let follower = !self.c.leads();
+        let follower = !self.c.role().leads();
         let core = self.c.lock();
         let busy = core.busy_gpus();
         core.agents

@@ -76,7 +76,7 @@ impl Agents for AgentsService {
         request: Request<Streaming<AgentMessage>>,
     ) -> Result<Response<ConnectStream>, Status> {
         // Only the leader holds agents' streams: a follower names it, and the agent dials it.
-        self.controller.writable().map_err(crate::service::to_status)?;
+        self.controller.role().writable().map_err(crate::service::to_status)?;
         let certified = self.certified_id(&request)?;
         let peer = request.remote_addr();
         let mut inbound = request.into_inner();

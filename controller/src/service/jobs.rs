@@ -153,7 +153,7 @@ type LogsStream = Pin<Box<dyn Stream<Item = Result<LogChunk, Status>> + Send>>;
 #[tonic::async_trait]
 impl Jobs for JobsService {
     async fn submit(&self, request: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
-        self.controller.writable().map_err(to_status)?;
+        self.controller.role().writable().map_err(to_status)?;
         let caller = self.caller(&request, "job.submit", "job:new").await?;
         let request = request.into_inner();
         let spec = request
@@ -207,7 +207,7 @@ impl Jobs for JobsService {
     }
 
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
-        self.controller.writable().map_err(to_status)?;
+        self.controller.role().writable().map_err(to_status)?;
         let mut req = request.get_ref().clone();
         if req.reason.len() > limits::MAX_SHORT_STRING_BYTES {
             req.reason = auth::clip_to(&req.reason, limits::MAX_SHORT_STRING_BYTES);
@@ -228,7 +228,7 @@ impl Jobs for JobsService {
     /// Answers anyone, as gRPC health does: who leads is no secret, and `ctl` asks it before
     /// the call its token is checked (and audited) for.
     async fn leader(&self, _: Request<LeaderRequest>) -> Result<Response<LeaderReply>, Status> {
-        Ok(Response::new(self.controller.leadership()))
+        Ok(Response::new(self.controller.role().leadership()))
     }
 
     async fn nodes(&self, request: Request<NodesRequest>) -> Result<Response<NodesResponse>, Status> {
@@ -238,7 +238,7 @@ impl Jobs for JobsService {
 
     /// Cordons a node or lifts its cordon (admins only; audited).
     async fn cordon(&self, request: Request<CordonRequest>) -> Result<Response<CordonResponse>, Status> {
-        self.controller.writable().map_err(to_status)?;
+        self.controller.role().writable().map_err(to_status)?;
         let target = format!("node:{}", request.get_ref().agent_id);
         let action = if request.get_ref().cordon { "node.cordon" } else { "node.uncordon" };
         let caller = self.caller(&request, action, &target).await?;
@@ -274,7 +274,7 @@ impl Jobs for JobsService {
 
     /// Drains a node (admins only; audited): cordon, checkpoint, move.
     async fn drain(&self, request: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        self.controller.writable().map_err(to_status)?;
+        self.controller.role().writable().map_err(to_status)?;
         let target = format!("node:{}", request.get_ref().agent_id);
         let caller = self.caller(&request, "node.drain", &target).await?;
         if !caller.admin {
@@ -323,7 +323,7 @@ impl Jobs for JobsService {
         let action =
             if request.get_ref().run_level.is_empty() { "node.preflight.read" } else { "node.preflight" };
         if !request.get_ref().run_level.is_empty() {
-            self.controller.writable().map_err(to_status)?;
+            self.controller.role().writable().map_err(to_status)?;
         }
         let caller = self.caller(&request, action, &target).await?;
         let req = request.into_inner();
@@ -377,7 +377,7 @@ impl Jobs for JobsService {
 
     async fn logs(&self, request: Request<LogsRequest>) -> Result<Response<LogsStream>, Status> {
         // Logs come over the agent's stream, which only the leader holds.
-        self.controller.writable().map_err(to_status)?;
+        self.controller.role().writable().map_err(to_status)?;
         let caller = self.job_caller(&request, "job.logs", request.get_ref().job_id).await?;
         let slot = self.streams.take(&caller.name)?;
         let req = request.into_inner();
