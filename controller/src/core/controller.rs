@@ -168,6 +168,11 @@ impl Controller {
         &self.config
     }
 
+    /// Sets the gauges of [`crate::metrics`] from the controller's state (called on scrape).
+    pub fn refresh_gauges(&self) {
+        super::view::set_gauges(&self.lock());
+    }
+
     /// A receiver that changes whenever receipts are stored or a job changes state.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changes.subscribe()

@@ -168,7 +168,8 @@ impl Jobs<'_> {
     /// One job with its ranks (current attempt), events and receipt count.
     pub async fn get(self, job_id: JobId) -> Result<Job> {
         let record = self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
-        let mut job = self.c.summary(record).await?;
+        let mut job =
+            super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record).await?;
         let g = self.c.diagnoses().goodput(job_id).await?;
         job.goodput = Some(trainyard_proto::v1::Goodput {
             summary: g.describe(),
@@ -238,7 +239,9 @@ impl Jobs<'_> {
         let limit = if limit == 0 { 100 } else { limit.min(10_000) };
         let mut jobs = Vec::new();
         for record in self.c.store.list_jobs(active_only, submitted_by, limit).await? {
-            jobs.push(self.c.summary(record).await?);
+            jobs.push(
+                super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record).await?,
+            );
         }
         Ok(jobs)
     }

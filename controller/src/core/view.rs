@@ -5,80 +5,87 @@ use std::collections::HashMap;
 
 use trainyard_proto::v1::{Job, RankStatus};
 
-use super::{Controller, Core, Result};
+use std::sync::Mutex;
+
+use super::{Core, Result};
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
 use trainyard_placement::scheduler::LinkMatrix;
-use trainyard_store::{Allocation, JobRecord, JobState};
+use trainyard_store::{Allocation, JobRecord, JobState, Store};
 
-impl Controller {
-    pub(super) async fn summary(&self, record: JobRecord) -> Result<Job> {
-        let (id, attempt) = (record.id, record.attempt);
-        let seqs: HashMap<u32, u64> = self.store.last_seqs(id, attempt).await?.into_iter().collect();
-        let allocations = self.store.allocations(id, attempt).await?;
-        let mut warnings = binding_warnings(&allocations);
-        if let (n @ 1.., newest) = self.store.receipt_problems(id).await? {
-            warnings.push(format!(
-                "{n} receipt(s) break receipt schema v1 and are stored flagged (receipts.problem); newest: {}",
-                newest.unwrap_or_default()
-            ));
-        }
-        if record.state == JobState::Running {
-            let progress = self.store.step_progress(id, attempt).await?;
-            if let Some(stall) = trainyard_analysis::diagnose::stall::stall(&progress, self.now_ms()) {
-                warnings.push(stall.describe());
-            }
-        }
-        let (predicted_comm_ms, waiting_reason) = {
-            let core = self.lock();
-            let waiting = match record.state {
-                JobState::Pending => core.waiting.get(&id).cloned().unwrap_or_default(),
-                _ => String::new(),
-            };
-            (predicted_comm_ms(&core, &allocations, &record.spec), waiting)
-        };
-        let measured_optimizer_ms = self.store.mean_optimizer_ms(id).await?.unwrap_or(0.0);
-        let ranks = allocations
-            .into_iter()
-            .map(|a| RankStatus {
-                rank: a.id.rank,
-                agent_id: a.agent_id,
-                gpu_index: a.gpu_index,
-                state: a.observed.state.to_string(),
-                exit_code: a.observed.exit_code.unwrap_or(-1),
-                signal: a.observed.signal.unwrap_or(0),
-                pid: a.observed.pid.unwrap_or(0),
-                last_seq: seqs.get(&a.id.rank).map_or(-1, |&s| s as i64),
-                skipped_lines: a.observed.skipped_lines,
-                node_rank: a.node_rank,
-                local_rank: a.local_rank,
-                planned_cpus: a.planned_cpus,
-                planned_mems: a.planned_mems,
-                effective_cpus: a.observed.effective_cpus,
-                effective_mems: a.observed.effective_mems,
-            })
-            .collect();
-        Ok(Job {
-            id,
-            spec: Some((&record.spec).into()),
-            state: record.state.to_string(),
-            reason: record.reason,
-            attempt,
-            created_at_ms: record.created_at_ms,
-            updated_at_ms: record.updated_at_ms,
-            ranks,
-            receipts: self.store.receipt_count(id).await?,
-            events: Vec::new(),
-            predicted_comm_ms,
-            measured_optimizer_ms,
-            warnings,
-            waiting_reason,
-            goodput: None,
-            failures: Vec::new(),
-            user: record.owner.user,
-            run_as: record.owner.run_as,
-        })
+/// A job as `ctl` shows it: its record, its ranks as stored, and what the core knows of it now
+/// (why it waits, the predicted collective time, warnings).
+pub(super) async fn summary(
+    store: &dyn Store,
+    core: &Mutex<Core>,
+    now_ms: i64,
+    record: JobRecord,
+) -> Result<Job> {
+    let (id, attempt) = (record.id, record.attempt);
+    let seqs: HashMap<u32, u64> = store.last_seqs(id, attempt).await?.into_iter().collect();
+    let allocations = store.allocations(id, attempt).await?;
+    let mut warnings = binding_warnings(&allocations);
+    if let (n @ 1.., newest) = store.receipt_problems(id).await? {
+        warnings.push(format!(
+            "{n} receipt(s) break receipt schema v1 and are stored flagged (receipts.problem); newest: {}",
+            newest.unwrap_or_default()
+        ));
     }
+    if record.state == JobState::Running {
+        let progress = store.step_progress(id, attempt).await?;
+        if let Some(stall) = trainyard_analysis::diagnose::stall::stall(&progress, now_ms) {
+            warnings.push(stall.describe());
+        }
+    }
+    let (predicted_comm_ms, waiting_reason) = {
+        let core = core.lock().unwrap_or_else(|p| p.into_inner());
+        let waiting = match record.state {
+            JobState::Pending => core.waiting.get(&id).cloned().unwrap_or_default(),
+            _ => String::new(),
+        };
+        (predicted_comm_ms(&core, &allocations, &record.spec), waiting)
+    };
+    let measured_optimizer_ms = store.mean_optimizer_ms(id).await?.unwrap_or(0.0);
+    let ranks = allocations
+        .into_iter()
+        .map(|a| RankStatus {
+            rank: a.id.rank,
+            agent_id: a.agent_id,
+            gpu_index: a.gpu_index,
+            state: a.observed.state.to_string(),
+            exit_code: a.observed.exit_code.unwrap_or(-1),
+            signal: a.observed.signal.unwrap_or(0),
+            pid: a.observed.pid.unwrap_or(0),
+            last_seq: seqs.get(&a.id.rank).map_or(-1, |&s| s as i64),
+            skipped_lines: a.observed.skipped_lines,
+            node_rank: a.node_rank,
+            local_rank: a.local_rank,
+            planned_cpus: a.planned_cpus,
+            planned_mems: a.planned_mems,
+            effective_cpus: a.observed.effective_cpus,
+            effective_mems: a.observed.effective_mems,
+        })
+        .collect();
+    Ok(Job {
+        id,
+        spec: Some((&record.spec).into()),
+        state: record.state.to_string(),
+        reason: record.reason,
+        attempt,
+        created_at_ms: record.created_at_ms,
+        updated_at_ms: record.updated_at_ms,
+        ranks,
+        receipts: store.receipt_count(id).await?,
+        events: Vec::new(),
+        predicted_comm_ms,
+        measured_optimizer_ms,
+        warnings,
+        waiting_reason,
+        goodput: None,
+        failures: Vec::new(),
+        user: record.owner.user,
+        run_as: record.owner.run_as,
+    })
 }
 
 /// The cost model's collective time per step for the job's placement: the worst link inside
@@ -136,17 +143,14 @@ fn binding_warnings(allocations: &[Allocation]) -> Vec<String> {
         .collect()
 }
 
-impl Controller {
-    /// Sets the gauges of [`crate::metrics`] from the controller's state (called on scrape).
-    pub fn refresh_gauges(&self) {
-        let m = crate::metrics::metrics();
-        let core = self.lock();
-        for state in JobState::ALL.iter().filter(|s| !s.is_terminal()) {
-            let n = core.jobs.values().filter(|j| j.record.state == *state).count();
-            m.jobs.get_or_create(&crate::metrics::StateLabel { state: state.to_string() }).set(n as i64);
-        }
-        m.agents_connected.set(core.agents.values().filter(|e| e.link.is_some()).count() as i64);
-        m.agents_known.set(core.agents.len() as i64);
-        m.nodes_cordoned.set(core.agents.values().filter(|e| e.record.cordon.is_some()).count() as i64);
+/// Sets the gauges of [`crate::metrics`] from the core's state (on scrape).
+pub(super) fn set_gauges(core: &Core) {
+    let m = crate::metrics::metrics();
+    for state in JobState::ALL.iter().filter(|s| !s.is_terminal()) {
+        let n = core.jobs.values().filter(|j| j.record.state == *state).count();
+        m.jobs.get_or_create(&crate::metrics::StateLabel { state: state.to_string() }).set(n as i64);
     }
+    m.agents_connected.set(core.agents.values().filter(|e| e.link.is_some()).count() as i64);
+    m.agents_known.set(core.agents.len() as i64);
+    m.nodes_cordoned.set(core.agents.values().filter(|e| e.record.cordon.is_some()).count() as i64);
 }
