@@ -44,7 +44,7 @@ impl Controller {
             let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
             if port > 0 && started && job.master_port.is_none() {
                 job.master_port = Some(port);
-                let sent = self.send_launches(&mut core, id.job_id, None);
+                let sent = super::launch::send_launches(&mut core, id.job_id, None);
                 if let Some(job) = core.jobs.get_mut(&id.job_id) {
                     job.launches_sent = job.launches_sent.max(sent);
                 }

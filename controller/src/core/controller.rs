@@ -237,9 +237,9 @@ impl Controller {
                     tracing::error!(error = %e, "failed to check agent liveness");
                 }
                 self.reap_vanished_agents().await;
-                self.check_hangs();
-                self.check_evictions();
-                self.store_cordons().await;
+                super::faults::check_hangs(&mut self.lock(), &self.steps, self.now_ms());
+                super::evict::check_evictions(&mut self.lock(), &self.steps, self.now_ms());
+                super::faults::store_cordons(self.store.as_ref(), &self.core).await;
             }
             owed = !self.reconcile_paced(&mut next_pass).await;
             let ended = std::mem::take(&mut self.lock().ended);

@@ -19,6 +19,7 @@
 //! `cordon_after_blames` times within `blame_window` is cordoned fleet-wide until it passes one.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -29,8 +30,8 @@ use trainyard_store::{
     Verdict,
 };
 
-use super::steps::StepWatch;
-use super::{ActiveJob, Controller, Core, Result, rank_failure};
+use super::steps::{StepWatch, StepWatches};
+use super::{ActiveJob, Core, Result, rank_failure};
 use crate::config::ControllerConfig;
 
 /// Attempts a job may take, beyond `max_restarts`, for failures that are not its own (a lost
@@ -310,56 +311,52 @@ impl Core {
     }
 }
 
-impl Controller {
-    /// The hang watch (every 500 ms): a running attempt whose ranks wrote no step receipt for
-    /// the job's [`trainyard_model::restart::HangRule`] timeout is hung. Attempts that never
-    /// stepped are not watched (start-up and compilation take as long as they take); after a
-    /// restart of the controller the clocks start once the reconnect grace is over (`reload`);
-    /// while a host of the job is silent or away, its verdict comes first.
-    pub(super) fn check_hangs(&self) {
-        let now = Instant::now();
-        let steps = self.steps.read();
-        let mut core = self.lock();
-        let now_ms = self.now_ms();
-        let mut found = Vec::new();
-        for job in core.jobs.values().filter(|j| j.record.state == JobState::Running && j.detected.is_none())
-        {
-            let Some(watch) = steps.get(&job.record.id).filter(|w| w.attempt == job.record.attempt) else {
-                continue;
-            };
-            // A host of the job that is silent or away cannot deliver its ranks' receipts, and a
-            // cut one stops everyone's collectives: the host's verdict (`liveness`) comes first.
-            if !core.silent_and_leaving(job).0.is_empty() {
-                continue;
-            }
-            // Ranks asked to checkpoint and move wait to be stopped: the move's deadline rules.
-            if job.eviction.is_some() {
-                continue;
-            }
-            if let Some(f) = hang_of(job, watch, now, now_ms) {
-                found.push(f);
-            }
+/// The hang watch (every 500 ms): a running attempt whose ranks wrote no step receipt for
+/// the job's [`trainyard_model::restart::HangRule`] timeout is hung. Attempts that never
+/// stepped are not watched (start-up and compilation take as long as they take); after a
+/// restart of the controller the clocks start once the reconnect grace is over (`reload`);
+/// while a host of the job is silent or away, its verdict comes first.
+pub(super) fn check_hangs(core: &mut Core, steps: &StepWatches, now_ms: i64) {
+    let now = Instant::now();
+    let steps = steps.read();
+    let mut found = Vec::new();
+    for job in core.jobs.values().filter(|j| j.record.state == JobState::Running && j.detected.is_none()) {
+        let Some(watch) = steps.get(&job.record.id).filter(|w| w.attempt == job.record.attempt) else {
+            continue;
+        };
+        // A host of the job that is silent or away cannot deliver its ranks' receipts, and a
+        // cut one stops everyone's collectives: the host's verdict (`liveness`) comes first.
+        if !core.silent_and_leaving(job).0.is_empty() {
+            continue;
         }
-        drop(steps);
-        for f in found {
-            tracing::error!(job_id = f.job_id, attempt = f.attempt, evidence = %f.evidence, "job attempt hung");
-            core.dirty.insert(f.job_id);
-            if let Some(job) = core.jobs.get_mut(&f.job_id) {
-                job.detected = Some(f);
-            }
+        // Ranks asked to checkpoint and move wait to be stopped: the move's deadline rules.
+        if job.eviction.is_some() {
+            continue;
+        }
+        if let Some(f) = hang_of(job, watch, now, now_ms) {
+            found.push(f);
         }
     }
+    drop(steps);
+    for f in found {
+        tracing::error!(job_id = f.job_id, attempt = f.attempt, evidence = %f.evidence, "job attempt hung");
+        core.dirty.insert(f.job_id);
+        if let Some(job) = core.jobs.get_mut(&f.job_id) {
+            job.detected = Some(f);
+        }
+    }
+}
 
-    /// Writes the cordons decided under the lock; on a store error they are kept for the next
-    /// pass (memory already holds them, so scheduling is right meanwhile).
-    pub(super) async fn store_cordons(&self) {
-        let pending = std::mem::take(&mut self.lock().cordons_to_store);
-        for (i, (node, cordon)) in pending.iter().enumerate() {
-            if let Err(e) = self.store.set_cordon(node, cordon.as_ref()).await {
-                tracing::error!(agent_id = %node, error = %e, "failed to store a cordon; trying again");
-                self.lock().cordons_to_store.extend(pending[i..].iter().cloned());
-                return;
-            }
+/// Writes the cordons decided under the lock; on a store error they are kept for the next
+/// pass (memory already holds them, so scheduling is right meanwhile).
+pub(super) async fn store_cordons(store: &dyn Store, core: &Mutex<Core>) {
+    let lock = || core.lock().unwrap_or_else(|p| p.into_inner());
+    let pending = std::mem::take(&mut lock().cordons_to_store);
+    for (i, (node, cordon)) in pending.iter().enumerate() {
+        if let Err(e) = store.set_cordon(node, cordon.as_ref()).await {
+            tracing::error!(agent_id = %node, error = %e, "failed to store a cordon; trying again");
+            lock().cordons_to_store.extend(pending[i..].iter().cloned());
+            return;
         }
     }
 }

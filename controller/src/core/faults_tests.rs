@@ -29,9 +29,9 @@ async fn pass(d: Duration) {
 async fn tick(c: &Controller) {
     c.check_liveness().await.expect("liveness");
     c.reap_vanished_agents().await;
-    c.check_hangs();
-    c.check_evictions();
-    c.store_cordons().await;
+    super::faults::check_hangs(&mut c.lock(), &c.steps, c.now_ms());
+    super::evict::check_evictions(&mut c.lock(), &c.steps, c.now_ms());
+    super::faults::store_cordons(c.store.as_ref(), &c.core).await;
     c.mark_all();
     c.reconcile().await;
 }
@@ -314,7 +314,7 @@ async fn repeated_blame_cordons_a_node_until_it_passes_a_preflight_and_operators
     // Back with a passing preflight: the cordon is lifted, in memory and in the store.
     let report = super::test_support::passing_report("flaky", c.now_ms());
     let mut flaky = connect(&c, "flaky", 1, Some(report)).await;
-    c.store_cordons().await;
+    super::faults::store_cordons(c.store.as_ref(), &c.core).await;
     assert_eq!(node(c.nodes().list().await, "flaky").cordon_reason, "");
     let stored = store.snapshot().await.expect("snapshot");
     assert!(stored.agents.iter().all(|a| a.cordon.is_none()));

@@ -3,51 +3,50 @@
 //! or closed agent stream drops the link (the agent's next hello gets whatever it missed).
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
 
 use trainyard_proto::v1::{
     CancelRanks, ControllerMessage, ForgetRanks, Launch, RankAssignment, controller_message::Msg,
 };
 
-use super::{ActiveJob, Controller, Core, rank_done};
+use super::{ActiveJob, Core, rank_done};
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::scheduler::{GpuView, NodeView, Request};
 use trainyard_store::{Allocation, JobId};
 
-impl Controller {
-    /// Sends `CancelRanks` for the current attempt to every agent holding a rank that is
-    /// not done yet.
-    pub(super) fn stop_ranks(&self, core: &mut Core, job_id: JobId, reason: &str) {
-        let Some(job) = core.jobs.get(&job_id) else { return };
-        let attempt = job.record.attempt;
-        let agents: Vec<String> = agents_of(job.allocations.iter().filter(|a| !rank_done(a)));
-        let grace_ms = self.config.cancel_grace.as_millis() as u64;
-        for agent in agents {
-            let msg = Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason: reason.to_string() });
-            core.send(&agent, msg);
-        }
+/// Sends `CancelRanks` for the current attempt to every agent holding a rank that is
+/// not done yet.
+pub(super) fn stop_ranks(core: &mut Core, job_id: JobId, reason: &str, grace: Duration) {
+    let Some(job) = core.jobs.get(&job_id) else { return };
+    let attempt = job.record.attempt;
+    let agents: Vec<String> = agents_of(job.allocations.iter().filter(|a| !rank_done(a)));
+    let grace_ms = grace.as_millis() as u64;
+    for agent in agents {
+        let msg = Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason: reason.to_string() });
+        core.send(&agent, msg);
     }
+}
 
-    /// Tells the agents of a job's current attempt that the controller is done with its ranks.
-    pub(super) fn forget(&self, core: &mut Core, job_id: JobId) {
-        let Some(job) = core.jobs.get(&job_id) else { return };
-        let attempt = job.record.attempt;
-        for agent in agents_of(job.allocations.iter()) {
-            core.send(&agent, Msg::Forget(ForgetRanks { job_id, attempt }));
-        }
+/// Tells the agents of a job's current attempt that the controller is done with its ranks.
+pub(super) fn forget(core: &mut Core, job_id: JobId) {
+    let Some(job) = core.jobs.get(&job_id) else { return };
+    let attempt = job.record.attempt;
+    for agent in agents_of(job.allocations.iter()) {
+        core.send(&agent, Msg::Forget(ForgetRanks { job_id, attempt }));
     }
+}
 
-    /// Sends `Launch` to every agent of the job (or only `only`); returns how many were sent.
-    pub(super) fn send_launches(&self, core: &mut Core, job_id: JobId, only: Option<&str>) -> usize {
-        let Some(job) = core.jobs.get(&job_id) else { return 0 };
-        let launches = launch_messages(core, job);
-        let mut sent = 0;
-        for (agent, launch) in launches {
-            if only.is_none_or(|o| o == agent) && core.send(&agent, Msg::Launch(launch)) {
-                sent += 1;
-            }
+/// Sends `Launch` to every agent of the job (or only `only`); returns how many were sent.
+pub(super) fn send_launches(core: &mut Core, job_id: JobId, only: Option<&str>) -> usize {
+    let Some(job) = core.jobs.get(&job_id) else { return 0 };
+    let launches = launch_messages(core, job);
+    let mut sent = 0;
+    for (agent, launch) in launches {
+        if only.is_none_or(|o| o == agent) && core.send(&agent, Msg::Launch(launch)) {
+            sent += 1;
         }
-        sent
     }
+    sent
 }
 
 impl Core {

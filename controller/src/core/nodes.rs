@@ -165,7 +165,7 @@ impl Nodes<'_> {
             if let Some(entry) = core.agents.get_mut(&agent_id) {
                 entry.record.cordon = Some(cordon);
             }
-            self.c.evict(&mut core, &agent_id, FailureKind::Drain, deadline, &why)
+            super::evict::evict(&mut core, &agent_id, FailureKind::Drain, deadline, &why)
         };
         tracing::warn!(agent_id, reason, jobs = jobs.len(), deadline_s = deadline.as_secs(), "node draining");
         self.c.bump();
@@ -292,7 +292,7 @@ impl Nodes<'_> {
         }
         for job_id in relaunch {
             tracing::info!(job_id, agent_id, "agent missed a launch; sending it again");
-            let sent = self.c.send_launches(core, job_id, Some(agent_id));
+            let sent = super::launch::send_launches(core, job_id, Some(agent_id));
             if let Some(job) = core.jobs.get_mut(&job_id) {
                 job.launches_sent += sent;
             }
@@ -330,7 +330,7 @@ impl Nodes<'_> {
                 core.fleet_changed();
             }
         }
-        self.c.store_cordons().await;
+        super::faults::store_cordons(self.c.store.as_ref(), &self.c.core).await;
         self.c.bump();
         self.c.wake();
         Ok(())
@@ -385,7 +385,7 @@ impl Nodes<'_> {
             if let Some(entry) = core.agents.get_mut(agent_id) {
                 entry.record.cordon = Some(cordon);
             }
-            self.c.evict(&mut core, agent_id, FailureKind::Preemption, deadline, &why)
+            super::evict::evict(&mut core, agent_id, FailureKind::Preemption, deadline, &why)
         };
         tracing::warn!(agent_id, kind = %notice.kind, jobs = jobs.len(), deadline_s = deadline.as_secs(), "preemption notice");
         self.c.bump();

@@ -247,7 +247,7 @@ impl Controller {
                 Some(Step::Forget) => {
                     {
                         let mut core = self.lock();
-                        self.forget(&mut core, job_id);
+                        super::launch::forget(&mut core, job_id);
                         core.jobs.remove(&job_id);
                         core.ended.push(job_id);
                     }
@@ -256,7 +256,7 @@ impl Controller {
                 Some(Step::Move { from, to, attempt, reason, then, failure }) => {
                     if then == Then::NextAttempt {
                         let mut core = self.lock();
-                        self.forget(&mut core, job_id);
+                        super::launch::forget(&mut core, job_id);
                     }
                     let resume_from = match then {
                         Then::NextAttempt => {
@@ -286,10 +286,10 @@ impl Controller {
                             core.blame(f, &self.config);
                         }
                         if let Then::StopRanks(why) = &then {
-                            self.stop_ranks(&mut core, job_id, why);
+                            super::launch::stop_ranks(&mut core, job_id, why, self.config.cancel_grace);
                         }
                     }
-                    self.store_cordons().await;
+                    super::faults::store_cordons(self.store.as_ref(), &self.core).await;
                     self.bump();
                 }
             }
@@ -338,7 +338,7 @@ impl Controller {
             for p in &placements {
                 core.waiting.remove(&p.job_id);
             }
-            self.preempt(&mut core, &queue, &views);
+            super::evict::preempt(&mut core, &self.config, &queue, &views);
             let now = self.now_ms();
             placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
         };
@@ -355,7 +355,7 @@ impl Controller {
                             job.master_port = None;
                             job.launches_sent = 0;
                         }
-                        let sent = self.send_launches(&mut core, job_id, None);
+                        let sent = super::launch::send_launches(&mut core, job_id, None);
                         if let Some(job) = core.jobs.get_mut(&job_id) {
                             job.launches_sent = sent;
                         }

@@ -15,7 +15,7 @@ use trainyard_store::JobId;
 const STEP_WINDOW: usize = 64;
 
 /// The watches of the running jobs. Its own lock: ingest updates it once per batch and never
-/// takes the core's; a reader that holds both takes this one first.
+/// takes the core's; a reader that holds both takes the core's first.
 #[derive(Default)]
 pub(super) struct StepWatches {
     jobs: Mutex<HashMap<JobId, StepWatch>>,
