@@ -4,141 +4,142 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use trainyard_proto::v1::{CancelRanks, ForgetRanks, RankKey, RankReport, controller_message::Msg};
 
-use super::{Controller, ControllerError, Result};
-use trainyard_store::{RankId, RankObserved, RankState};
+use std::sync::Mutex;
+use std::time::Duration;
 
-impl Controller {
-    /// Records what an agent observed about one of its ranks: in the store, then in memory,
-    /// then wakes the reconciler to move the job on. A report about a rank the controller is
-    /// done with is answered with a stop or a forget instead.
-    pub(super) async fn observe(&self, agent_id: &str, report: &RankReport) -> Result<()> {
-        let Some(id) = report.key.map(rank_id) else { return Ok(()) };
-        let Some(observed) = observed_of(agent_id, id, report, self.now_ms()) else { return Ok(()) };
-        let state = observed.state;
-        {
-            let mut core = self.lock();
-            let known = core.jobs.get(&id.job_id).and_then(|j| {
-                let current = j.record.attempt == id.attempt;
-                j.allocations.iter().position(|a| a.id == id && a.agent_id == agent_id && current)
-            });
-            let Some(pos) = known else {
-                self.answer_unknown(&mut core, agent_id, id, state);
-                return Ok(());
-            };
-            // Fenced: the rank was declared lost with its host, and the attempt moves on
-            // without it; the host came back with it still running, so it is stopped.
-            let job = core.jobs.get(&id.job_id).expect("job looked up above");
-            if job.allocations[pos].observed.state == RankState::Lost && !state.is_done() {
-                tracing::warn!(
-                    agent_id,
-                    job_id = id.job_id,
-                    rank = id.rank,
-                    "a rank declared lost is still running on a returning host; stopping it"
-                );
-                self.answer_unknown(&mut core, agent_id, id, state);
-                return Ok(());
-            }
-            // The rank-0 agent chose the attempt's MASTER_PORT: the other hosts can launch now.
-            let port = u16::try_from(report.master_port).unwrap_or(0);
-            let started = matches!(state, RankState::Launching | RankState::Running);
-            let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
-            if port > 0 && started && job.master_port.is_none() {
-                job.master_port = Some(port);
-                let sent = super::launch::send_launches(&mut core, id.job_id, None);
-                if let Some(job) = core.jobs.get_mut(&id.job_id) {
-                    job.launches_sent = job.launches_sent.max(sent);
-                }
-                tracing::info!(
-                    job_id = id.job_id,
-                    attempt = id.attempt,
-                    agent_id,
-                    port,
-                    waiting = sent.saturating_sub(1),
-                    "MASTER_PORT chosen by the rank-0 host; launching the others"
-                );
-            }
-            let job = core.jobs.get(&id.job_id).expect("job looked up above");
-            if unchanged(&job.allocations[pos].observed, &observed) {
-                return Ok(());
-            }
+use super::reconcile::Reconciler;
+use super::{ControllerError, Core, Result};
+use trainyard_store::{RankId, RankObserved, RankState, Store};
+
+/// Records what an agent observed about one of its ranks: in the store, then in memory,
+/// then wakes the reconciler to move the job on. A report about a rank the controller is
+/// done with is answered with a stop or a forget instead.
+pub(super) async fn observe(r: &Reconciler<'_>, agent_id: &str, report: &RankReport) -> Result<()> {
+    let Some(id) = report.key.map(rank_id) else { return Ok(()) };
+    let Some(observed) = observed_of(agent_id, id, report, r.now_ms()) else { return Ok(()) };
+    let state = observed.state;
+    {
+        let mut core = r.lock();
+        let known = core.jobs.get(&id.job_id).and_then(|j| {
+            let current = j.record.attempt == id.attempt;
+            j.allocations.iter().position(|a| a.id == id && a.agent_id == agent_id && current)
+        });
+        let Some(pos) = known else {
+            answer_unknown(&mut core, r.config.cancel_grace, agent_id, id, state);
+            return Ok(());
+        };
+        // Fenced: the rank was declared lost with its host, and the attempt moves on
+        // without it; the host came back with it still running, so it is stopped.
+        let job = core.jobs.get(&id.job_id).expect("job looked up above");
+        if job.allocations[pos].observed.state == RankState::Lost && !state.is_done() {
+            tracing::warn!(
+                agent_id,
+                job_id = id.job_id,
+                rank = id.rank,
+                "a rank declared lost is still running on a returning host; stopping it"
+            );
+            answer_unknown(&mut core, r.config.cancel_grace, agent_id, id, state);
+            return Ok(());
         }
-        self.store.observe_rank(id, &observed).await?;
-        {
-            let mut core = self.lock();
-            let current = core.jobs.get_mut(&id.job_id).filter(|j| j.record.attempt == id.attempt);
-            if let Some(a) = current.and_then(|j| j.allocations.iter_mut().find(|a| a.id == id)) {
-                a.observed = observed;
+        // The rank-0 agent chose the attempt's MASTER_PORT: the other hosts can launch now.
+        let port = u16::try_from(report.master_port).unwrap_or(0);
+        let started = matches!(state, RankState::Launching | RankState::Running);
+        let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
+        if port > 0 && started && job.master_port.is_none() {
+            job.master_port = Some(port);
+            let sent = super::launch::send_launches(&mut core, id.job_id, None);
+            if let Some(job) = core.jobs.get_mut(&id.job_id) {
+                job.launches_sent = job.launches_sent.max(sent);
             }
-            core.dirty.insert(id.job_id);
+            tracing::info!(
+                job_id = id.job_id,
+                attempt = id.attempt,
+                agent_id,
+                port,
+                waiting = sent.saturating_sub(1),
+                "MASTER_PORT chosen by the rank-0 host; launching the others"
+            );
         }
-        tracing::debug!(job_id = id.job_id, rank = id.rank, state = %report.state, "rank update");
-        self.bump();
-        self.wake();
-        Ok(())
+        let job = core.jobs.get(&id.job_id).expect("job looked up above");
+        if unchanged(&job.allocations[pos].observed, &observed) {
+            return Ok(());
+        }
     }
-
-    /// A report about a rank of a job or attempt the controller is done with: stop it, then
-    /// forget it.
-    fn answer_unknown(&self, core: &mut super::Core, agent_id: &str, id: RankId, state: RankState) {
-        let (job_id, attempt) = (id.job_id, id.attempt);
-        if state.is_done() {
-            core.send(agent_id, Msg::Forget(ForgetRanks { job_id, attempt }));
-        } else {
-            let reason = "the controller no longer runs this job attempt".to_string();
-            let grace_ms = self.config.cancel_grace.as_millis() as u64;
-            core.send(agent_id, Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason }));
+    r.store.observe_rank(id, &observed).await?;
+    {
+        let mut core = r.lock();
+        let current = core.jobs.get_mut(&id.job_id).filter(|j| j.record.attempt == id.attempt);
+        if let Some(a) = current.and_then(|j| j.allocations.iter_mut().find(|a| a.id == id)) {
+            a.observed = observed;
         }
+        core.dirty.insert(id.job_id);
+    }
+    tracing::debug!(job_id = id.job_id, rank = id.rank, state = %report.state, "rank update");
+    r.bump();
+    r.wake();
+    Ok(())
+}
+
+/// A report about a rank of a job or attempt the controller is done with: stop it, then
+/// forget it.
+fn answer_unknown(core: &mut Core, cancel_grace: Duration, agent_id: &str, id: RankId, state: RankState) {
+    let (job_id, attempt) = (id.job_id, id.attempt);
+    if state.is_done() {
+        core.send(agent_id, Msg::Forget(ForgetRanks { job_id, attempt }));
+    } else {
+        let reason = "the controller no longer runs this job attempt".to_string();
+        let grace_ms = cancel_grace.as_millis() as u64;
+        core.send(agent_id, Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason }));
     }
 }
 
-impl Controller {
-    /// Checks that every rank a batch carries receipts of was given to `agent_id`: an agent
-    /// speaks only for itself. Returns the jobs this controller does not know (a wiped
-    /// database, a foreign controller), whose receipts are neither stored nor acknowledged. A batch nearly
-    /// always holds one attempt of one job; the current attempt of an active job is checked in
-    /// memory, others (late receipts of ended jobs or earlier attempts) in the store.
-    pub(super) async fn check_senders(
-        &self,
-        agent_id: &str,
-        ranks: &BTreeMap<RankId, u64>,
-    ) -> Result<Vec<u64>> {
-        let attempts: BTreeSet<(u64, u32)> = ranks.keys().map(|id| (id.job_id, id.attempt)).collect();
-        let mut unknown = Vec::new();
-        for (job_id, attempt) in attempts {
-            // The current attempt of an active job: checked in place, under the lock, with
-            // nothing copied (a batch arrives for every agent several times a second).
-            let checked = {
-                let core = self.lock();
-                core.jobs.get(&job_id).filter(|j| j.record.attempt == attempt).map(|j| {
-                    stranger(ranks, (job_id, attempt), agent_id, |rank| {
-                        // Allocations are in rank order; a lookup by position, checked.
-                        let at = j.allocations.get(rank as usize).filter(|a| a.id.rank == rank);
-                        at.or_else(|| j.allocations.iter().find(|a| a.id.rank == rank))
-                            .map(|a| a.agent_id.as_str())
-                    })
+/// Checks that every rank a batch carries receipts of was given to `agent_id`: an agent
+/// speaks only for itself. Returns the jobs this controller does not know (a wiped
+/// database, a foreign controller), whose receipts are neither stored nor acknowledged. A batch nearly
+/// always holds one attempt of one job; the current attempt of an active job is checked in
+/// memory, others (late receipts of ended jobs or earlier attempts) in the store.
+pub(super) async fn check_senders(
+    store: &dyn Store,
+    core: &Mutex<Core>,
+    agent_id: &str,
+    ranks: &BTreeMap<RankId, u64>,
+) -> Result<Vec<u64>> {
+    let attempts: BTreeSet<(u64, u32)> = ranks.keys().map(|id| (id.job_id, id.attempt)).collect();
+    let mut unknown = Vec::new();
+    for (job_id, attempt) in attempts {
+        // The current attempt of an active job: checked in place, under the lock, with
+        // nothing copied (a batch arrives for every agent several times a second).
+        let checked = {
+            let core = core.lock().unwrap_or_else(|p| p.into_inner());
+            core.jobs.get(&job_id).filter(|j| j.record.attempt == attempt).map(|j| {
+                stranger(ranks, (job_id, attempt), agent_id, |rank| {
+                    // Allocations are in rank order; a lookup by position, checked.
+                    let at = j.allocations.get(rank as usize).filter(|a| a.id.rank == rank);
+                    at.or_else(|| j.allocations.iter().find(|a| a.id.rank == rank))
+                        .map(|a| a.agent_id.as_str())
                 })
-            };
-            let stranger = match checked {
-                Some(stranger) => stranger,
-                None => {
-                    if self.store.get_job(job_id).await?.is_none() {
-                        unknown.push(job_id);
-                        continue;
-                    }
-                    let allocations = self.store.allocations(job_id, attempt).await?;
-                    let owners: BTreeMap<u32, String> =
-                        allocations.into_iter().map(|a| (a.id.rank, a.agent_id)).collect();
-                    stranger(ranks, (job_id, attempt), agent_id, |rank| owners.get(&rank).map(String::as_str))
+            })
+        };
+        let stranger = match checked {
+            Some(stranger) => stranger,
+            None => {
+                if store.get_job(job_id).await?.is_none() {
+                    unknown.push(job_id);
+                    continue;
                 }
-            };
-            if let Some((rank, owner)) = stranger {
-                return Err(ControllerError::NotYours(format!(
-                    "agent {agent_id} sent receipts of rank {rank} of job {job_id} attempt {attempt}, which runs on {owner}; an agent speaks only for its own ranks"
-                )));
+                let allocations = store.allocations(job_id, attempt).await?;
+                let owners: BTreeMap<u32, String> =
+                    allocations.into_iter().map(|a| (a.id.rank, a.agent_id)).collect();
+                stranger(ranks, (job_id, attempt), agent_id, |rank| owners.get(&rank).map(String::as_str))
             }
+        };
+        if let Some((rank, owner)) = stranger {
+            return Err(ControllerError::NotYours(format!(
+                "agent {agent_id} sent receipts of rank {rank} of job {job_id} attempt {attempt}, which runs on {owner}; an agent speaks only for its own ranks"
+            )));
         }
-        Ok(unknown)
     }
+    Ok(unknown)
 }
 
 /// The first rank of `(job_id, attempt)` among `ranks` that `owner` says runs on an agent

@@ -133,6 +133,18 @@ impl Controller {
         super::follow::mirror(store, replace, shutdown).await
     }
 
+    /// The reconciler, borrowed with what a job's move needs (`reconcile`).
+    pub(super) fn reconciler(&self) -> super::reconcile::Reconciler<'_> {
+        super::reconcile::Reconciler {
+            store: self.store.as_ref(),
+            config: &self.config,
+            core: &self.core,
+            clock: self.clock,
+            changes: &self.changes,
+            wake: &self.wake,
+        }
+    }
+
     /// Leader or follower, and the lease it knows of.
     pub fn role(&self) -> &Role {
         &self.role
@@ -224,7 +236,7 @@ impl Controller {
             let periodic = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = prune.tick() => {
-                    self.prune_telemetry().await;
+                    super::telemetry::prune(self.store.as_ref(), self.config.telemetry_retention, self.now_ms()).await;
                     continue;
                 }
                 _ = self.wake.notified() => false,
@@ -232,16 +244,23 @@ impl Controller {
                 _ = tick.tick() => true,
             };
             if periodic {
-                self.mark_all();
-                if let Err(e) = self.check_liveness().await {
+                self.reconciler().mark_all();
+                if let Err(e) = super::liveness::check_liveness(&self.reconciler(), &self.heard).await {
                     tracing::error!(error = %e, "failed to check agent liveness");
                 }
-                self.reap_vanished_agents().await;
+                super::liveness::reap_vanished_agents(
+                    &self.reconciler(),
+                    &self.heard,
+                    &self.steps,
+                    &self.logs,
+                    self.started,
+                )
+                .await;
                 super::faults::check_hangs(&mut self.lock(), &self.steps, self.now_ms());
                 super::evict::check_evictions(&mut self.lock(), &self.steps, self.now_ms());
                 super::faults::store_cordons(self.store.as_ref(), &self.core).await;
             }
-            owed = !self.reconcile_paced(&mut next_pass).await;
+            owed = !self.reconciler().reconcile_paced(&mut next_pass).await;
             let ended = std::mem::take(&mut self.lock().ended);
             for job_id in ended {
                 let controller = self.clone();

@@ -347,6 +347,6 @@ impl Jobs<'_> {
                 )));
             }
         }
-        self.c.observe(agent_id, report).await
+        super::agents::observe(&self.c.reconciler(), agent_id, report).await
     }
 }

@@ -8,124 +8,136 @@ use tokio::time::Instant;
 use trainyard_store::{AgentState, RankId};
 
 use super::agents::lost_report;
-use super::{Controller, Core, Result, rank_done};
+use super::heard::Heard;
+use super::logs::LogRelay;
+use super::reconcile::Reconciler;
+use super::steps::StepWatches;
+use super::{Core, Result, rank_done};
 
-impl Controller {
-    /// Marks connected agents that have sent nothing for `unresponsive_after` as
-    /// `unresponsive` (no new work) and back when they speak again, moves their `last_seen_ms`
-    /// forward, and writes it to the store every [`super::heard::SEEN_PERSIST_EVERY`].
-    pub(crate) async fn check_liveness(&self) -> Result<()> {
-        let seen = self.heard.last();
-        let limit = self.config.unresponsive_after.as_millis() as i64;
-        let now = self.now_ms();
-        let mut recovered = false;
-        let mut touched = Vec::new();
-        {
-            let mut core = self.lock();
-            for e in core.agents.values_mut() {
-                if e.link.is_none() {
-                    e.unresponsive = false;
-                    continue;
-                }
-                let id = e.record.agent_id.clone();
-                if let Some(&at) = seen.get(&id) {
-                    e.record.last_seen_ms = e.record.last_seen_ms.max(at);
-                }
-                let silent_ms = now - e.record.last_seen_ms;
-                let silent = silent_ms > limit;
-                if silent && !e.unresponsive {
-                    tracing::warn!(agent_id = %id, silent_s = silent_ms / 1000, "agent unresponsive: its stream is open but it sent nothing; no new work goes there");
-                } else if !silent && e.unresponsive {
-                    tracing::info!(agent_id = %id, "agent responsive again");
-                    recovered = true;
-                }
-                e.unresponsive = silent;
-                touched.push((id, e.record.last_seen_ms));
+/// Marks connected agents that have sent nothing for `unresponsive_after` as
+/// `unresponsive` (no new work) and back when they speak again, moves their `last_seen_ms`
+/// forward, and writes it to the store every [`super::heard::SEEN_PERSIST_EVERY`].
+pub(super) async fn check_liveness(r: &Reconciler<'_>, heard: &Heard) -> Result<()> {
+    let seen = heard.last();
+    let limit = r.config.unresponsive_after.as_millis() as i64;
+    let now = r.now_ms();
+    let mut recovered = false;
+    let mut touched = Vec::new();
+    {
+        let mut core = r.lock();
+        for e in core.agents.values_mut() {
+            if e.link.is_none() {
+                e.unresponsive = false;
+                continue;
             }
+            let id = e.record.agent_id.clone();
+            if let Some(&at) = seen.get(&id) {
+                e.record.last_seen_ms = e.record.last_seen_ms.max(at);
+            }
+            let silent_ms = now - e.record.last_seen_ms;
+            let silent = silent_ms > limit;
+            if silent && !e.unresponsive {
+                tracing::warn!(agent_id = %id, silent_s = silent_ms / 1000, "agent unresponsive: its stream is open but it sent nothing; no new work goes there");
+            } else if !silent && e.unresponsive {
+                tracing::info!(agent_id = %id, "agent responsive again");
+                recovered = true;
+            }
+            e.unresponsive = silent;
+            touched.push((id, e.record.last_seen_ms));
         }
-        if recovered {
-            self.wake();
-        }
-        if self.heard.persist_due() {
-            self.store.touch_agents(&touched).await?;
-        }
-        Ok(())
     }
+    if recovered {
+        r.wake();
+    }
+    if heard.persist_due() {
+        r.store.touch_agents(&touched).await?;
+    }
+    Ok(())
+}
 
-    /// The reaper (every 500 ms): a host whose agent has been disconnected, or connected but
-    /// silent, for longer than `agent_timeout` is lost. Its ranks are recorded as lost (their
-    /// jobs restart elsewhere) and a silent agent's stream is dropped, so that if it comes back
-    /// it must say hello again and the ranks of the old attempt are stopped (`answer_unknown`).
-    ///
-    /// Unless the job is visibly alive: while ranks of the same job on other hosts keep
-    /// stepping, the host's ranks evidently take part in the collectives (a dead agent, not a
-    /// dead host: the ranks outlive their agent), so the verdict waits, up to `agent_hold`, for
-    /// the agent to come back and adopt them; nothing restarts. A cut network or a dead machine
-    /// stops the collectives, and with them the other ranks, so that verdict is not delayed.
-    /// Agents the controller has not heard from since it started get `reconnect_grace` first.
-    pub(super) async fn reap_vanished_agents(&self) {
-        let timeout = self.config.agent_timeout;
-        let grace_over = Instant::now() >= self.started + self.config.reconnect_grace;
-        let now_ms = self.now_ms();
-        let stepping = self.steps.ranks_stepping_within(timeout / 2);
-        let mut dropped = Vec::new();
-        let lost: Vec<(String, RankId, String)> = {
-            let mut core = self.lock();
-            let gone = gone_agents(&core, grace_over, now_ms, timeout);
-            let mut held: BTreeSet<String> = BTreeSet::new();
-            let mut lost = Vec::new();
-            for job in core.jobs.values() {
-                for a in job.allocations.iter().filter(|a| !rank_done(a)) {
-                    let Some((away, how, _)) = gone.get(&a.agent_id) else { continue };
-                    let alive_elsewhere = stepping.get(&job.record.id).is_some_and(|ranks| {
-                        job.allocations.iter().any(|o| o.agent_id != a.agent_id && ranks.contains(&o.id.rank))
-                    });
-                    if alive_elsewhere && *away < self.config.agent_hold {
-                        held.insert(a.agent_id.clone());
-                        continue;
-                    }
-                    let why = if alive_elsewhere {
-                        format!("{how}; the job's other ranks kept stepping until the hold ran out")
-                    } else {
-                        how.clone()
-                    };
-                    lost.push((a.agent_id.clone(), a.id, why));
-                }
-            }
-            for id in &held {
-                if core.holding.insert(id.clone()) {
-                    tracing::warn!(agent_id = %id, hold_s = self.config.agent_hold.as_secs(), "agent gone but its jobs keep stepping: holding the verdict for its return");
-                }
-            }
-            core.holding.retain(|id| held.contains(id));
-            for (id, (away, _, open)) in &gone {
-                if !*open || held.contains(id) {
+/// The reaper (every 500 ms): a host whose agent has been disconnected, or connected but
+/// silent, for longer than `agent_timeout` is lost. Its ranks are recorded as lost (their
+/// jobs restart elsewhere) and a silent agent's stream is dropped, so that if it comes back
+/// it must say hello again and the ranks of the old attempt are stopped (`answer_unknown`).
+///
+/// Unless the job is visibly alive: while ranks of the same job on other hosts keep
+/// stepping, the host's ranks evidently take part in the collectives (a dead agent, not a
+/// dead host: the ranks outlive their agent), so the verdict waits, up to `agent_hold`, for
+/// the agent to come back and adopt them; nothing restarts. A cut network or a dead machine
+/// stops the collectives, and with them the other ranks, so that verdict is not delayed.
+/// Agents the controller has not heard from since it started get `reconnect_grace` first.
+pub(super) async fn reap_vanished_agents(
+    r: &Reconciler<'_>,
+    heard: &Heard,
+    steps: &StepWatches,
+    logs: &LogRelay,
+    started: Instant,
+) {
+    let timeout = r.config.agent_timeout;
+    let grace_over = Instant::now() >= started + r.config.reconnect_grace;
+    let now_ms = r.now_ms();
+    let stepping = steps.ranks_stepping_within(timeout / 2);
+    let mut dropped = Vec::new();
+    let lost: Vec<(String, RankId, String)> = {
+        let mut core = r.lock();
+        let gone = gone_agents(&core, grace_over, now_ms, timeout);
+        let mut held: BTreeSet<String> = BTreeSet::new();
+        let mut lost = Vec::new();
+        for job in core.jobs.values() {
+            for a in job.allocations.iter().filter(|a| !rank_done(a)) {
+                let Some((away, how, _)) = gone.get(&a.agent_id) else { continue };
+                let alive_elsewhere = stepping.get(&job.record.id).is_some_and(|ranks| {
+                    job.allocations.iter().any(|o| o.agent_id != a.agent_id && ranks.contains(&o.id.rank))
+                });
+                if alive_elsewhere && *away < r.config.agent_hold {
+                    held.insert(a.agent_id.clone());
                     continue;
                 }
-                let Some(e) = core.agents.get_mut(id) else { continue };
-                tracing::error!(agent_id = %id, silent_s = away.as_secs_f64(), "host lost: its stream is open but it sent nothing; dropping the stream");
-                if let Some(link) = e.link.take() {
-                    self.heard.fence(link.conn_id);
-                }
-                e.disconnected_since = Some(Instant::now());
-                e.record.state = AgentState::Disconnected;
-                dropped.push(id.clone());
-            }
-            lost
-        };
-        for agent_id in dropped {
-            self.logs.fail_agent(&agent_id);
-            if let Err(e) = self.store.set_agent_state(&agent_id, AgentState::Disconnected, now_ms).await {
-                tracing::error!(agent_id, error = %e, "failed to record a lost host as disconnected");
+                let why = if alive_elsewhere {
+                    format!("{how}; the job's other ranks kept stepping until the hold ran out")
+                } else {
+                    how.clone()
+                };
+                lost.push((a.agent_id.clone(), a.id, why));
             }
         }
-        for (agent_id, id, message) in lost {
-            tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, "rank lost with its host");
-            if let Err(e) =
-                self.observe(&agent_id, &lost_report(id, &super::faults::host_lost_message(&message))).await
-            {
-                tracing::error!(agent_id, job_id = id.job_id, rank = id.rank, error = %e, "failed to record a lost rank; trying again");
+        for id in &held {
+            if core.holding.insert(id.clone()) {
+                tracing::warn!(agent_id = %id, hold_s = r.config.agent_hold.as_secs(), "agent gone but its jobs keep stepping: holding the verdict for its return");
             }
+        }
+        core.holding.retain(|id| held.contains(id));
+        for (id, (away, _, open)) in &gone {
+            if !*open || held.contains(id) {
+                continue;
+            }
+            let Some(e) = core.agents.get_mut(id) else { continue };
+            tracing::error!(agent_id = %id, silent_s = away.as_secs_f64(), "host lost: its stream is open but it sent nothing; dropping the stream");
+            if let Some(link) = e.link.take() {
+                heard.fence(link.conn_id);
+            }
+            e.disconnected_since = Some(Instant::now());
+            e.record.state = AgentState::Disconnected;
+            dropped.push(id.clone());
+        }
+        lost
+    };
+    for agent_id in dropped {
+        logs.fail_agent(&agent_id);
+        if let Err(e) = r.store.set_agent_state(&agent_id, AgentState::Disconnected, now_ms).await {
+            tracing::error!(agent_id, error = %e, "failed to record a lost host as disconnected");
+        }
+    }
+    for (agent_id, id, message) in lost {
+        tracing::warn!(agent_id, job_id = id.job_id, rank = id.rank, "rank lost with its host");
+        if let Err(e) = super::agents::observe(
+            r,
+            &agent_id,
+            &lost_report(id, &super::faults::host_lost_message(&message)),
+        )
+        .await
+        {
+            tracing::error!(agent_id, job_id = id.job_id, rank = id.rank, error = %e, "failed to record a lost rank; trying again");
         }
     }
 }

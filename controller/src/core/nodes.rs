@@ -205,56 +205,73 @@ impl Nodes<'_> {
         if tx.try_send(ControllerMessage { msg: Some(Msg::HelloAck(ack)) }).is_err() {
             return Err(ControllerError::AgentGone(agent_id));
         }
-        let (conn_id, lost) = {
-            let mut core = self.c.lock();
-            core.next_conn_id += 1;
-            let conn_id = core.next_conn_id;
-            let link = Some(AgentLink { conn_id, tx });
-            // The newest report is the verdict: a hello without one, or with the report the agent
-            // ran at start while a later re-run is stored, keeps what the node had (from the store
-            // after a restart of the controller, or from before the reconnect).
-            if core.agents.get(&agent_id).is_some_and(|e| e.link.is_some()) {
-                return Err(ControllerError::AlreadyConnected(agent_id));
-            }
-            let previous = core.agents.get(&agent_id).and_then(|e| e.preflight.clone());
-            let mut record = record;
-            record.cordon = core.agents.get(&agent_id).and_then(|e| e.record.cordon.clone());
-            let preflight = match (preflight, previous) {
-                (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
-                (new, old) => new.or(old),
-            };
-            let links = super::link_matrix(&record);
-            let entry = AgentEntry {
-                links,
-                record,
-                link,
-                leaving: false,
-                disconnected_since: None,
-                preflight,
-                unresponsive: false,
-                seen_since_start: true,
-            };
-            self.seen(&agent_id);
-            let report = entry.preflight.clone();
-            core.agents.insert(agent_id.clone(), entry);
-            core.fleet_changed();
-            if let Some(report) = report {
-                core.clear_by_preflight(&report);
-            }
-            core.ask_for_clearing(&agent_id);
-            let lost = self.resend_missed(&mut core, &agent_id, &reported);
-            (conn_id, lost)
-        };
+        let (conn_id, lost) = self.register(&agent_id, record, preflight, tx, &reported)?;
         tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
         for report in &hello.ranks {
-            self.c.observe(&agent_id, report).await?;
+            super::agents::observe(&self.c.reconciler(), &agent_id, report).await?;
         }
         for id in lost {
             let message = format!("agent {agent_id} came back without it");
-            self.c.observe(&agent_id, &lost_report(id, &super::faults::host_lost_message(&message))).await?;
+            super::agents::observe(
+                &self.c.reconciler(),
+                &agent_id,
+                &lost_report(id, &super::faults::host_lost_message(&message)),
+            )
+            .await?;
         }
         self.c.wake();
         Ok(conn_id)
+    }
+
+    /// Records the agent's new stream under the lock (refused if another is open), with the
+    /// newer of its hello's and its known preflight report; returns the connection id and the
+    /// ranks it came back without.
+    fn register(
+        self,
+        agent_id: &str,
+        record: AgentRecord,
+        preflight: Option<PreflightRecord>,
+        tx: mpsc::Sender<ControllerMessage>,
+        reported: &BTreeSet<RankId>,
+    ) -> Result<(u64, Vec<RankId>)> {
+        let mut core = self.c.lock();
+        core.next_conn_id += 1;
+        let conn_id = core.next_conn_id;
+        let link = Some(AgentLink { conn_id, tx });
+        // The newest report is the verdict: a hello without one, or with the report the agent
+        // ran at start while a later re-run is stored, keeps what the node had (from the store
+        // after a restart of the controller, or from before the reconnect).
+        if core.agents.get(agent_id).is_some_and(|e| e.link.is_some()) {
+            return Err(ControllerError::AlreadyConnected(agent_id.to_string()));
+        }
+        let previous = core.agents.get(agent_id).and_then(|e| e.preflight.clone());
+        let mut record = record;
+        record.cordon = core.agents.get(agent_id).and_then(|e| e.record.cordon.clone());
+        let preflight = match (preflight, previous) {
+            (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
+            (new, old) => new.or(old),
+        };
+        let links = super::link_matrix(&record);
+        let entry = AgentEntry {
+            links,
+            record,
+            link,
+            leaving: false,
+            disconnected_since: None,
+            preflight,
+            unresponsive: false,
+            seen_since_start: true,
+        };
+        self.seen(agent_id);
+        let report = entry.preflight.clone();
+        core.agents.insert(agent_id.to_string(), entry);
+        core.fleet_changed();
+        if let Some(report) = report {
+            core.clear_by_preflight(&report);
+        }
+        core.ask_for_clearing(agent_id);
+        let lost = self.resend_missed(&mut core, agent_id, reported);
+        Ok((conn_id, lost))
     }
 
     /// After a hello: ranks placed on this agent that it does not know are launched again if

@@ -66,7 +66,9 @@ impl Receipts<'_> {
             );
         }
         let mut held_back = 0;
-        for job_id in self.c.check_senders(agent_id, &highest).await? {
+        for job_id in
+            super::agents::check_senders(self.c.store.as_ref(), &self.c.core, agent_id, &highest).await?
+        {
             // Not acknowledged: the agent keeps them in the rank's file (up to its window) and
             // sends them again on its next stream, so nothing is lost if this controller is the
             // wrong one or its database is being restored.
@@ -107,14 +109,15 @@ impl Receipts<'_> {
                 named.insert(rank_id(s), 0);
             }
         }
-        let unknown = self.c.check_senders(agent_id, &named).await?;
+        let unknown =
+            super::agents::check_senders(self.c.store.as_ref(), &self.c.core, agent_id, &named).await?;
         let records: Vec<GpuWindowRecord> =
             batch.windows.iter().map(|w| super::telemetry::window_record(agent_id, w, &unknown)).collect();
         let stored = self.c.store.insert_gpu_windows(&records).await?;
         crate::metrics::metrics().gpu_windows_stored.inc_by(stored);
         for r in records.iter().filter(|r| !r.xids.is_empty()) {
             for &number in &r.xids {
-                self.c.on_xid(r, telemetry::xid(number)).await?;
+                super::telemetry::on_xid(&self.c.reconciler(), r, telemetry::xid(number)).await?;
             }
         }
         Ok(TelemetryAck { id: batch.id })

@@ -5,13 +5,18 @@
 //! store without the lock, and applied to memory under it again. A store error ends the step
 //! for that job only: it stays dirty and the next pass (at most 500 ms later) tries again.
 
+use std::sync::{Mutex, MutexGuard};
+
+use tokio::sync::{Notify, watch};
+
 use super::faults::{self, Finding};
-use super::{ActiveJob, Controller, Core, Result, rank_done};
+use super::{ActiveJob, Clock, Core, Result, rank_done};
+use crate::config::ControllerConfig;
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
 use trainyard_placement::scheduler::{self, NodeView, Placement};
 use trainyard_store::{
-    Allocation, FailureRecord, JobId, JobRecord, JobState, RankId, RankObserved, RankState,
+    Allocation, FailureRecord, JobId, JobRecord, JobState, RankId, RankObserved, RankState, Store,
 };
 
 /// What a job needs next.
@@ -170,18 +175,53 @@ struct Plan {
     reason: String,
 }
 
-impl Controller {
+/// The reconciler: the one path by which a job's state moves. It is borrowed from the
+/// controller (`Controller::reconciler`) with exactly what a move needs: the store, the
+/// settings, the core's state, the clock, and the wake-ups of the `Watch` streams and of the
+/// reconciler's own loop. Only this file writes a job's record (`ActiveJob::record` is private
+/// to it); everything else marks jobs for it (`Core::dirty`) or records what it must act on
+/// (a rank's report, a detected failure, a cancel, an eviction).
+#[derive(Clone, Copy)]
+pub(super) struct Reconciler<'a> {
+    pub(super) store: &'a dyn Store,
+    pub(super) config: &'a ControllerConfig,
+    pub(super) core: &'a Mutex<Core>,
+    pub(super) clock: Clock,
+    pub(super) changes: &'a watch::Sender<u64>,
+    pub(super) wake: &'a Notify,
+}
+
+impl Reconciler<'_> {
+    /// The core's state. Callers drop the guard before any `.await`.
+    pub(super) fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
+    /// A job changed: `Watch` streams look again.
+    pub(super) fn bump(&self) {
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Something changed that the reconciler's loop may act on.
+    pub(super) fn wake(&self) {
+        self.wake.notify_one();
+    }
+
     /// One pass: settles every job a request marked (or every job, after
-    /// [`Controller::mark_all`]), then places what is pending. The core's tests call it
+    /// [`Reconciler::mark_all`]), then places what is pending. The core's tests call it
     /// directly, with no task running; the running controller paces the placing
-    /// ([`Controller::reconcile_paced`]).
+    /// ([`Reconciler::reconcile_paced`]).
     #[cfg(test)]
-    pub(crate) async fn reconcile(&self) {
+    pub(super) async fn reconcile(&self) {
         self.settle_dirty().await;
         self.schedule_logged().await;
     }
 
-    /// [`Controller::reconcile`] as the running controller takes it: the woken jobs are settled
+    /// [`Reconciler::reconcile`] as the running controller takes it: the woken jobs are settled
     /// at once, and a scheduling pass that finds jobs pending runs at most every
     /// [`SCHEDULE_EVERY`]. Returns false when a pass is owed: the caller comes back at
     /// `next_pass`.
@@ -199,7 +239,7 @@ impl Controller {
         true
     }
 
-    async fn settle_dirty(&self) {
+    pub(super) async fn settle_dirty(&self) {
         let dirty: Vec<JobId> = std::mem::take(&mut self.lock().dirty).into_iter().collect();
         for job_id in dirty {
             self.settle_logged(job_id).await;
@@ -262,9 +302,7 @@ impl Controller {
                         Then::NextAttempt => {
                             let spec = self.lock().jobs.get(&job_id).map(|j| j.record.spec.clone());
                             match spec {
-                                Some(spec) => {
-                                    super::resume::points_of(self.store.as_ref(), job_id, &spec).await?
-                                }
+                                Some(spec) => super::resume::points_of(self.store, job_id, &spec).await?,
                                 None => Vec::new(),
                             }
                         }
@@ -283,13 +321,13 @@ impl Controller {
                             apply_move(job, record, &then, failure.as_deref(), resume_from);
                         }
                         if let Some(f) = &failure {
-                            core.blame(f, &self.config);
+                            core.blame(f, self.config);
                         }
                         if let Then::StopRanks(why) = &then {
                             super::launch::stop_ranks(&mut core, job_id, why, self.config.cancel_grace);
                         }
                     }
-                    super::faults::store_cordons(self.store.as_ref(), &self.core).await;
+                    super::faults::store_cordons(self.store, self.core).await;
                     self.bump();
                 }
             }
@@ -338,7 +376,7 @@ impl Controller {
             for p in &placements {
                 core.waiting.remove(&p.job_id);
             }
-            super::evict::preempt(&mut core, &self.config, &queue, &views);
+            super::evict::preempt(&mut core, self.config, &queue, &views);
             let now = self.now_ms();
             placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
         };
@@ -472,122 +510,4 @@ fn plan(core: &Core, placement: Placement, views: &[NodeView], now_ms: i64) -> O
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use trainyard_store::JobRecord;
-
-    fn job(state: JobState, ranks: &[(RankState, Option<i32>)], max_restarts: u32) -> ActiveJob {
-        let spec =
-            JobSpec { max_restarts, ..JobSpec::try_from(super::super::test_support::spec(1)).unwrap() };
-        let record = JobRecord {
-            id: 7,
-            spec,
-            owner: Default::default(),
-            state,
-            reason: String::new(),
-            attempt: 0,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-        };
-        let mut job = ActiveJob::new(record);
-        job.allocations = ranks
-            .iter()
-            .enumerate()
-            .map(|(i, (state, code))| Allocation {
-                id: RankId { job_id: 7, attempt: 0, rank: i as u32 },
-                agent_id: format!("node-{}", i / 2),
-                gpu_index: i as u32,
-                node_rank: (i / 2) as u32,
-                local_rank: (i % 2) as u32,
-                planned_cpus: String::new(),
-                planned_mems: String::new(),
-                observed: RankObserved { state: *state, exit_code: *code, ..Default::default() },
-            })
-            .collect();
-        job
-    }
-
-    /// What the ranks say, with every node connected.
-    fn found(job: &ActiveJob) -> Finding {
-        faults::classify(job, &Default::default(), &Default::default(), 0)
-    }
-
-    fn target(step: Option<Step>) -> Option<(JobState, String)> {
-        match step? {
-            Step::Move { to, reason, .. } => Some((to, reason)),
-            Step::Forget => None,
-        }
-    }
-
-    #[test]
-    fn the_next_step_follows_the_ranks() {
-        use RankState::*;
-        let running = job(JobState::Launching, &[(Running, None), (Running, None)], 0);
-        assert_eq!(target(decide(&running, found(&running))).map(|t| t.0), Some(JobState::Running));
-        let half = job(JobState::Launching, &[(Running, None), (Launching, None)], 0);
-        assert_eq!(decide(&half, found(&half)), None);
-        let done = job(JobState::Running, &[(Exited, Some(0)), (Exited, Some(0))], 0);
-        assert_eq!(target(decide(&done, found(&done))).map(|t| t.0), Some(JobState::Succeeded));
-        let failed = job(JobState::Running, &[(Exited, Some(3)), (Running, None)], 1);
-        let (to, reason) = target(decide(&failed, found(&failed))).unwrap();
-        assert_eq!(to, JobState::Restarting);
-        assert!(
-            reason.contains("rank_exit: rank 0 on node-0 exited with code 3")
-                && reason.contains("restarting as attempt 1 (restart 1 of at most 1)"),
-            "{reason}"
-        );
-        let no_restarts = job(JobState::Running, &[(Exited, Some(1)), (Running, None)], 0);
-        assert_eq!(target(decide(&no_restarts, found(&no_restarts))).map(|t| t.0), Some(JobState::Failed));
-        // A lost host is the fleet's failure: the job restarts whatever its max_restarts.
-        let mut lost = job(JobState::Running, &[(Lost, None), (Running, None)], 0);
-        lost.allocations[0].observed.message =
-            faults::host_lost_message("agent node-0 sent nothing for 8.1 s");
-        let (to, reason) = target(decide(&lost, found(&lost))).unwrap();
-        assert_eq!(to, JobState::Restarting);
-        assert!(
-            reason.starts_with("host_lost: rank 0 on node-0 was lost: host lost: agent node-0"),
-            "{reason}"
-        );
-        // A launch preflight that a check of the job's own environment failed is the job's.
-        let mut refused = job(JobState::Launching, &[(Lost, None), (Lost, None)], 0);
-        refused.allocations[0].observed.message =
-            "preflight failed: env.nccl_shm_disable: 1 (expected unset)".into();
-        assert_eq!(target(decide(&refused, found(&refused))).map(|t| t.0), Some(JobState::Failed));
-        refused.allocations[0].observed.message =
-            "preflight failed: cuda.init.gpu3: error (expected ok)".into();
-        let (to, reason) = target(decide(&refused, found(&refused))).unwrap();
-        assert_eq!(to, JobState::Restarting, "a node check blames the node: {reason}");
-        let restarting = job(JobState::Restarting, &[(Exited, Some(3)), (Exited, None)], 1);
-        assert!(matches!(
-            decide(&restarting, found(&restarting)),
-            Some(Step::Move { to: JobState::Pending, attempt: 1, .. })
-        ));
-        let finished = job(JobState::Failed, &[(Exited, Some(3)), (Lost, None)], 0);
-        assert_eq!(decide(&finished, found(&finished)), Some(Step::Forget));
-        let stopping = job(JobState::Failed, &[(Exited, Some(3)), (Running, None)], 0);
-        assert_eq!(decide(&stopping, found(&stopping)), None, "a finished job waits for its ranks to stop");
-    }
-
-    #[test]
-    fn waiting_jobs_age_one_point_per_interval() {
-        let ten_min = std::time::Duration::from_secs(600);
-        assert_eq!(aged(3, 0, ten_min), 3);
-        assert_eq!(aged(3, 599_999, ten_min), 3);
-        assert_eq!(aged(3, 1_800_000, ten_min), 6, "half an hour: three points");
-        assert_eq!(aged(3, 1_800_000, std::time::Duration::ZERO), 3, "aging off");
-        assert_eq!(aged(i32::MAX, i64::MAX, std::time::Duration::from_millis(1)), i32::MAX);
-    }
-
-    #[test]
-    fn a_cancel_comes_first_and_stops_the_ranks() {
-        let mut j = job(JobState::Running, &[(RankState::Running, None)], 0);
-        j.cancel = Some("operator".into());
-        assert!(matches!(
-            decide(&j, found(&j)),
-            Some(Step::Move { to: JobState::Cancelled, then: Then::StopRanks(_), .. })
-        ));
-        let mut pending = job(JobState::Pending, &[], 0);
-        pending.cancel = Some("operator".into());
-        assert_eq!(target(decide(&pending, found(&pending))).map(|t| t.0), Some(JobState::Cancelled));
-    }
-}
+mod tests;

@@ -6,99 +6,95 @@
 //! the GPU instead and the restart it cost is given back. Windows older than the retention are
 //! pruned.
 
+use std::time::Duration;
 use trainyard_proto::telemetry::Xid;
 use trainyard_proto::v1::GpuWindow;
-use trainyard_store::{Cordon, FailureKind, FailureRecord, GpuWindowRecord, JobState};
 
+use trainyard_store::{Cordon, FailureKind, FailureRecord, GpuWindowRecord, JobState, Store};
+
+use super::Result;
 use super::agents::rank_id;
-use super::{Controller, Result};
+use super::reconcile::Reconciler;
 
 /// How long before an XID a rank's exit on the same node counts as the XID's doing.
 const XID_EXPLAINS_EXIT_MS: i64 = 60_000;
 
-impl Controller {
-    /// Acts on one XID of a window: logged and counted always; one that drains the node
-    /// cordons it and fails the attempt that used the GPU.
-    pub(super) async fn on_xid(&self, w: &GpuWindowRecord, xid: Xid) -> Result<()> {
-        let node = w.agent_id.as_str();
-        crate::metrics::metrics().xid(xid.number);
-        let evidence = format!(
-            "XID {} ({}) on GPU {} of {node}: {}",
-            xid.number,
-            xid.meaning,
-            w.gpu,
-            xid.action.as_str()
-        );
-        if !xid.action.drains() {
-            tracing::warn!(agent_id = node, gpu = w.gpu, xid = xid.number, %evidence, "XID reported");
-            return Ok(());
-        }
-        tracing::error!(agent_id = node, gpu = w.gpu, xid = xid.number, %evidence, "XID: the node is drained");
-        let at_ms = self.now_ms();
-        let already_failed = {
-            let mut core = self.lock();
-            if let Some(entry) = core.agents.get_mut(node)
-                && entry.record.cordon.is_none()
-            {
-                let reason = format!("{evidence}; `ctl uncordon {node}` once that is done");
-                let cordon = Cordon { by: "drain".into(), reason, at_ms };
-                entry.record.cordon = Some(cordon.clone());
-                core.cordons_to_store.push((node.to_string(), Some(cordon)));
-            }
-            let (Some(job_id), Some(attempt)) = (w.job_id, w.attempt) else { return Ok(()) };
-            match core.jobs.get_mut(&job_id) {
-                Some(job)
-                    if job.record.attempt == attempt
-                        && matches!(job.record.state, JobState::Running | JobState::Launching)
-                        && job.detected.is_none() =>
-                {
-                    job.detected = Some(FailureRecord {
-                        job_id,
-                        attempt,
-                        at_ms,
-                        kind: FailureKind::GpuXid,
-                        agent_id: Some(node.to_string()),
-                        rank: w.rank,
-                        evidence: evidence.clone(),
-                        blamed: true,
-                        charged: false,
-                    });
-                    core.dirty.insert(job_id);
-                    None
-                }
-                _ => Some((job_id, attempt)),
-            }
-        };
-        self.wake();
-        let Some((job_id, attempt)) = already_failed else { return Ok(()) };
-        // The rank may have crashed before the window carrying the XID arrived: its exit was
-        // then recorded as the job's own failure. It was the GPU's.
-        let since = at_ms - XID_EXPLAINS_EXIT_MS;
-        if let Some(f) = self.store.blame_failure_on_xid(job_id, attempt, node, since, &evidence).await? {
-            tracing::warn!(
-                job_id,
-                attempt,
-                agent_id = node,
-                "a rank exit was the GPU's failure: not charged to the job"
-            );
-            let mut core = self.lock();
-            if let Some(job) = core.jobs.get_mut(&job_id) {
-                job.charged = job.charged.saturating_sub(1);
-            }
-            core.blame(&f, &self.config);
-        }
-        Ok(())
+/// Acts on one XID of a window: logged and counted always; one that drains the node
+/// cordons it and fails the attempt that used the GPU.
+pub(super) async fn on_xid(r: &Reconciler<'_>, w: &GpuWindowRecord, xid: Xid) -> Result<()> {
+    let node = w.agent_id.as_str();
+    crate::metrics::metrics().xid(xid.number);
+    let evidence =
+        format!("XID {} ({}) on GPU {} of {node}: {}", xid.number, xid.meaning, w.gpu, xid.action.as_str());
+    if !xid.action.drains() {
+        tracing::warn!(agent_id = node, gpu = w.gpu, xid = xid.number, %evidence, "XID reported");
+        return Ok(());
     }
-
-    /// Deletes telemetry windows older than the retention (run with the other periodic work).
-    pub(super) async fn prune_telemetry(&self) {
-        let Some(keep) = self.config.telemetry_retention else { return };
-        let before = self.now_ms() - keep.as_millis() as i64;
-        match self.store.prune_gpu_windows(before).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(windows = n, "pruned GPU telemetry past its retention"),
-            Err(e) => tracing::warn!(error = %e, "failed to prune GPU telemetry; trying again later"),
+    tracing::error!(agent_id = node, gpu = w.gpu, xid = xid.number, %evidence, "XID: the node is drained");
+    let at_ms = r.now_ms();
+    let already_failed = {
+        let mut core = r.lock();
+        if let Some(entry) = core.agents.get_mut(node)
+            && entry.record.cordon.is_none()
+        {
+            let reason = format!("{evidence}; `ctl uncordon {node}` once that is done");
+            let cordon = Cordon { by: "drain".into(), reason, at_ms };
+            entry.record.cordon = Some(cordon.clone());
+            core.cordons_to_store.push((node.to_string(), Some(cordon)));
         }
+        let (Some(job_id), Some(attempt)) = (w.job_id, w.attempt) else { return Ok(()) };
+        match core.jobs.get_mut(&job_id) {
+            Some(job)
+                if job.record.attempt == attempt
+                    && matches!(job.record.state, JobState::Running | JobState::Launching)
+                    && job.detected.is_none() =>
+            {
+                job.detected = Some(FailureRecord {
+                    job_id,
+                    attempt,
+                    at_ms,
+                    kind: FailureKind::GpuXid,
+                    agent_id: Some(node.to_string()),
+                    rank: w.rank,
+                    evidence: evidence.clone(),
+                    blamed: true,
+                    charged: false,
+                });
+                core.dirty.insert(job_id);
+                None
+            }
+            _ => Some((job_id, attempt)),
+        }
+    };
+    r.wake();
+    let Some((job_id, attempt)) = already_failed else { return Ok(()) };
+    // The rank may have crashed before the window carrying the XID arrived: its exit was
+    // then recorded as the job's own failure. It was the GPU's.
+    let since = at_ms - XID_EXPLAINS_EXIT_MS;
+    if let Some(f) = r.store.blame_failure_on_xid(job_id, attempt, node, since, &evidence).await? {
+        tracing::warn!(
+            job_id,
+            attempt,
+            agent_id = node,
+            "a rank exit was the GPU's failure: not charged to the job"
+        );
+        let mut core = r.lock();
+        if let Some(job) = core.jobs.get_mut(&job_id) {
+            job.charged = job.charged.saturating_sub(1);
+        }
+        core.blame(&f, r.config);
+    }
+    Ok(())
+}
+
+/// Deletes telemetry windows older than the retention (run with the other periodic work).
+pub(super) async fn prune(store: &dyn Store, retention: Option<Duration>, now_ms: i64) {
+    let Some(keep) = retention else { return };
+    let before = now_ms - keep.as_millis() as i64;
+    match store.prune_gpu_windows(before).await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(windows = n, "pruned GPU telemetry past its retention"),
+        Err(e) => tracing::warn!(error = %e, "failed to prune GPU telemetry; trying again later"),
     }
 }
 
