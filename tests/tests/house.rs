@@ -690,9 +690,8 @@ fn inherent_impl_of(line: &str) -> Option<String> {
 }
 
 /// Types whose inherent impls still spread over several files, each with the issue that
-/// gathers them: the controller's core (issue 35), whose side systems become types of their own.
-const SPREAD_IMPLS_PENDING: &[(&str, &str)] =
-    &[("controller", "Controller"), ("controller", "Core"), ("controller", "ActiveJob")];
+/// gathers them (none today).
+const SPREAD_IMPLS_PENDING: &[(&str, &str)] = &[];
 
 #[test]
 fn no_type_has_inherent_impls_in_more_than_one_file() {

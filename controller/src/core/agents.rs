@@ -85,11 +85,15 @@ pub(super) async fn observe(r: &Reconciler<'_>, agent_id: &str, report: &RankRep
 fn answer_unknown(core: &mut Core, cancel_grace: Duration, agent_id: &str, id: RankId, state: RankState) {
     let (job_id, attempt) = (id.job_id, id.attempt);
     if state.is_done() {
-        core.send(agent_id, Msg::Forget(ForgetRanks { job_id, attempt }));
+        super::launch::send(&mut *core, agent_id, Msg::Forget(ForgetRanks { job_id, attempt }));
     } else {
         let reason = "the controller no longer runs this job attempt".to_string();
         let grace_ms = cancel_grace.as_millis() as u64;
-        core.send(agent_id, Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason }));
+        super::launch::send(
+            &mut *core,
+            agent_id,
+            Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason }),
+        );
     }
 }
 

@@ -4,7 +4,7 @@
 use trainyard_model::spec::SpecError;
 use trainyard_store::{JobId, StoreError};
 
-use super::follow;
+use trainyard_store::Lease;
 
 /// Errors an operator or agent request can end in; mapped to `tonic::Status` in
 /// `crate::service::to_status`.
@@ -44,9 +44,39 @@ pub enum ControllerError {
     TooMany(String),
     /// This controller follows another in its group: writes go to the leader.
     #[error("{0}")]
-    NotLeader(follow::NotLeader),
+    NotLeader(NotLeader),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
 
 pub type Result<T, E = ControllerError> = std::result::Result<T, E>;
+
+/// A write refused by a follower, naming the leader when one is known.
+#[derive(Debug, Clone)]
+pub struct NotLeader {
+    pub leader: Option<Lease>,
+}
+
+impl std::fmt::Display for NotLeader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.leader {
+            Some(l) => write!(
+                f,
+                "this controller does not lead its group: the leader is {} at {} (epoch {}); send writes \
+                 there (ctl and agents given several controller addresses go there themselves)",
+                l.holder, l.address, l.epoch
+            ),
+            None => f.write_str(
+                "this controller does not lead its group and no leader is elected right now; try again in \
+                 a few seconds",
+            ),
+        }
+    }
+}
+
+impl NotLeader {
+    /// The leader's gRPC address (host:port), when known.
+    pub fn address(&self) -> Option<&str> {
+        self.leader.as_ref().map(|l| l.address.as_str()).filter(|a| !a.is_empty())
+    }
+}

@@ -23,6 +23,7 @@ use trainyard_placement::scheduler::{self, NodeView, Request};
 use trainyard_proto::v1::{CheckpointNow, controller_message::Msg};
 use trainyard_store::{FailureKind, FailureRecord, JobId, JobState};
 
+use super::state::Eviction;
 use super::steps::StepWatches;
 use super::{ActiveJob, Core, rank_done};
 use crate::config::ControllerConfig;
@@ -32,19 +33,6 @@ pub const DEFAULT_DRAIN_DEADLINE: Duration = Duration::from_secs(120);
 pub const DEFAULT_NOTICE_DEADLINE: Duration = Duration::from_secs(30);
 /// Stop a moment before the host goes away, so the stop itself is not cut off.
 pub(super) const NOTICE_MARGIN: Duration = Duration::from_secs(2);
-
-/// A job asked to checkpoint and move off a node.
-#[derive(Debug, Clone)]
-pub(super) struct Eviction {
-    pub kind: FailureKind,
-    /// The node it moves off; empty when it is preempted (it moves off every node).
-    pub node: String,
-    pub why: String,
-    pub asked: Instant,
-    pub deadline: Instant,
-    /// The waiting job it makes room for (priority preemption).
-    pub for_job: Option<JobId>,
-}
 
 /// After a scheduling pass: the first waiting job (in `queue`'s priority order) that the
 /// GPUs of lower-priority running jobs would let run preempts the fewest of them. One
@@ -151,7 +139,11 @@ fn ask_to_move(core: &mut Core, id: JobId, kind: FailureKind, node: &str, within
         job.allocations.iter().map(|a| a.agent_id.clone()).collect();
     for host in hosts {
         let (reason, signal) = (why.to_string(), signal.clone());
-        core.send(&host, Msg::CheckpointNow(CheckpointNow { job_id: id, attempt, reason, signal }));
+        super::launch::send(
+            &mut *core,
+            &host,
+            Msg::CheckpointNow(CheckpointNow { job_id: id, attempt, reason, signal }),
+        );
     }
     core.dirty.insert(id);
 }
@@ -179,7 +171,7 @@ pub(super) fn check_evictions(core: &mut Core, steps: &StepWatches, now_ms: i64)
             (None, JobState::Running) => continue,
             (None, _) => format!("{}; it had not started running, so there was nothing to save", e.why),
         };
-        done.push(e.failure(job, now_ms, evidence));
+        done.push(e.failure((job.record.id, job.record.attempt), now_ms, evidence));
     }
     drop(steps);
     for f in done {
@@ -195,24 +187,11 @@ pub(super) fn check_evictions(core: &mut Core, steps: &StepWatches, now_ms: i64)
 /// handle the checkpoint signal, a host that went away first): still the move, not the job's.
 pub(super) fn moved_anyway(job: &ActiveJob, now_ms: i64) -> Option<FailureRecord> {
     let e = job.eviction.as_ref()?;
-    Some(e.failure(job, now_ms, format!("{}; its ranks ended while it was being moved", e.why)))
-}
-
-impl Eviction {
-    /// The failure that ends the moved attempt: the fleet's, so nobody is blamed or charged.
-    fn failure(&self, job: &ActiveJob, at_ms: i64, evidence: String) -> FailureRecord {
-        FailureRecord {
-            job_id: job.record.id,
-            attempt: job.record.attempt,
-            at_ms,
-            kind: self.kind,
-            agent_id: Some(self.node.clone()).filter(|n| !n.is_empty()),
-            rank: None,
-            evidence,
-            blamed: false,
-            charged: false,
-        }
-    }
+    Some(e.failure(
+        (job.record.id, job.record.attempt),
+        now_ms,
+        format!("{}; its ranks ended while it was being moved", e.why),
+    ))
 }
 
 /// The fewest of `candidates` (tried in their order) whose GPUs, freed, let `req` be placed on

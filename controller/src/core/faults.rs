@@ -211,103 +211,103 @@ pub(super) async fn reload(
     Ok(watches)
 }
 
-impl Core {
-    /// Nodes of `job` that are disconnected or silent, and those that announced they leave.
-    pub(super) fn silent_and_leaving<'j>(
-        &self,
-        job: &'j ActiveJob,
-    ) -> (BTreeSet<&'j str>, BTreeSet<&'j str>) {
-        let (mut silent, mut leaving) = (BTreeSet::new(), BTreeSet::new());
-        for a in &job.allocations {
-            if let Some(e) = self.agents.get(&a.agent_id) {
-                if e.link.is_none() || e.unresponsive {
-                    silent.insert(a.agent_id.as_str());
-                }
-                if e.leaving {
-                    leaving.insert(a.agent_id.as_str());
-                }
+/// Nodes of `job` that are disconnected or silent, and those that announced they leave.
+pub(super) fn silent_and_leaving<'j>(
+    core: &Core,
+    job: &'j ActiveJob,
+) -> (BTreeSet<&'j str>, BTreeSet<&'j str>) {
+    let (mut silent, mut leaving) = (BTreeSet::new(), BTreeSet::new());
+    for a in &job.allocations {
+        if let Some(e) = core.agents.get(&a.agent_id) {
+            if e.link.is_none() || e.unresponsive {
+                silent.insert(a.agent_id.as_str());
+            }
+            if e.leaving {
+                leaving.insert(a.agent_id.as_str());
             }
         }
-        (silent, leaving)
     }
+    (silent, leaving)
+}
 
-    /// Records that `f` blamed its node: the job avoids it, the node's blame count grows (and
-    /// may cordon it), and the node is asked for a preflight that can clear it.
-    pub(super) fn blame(&mut self, f: &FailureRecord, config: &ControllerConfig) {
-        let Some(node) = f.agent_id.clone().filter(|_| f.blamed) else { return };
-        if let Some(job) = self.jobs.get_mut(&f.job_id) {
-            job.avoid.insert(node.clone(), f.at_ms);
-        }
-        let window = config.blame_window.as_millis() as i64;
-        let times = self.blames.entry(node.clone()).or_default();
-        times.push(f.at_ms);
-        times.retain(|t| *t > f.at_ms - window);
-        let count = times.len();
-        tracing::warn!(agent_id = %node, job_id = f.job_id, kind = %f.kind, blames = count, "node blamed for a failure");
-        let threshold = config.cordon_after_blames;
-        if let Some(entry) = self.agents.get_mut(&node)
-            && threshold > 0
-            && count >= threshold
-            && entry.record.cordon.is_none()
-        {
-            let minutes = config.blame_window.as_secs() / 60;
-            let reason = format!(
-                "blamed for {count} failures within {minutes} min (the last: job {} {}); lifted when it passes a preflight",
-                f.job_id, f.kind
+/// Records that `f` blamed its node: the job avoids it, the node's blame count grows (and
+/// may cordon it), and the node is asked for a preflight that can clear it.
+pub(super) fn blame(core: &mut Core, f: &FailureRecord, config: &ControllerConfig) {
+    let Some(node) = f.agent_id.clone().filter(|_| f.blamed) else { return };
+    if let Some(job) = core.jobs.get_mut(&f.job_id) {
+        job.avoid.insert(node.clone(), f.at_ms);
+    }
+    let window = config.blame_window.as_millis() as i64;
+    let times = core.blames.entry(node.clone()).or_default();
+    times.push(f.at_ms);
+    times.retain(|t| *t > f.at_ms - window);
+    let count = times.len();
+    tracing::warn!(agent_id = %node, job_id = f.job_id, kind = %f.kind, blames = count, "node blamed for a failure");
+    let threshold = config.cordon_after_blames;
+    if let Some(entry) = core.agents.get_mut(&node)
+        && threshold > 0
+        && count >= threshold
+        && entry.record.cordon.is_none()
+    {
+        let minutes = config.blame_window.as_secs() / 60;
+        let reason = format!(
+            "blamed for {count} failures within {minutes} min (the last: job {} {}); lifted when it passes a preflight",
+            f.job_id, f.kind
+        );
+        tracing::error!(agent_id = %node, reason, "node cordoned: no new work goes there");
+        let cordon = Cordon { by: BY_FAILURES.into(), reason, at_ms: f.at_ms };
+        entry.record.cordon = Some(cordon.clone());
+        core.cordons_to_store.push((node.clone(), Some(cordon)));
+    }
+    ask_for_clearing(&mut *core, &node);
+}
+
+/// Asks a connected node that some job avoids, or that failures cordoned, to run a quick
+/// preflight: passing it clears the node.
+pub(super) fn ask_for_clearing(core: &mut Core, node: &str) {
+    let avoided = core.jobs.values().any(|j| j.avoid.contains_key(node));
+    let cordoned =
+        core.agents.get(node).is_some_and(|e| e.record.cordon.as_ref().is_some_and(|c| c.by == BY_FAILURES));
+    let connected = core.agents.get(node).is_some_and(|e| e.link.is_some());
+    if (avoided || cordoned) && connected {
+        tracing::info!(agent_id = node, "asking a blamed node for a quick preflight to clear it");
+        super::launch::send(
+            &mut *core,
+            node,
+            Msg::RunPreflight(RunPreflight { level: PreflightLevel::Quick.as_str().into() }),
+        );
+    }
+}
+
+/// A passing preflight report clears the node of the blames before it: jobs may use it
+/// again, and a cordon set after failures is lifted (an operator's stays).
+pub(super) fn clear_by_preflight(core: &mut Core, report: &PreflightRecord) {
+    if report.verdict == Verdict::Fail {
+        return;
+    }
+    let (node, at) = (report.agent_id.as_str(), report.finished_at_ms);
+    for job in core.jobs.values_mut() {
+        if job.avoid.get(node).is_some_and(|blamed_at| *blamed_at <= at) {
+            job.avoid.remove(node);
+            tracing::info!(
+                agent_id = node,
+                job_id = job.record.id,
+                "node passed a preflight: the job may use it again"
             );
-            tracing::error!(agent_id = %node, reason, "node cordoned: no new work goes there");
-            let cordon = Cordon { by: BY_FAILURES.into(), reason, at_ms: f.at_ms };
-            entry.record.cordon = Some(cordon.clone());
-            self.cordons_to_store.push((node.clone(), Some(cordon)));
-        }
-        self.ask_for_clearing(&node);
-    }
-
-    /// Asks a connected node that some job avoids, or that failures cordoned, to run a quick
-    /// preflight: passing it clears the node.
-    pub(super) fn ask_for_clearing(&mut self, node: &str) {
-        let avoided = self.jobs.values().any(|j| j.avoid.contains_key(node));
-        let cordoned = self
-            .agents
-            .get(node)
-            .is_some_and(|e| e.record.cordon.as_ref().is_some_and(|c| c.by == BY_FAILURES));
-        let connected = self.agents.get(node).is_some_and(|e| e.link.is_some());
-        if (avoided || cordoned) && connected {
-            tracing::info!(agent_id = node, "asking a blamed node for a quick preflight to clear it");
-            self.send(node, Msg::RunPreflight(RunPreflight { level: PreflightLevel::Quick.as_str().into() }));
+            core.dirty.insert(job.record.id);
         }
     }
-
-    /// A passing preflight report clears the node of the blames before it: jobs may use it
-    /// again, and a cordon set after failures is lifted (an operator's stays).
-    pub(super) fn clear_by_preflight(&mut self, report: &PreflightRecord) {
-        if report.verdict == Verdict::Fail {
-            return;
-        }
-        let (node, at) = (report.agent_id.as_str(), report.finished_at_ms);
-        for job in self.jobs.values_mut() {
-            if job.avoid.get(node).is_some_and(|blamed_at| *blamed_at <= at) {
-                job.avoid.remove(node);
-                tracing::info!(
-                    agent_id = node,
-                    job_id = job.record.id,
-                    "node passed a preflight: the job may use it again"
-                );
-                self.dirty.insert(job.record.id);
-            }
-        }
-        if let Some(entry) = self.agents.get_mut(node)
-            && entry
-                .record
-                .cordon
-                .as_ref()
-                .is_some_and(|c| LIFTED_BY_PREFLIGHT.contains(&c.by.as_str()) && c.at_ms <= at)
-        {
-            entry.record.cordon = None;
-            self.blames.remove(node);
-            tracing::info!(agent_id = node, "node passed a preflight: its cordon is lifted");
-            self.cordons_to_store.push((node.to_string(), None));
-        }
+    if let Some(entry) = core.agents.get_mut(node)
+        && entry
+            .record
+            .cordon
+            .as_ref()
+            .is_some_and(|c| LIFTED_BY_PREFLIGHT.contains(&c.by.as_str()) && c.at_ms <= at)
+    {
+        entry.record.cordon = None;
+        core.blames.remove(node);
+        tracing::info!(agent_id = node, "node passed a preflight: its cordon is lifted");
+        core.cordons_to_store.push((node.to_string(), None));
     }
 }
 
@@ -326,7 +326,7 @@ pub(super) fn check_hangs(core: &mut Core, steps: &StepWatches, now_ms: i64) {
         };
         // A host of the job that is silent or away cannot deliver its ranks' receipts, and a
         // cut one stops everyone's collectives: the host's verdict (`liveness`) comes first.
-        if !core.silent_and_leaving(job).0.is_empty() {
+        if !silent_and_leaving(&*core, job).0.is_empty() {
             continue;
         }
         // Ranks asked to checkpoint and move wait to be stopped: the move's deadline rules.

@@ -41,33 +41,27 @@ impl AgentEntry {
     }
 }
 
-impl Core {
-    /// GPUs held by a rank of an unfinished job, or by a rank still alive.
-    pub(super) fn busy_gpus(&self) -> BTreeSet<(String, u32)> {
-        let mut busy = BTreeSet::new();
-        for job in self.jobs.values() {
-            for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
-                busy.insert((a.agent_id.clone(), a.gpu_index));
-            }
+/// GPUs held by a rank of an unfinished job, or by a rank still alive.
+pub(super) fn busy_gpus(core: &Core) -> BTreeSet<(String, u32)> {
+    let mut busy = BTreeSet::new();
+    for job in core.jobs.values() {
+        for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
+            busy.insert((a.agent_id.clone(), a.gpu_index));
         }
-        busy
     }
+    busy
+}
 
-    /// The agent id an operator means by `host`: an agent id, or a hostname only one agent has.
-    pub(super) fn resolve(&self, host: &str) -> Result<String> {
-        if self.agents.contains_key(host) {
-            return Ok(host.to_string());
-        }
-        let by_hostname: Vec<&String> = self
-            .agents
-            .iter()
-            .filter(|(_, e)| e.record.inventory.hostname == host)
-            .map(|(id, _)| id)
-            .collect();
-        match by_hostname.as_slice() {
-            [one] => Ok((*one).clone()),
-            _ => Err(ControllerError::AgentNotFound(host.to_string())),
-        }
+/// The agent id an operator means by `host`: an agent id, or a hostname only one agent has.
+pub(super) fn resolve(core: &Core, host: &str) -> Result<String> {
+    if core.agents.contains_key(host) {
+        return Ok(host.to_string());
+    }
+    let by_hostname: Vec<&String> =
+        core.agents.iter().filter(|(_, e)| e.record.inventory.hostname == host).map(|(id, _)| id).collect();
+    match by_hostname.as_slice() {
+        [one] => Ok((*one).clone()),
+        _ => Err(ControllerError::AgentNotFound(host.to_string())),
     }
 }
 

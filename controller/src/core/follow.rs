@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use trainyard_proto::v1::LeaderReply;
 use trainyard_store::{Lease, Store};
 
+use super::error::NotLeader;
 use super::{ControllerError, Core, Result};
 
 /// How often a follower reloads its mirror of the jobs and agents from the store.
@@ -28,36 +29,6 @@ pub enum Role {
     Leader(Option<Lease>),
     /// Another controller leads; `leader` is the lease as the latest election saw it.
     Follower { id: String, leader: watch::Receiver<Option<Lease>> },
-}
-
-/// A write refused by a follower, naming the leader when one is known.
-#[derive(Debug, Clone)]
-pub struct NotLeader {
-    pub leader: Option<Lease>,
-}
-
-impl std::fmt::Display for NotLeader {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.leader {
-            Some(l) => write!(
-                f,
-                "this controller does not lead its group: the leader is {} at {} (epoch {}); send writes \
-                 there (ctl and agents given several controller addresses go there themselves)",
-                l.holder, l.address, l.epoch
-            ),
-            None => f.write_str(
-                "this controller does not lead its group and no leader is elected right now; try again in \
-                 a few seconds",
-            ),
-        }
-    }
-}
-
-impl NotLeader {
-    /// The leader's gRPC address (host:port), when known.
-    pub fn address(&self) -> Option<&str> {
-        self.leader.as_ref().map(|l| l.address.as_str()).filter(|a| !a.is_empty())
-    }
 }
 
 impl Role {

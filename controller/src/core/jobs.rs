@@ -88,7 +88,7 @@ impl Jobs<'_> {
             if let Some(known) = core.feasible.get(&shape) {
                 return known.clone().map_err(ControllerError::Unsatisfiable);
             }
-            (core.node_views(true), core.fleet_generation)
+            (super::launch::node_views(&core, true), core.fleet_generation)
         };
         let verdict = scheduler::feasible(request, &views);
         let mut core = self.c.lock();
@@ -314,21 +314,21 @@ impl Jobs<'_> {
     /// Lost only when the agent's stream is full or gone, and then the request fails anyway.
     pub fn log_credit(self, request_id: u64, pieces: u32) {
         if let Some((agent_id, msg)) = self.c.logs.credit(request_id, pieces) {
-            self.c.lock().try_send(&agent_id, msg);
+            super::launch::try_send(&self.c.lock(), &agent_id, msg);
         }
     }
 
     /// The client of a `Logs` request went away: the agent stops reading.
     pub fn close_logs(self, request_id: u64) {
         if let Some((agent_id, msg)) = self.c.logs.close(request_id) {
-            self.c.lock().try_send(&agent_id, msg);
+            super::launch::try_send(&self.c.lock(), &agent_id, msg);
         }
     }
 
     /// A piece of a `Logs` answer from an agent, for the client that asked.
     pub fn log_data(self, agent_id: &str, data: LogData) {
         if let Some(stop) = self.c.logs.data(agent_id, data) {
-            self.c.lock().try_send(agent_id, stop);
+            super::launch::try_send(&self.c.lock(), agent_id, stop);
         }
     }
 

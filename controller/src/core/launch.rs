@@ -23,7 +23,7 @@ pub(super) fn stop_ranks(core: &mut Core, job_id: JobId, reason: &str, grace: Du
     let grace_ms = grace.as_millis() as u64;
     for agent in agents {
         let msg = Msg::Cancel(CancelRanks { job_id, attempt, grace_ms, reason: reason.to_string() });
-        core.send(&agent, msg);
+        send(&mut *core, &agent, msg);
     }
 }
 
@@ -32,7 +32,7 @@ pub(super) fn forget(core: &mut Core, job_id: JobId) {
     let Some(job) = core.jobs.get(&job_id) else { return };
     let attempt = job.record.attempt;
     for agent in agents_of(job.allocations.iter()) {
-        core.send(&agent, Msg::Forget(ForgetRanks { job_id, attempt }));
+        send(&mut *core, &agent, Msg::Forget(ForgetRanks { job_id, attempt }));
     }
 }
 
@@ -42,101 +42,99 @@ pub(super) fn send_launches(core: &mut Core, job_id: JobId, only: Option<&str>) 
     let launches = launch_messages(core, job);
     let mut sent = 0;
     for (agent, launch) in launches {
-        if only.is_none_or(|o| o == agent) && core.send(&agent, Msg::Launch(launch)) {
+        if only.is_none_or(|o| o == agent) && send(&mut *core, &agent, Msg::Launch(launch)) {
             sent += 1;
         }
     }
     sent
 }
 
-impl Core {
-    /// Sends a message to an agent's stream. A full or closed stream drops the link: the agent
-    /// reconnects, and its hello makes the controller send again whatever is still needed.
-    pub(super) fn send(&mut self, agent_id: &str, msg: Msg) -> bool {
-        let Some(entry) = self.agents.get_mut(agent_id) else { return false };
-        let Some(link) = &entry.link else { return false };
-        match link.tx.try_send(ControllerMessage { msg: Some(msg) }) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(agent_id, error = %e, "agent stream not taking messages; dropping the link");
-                entry.link = None;
-                entry.disconnected_since = Some(tokio::time::Instant::now());
-                false
+/// Sends a message to an agent's stream. A full or closed stream drops the link: the agent
+/// reconnects, and its hello makes the controller send again whatever is still needed.
+pub(super) fn send(core: &mut Core, agent_id: &str, msg: Msg) -> bool {
+    let Some(entry) = core.agents.get_mut(agent_id) else { return false };
+    let Some(link) = &entry.link else { return false };
+    match link.tx.try_send(ControllerMessage { msg: Some(msg) }) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(agent_id, error = %e, "agent stream not taking messages; dropping the link");
+            entry.link = None;
+            entry.disconnected_since = Some(tokio::time::Instant::now());
+            false
+        }
+    }
+}
+
+/// Sends a message to an agent's stream if it takes it now; a full or closed stream keeps
+/// its link (for messages whose loss only fails the request they belong to).
+pub(super) fn try_send(core: &Core, agent_id: &str, msg: Msg) {
+    if let Some(link) = core.agents.get(agent_id).and_then(|e| e.link.as_ref()) {
+        let _ = link.tx.try_send(ControllerMessage { msg: Some(msg) });
+    }
+}
+
+/// The fleet as the scheduler sees it. `all`: every known agent with every GPU free (for
+/// feasibility, failing nodes included: an operator can fix them); otherwise connected
+/// agents that are not leaving and whose newest preflight verdict is not `fail`, with busy
+/// GPUs marked.
+pub(super) fn node_views(core: &Core, all: bool) -> Vec<NodeView> {
+    // Busy GPU indices per agent, as bits. An index of 128 or more counts as free here; no
+    // such node is placed on (the scheduler leaves nodes of more than 64 GPUs out).
+    // A job's allocations come in rank order, a node's ranks together: the map is touched
+    // once per run of one agent's ranks, not once per rank.
+    let mut busy: HashMap<&str, u128> = HashMap::with_capacity(core.agents.len());
+    let mut run: Option<(&str, u128)> = None;
+    for job in core.jobs.values() {
+        for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
+            if a.gpu_index >= 128 {
+                continue;
             }
-        }
-    }
-
-    /// Sends a message to an agent's stream if it takes it now; a full or closed stream keeps
-    /// its link (for messages whose loss only fails the request they belong to).
-    pub(super) fn try_send(&self, agent_id: &str, msg: Msg) {
-        if let Some(link) = self.agents.get(agent_id).and_then(|e| e.link.as_ref()) {
-            let _ = link.tx.try_send(ControllerMessage { msg: Some(msg) });
-        }
-    }
-
-    /// The fleet as the scheduler sees it. `all`: every known agent with every GPU free (for
-    /// feasibility, failing nodes included: an operator can fix them); otherwise connected
-    /// agents that are not leaving and whose newest preflight verdict is not `fail`, with busy
-    /// GPUs marked.
-    pub(super) fn node_views(&self, all: bool) -> Vec<NodeView> {
-        // Busy GPU indices per agent, as bits. An index of 128 or more counts as free here; no
-        // such node is placed on (the scheduler leaves nodes of more than 64 GPUs out).
-        // A job's allocations come in rank order, a node's ranks together: the map is touched
-        // once per run of one agent's ranks, not once per rank.
-        let mut busy: HashMap<&str, u128> = HashMap::with_capacity(self.agents.len());
-        let mut run: Option<(&str, u128)> = None;
-        for job in self.jobs.values() {
-            for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
-                if a.gpu_index >= 128 {
-                    continue;
-                }
-                let bit = 1u128 << a.gpu_index;
-                match &mut run {
-                    Some((agent, bits)) if *agent == a.agent_id => *bits |= bit,
-                    _ => {
-                        if let Some((agent, bits)) = run.replace((a.agent_id.as_str(), bit)) {
-                            *busy.entry(agent).or_default() |= bits;
-                        }
+            let bit = 1u128 << a.gpu_index;
+            match &mut run {
+                Some((agent, bits)) if *agent == a.agent_id => *bits |= bit,
+                _ => {
+                    if let Some((agent, bits)) = run.replace((a.agent_id.as_str(), bit)) {
+                        *busy.entry(agent).or_default() |= bits;
                     }
                 }
             }
         }
-        if let Some((agent, bits)) = run {
-            *busy.entry(agent).or_default() |= bits;
-        }
-        self.agents
-            .values()
-            .filter(|e| {
-                all || (e.link.is_some()
-                    && !e.leaving
-                    && !e.unresponsive
-                    && !e.failing()
-                    && e.record.cordon.is_none())
-            })
-            .map(|e| {
-                let inv = &e.record.inventory;
-                let held = busy.get(e.record.agent_id.as_str()).copied().unwrap_or(0);
-                let gpus = inv
-                    .gpus
-                    .iter()
-                    .map(|g| GpuView {
-                        index: g.index,
-                        model: g.model.clone(),
-                        memory_mib: g.memory_mib,
-                        free: all || g.index >= 128 || held & (1u128 << g.index) == 0,
-                        numa_node: g.numa_node.map_or(-1, |n| n as i32),
-                    })
-                    .collect();
-                NodeView {
-                    agent_id: e.record.agent_id.clone(),
-                    gpus,
-                    links: e.links.clone(),
-                    interconnect_class: e.preflight.as_ref().and_then(|r| r.interconnect_class),
-                    numa_cpus: inv.numa_nodes.iter().map(|n| (n.id, n.cpus.clone())).collect(),
-                }
-            })
-            .collect()
     }
+    if let Some((agent, bits)) = run {
+        *busy.entry(agent).or_default() |= bits;
+    }
+    core.agents
+        .values()
+        .filter(|e| {
+            all || (e.link.is_some()
+                && !e.leaving
+                && !e.unresponsive
+                && !e.failing()
+                && e.record.cordon.is_none())
+        })
+        .map(|e| {
+            let inv = &e.record.inventory;
+            let held = busy.get(e.record.agent_id.as_str()).copied().unwrap_or(0);
+            let gpus = inv
+                .gpus
+                .iter()
+                .map(|g| GpuView {
+                    index: g.index,
+                    model: g.model.clone(),
+                    memory_mib: g.memory_mib,
+                    free: all || g.index >= 128 || held & (1u128 << g.index) == 0,
+                    numa_node: g.numa_node.map_or(-1, |n| n as i32),
+                })
+                .collect();
+            NodeView {
+                agent_id: e.record.agent_id.clone(),
+                gpus,
+                links: e.links.clone(),
+                interconnect_class: e.preflight.as_ref().and_then(|r| r.interconnect_class),
+                numa_cpus: inv.numa_nodes.iter().map(|n| (n.id, n.cpus.clone())).collect(),
+            }
+        })
+        .collect()
 }
 
 pub(super) fn request_of(job_id: JobId, spec: &JobSpec) -> Request {

@@ -42,7 +42,7 @@ impl Nodes<'_> {
         let seen = self.c.heard.last();
         let follower = !self.c.role().leads();
         let core = self.c.lock();
-        let busy = core.busy_gpus();
+        let busy = super::fleet::busy_gpus(&core);
         core.agents
             .values()
             .map(|e| {
@@ -67,7 +67,7 @@ impl Nodes<'_> {
     pub async fn latest_preflight(self, host: &str) -> Result<PreflightRecord> {
         let agent_id = {
             let core = self.c.lock();
-            let agent_id = core.resolve(host)?;
+            let agent_id = super::fleet::resolve(&core, host)?;
             if let Some(report) = core.agents.get(&agent_id).and_then(|e| e.preflight.clone()) {
                 return Ok(report);
             }
@@ -89,11 +89,11 @@ impl Nodes<'_> {
         let mut changes = self.c.subscribe();
         let (agent_id, before) = {
             let mut core = self.c.lock();
-            let agent_id = core.resolve(host)?;
+            let agent_id = super::fleet::resolve(&core, host)?;
             let before =
                 core.agents.get(&agent_id).and_then(|e| e.preflight.as_ref()).map_or(0, |r| r.report_id);
             let msg = Msg::RunPreflight(RunPreflight { level: level.to_string() });
-            if !core.send(&agent_id, msg) {
+            if !super::launch::send(&mut core, &agent_id, msg) {
                 return Err(ControllerError::AgentNotConnected(agent_id));
             }
             (agent_id, before)
@@ -132,7 +132,7 @@ impl Nodes<'_> {
     pub async fn cordon(self, node: &str, reason: Option<&str>) -> Result<String> {
         let cordon =
             reason.map(|r| Cordon { by: BY_OPERATOR.into(), reason: r.to_string(), at_ms: self.c.now_ms() });
-        let agent_id = self.c.lock().resolve(node)?;
+        let agent_id = super::fleet::resolve(&self.c.lock(), node)?;
         let agent_id = agent_id.as_str();
         self.c.store.set_cordon(agent_id, cordon.as_ref()).await?;
         {
@@ -156,7 +156,7 @@ impl Nodes<'_> {
     /// `ctl drain`: cordons `node` and moves its jobs once they checkpoint (or at `deadline`).
     /// Returns the agent id and the jobs asked to move.
     pub async fn drain(self, node: &str, deadline: Duration, reason: &str) -> Result<(String, Vec<JobId>)> {
-        let agent_id = self.c.lock().resolve(node)?;
+        let agent_id = super::fleet::resolve(&self.c.lock(), node)?;
         let why = format!("node {agent_id} drained by an operator: {reason}");
         let cordon = Cordon { by: "drain".into(), reason: reason.to_string(), at_ms: self.c.now_ms() };
         self.c.store.set_cordon(&agent_id, Some(&cordon)).await?;
@@ -267,9 +267,9 @@ impl Nodes<'_> {
         core.agents.insert(agent_id.to_string(), entry);
         core.fleet_changed();
         if let Some(report) = report {
-            core.clear_by_preflight(&report);
+            super::faults::clear_by_preflight(&mut core, &report);
         }
-        core.ask_for_clearing(agent_id);
+        super::faults::ask_for_clearing(&mut core, agent_id);
         let lost = self.resend_missed(&mut core, agent_id, reported);
         Ok((conn_id, lost))
     }
@@ -343,7 +343,7 @@ impl Nodes<'_> {
                 && entry.preflight.as_ref().is_none_or(|r| r.report_id <= report.report_id)
             {
                 entry.preflight = Some(report.clone());
-                core.clear_by_preflight(&report);
+                super::faults::clear_by_preflight(&mut core, &report);
                 core.fleet_changed();
             }
         }

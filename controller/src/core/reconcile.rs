@@ -279,7 +279,7 @@ impl Reconciler<'_> {
             let step = {
                 let core = self.lock();
                 let Some(job) = core.jobs.get(&job_id) else { return Ok(()) };
-                let (silent, leaving) = core.silent_and_leaving(job);
+                let (silent, leaving) = super::faults::silent_and_leaving(&core, job);
                 decide(job, faults::classify(job, &silent, &leaving, self.now_ms()))
             };
             match step {
@@ -321,7 +321,7 @@ impl Reconciler<'_> {
                             apply_move(job, record, &then, failure.as_deref(), resume_from);
                         }
                         if let Some(f) = &failure {
-                            core.blame(f, self.config);
+                            super::faults::blame(&mut core, f, self.config);
                         }
                         if let Then::StopRanks(why) = &then {
                             super::launch::stop_ranks(&mut core, job_id, why, self.config.cancel_grace);
@@ -366,7 +366,7 @@ impl Reconciler<'_> {
             if queue.is_empty() {
                 return Ok(false);
             }
-            let views = core.node_views(false);
+            let views = super::launch::node_views(&core, false);
             let started = std::time::Instant::now();
             let outcome = scheduler::schedule(&queue, &views);
             crate::metrics::metrics().schedule_pass.observe(started.elapsed().as_secs_f64());

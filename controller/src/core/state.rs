@@ -9,9 +9,11 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use trainyard_proto::v1::ControllerMessage;
-use trainyard_store::{AgentRecord, Allocation, JobId, JobRecord, RankState, Store};
+use trainyard_store::{
+    AgentRecord, Allocation, FailureKind, FailureRecord, JobId, JobRecord, RankState, Store,
+};
 
-use super::{Result, evict};
+use super::Result;
 
 /// The in-memory state behind the core's lock (see `controller`).
 #[derive(Default)]
@@ -89,7 +91,7 @@ pub(super) struct ActiveJob {
     /// The checkpoints the current attempt may resume from, newest first (`resume`).
     pub(super) resume_from: Vec<trainyard_proto::v1::ResumePoint>,
     /// Asked to checkpoint and move off a node (`evict`).
-    pub(super) eviction: Option<evict::Eviction>,
+    pub(super) eviction: Option<Eviction>,
     /// Failures in a row of attempts that did not run for long: the backoff's exponent
     /// (`faults::next_streak`).
     pub(super) streak: u32,
@@ -193,5 +195,40 @@ pub(super) fn rank_failure(a: &Allocation) -> Option<String> {
             (None, None) => Some(format!("{on} ended: {}", o.message)),
         },
         _ => None,
+    }
+}
+
+/// A job asked to checkpoint and move off a node.
+#[derive(Debug, Clone)]
+pub(super) struct Eviction {
+    pub kind: FailureKind,
+    /// The node it moves off; empty when it is preempted (it moves off every node).
+    pub node: String,
+    pub why: String,
+    pub asked: Instant,
+    pub deadline: Instant,
+    /// The waiting job it makes room for (priority preemption).
+    pub for_job: Option<JobId>,
+}
+
+impl Eviction {
+    /// The failure that ends the moved attempt: the fleet's, so nobody is blamed or charged.
+    pub(super) fn failure(
+        &self,
+        (job_id, attempt): (JobId, u32),
+        at_ms: i64,
+        evidence: String,
+    ) -> FailureRecord {
+        FailureRecord {
+            job_id,
+            attempt,
+            at_ms,
+            kind: self.kind,
+            agent_id: Some(self.node.clone()).filter(|n| !n.is_empty()),
+            rank: None,
+            evidence,
+            blamed: false,
+            charged: false,
+        }
     }
 }
