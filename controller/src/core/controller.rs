@@ -4,49 +4,28 @@
 //! [`Controller::run_background`] is the reconciler's loop.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use trainyard_store::{Fence, Lease, Store};
 
+use super::shared::Shared;
 use super::state::Core;
 use super::{
     Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, heard, live, logs, steps,
 };
 use crate::config::ControllerConfig;
 
-/// The controller: its store, its in-memory view of the fleet and its jobs, and a change
-/// counter that watchers wait on.
+/// The controller: the core's parts (`Shared`, which the services and the reconciler borrow)
+/// and the auth service.
 pub struct Controller {
-    pub(super) store: Arc<dyn Store>,
+    pub(super) s: Shared,
     /// Users, tokens and the audit log (over the same store).
-    pub(super) auth: Auth,
-    pub(super) config: ControllerConfig,
-    /// Leader (the one writer) or follower (reads only; `follow`).
-    pub(super) role: Role,
-    /// Never held across an `.await` (see the module documentation).
-    pub(super) core: Mutex<Core>,
-    /// Wakes the reconciler: a job or an agent changed and it may have work.
-    pub(super) wake: Notify,
-    pub(super) clock: Clock,
-    /// Bumped whenever receipts are stored or a job changes; `Watch` streams wait on it.
-    pub(super) changes: watch::Sender<u64>,
-    /// When each agent last spoke, and the streams of hosts declared lost (`heard`).
-    pub(super) heard: heard::Heard,
-    /// Open `Logs` requests (see `logs`).
-    pub(super) logs: logs::LogRelay,
-    /// When each running job's ranks last wrote a step receipt (the hang watch). Its own
-    /// `std::sync::Mutex`: ingest updates it once per batch and never takes the core's lock.
-    pub(super) steps: steps::StepWatches,
-    /// When this controller started: host-loss and hang clocks wait `reconnect_grace` after it.
-    pub(super) started: Instant,
-    /// Turns to record an ended job's outcome (`diagnosis::OUTCOMES_AT_ONCE` at a time).
-    pub(super) outcomes: tokio::sync::Semaphore,
+    auth: Auth,
 }
 
-/// What lives only in memory, rebuilt at start-up from the store and the agents' hellos.
 /// How often telemetry past its retention is deleted.
 pub(super) const PRUNE_EVERY: Duration = Duration::from_secs(600);
 
@@ -90,8 +69,8 @@ impl Controller {
         };
         tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
         let (changes, _) = watch::channel(0);
-        Ok(Arc::new(Controller {
-            auth: Auth::new(store.clone()),
+        let auth = Auth::new(store.clone());
+        let s = Shared {
             store,
             config,
             role,
@@ -104,7 +83,8 @@ impl Controller {
             steps: steps::StepWatches::new(watches),
             started: now,
             outcomes: tokio::sync::Semaphore::new(diagnosis::OUTCOMES_AT_ONCE),
-        }))
+        };
+        Ok(Arc::new(Controller { s, auth }))
     }
 
     /// A follower over `store`: the mirror loaded once, its store fenced read-only. `leader`
@@ -122,32 +102,20 @@ impl Controller {
     /// A follower's loop: its mirror of the jobs and agents reloaded from the store
     /// (`follow::mirror`) until `shutdown`.
     pub async fn mirror(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
-        let store = self.store.clone();
+        let store = self.s.store.clone();
         let replace = |fresh: Core| {
-            let mut core = self.lock();
+            let mut core = self.s.lock();
             core.agents = fresh.agents;
             core.jobs = fresh.jobs;
             drop(core);
-            self.bump();
+            self.s.bump();
         };
         super::follow::mirror(store, replace, shutdown).await
     }
 
-    /// The reconciler, borrowed with what a job's move needs (`reconcile`).
-    pub(super) fn reconciler(&self) -> super::reconcile::Reconciler<'_> {
-        super::reconcile::Reconciler {
-            store: self.store.as_ref(),
-            config: &self.config,
-            core: &self.core,
-            clock: self.clock,
-            changes: &self.changes,
-            wake: &self.wake,
-        }
-    }
-
     /// Leader or follower, and the lease it knows of.
     pub fn role(&self) -> &Role {
-        &self.role
+        &self.s.role
     }
 
     /// The auth service: users, tokens and the audit log.
@@ -157,56 +125,42 @@ impl Controller {
 
     /// The jobs service: submit, cancel, read, rank reports and logs.
     pub fn jobs(&self) -> Jobs<'_> {
-        Jobs { c: self }
+        Jobs { c: &self.s }
     }
 
     /// The diagnosis service: diagnoses, comparisons, goodput and live findings.
     pub fn diagnoses(&self) -> Diagnoses<'_> {
-        Diagnoses { c: self }
+        Diagnoses { c: &self.s }
     }
 
     /// The nodes service: the fleet table, preflights, cordons and drains, and what each
     /// agent's stream says about its node.
     pub fn nodes(&self) -> Nodes<'_> {
-        Nodes { c: self }
+        Nodes { c: &self.s }
     }
 
     /// The receipts service: step receipts and telemetry in, and their reads.
     pub fn receipts(&self) -> Receipts<'_> {
-        Receipts { c: self }
+        Receipts { c: &self.s }
     }
 
     pub fn config(&self) -> &ControllerConfig {
-        &self.config
+        &self.s.config
     }
 
     /// Sets the gauges of [`crate::metrics`] from the controller's state (called on scrape).
     pub fn refresh_gauges(&self) {
-        super::view::set_gauges(&self.lock());
+        super::view::set_gauges(&self.s.lock());
     }
 
     /// A receiver that changes whenever receipts are stored or a job changes state.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.changes.subscribe()
-    }
-
-    pub(super) fn bump(&self) {
-        self.changes.send_modify(|n| *n += 1);
-    }
-
-    /// Something changed that the reconciler may act on.
-    pub(super) fn wake(&self) {
-        self.wake.notify_one();
-    }
-
-    /// The in-memory state. Callers drop the guard before any `.await`.
-    pub(super) fn lock(&self) -> MutexGuard<'_, Core> {
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
+        self.s.changes.subscribe()
     }
 
     /// Milliseconds since the Unix epoch, from the controller's [`Clock`].
     pub fn now_ms(&self) -> i64 {
-        self.clock.now_ms()
+        self.s.clock.now_ms()
     }
 
     /// Starts the live diagnosis and its alerts (`live`) with the configured webhooks, until
@@ -215,11 +169,11 @@ impl Controller {
         self: &Arc<Self>,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> std::result::Result<tokio::task::JoinHandle<()>, String> {
-        let config = &self.config;
+        let config = &self.s.config;
         let webhooks = crate::alerts::Webhooks::new(&config.alert_webhooks, config.alert_ca_file.as_deref())?;
-        let (store, clock, every) = (self.store.clone(), self.clock, config.live_every);
+        let (store, clock, every) = (self.s.store.clone(), self.s.clock, config.live_every);
         let me = self.clone();
-        let running = move || live::running_contexts(&me.lock());
+        let running = move || live::running_contexts(&me.s.lock());
         Ok(tokio::spawn(live::run(store, clock, every, running, webhooks, shutdown)))
     }
 
@@ -236,32 +190,32 @@ impl Controller {
             let periodic = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = prune.tick() => {
-                    super::telemetry::prune(self.store.as_ref(), self.config.telemetry_retention, self.now_ms()).await;
+                    super::telemetry::prune(self.s.store.as_ref(), self.s.config.telemetry_retention, self.now_ms()).await;
                     continue;
                 }
-                _ = self.wake.notified() => false,
+                _ = self.s.wake.notified() => false,
                 _ = tokio::time::sleep_until(next_pass), if owed => false,
                 _ = tick.tick() => true,
             };
             if periodic {
-                self.reconciler().mark_all();
-                if let Err(e) = super::liveness::check_liveness(&self.reconciler(), &self.heard).await {
+                self.s.reconciler().mark_all();
+                if let Err(e) = super::liveness::check_liveness(&self.s.reconciler(), &self.s.heard).await {
                     tracing::error!(error = %e, "failed to check agent liveness");
                 }
                 super::liveness::reap_vanished_agents(
-                    &self.reconciler(),
-                    &self.heard,
-                    &self.steps,
-                    &self.logs,
-                    self.started,
+                    &self.s.reconciler(),
+                    &self.s.heard,
+                    &self.s.steps,
+                    &self.s.logs,
+                    self.s.started,
                 )
                 .await;
-                super::faults::check_hangs(&mut self.lock(), &self.steps, self.now_ms());
-                super::evict::check_evictions(&mut self.lock(), &self.steps, self.now_ms());
-                super::faults::store_cordons(self.store.as_ref(), &self.core).await;
+                super::faults::check_hangs(&mut self.s.lock(), &self.s.steps, self.now_ms());
+                super::evict::check_evictions(&mut self.s.lock(), &self.s.steps, self.now_ms());
+                super::faults::store_cordons(self.s.store.as_ref(), &self.s.core).await;
             }
-            owed = !self.reconciler().reconcile_paced(&mut next_pass).await;
-            let ended = std::mem::take(&mut self.lock().ended);
+            owed = !self.s.reconciler().reconcile_paced(&mut next_pass).await;
+            let ended = std::mem::take(&mut self.s.lock().ended);
             for job_id in ended {
                 let controller = self.clone();
                 tokio::spawn(async move { controller.diagnoses().record_outcome(job_id).await });

@@ -6,7 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use super::{Controller, ControllerError, Result};
+use super::receipts::Receipts;
+use super::shared::Shared;
+use super::{ControllerError, Result};
 use trainyard_analysis::diagnose::compare::{
     self, Comparison, Distribution, PROVENANCE_KEYS, PlacedNode, Side,
 };
@@ -51,7 +53,7 @@ const MAX_WINDOWS: u32 = 100_000;
 /// Diagnoses, comparisons, goodput and live findings ([`Controller::diagnoses`]).
 #[derive(Clone, Copy)]
 pub struct Diagnoses<'c> {
-    pub(super) c: &'c Controller,
+    pub(super) c: &'c Shared,
 }
 
 impl Diagnoses<'_> {
@@ -92,7 +94,7 @@ impl Diagnoses<'_> {
         tokio::time::sleep(std::time::Duration::from_millis(trainyard_analysis::series::SETTLE_MS as u64))
             .await;
         let Ok(_turn) = self.c.outcomes.acquire().await else { return };
-        if let Err(e) = self.c.receipts().fold(job_id).await {
+        if let Err(e) = (Receipts { c: self.c }).fold(job_id).await {
             tracing::warn!(job_id, error = %e, "could not fold the job's step receipts for its plots");
         }
         let outcome = async {

@@ -7,8 +7,10 @@ use tokio::sync::mpsc;
 use trainyard_proto::v1::{Job, JobEvent, JobSpec as WireSpec, LogData, RankReport, ReadLogs};
 
 use super::agents::rank_id;
+use super::diagnosis::Diagnoses;
 use super::launch::request_of;
-use super::{ActiveJob, Controller, ControllerError, LogEvent, Result};
+use super::shared::Shared;
+use super::{ActiveJob, ControllerError, LogEvent, Result};
 use trainyard_model::spec::{self, JobSpec};
 use trainyard_placement::scheduler;
 use trainyard_store::{Allocation, JobEventRecord, JobId, JobOwner, JobRecord, JobState, StoreError};
@@ -19,7 +21,7 @@ const CANCEL_STORE_WAIT: Duration = Duration::from_secs(30);
 /// Jobs: submit, cancel, read, rank reports and logs ([`Controller::jobs`]).
 #[derive(Clone, Copy)]
 pub struct Jobs<'c> {
-    pub(super) c: &'c Controller,
+    pub(super) c: &'c Shared,
 }
 
 impl Jobs<'_> {
@@ -170,7 +172,7 @@ impl Jobs<'_> {
         let record = self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
         let mut job =
             super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record).await?;
-        let g = self.c.diagnoses().goodput(job_id).await?;
+        let g = Diagnoses { c: self.c }.goodput(job_id).await?;
         job.goodput = Some(trainyard_proto::v1::Goodput {
             summary: g.describe(),
             wall_ms: g.wall_ms,

@@ -33,7 +33,8 @@
 //!
 //! # Inside
 //! - `controller`: [`Controller`], the owner of the store, the state's lock, the clock and the
-//!   side systems, and the reconciler's loop; `state`: what the lock guards; `error`: what a
+//!   side systems, and the reconciler's loop; `shared`: the parts the services and the
+//!   reconciler borrow; `state`: what the lock guards; `error`: what a
 //!   request can end in; `clock`: time that follows Tokio's.
 //! - `reconcile`: the reconciler: settling jobs, restarts, the scheduling pass and launches.
 //! - `launch`: the messages that start, stop and forget ranks; the fleet as the scheduler sees it.
@@ -77,6 +78,7 @@ mod nodes;
 mod receipts;
 mod reconcile;
 mod resume;
+mod shared;
 mod state;
 mod steps;
 mod telemetry;

@@ -16,7 +16,8 @@ use super::agents::{lost_report, rank_id, rank_key};
 use super::evict::{DEFAULT_NOTICE_DEADLINE, NOTICE_MARGIN};
 use super::faults::BY_OPERATOR;
 use super::fleet::node_info;
-use super::{AgentEntry, AgentLink, Controller, ControllerError, Result, rank_done};
+use super::shared::Shared;
+use super::{AgentEntry, AgentLink, ControllerError, Result, rank_done};
 use trainyard_model::domain::PreflightLevel;
 use trainyard_store::{
     AgentRecord, AgentState, Cordon, FailureKind, JobId, JobState, PreflightRecord, RankId, RankState,
@@ -33,14 +34,14 @@ pub const PREFLIGHT_RUN_TIMEOUT: Duration = Duration::from_secs(120);
 /// The fleet and each agent's link ([`Controller::nodes`]).
 #[derive(Clone, Copy)]
 pub struct Nodes<'c> {
-    pub(super) c: &'c Controller,
+    pub(super) c: &'c Shared,
 }
 
 impl Nodes<'_> {
     /// One row per known agent, by agent id.
     pub async fn list(self) -> Vec<NodeInfo> {
         let seen = self.c.heard.last();
-        let follower = !self.c.role().leads();
+        let follower = !self.c.role.leads();
         let core = self.c.lock();
         let busy = super::fleet::busy_gpus(&core);
         core.agents

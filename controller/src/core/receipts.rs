@@ -14,8 +14,9 @@ use trainyard_proto::telemetry;
 use trainyard_proto::v1::{RankAck, ReceiptAck, ReceiptBatch, TelemetryAck, TelemetryBatch};
 use trainyard_store::{GpuWindowRecord, JobId, NewReceipt, RankId, StoredReceiptRecord};
 
+use super::Result;
 use super::agents::{rank_id, rank_key};
-use super::{Controller, Result};
+use super::shared::Shared;
 
 /// Largest batch an agent may send; larger ones are refused as a protocol error.
 pub const MAX_BATCH: usize = 20_000;
@@ -26,7 +27,7 @@ const FOLD_PASS: u32 = 100_000;
 /// Receipts and telemetry, in and out ([`Controller::receipts`]).
 #[derive(Clone, Copy)]
 pub struct Receipts<'c> {
-    pub(super) c: &'c Controller,
+    pub(super) c: &'c Shared,
 }
 
 impl Receipts<'_> {
