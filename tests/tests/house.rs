@@ -84,13 +84,24 @@ fn crate_modules(src: &Path) -> BTreeMap<String, String> {
                     break;
                 }
             }
-            kept.push_str(code(line));
+            kept.push_str(&without_visibility_paths(code(line)));
             kept.push('\n');
         }
         modules.insert(path, kept);
     }
     modules.retain(|path, _| !test_only.contains(path));
     modules
+}
+
+/// `line` with each `pub(in path)` written `pub`: a visibility names who may see an item, not a
+/// module the code depends on.
+fn without_visibility_paths(line: &str) -> String {
+    let mut out = line.to_string();
+    while let Some(at) = out.find("pub(in ") {
+        let Some(close) = out[at..].find(')') else { break };
+        out.replace_range(at..at + close + 1, "pub");
+    }
+    out
 }
 
 /// The paths a `use` tree names, each as its segments, with the name it brings in.

@@ -8,7 +8,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::reconcile::Reconciler;
-use super::{ControllerError, Core, Result};
+use super::state::Core;
+use super::{ControllerError, Result};
 use trainyard_store::{RankId, RankObserved, RankState, Store};
 
 /// Records what an agent observed about one of its ranks: in the store, then in memory,
@@ -21,7 +22,7 @@ pub(super) async fn observe(r: &Reconciler<'_>, agent_id: &str, report: &RankRep
     {
         let mut core = r.lock();
         let known = core.jobs.get(&id.job_id).and_then(|j| {
-            let current = j.record.attempt == id.attempt;
+            let current = j.record().attempt == id.attempt;
             j.allocations.iter().position(|a| a.id == id && a.agent_id == agent_id && current)
         });
         let Some(pos) = known else {
@@ -68,7 +69,7 @@ pub(super) async fn observe(r: &Reconciler<'_>, agent_id: &str, report: &RankRep
     r.store.observe_rank(id, &observed).await?;
     {
         let mut core = r.lock();
-        let current = core.jobs.get_mut(&id.job_id).filter(|j| j.record.attempt == id.attempt);
+        let current = core.jobs.get_mut(&id.job_id).filter(|j| j.record().attempt == id.attempt);
         if let Some(a) = current.and_then(|j| j.allocations.iter_mut().find(|a| a.id == id)) {
             a.observed = observed;
         }
@@ -115,7 +116,7 @@ pub(super) async fn check_senders(
         // nothing copied (a batch arrives for every agent several times a second).
         let checked = {
             let core = core.lock().unwrap_or_else(|p| p.into_inner());
-            core.jobs.get(&job_id).filter(|j| j.record.attempt == attempt).map(|j| {
+            core.jobs.get(&job_id).filter(|j| j.record().attempt == attempt).map(|j| {
                 stranger(ranks, (job_id, attempt), agent_id, |rank| {
                     // Allocations are in rank order; a lookup by position, checked.
                     let at = j.allocations.get(rank as usize).filter(|a| a.id.rank == rank);

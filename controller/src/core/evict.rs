@@ -23,9 +23,10 @@ use trainyard_placement::scheduler::{self, NodeView, Request};
 use trainyard_proto::v1::{CheckpointNow, controller_message::Msg};
 use trainyard_store::{FailureKind, FailureRecord, JobId, JobState};
 
-use super::state::Eviction;
+use super::reconcile::ActiveJob;
+use super::reconcile::Eviction;
+use super::state::{Core, rank_done};
 use super::steps::StepWatches;
-use super::{ActiveJob, Core, rank_done};
 use crate::config::ControllerConfig;
 
 /// The deadline of a drain that names none, and of a notice that carries none.
@@ -42,7 +43,7 @@ pub(super) fn preempt(core: &mut Core, config: &ControllerConfig, queue: &[Reque
     let preempting: Vec<(JobId, JobId)> = core
         .jobs
         .values()
-        .filter_map(|j| j.eviction.as_ref().and_then(|e| e.for_job).map(|p| (p, j.record.id)))
+        .filter_map(|j| j.eviction.as_ref().and_then(|e| e.for_job).map(|p| (p, j.record().id)))
         .collect();
     if !preempting.is_empty() {
         for (preemptor, victim) in preempting {
@@ -57,23 +58,23 @@ pub(super) fn preempt(core: &mut Core, config: &ControllerConfig, queue: &[Reque
     let mut order: Vec<&Request> = queue.iter().filter(|r| core.waiting.contains_key(&r.job_id)).collect();
     order.sort_by_key(|r| (std::cmp::Reverse(r.priority), r.job_id));
     for req in order {
-        let Some(base_priority) = core.jobs.get(&req.job_id).map(|j| j.record.spec.priority) else {
+        let Some(base_priority) = core.jobs.get(&req.job_id).map(|j| j.record().spec.priority) else {
             continue;
         };
         let mut candidates: Vec<&ActiveJob> = core
             .jobs
             .values()
-            .filter(|j| j.record.state == JobState::Running && j.eviction.is_none())
+            .filter(|j| j.record().state == JobState::Running && j.eviction.is_none())
             // The job's own priority, not its aged one: aging orders the queue, and must not
             // let jobs of equal priority take turns preempting each other.
-            .filter(|j| j.record.spec.priority.saturating_add(gap) <= base_priority)
+            .filter(|j| j.record().spec.priority.saturating_add(gap) <= base_priority)
             .collect();
-        candidates.sort_by_key(|j| (j.record.spec.priority, std::cmp::Reverse(j.record.id)));
+        candidates.sort_by_key(|j| (j.record().spec.priority, std::cmp::Reverse(j.record().id)));
         let Some(victims) = fewest_victims(req, views, &candidates) else { continue };
         let names: Vec<String> = victims.iter().map(|v| format!("job {v}")).collect();
         let reasons: Vec<(JobId, String)> = victims
             .iter()
-            .filter_map(|v| core.jobs.get(v).map(|j| (*v, j.record.spec.priority)))
+            .filter_map(|v| core.jobs.get(v).map(|j| (*v, j.record().spec.priority)))
             .map(|(v, p)| {
                 let why = format!(
                     "preempted by job {} (priority {base_priority} against {p}, at least {gap} apart)",
@@ -105,13 +106,13 @@ pub(super) fn evict(
     why: &str,
 ) -> Vec<JobId> {
     let placed = |j: &ActiveJob| {
-        matches!(j.record.state, JobState::Scheduled | JobState::Launching | JobState::Running)
+        matches!(j.record().state, JobState::Scheduled | JobState::Launching | JobState::Running)
     };
     let ids: Vec<JobId> = core
         .jobs
         .values()
         .filter(|j| placed(j) && j.allocations.iter().any(|a| a.agent_id == node && !rank_done(a)))
-        .map(|j| j.record.id)
+        .map(|j| j.record().id)
         .collect();
     for id in &ids {
         ask_to_move(core, *id, kind, node, within, why);
@@ -133,8 +134,8 @@ fn ask_to_move(core: &mut Core, id: JobId, kind: FailureKind, node: &str, within
             job.eviction = Some(Eviction { kind, node, why, asked: now, deadline, for_job: None });
         }
     }
-    let attempt = job.record.attempt;
-    let signal = job.record.spec.checkpoint_signal.clone();
+    let attempt = job.record().attempt;
+    let signal = job.record().spec.checkpoint_signal.clone();
     let hosts: std::collections::BTreeSet<String> =
         job.allocations.iter().map(|a| a.agent_id.clone()).collect();
     for host in hosts {
@@ -157,10 +158,10 @@ pub(super) fn check_evictions(core: &mut Core, steps: &StepWatches, now_ms: i64)
     for job in core.jobs.values().filter(|j| j.detected.is_none()) {
         let Some(e) = &job.eviction else { continue };
         let live: Vec<u32> = job.allocations.iter().filter(|a| !rank_done(a)).map(|a| a.id.rank).collect();
-        let watch = steps.get(&job.record.id);
-        let saved = watch.and_then(|w| w.checkpoint_since(job.record.attempt, e.asked, &live));
+        let watch = steps.get(&job.record().id);
+        let saved = watch.and_then(|w| w.checkpoint_since(job.record().attempt, e.asked, &live));
         let waited = now.saturating_duration_since(e.asked).as_secs_f64();
-        let evidence = match (saved, job.record.state) {
+        let evidence = match (saved, job.record().state) {
             (Some(step), _) => {
                 format!("{}; every rank checkpointed at step {step} {waited:.1} s after the request", e.why)
             }
@@ -171,7 +172,7 @@ pub(super) fn check_evictions(core: &mut Core, steps: &StepWatches, now_ms: i64)
             (None, JobState::Running) => continue,
             (None, _) => format!("{}; it had not started running, so there was nothing to save", e.why),
         };
-        done.push(e.failure((job.record.id, job.record.attempt), now_ms, evidence));
+        done.push(e.failure((job.record().id, job.record().attempt), now_ms, evidence));
     }
     drop(steps);
     for f in done {
@@ -188,7 +189,7 @@ pub(super) fn check_evictions(core: &mut Core, steps: &StepWatches, now_ms: i64)
 pub(super) fn moved_anyway(job: &ActiveJob, now_ms: i64) -> Option<FailureRecord> {
     let e = job.eviction.as_ref()?;
     Some(e.failure(
-        (job.record.id, job.record.attempt),
+        (job.record().id, job.record().attempt),
         now_ms,
         format!("{}; its ranks ended while it was being moved", e.why),
     ))
@@ -226,7 +227,7 @@ fn fewest_victims(req: &Request, views: &[NodeView], candidates: &[&ActiveJob]) 
                 i += 1;
             }
         }
-        return Some(chosen.iter().map(|j| j.record.id).collect());
+        return Some(chosen.iter().map(|j| j.record().id).collect());
     }
     None
 }

@@ -30,8 +30,10 @@ use trainyard_store::{
     Verdict,
 };
 
+use super::Result;
+use super::reconcile::ActiveJob;
+use super::state::{Core, rank_failure};
 use super::steps::{StepWatch, StepWatches};
-use super::{ActiveJob, Core, Result, rank_failure};
 use crate::config::ControllerConfig;
 
 /// Attempts a job may take, beyond `max_restarts`, for failures that are not its own (a lost
@@ -86,8 +88,8 @@ pub(super) fn classify(
         return Finding::Failed(moved);
     }
     let record = |a: &Allocation, kind: FailureKind, blamed: bool, charged: bool| FailureRecord {
-        job_id: job.record.id,
-        attempt: job.record.attempt,
+        job_id: job.record().id,
+        attempt: job.record().attempt,
         at_ms: now_ms,
         kind,
         agent_id: Some(a.agent_id.clone()),
@@ -111,7 +113,8 @@ pub(super) fn classify(
         return Finding::Failed(finding);
     }
     let Some(a) = allocs.iter().find(|a| rank_failure(a).is_some()) else { return Finding::Healthy };
-    let peer_silent = allocs.iter().any(|p| !super::rank_done(p) && silent.contains(p.agent_id.as_str()));
+    let peer_silent =
+        allocs.iter().any(|p| !super::state::rank_done(p) && silent.contains(p.agent_id.as_str()));
     if peer_silent {
         return Finding::Undecided;
     }
@@ -133,8 +136,8 @@ pub(super) fn next_streak(streak: u32, running_since: Option<Instant>) -> u32 {
 
 /// Where a failure leaves the job: restarting or failed, and the event's reason.
 pub(super) fn after_failure(job: &ActiveJob, f: &FailureRecord) -> (JobState, String) {
-    let max = job.record.spec.max_restarts;
-    let attempt = job.record.attempt;
+    let max = job.record().spec.max_restarts;
+    let attempt = job.record().attempt;
     let what = format!("{}: {}", f.kind, f.evidence);
     if f.charged && job.charged >= max {
         let why = if max > 0 { format!("{what}; no restarts left ({max} used)") } else { what };
@@ -175,8 +178,8 @@ pub(super) async fn reload(
     for id in ids {
         let failures = store.failures(id).await?;
         let Some(job) = core.jobs.get_mut(&id) else { continue };
-        if job.record.attempt > 0 {
-            job.resume_from = super::resume::points_of(store, id, &job.record.spec).await?;
+        if job.record().attempt > 0 {
+            job.resume_from = super::resume::points_of(store, id, &job.record().spec).await?;
         }
         job.charged = failures.iter().filter(|f| f.charged).count() as u32;
         for f in failures.iter().filter(|f| f.blamed) {
@@ -199,14 +202,14 @@ pub(super) async fn reload(
     }
     let mut watches = HashMap::new();
     let resume_at = Instant::now() + config.reconnect_grace;
-    for job in core.jobs.values().filter(|j| j.record.state == JobState::Running) {
-        let progress = store.step_progress(job.record.id, job.record.attempt).await?;
+    for job in core.jobs.values().filter(|j| j.record().state == JobState::Running) {
+        let progress = store.step_progress(job.record().id, job.record().attempt).await?;
         if progress.ranks.is_empty() {
             continue;
         }
         let ranks = job.allocations.iter().map(|a| a.id.rank);
         let recent = progress.recent_step_ms.iter().rev().copied();
-        watches.insert(job.record.id, StepWatch::seeded(job.record.attempt, ranks, resume_at, recent));
+        watches.insert(job.record().id, StepWatch::seeded(job.record().attempt, ranks, resume_at, recent));
     }
     Ok(watches)
 }
@@ -291,10 +294,10 @@ pub(super) fn clear_by_preflight(core: &mut Core, report: &PreflightRecord) {
             job.avoid.remove(node);
             tracing::info!(
                 agent_id = node,
-                job_id = job.record.id,
+                job_id = job.record().id,
                 "node passed a preflight: the job may use it again"
             );
-            core.dirty.insert(job.record.id);
+            core.dirty.insert(job.record().id);
         }
     }
     if let Some(entry) = core.agents.get_mut(node)
@@ -320,8 +323,8 @@ pub(super) fn check_hangs(core: &mut Core, steps: &StepWatches, now_ms: i64) {
     let now = Instant::now();
     let steps = steps.read();
     let mut found = Vec::new();
-    for job in core.jobs.values().filter(|j| j.record.state == JobState::Running && j.detected.is_none()) {
-        let Some(watch) = steps.get(&job.record.id).filter(|w| w.attempt == job.record.attempt) else {
+    for job in core.jobs.values().filter(|j| j.record().state == JobState::Running && j.detected.is_none()) {
+        let Some(watch) = steps.get(&job.record().id).filter(|w| w.attempt == job.record().attempt) else {
             continue;
         };
         // A host of the job that is silent or away cannot deliver its ranks' receipts, and a
@@ -368,8 +371,8 @@ fn hang_of(job: &ActiveJob, watch: &StepWatch, now: Instant, now_ms: i64) -> Opt
         return None;
     }
     let median = watch.median_step();
-    let timeout = job.record.spec.hang.timeout(median) + watch.longest_checkpoint * 2;
-    let live: Vec<&Allocation> = job.allocations.iter().filter(|a| !super::rank_done(a)).collect();
+    let timeout = job.record().spec.hang.timeout(median) + watch.longest_checkpoint * 2;
+    let live: Vec<&Allocation> = job.allocations.iter().filter(|a| !super::state::rank_done(a)).collect();
     // A rank that has not stepped yet counts from the attempt's first step anywhere.
     let first = watch.last.values().min().copied()?;
     let quiet = |a: &Allocation| now.saturating_duration_since(*watch.last.get(&a.id.rank).unwrap_or(&first));
@@ -391,13 +394,13 @@ fn hang_of(job: &ActiveJob, watch: &StepWatch, now: Instant, now_ms: i64) -> Opt
         stale_nodes.iter().copied().collect::<Vec<_>>().join(", "),
         quiet(first_stale).as_secs_f64(),
         timeout.as_secs_f64(),
-        job.record.spec.hang.factor,
-        job.record.spec.hang.floor.as_secs_f64(),
+        job.record().spec.hang.factor,
+        job.record().spec.hang.floor.as_secs_f64(),
         if watch.longest_checkpoint > Duration::ZERO { ", plus twice the longest checkpoint" } else { "" },
     );
     Some(FailureRecord {
-        job_id: job.record.id,
-        attempt: job.record.attempt,
+        job_id: job.record().id,
+        attempt: job.record().attempt,
         at_ms: now_ms,
         kind: FailureKind::Hang,
         agent_id: Some(blamed_node.unwrap_or(first_stale.agent_id.as_str()).to_string()),

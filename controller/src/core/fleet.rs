@@ -11,7 +11,8 @@ use trainyard_proto::v1::NodeInfo;
 
 use trainyard_model::domain::Inventory;
 
-use super::{AgentEntry, ControllerError, Core, Result, rank_done};
+use super::state::{AgentEntry, Core, rank_done};
+use super::{ControllerError, Result};
 use trainyard_model::domain::{NodeState, Verdict};
 use trainyard_store::{AgentState, PreflightRecord};
 
@@ -45,7 +46,7 @@ impl AgentEntry {
 pub(super) fn busy_gpus(core: &Core) -> BTreeSet<(String, u32)> {
     let mut busy = BTreeSet::new();
     for job in core.jobs.values() {
-        for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
+        for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record().state.is_terminal()) {
             busy.insert((a.agent_id.clone(), a.gpu_index));
         }
     }

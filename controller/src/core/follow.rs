@@ -18,7 +18,8 @@ use trainyard_proto::v1::LeaderReply;
 use trainyard_store::{Lease, Store};
 
 use super::error::NotLeader;
-use super::{ControllerError, Core, Result};
+use super::state::Core;
+use super::{ControllerError, Result};
 
 /// How often a follower reloads its mirror of the jobs and agents from the store.
 pub const MIRROR_EVERY: Duration = Duration::from_secs(2);

@@ -9,8 +9,9 @@ use trainyard_proto::v1::{Job, JobEvent, JobSpec as WireSpec, LogData, RankRepor
 use super::agents::rank_id;
 use super::diagnosis::Diagnoses;
 use super::launch::request_of;
+use super::reconcile::ActiveJob;
 use super::shared::Shared;
-use super::{ActiveJob, ControllerError, LogEvent, Result};
+use super::{ControllerError, LogEvent, Result};
 use trainyard_model::spec::{self, JobSpec};
 use trainyard_placement::scheduler;
 use trainyard_store::{Allocation, JobEventRecord, JobId, JobOwner, JobRecord, JobState, StoreError};
@@ -46,7 +47,7 @@ impl Jobs<'_> {
         let pending = {
             let core = self.c.lock();
             let mine =
-                |j: &&ActiveJob| j.record.state == JobState::Pending && j.record.owner.user == owner.user;
+                |j: &&ActiveJob| j.record().state == JobState::Pending && j.record().owner.user == owner.user;
             core.jobs.values().filter(mine).count()
         };
         if !owner.user.is_empty() && pending >= cap {
@@ -128,7 +129,7 @@ impl Jobs<'_> {
             let mut core = self.c.lock();
             match core.jobs.get_mut(&job_id) {
                 None => false,
-                Some(job) if job.record.state.is_terminal() => return Ok(job.record.clone()),
+                Some(job) if job.record().state.is_terminal() => return Ok(job.record().clone()),
                 Some(job) => {
                     let reason = if reason.is_empty() { "cancelled by operator" } else { reason };
                     job.cancel.get_or_insert_with(|| reason.to_string());
@@ -145,7 +146,7 @@ impl Jobs<'_> {
         loop {
             changes.borrow_and_update();
             let done = match self.c.lock().jobs.get(&job_id) {
-                Some(job) if job.record.state.is_terminal() => return Ok(job.record.clone()),
+                Some(job) if job.record().state.is_terminal() => return Ok(job.record().clone()),
                 Some(_) => false,
                 // Finished and forgotten already: the store has the final state.
                 None => true,
@@ -339,7 +340,7 @@ impl Jobs<'_> {
     pub async fn rank_report(self, agent_id: &str, report: &RankReport) -> Result<()> {
         if let Some(id) = report.key.map(rank_id) {
             let core = self.c.lock();
-            let current = core.jobs.get(&id.job_id).filter(|j| j.record.attempt == id.attempt);
+            let current = core.jobs.get(&id.job_id).filter(|j| j.record().attempt == id.attempt);
             if let Some(a) = current.and_then(|j| j.allocations.iter().find(|a| a.id == id))
                 && a.agent_id != agent_id
             {

@@ -9,7 +9,8 @@ use trainyard_proto::v1::{
     CancelRanks, ControllerMessage, ForgetRanks, Launch, RankAssignment, controller_message::Msg,
 };
 
-use super::{ActiveJob, Core, rank_done};
+use super::reconcile::ActiveJob;
+use super::state::{Core, rank_done};
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::scheduler::{GpuView, NodeView, Request};
 use trainyard_store::{Allocation, JobId};
@@ -18,7 +19,7 @@ use trainyard_store::{Allocation, JobId};
 /// not done yet.
 pub(super) fn stop_ranks(core: &mut Core, job_id: JobId, reason: &str, grace: Duration) {
     let Some(job) = core.jobs.get(&job_id) else { return };
-    let attempt = job.record.attempt;
+    let attempt = job.record().attempt;
     let agents: Vec<String> = agents_of(job.allocations.iter().filter(|a| !rank_done(a)));
     let grace_ms = grace.as_millis() as u64;
     for agent in agents {
@@ -30,7 +31,7 @@ pub(super) fn stop_ranks(core: &mut Core, job_id: JobId, reason: &str, grace: Du
 /// Tells the agents of a job's current attempt that the controller is done with its ranks.
 pub(super) fn forget(core: &mut Core, job_id: JobId) {
     let Some(job) = core.jobs.get(&job_id) else { return };
-    let attempt = job.record.attempt;
+    let attempt = job.record().attempt;
     for agent in agents_of(job.allocations.iter()) {
         send(&mut *core, &agent, Msg::Forget(ForgetRanks { job_id, attempt }));
     }
@@ -85,7 +86,7 @@ pub(super) fn node_views(core: &Core, all: bool) -> Vec<NodeView> {
     let mut busy: HashMap<&str, u128> = HashMap::with_capacity(core.agents.len());
     let mut run: Option<(&str, u128)> = None;
     for job in core.jobs.values() {
-        for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record.state.is_terminal()) {
+        for a in job.allocations.iter().filter(|a| !rank_done(a) || !job.record().state.is_terminal()) {
             if a.gpu_index >= 128 {
                 continue;
             }
@@ -193,8 +194,8 @@ fn launch_messages(core: &Core, job: &ActiveJob) -> Vec<(String, Launch)> {
         .map(|(agent, allocs)| {
             let launch = Launch {
                 node_count,
-                job_id: job.record.id,
-                attempt: job.record.attempt,
+                job_id: job.record().id,
+                attempt: job.record().attempt,
                 world_size,
                 node_rank: allocs[0].node_rank,
                 local_world_size: allocs.len() as u32,
@@ -210,8 +211,8 @@ fn launch_messages(core: &Core, job: &ActiveJob) -> Vec<(String, Launch)> {
                         numa_node: a.planned_mems.parse().unwrap_or(-1),
                     })
                     .collect(),
-                spec: Some((&job.record.spec).into()),
-                run_as: job.record.owner.run_as.clone(),
+                spec: Some((&job.record().spec).into()),
+                run_as: job.record().owner.run_as.clone(),
                 resume_from: job.resume_from.clone(),
             };
             (agent.to_string(), launch)

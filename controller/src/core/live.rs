@@ -19,7 +19,8 @@ use trainyard_analysis::diagnose::live::{Rolling, Tracker};
 use trainyard_analysis::diagnose::{Finding, Input, NodeFacts};
 use trainyard_store::{Allocation, JobId, JobRecord, JobState, LiveFinding};
 
-use super::{Clock, Core, Result};
+use super::state::Core;
+use super::{Clock, Result};
 use crate::alerts::{Alert, RETRY_CAP, Webhooks};
 use trainyard_store::Store;
 
@@ -167,7 +168,7 @@ async fn live_round(
 pub(super) fn running_contexts(core: &Core) -> BTreeMap<JobId, Context> {
     core.jobs
         .values()
-        .filter(|j| j.record.state == JobState::Running)
+        .filter(|j| j.record().state == JobState::Running)
         .map(|j| {
             let nodes = j
                 .allocations
@@ -179,14 +180,14 @@ pub(super) fn running_contexts(core: &Core) -> BTreeMap<JobId, Context> {
                     (e.record.agent_id.clone(), facts)
                 })
                 .collect();
-            let predicted = super::view::predicted_comm_ms(core, &j.allocations, &j.record.spec);
+            let predicted = super::view::predicted_comm_ms(core, &j.allocations, &j.record().spec);
             let context = Context {
-                record: j.record.clone(),
+                record: j.record().clone(),
                 allocations: j.allocations.clone(),
                 nodes,
                 predicted_comm_ms: predicted,
             };
-            (j.record.id, context)
+            (j.record().id, context)
         })
         .collect()
 }

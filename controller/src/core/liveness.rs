@@ -7,12 +7,13 @@ use std::time::Duration;
 use tokio::time::Instant;
 use trainyard_store::{AgentState, RankId};
 
+use super::Result;
 use super::agents::lost_report;
 use super::heard::Heard;
 use super::logs::LogRelay;
 use super::reconcile::Reconciler;
+use super::state::{Core, rank_done};
 use super::steps::StepWatches;
-use super::{Core, Result, rank_done};
 
 /// Marks connected agents that have sent nothing for `unresponsive_after` as
 /// `unresponsive` (no new work) and back when they speak again, moves their `last_seen_ms`
@@ -86,7 +87,7 @@ pub(super) async fn reap_vanished_agents(
         for job in core.jobs.values() {
             for a in job.allocations.iter().filter(|a| !rank_done(a)) {
                 let Some((away, how, _)) = gone.get(&a.agent_id) else { continue };
-                let alive_elsewhere = stepping.get(&job.record.id).is_some_and(|ranks| {
+                let alive_elsewhere = stepping.get(&job.record().id).is_some_and(|ranks| {
                     job.allocations.iter().any(|o| o.agent_id != a.agent_id && ranks.contains(&o.id.rank))
                 });
                 if alive_elsewhere && *away < r.config.agent_hold {

@@ -106,5 +106,3 @@ pub use jobs::Jobs;
 pub use logs::LogEvent;
 pub use nodes::{Nodes, PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
 pub use receipts::{MAX_BATCH, Receipts};
-// What the parts share, named here so each finds it as `super::...`.
-use state::{ActiveJob, AgentEntry, AgentLink, Core, link_matrix, rank_done, rank_failure};

@@ -17,7 +17,8 @@ use super::evict::{DEFAULT_NOTICE_DEADLINE, NOTICE_MARGIN};
 use super::faults::BY_OPERATOR;
 use super::fleet::node_info;
 use super::shared::Shared;
-use super::{AgentEntry, AgentLink, ControllerError, Result, rank_done};
+use super::state::{AgentEntry, AgentLink, rank_done};
+use super::{ControllerError, Result};
 use trainyard_model::domain::PreflightLevel;
 use trainyard_store::{
     AgentRecord, AgentState, Cordon, FailureKind, JobId, JobState, PreflightRecord, RankId, RankState,
@@ -252,7 +253,7 @@ impl Nodes<'_> {
             (Some(new), Some(old)) if old.report_id > new.report_id => Some(old),
             (new, old) => new.or(old),
         };
-        let links = super::link_matrix(&record);
+        let links = super::state::link_matrix(&record);
         let entry = AgentEntry {
             links,
             record,
@@ -280,7 +281,7 @@ impl Nodes<'_> {
     /// recorded as lost.
     fn resend_missed(
         self,
-        core: &mut super::Core,
+        core: &mut super::state::Core,
         agent_id: &str,
         reported: &BTreeSet<RankId>,
     ) -> Vec<RankId> {
@@ -296,14 +297,14 @@ impl Nodes<'_> {
             if unknown.is_empty() {
                 continue;
             }
-            let starting = matches!(job.record.state, JobState::Scheduled | JobState::Launching);
+            let starting = matches!(job.record().state, JobState::Scheduled | JobState::Launching);
             let never_started = job
                 .allocations
                 .iter()
                 .filter(|a| unknown.contains(&a.id))
                 .all(|a| a.observed.state == RankState::Planned);
             if starting && never_started {
-                relaunch.push(job.record.id);
+                relaunch.push(job.record().id);
             } else {
                 lost.extend(unknown);
             }

@@ -10,7 +10,8 @@ use std::sync::{Mutex, MutexGuard};
 use tokio::sync::{Notify, watch};
 
 use super::faults::{self, Finding};
-use super::{ActiveJob, Clock, Core, Result, rank_done};
+use super::state::{Core, rank_done};
+use super::{Clock, Result};
 use crate::config::ControllerConfig;
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
@@ -509,5 +510,8 @@ fn plan(core: &Core, placement: Placement, views: &[NodeView], now_ms: i64) -> O
     Some(Plan { job_id, attempt, allocations, reason })
 }
 
+mod job;
 #[cfg(test)]
 mod tests;
+
+pub(super) use job::{ActiveJob, Eviction};

@@ -9,11 +9,10 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use trainyard_proto::v1::ControllerMessage;
-use trainyard_store::{
-    AgentRecord, Allocation, FailureKind, FailureRecord, JobId, JobRecord, RankState, Store,
-};
+use trainyard_store::{AgentRecord, Allocation, JobId, RankState, Store};
 
 use super::Result;
+use super::reconcile::ActiveJob;
 
 /// The in-memory state behind the core's lock (see `controller`).
 #[derive(Default)]
@@ -64,39 +63,6 @@ pub(super) struct AgentEntry {
 pub(super) struct AgentLink {
     pub(super) conn_id: u64,
     pub(super) tx: mpsc::Sender<ControllerMessage>,
-}
-
-pub(super) struct ActiveJob {
-    pub(super) record: JobRecord,
-    /// An operator asked to cancel it, with this reason; the reconciler carries it out.
-    pub(super) cancel: Option<String>,
-    /// How many agents the launches of the current attempt went out to (the reconciler moves a
-    /// `scheduled` job to `launching` once it is not 0).
-    pub(super) launches_sent: usize,
-    /// Allocations of the current attempt; empty while pending.
-    pub(super) allocations: Vec<Allocation>,
-    /// `MASTER_PORT` of the current attempt, as its rank-0 agent chose it and reported it in a
-    /// rank report; `None` until then (and after a controller restart, until the agents' hellos
-    /// report it again). The hosts without rank 0 are launched once it is known.
-    pub(super) master_port: Option<u16>,
-    /// A failure found outside the ranks' own reports (a hang), for the reconciler to act on.
-    pub(super) detected: Option<trainyard_store::FailureRecord>,
-    /// Nodes blamed for this job's failures, with when: left out of its next attempts until
-    /// they pass a preflight.
-    pub(super) avoid: BTreeMap<String, i64>,
-    /// Restarts charged against `max_restarts` so far (the job's own failures).
-    pub(super) charged: u32,
-    /// The next attempt is not placed before this (the restart backoff).
-    pub(super) not_before: Option<Instant>,
-    /// The checkpoints the current attempt may resume from, newest first (`resume`).
-    pub(super) resume_from: Vec<trainyard_proto::v1::ResumePoint>,
-    /// Asked to checkpoint and move off a node (`evict`).
-    pub(super) eviction: Option<Eviction>,
-    /// Failures in a row of attempts that did not run for long: the backoff's exponent
-    /// (`faults::next_streak`).
-    pub(super) streak: u32,
-    /// When the current attempt started running.
-    pub(super) running_since: Option<Instant>,
 }
 
 /// An agent's link matrix, parsed from its inventory.
@@ -153,26 +119,6 @@ impl Core {
     }
 }
 
-impl ActiveJob {
-    pub(super) fn new(record: JobRecord) -> ActiveJob {
-        ActiveJob {
-            record,
-            cancel: None,
-            launches_sent: 0,
-            allocations: Vec::new(),
-            master_port: None,
-            detected: None,
-            avoid: BTreeMap::new(),
-            charged: 0,
-            not_before: None,
-            resume_from: Vec::new(),
-            eviction: None,
-            streak: 0,
-            running_since: None,
-        }
-    }
-}
-
 /// A rank is done when it exited or was lost.
 pub(super) fn rank_done(a: &Allocation) -> bool {
     a.observed.state.is_done()
@@ -195,40 +141,5 @@ pub(super) fn rank_failure(a: &Allocation) -> Option<String> {
             (None, None) => Some(format!("{on} ended: {}", o.message)),
         },
         _ => None,
-    }
-}
-
-/// A job asked to checkpoint and move off a node.
-#[derive(Debug, Clone)]
-pub(super) struct Eviction {
-    pub kind: FailureKind,
-    /// The node it moves off; empty when it is preempted (it moves off every node).
-    pub node: String,
-    pub why: String,
-    pub asked: Instant,
-    pub deadline: Instant,
-    /// The waiting job it makes room for (priority preemption).
-    pub for_job: Option<JobId>,
-}
-
-impl Eviction {
-    /// The failure that ends the moved attempt: the fleet's, so nobody is blamed or charged.
-    pub(super) fn failure(
-        &self,
-        (job_id, attempt): (JobId, u32),
-        at_ms: i64,
-        evidence: String,
-    ) -> FailureRecord {
-        FailureRecord {
-            job_id,
-            attempt,
-            at_ms,
-            kind: self.kind,
-            agent_id: Some(self.node.clone()).filter(|n| !n.is_empty()),
-            rank: None,
-            evidence,
-            blamed: false,
-            charged: false,
-        }
     }
 }

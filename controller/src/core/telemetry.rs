@@ -45,8 +45,8 @@ pub(super) async fn on_xid(r: &Reconciler<'_>, w: &GpuWindowRecord, xid: Xid) ->
         let (Some(job_id), Some(attempt)) = (w.job_id, w.attempt) else { return Ok(()) };
         match core.jobs.get_mut(&job_id) {
             Some(job)
-                if job.record.attempt == attempt
-                    && matches!(job.record.state, JobState::Running | JobState::Launching)
+                if job.record().attempt == attempt
+                    && matches!(job.record().state, JobState::Running | JobState::Launching)
                     && job.detected.is_none() =>
             {
                 job.detected = Some(FailureRecord {

@@ -7,7 +7,8 @@ use trainyard_proto::v1::{Job, RankStatus};
 
 use std::sync::Mutex;
 
-use super::{Core, Result};
+use super::Result;
+use super::state::Core;
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
 use trainyard_placement::scheduler::LinkMatrix;
@@ -147,7 +148,7 @@ fn binding_warnings(allocations: &[Allocation]) -> Vec<String> {
 pub(super) fn set_gauges(core: &Core) {
     let m = crate::metrics::metrics();
     for state in JobState::ALL.iter().filter(|s| !s.is_terminal()) {
-        let n = core.jobs.values().filter(|j| j.record.state == *state).count();
+        let n = core.jobs.values().filter(|j| j.record().state == *state).count();
         m.jobs.get_or_create(&crate::metrics::StateLabel { state: state.to_string() }).set(n as i64);
     }
     m.agents_connected.set(core.agents.values().filter(|e| e.link.is_some()).count() as i64);
