@@ -54,14 +54,17 @@ impl Controller {
     ) -> Result<Arc<Controller>> {
         let clock = Clock::new();
         let now = Instant::now();
-        let mut core = match (Core::load(store.as_ref(), now).await, &role) {
+        let stored = async {
+            Ok::<_, trainyard_store::StoreError>((store.snapshot().await?, store.latest_preflights().await?))
+        };
+        let mut core = match (stored.await.map(|(s, p)| Core::from_stored(s, p, now)), &role) {
             (Ok(core), _) => core,
             // A follower may start while the database is away: its mirror fills in later.
             (Err(e), Role::Follower { .. }) => {
                 tracing::warn!(error = %e, "follower: the store cannot be read yet; serving an empty mirror until it can");
                 Core::default()
             }
-            (Err(e), Role::Leader(_)) => return Err(e),
+            (Err(e), Role::Leader(_)) => return Err(e.into()),
         };
         let watches = match role {
             Role::Leader(_) => faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?,

@@ -78,7 +78,10 @@ pub(super) async fn mirror(store: Arc<dyn Store>, replace: impl Fn(Core), shutdo
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        match Core::load(store.as_ref(), tokio::time::Instant::now()).await {
+        let stored = async {
+            Ok::<_, trainyard_store::StoreError>((store.snapshot().await?, store.latest_preflights().await?))
+        };
+        match stored.await.map(|(s, p)| Core::from_stored(s, p, tokio::time::Instant::now())) {
             Ok(fresh) => {
                 failing = false;
                 replace(fresh);

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use trainyard_proto::v1::ControllerMessage;
-use trainyard_store::{AgentRecord, Allocation, JobId, RankState, Store};
+use trainyard_store::{AgentRecord, Allocation, JobId, PreflightRecord, RankState, Snapshot};
 
 use super::Result;
 use super::reconcile::ActiveJob;
@@ -79,11 +79,10 @@ impl Core {
         self.fleet_generation += 1;
     }
 
-    /// The jobs and agents the store holds, agents counted disconnected since `now` (until they
-    /// say hello), with their latest preflight verdicts (a node that failed stays unscheduled
-    /// until it reports again).
-    pub(super) async fn load(store: &dyn Store, now: Instant) -> Result<Core> {
-        let snapshot = store.snapshot().await?;
+    /// The jobs and agents the store holds (`snapshot`), agents counted disconnected since
+    /// `now` (until they say hello), with their latest preflight verdicts (`preflights`: a node
+    /// that failed stays unscheduled until it reports again).
+    pub(super) fn from_stored(snapshot: Snapshot, preflights: Vec<PreflightRecord>, now: Instant) -> Core {
         let mut core = Core::default();
         for record in snapshot.agents {
             let links = link_matrix(&record);
@@ -99,7 +98,7 @@ impl Core {
             };
             core.agents.insert(entry.record.agent_id.clone(), entry);
         }
-        for report in store.latest_preflights().await? {
+        for report in preflights {
             if let Some(entry) = core.agents.get_mut(&report.agent_id) {
                 entry.preflight = Some(report);
             }
@@ -115,7 +114,7 @@ impl Core {
         for job in core.jobs.values_mut() {
             job.allocations.sort_by_key(|a| a.id.rank);
         }
-        Ok(core)
+        core
     }
 }
 
@@ -143,3 +142,6 @@ pub(super) fn rank_failure(a: &Allocation) -> Option<String> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests;
