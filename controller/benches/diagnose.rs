@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use trainyard_controller::config::ControllerConfig;
 use trainyard_controller::core::Controller;
-use trainyard_model::domain::{AgentState, GpuInfo, Inventory, NumaNodeInfo, PreflightLevel};
-use trainyard_model::spec::{Engine, JobSpec, Resources};
+use trainyard_model::domain::{AgentState, GpuInfo, Inventory, NumaNodeInfo};
+use trainyard_model::spec::{JobSpec, Resources};
 use trainyard_store::{
     AgentRecord, Allocation, NewReceipt, RankId, RankObserved, RankState, SqlStore, Store,
 };
@@ -96,25 +96,13 @@ async fn fill(store: &dyn Store) -> anyhow::Result<u64> {
         store.upsert_agent(&agent).await?;
     }
     let spec = JobSpec {
-        name: "diagnose-bench".into(),
         resources: Resources {
             gpus: NODES * GPUS,
             gpus_per_node: GPUS,
             comm_bytes_per_step: 7_100_000_000,
             ..Default::default()
         },
-        engine: Engine::Exec { argv: vec!["train".into()], workdir: "/".into(), source_dir: String::new() },
-        env: Default::default(),
-        preflight: PreflightLevel::None,
-        max_restarts: 0,
-        resume: false,
-        backoff: Default::default(),
-        hang: Default::default(),
-        checkpoint_signal: String::new(),
-        min_gpus: 0,
-        priority: 0,
-        disable_pinning: false,
-        receipts: Default::default(),
+        ..JobSpec::exec("diagnose-bench", NODES * GPUS, &["train"])
     };
     let job = store.create_job(&spec, None, "bench", 0).await?.id;
     let allocations: Vec<Allocation> = (0..NODES * GPUS)

@@ -110,6 +110,32 @@ pub enum Engine {
 }
 
 impl JobSpec {
+    /// An exec job of `gpus` ranks running `argv` in `/`, with every other setting at its
+    /// default (no preflight, no restart, pinned, receipts without code changes on): the one
+    /// spec tests and benches start from, changing what they are about with `..`.
+    pub fn exec(name: impl Into<String>, gpus: u32, argv: &[&str]) -> JobSpec {
+        JobSpec {
+            name: name.into(),
+            resources: Resources { gpus, ..Default::default() },
+            engine: Engine::Exec {
+                argv: argv.iter().map(|a| a.to_string()).collect(),
+                workdir: "/".into(),
+                source_dir: String::new(),
+            },
+            env: Default::default(),
+            preflight: PreflightLevel::None,
+            max_restarts: 0,
+            resume: false,
+            backoff: Default::default(),
+            hang: Default::default(),
+            checkpoint_signal: String::new(),
+            min_gpus: 0,
+            priority: 0,
+            disable_pinning: false,
+            receipts: Default::default(),
+        }
+    }
+
     /// The model depth of a built-in job (`d26` → 26).
     pub fn builtin_depth(&self) -> Option<u32> {
         match &self.engine {

@@ -6,8 +6,7 @@
 
 use std::time::Instant;
 
-use trainyard_model::domain::PreflightLevel;
-use trainyard_model::spec::{Engine, JobSpec, Resources};
+use trainyard_model::spec::JobSpec;
 use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SqlStore};
 
 const TOTAL: usize = 200_000;
@@ -33,26 +32,7 @@ async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
     let store = SqlStore::open_sqlite_file(&dir.path().join("bench.db")).await?;
     let mut rates = Vec::with_capacity(repeats);
     for repeat in 0..repeats {
-        let spec = JobSpec {
-            name: format!("bench-{repeat}"),
-            resources: Resources { gpus: RANKS, ..Default::default() },
-            engine: Engine::Exec {
-                argv: vec!["true".into()],
-                workdir: "/".into(),
-                source_dir: String::new(),
-            },
-            env: Default::default(),
-            preflight: PreflightLevel::None,
-            max_restarts: 0,
-            resume: false,
-            backoff: Default::default(),
-            hang: Default::default(),
-            checkpoint_signal: String::new(),
-            min_gpus: 0,
-            priority: 0,
-            disable_pinning: false,
-            receipts: Default::default(),
-        };
+        let spec = JobSpec::exec(format!("bench-{repeat}"), RANKS, &["true"]);
         let job = store.create_job(&spec, None, "bench", 0).await?;
         let receipts = receipts(job.id, total);
         let started = Instant::now();

@@ -129,7 +129,6 @@ pub mod fixtures {
 
     pub fn spec(name: &str, gpus: u32) -> JobSpec {
         JobSpec {
-            name: name.to_owned(),
             resources: Resources { gpus, gpus_per_node: gpus, ..Default::default() },
             engine: Engine::Exec {
                 argv: vec!["python".into(), "train.py".into()],
@@ -138,15 +137,8 @@ pub mod fixtures {
             },
             env: [("WANDB_MODE".to_owned(), "offline".to_owned())].into(),
             preflight: PreflightLevel::Quick,
-            max_restarts: 0,
-            resume: false,
-            backoff: Default::default(),
-            hang: Default::default(),
-            checkpoint_signal: String::new(),
-            min_gpus: 0,
             priority: 3,
-            disable_pinning: false,
-            receipts: Default::default(),
+            ..JobSpec::exec(name, gpus, &[])
         }
     }
 

@@ -19,7 +19,7 @@ use trainyard_analysis::diagnose::{Input, NodeFacts};
 use trainyard_model::domain::{GpuInfo, Inventory};
 use trainyard_model::receipts;
 use trainyard_model::records::{Allocation, GpuWindowRecord, RankObserved};
-use trainyard_model::spec::{Engine, JobSpec, Resources};
+use trainyard_model::spec::{JobSpec, Resources};
 use trainyard_store::{DiagnosisStore, JobStore, NewReceipt, RankId, ReceiptStore, SqlStore, TelemetryStore};
 use trainyard_testkit::noise::Noise;
 
@@ -108,20 +108,8 @@ async fn run(minutes: i64) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let store = SqlStore::open_sqlite_file(&dir.path().join("live.db")).await?;
     let spec = JobSpec {
-        name: "live-64".into(),
         resources: Resources { gpus: RANKS, gpus_per_node: 8, ..Default::default() },
-        engine: Engine::Exec { argv: vec!["x".into()], workdir: "/".into(), source_dir: String::new() },
-        env: Default::default(),
-        preflight: trainyard_store::PreflightLevel::None,
-        max_restarts: 0,
-        resume: false,
-        backoff: Default::default(),
-        hang: Default::default(),
-        checkpoint_signal: String::new(),
-        min_gpus: 0,
-        priority: 0,
-        disable_pinning: false,
-        receipts: Default::default(),
+        ..JobSpec::exec("live-64", RANKS, &["x"])
     };
     store.create_job(&spec, None, "submitted", 0).await?;
     let allocations: Vec<Allocation> = (0..RANKS)

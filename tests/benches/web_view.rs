@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use trainyard_model::receipts;
-use trainyard_model::spec::{Engine, JobSpec, Resources};
+use trainyard_model::spec::{JobSpec, Resources};
 use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SeriesStore, SqlStore};
 use trainyard_tests::{bin, chromium, http_with, repo_root};
 
@@ -62,24 +62,8 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let store = SqlStore::open_sqlite_file(&dir.join("trainyard.db")).await?;
     let spec = JobSpec {
-        name: "d26-64gpu".into(),
         resources: Resources { gpus: RANKS, gpus_per_node: 8, ..Default::default() },
-        engine: Engine::Exec {
-            argv: vec!["python3".into(), "train.py".into()],
-            workdir: "/".into(),
-            source_dir: String::new(),
-        },
-        env: Default::default(),
-        preflight: trainyard_store::PreflightLevel::None,
-        max_restarts: 0,
-        resume: false,
-        backoff: Default::default(),
-        hang: Default::default(),
-        checkpoint_signal: String::new(),
-        min_gpus: 0,
-        priority: 0,
-        disable_pinning: false,
-        receipts: Default::default(),
+        ..JobSpec::exec("d26-64gpu", RANKS, &["python3", "train.py"])
     };
     let job = store.create_job(&spec, None, "submitted", 1).await?;
     anyhow::ensure!(job.id == 1, "a fresh store");

@@ -2,24 +2,12 @@ use super::*;
 use std::collections::BTreeMap;
 use trainyard_model::domain::{Cause, CheckStatus, GpuInfo, Inventory, PreflightLevel, RankState, Verdict};
 use trainyard_model::records::{CheckRecord, GpuWindowRecord, PreflightRecord, RankId, RankObserved};
-use trainyard_model::spec::{Engine, JobSpec, Resources};
+use trainyard_model::spec::JobSpec;
 
 fn spec(env: &[(&str, &str)]) -> JobSpec {
     JobSpec {
-        name: "d".into(),
-        resources: Resources { gpus: 16, ..Default::default() },
-        engine: Engine::Exec { argv: vec!["x".into()], workdir: "/".into(), source_dir: String::new() },
         env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        preflight: PreflightLevel::None,
-        max_restarts: 0,
-        resume: false,
-        backoff: Default::default(),
-        hang: Default::default(),
-        checkpoint_signal: String::new(),
-        min_gpus: 0,
-        priority: 0,
-        disable_pinning: false,
-        receipts: Default::default(),
+        ..JobSpec::exec("d", 16, &["x"])
     }
 }
 
