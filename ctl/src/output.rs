@@ -40,67 +40,19 @@ pub struct JobJson {
     pub goodput: Option<GoodputJson>,
 }
 
+/// The goodput record as the analysis crate defines it (one type end to end), with the line
+/// `ctl status` prints and the steps redone over all attempts.
 #[derive(Debug, Serialize)]
 pub struct GoodputJson {
     pub summary: String,
-    pub goodput: Option<f64>,
-    pub wall_ms: f64,
-    pub startup_ms: f64,
-    pub train_ms: f64,
-    pub eval_ms: f64,
-    pub checkpoint_ms: f64,
-    pub restart_ms: f64,
-    pub lost_ms: f64,
     pub steps_redone: u64,
-    pub other_ms: f64,
-    pub attempts: Vec<AttemptGoodputJson>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct AttemptGoodputJson {
-    pub attempt: u32,
-    pub wall_ms: f64,
-    pub startup_ms: f64,
-    pub train_ms: f64,
-    pub eval_ms: f64,
-    pub checkpoint_ms: f64,
-    pub restart_ms: f64,
-    pub lost_ms: f64,
-    pub steps_redone: u64,
-    pub other_ms: f64,
+    #[serde(flatten)]
+    pub goodput: trainyard_analysis::diagnose::goodput::Goodput,
 }
 
 impl From<&trainyard_proto::v1::Goodput> for GoodputJson {
     fn from(g: &trainyard_proto::v1::Goodput) -> Self {
-        GoodputJson {
-            summary: g.summary.clone(),
-            goodput: g.goodput,
-            wall_ms: g.wall_ms,
-            startup_ms: g.startup_ms,
-            train_ms: g.train_ms,
-            eval_ms: g.eval_ms,
-            checkpoint_ms: g.checkpoint_ms,
-            restart_ms: g.restart_ms,
-            lost_ms: g.lost_ms,
-            steps_redone: g.steps_redone,
-            other_ms: g.other_ms,
-            attempts: g
-                .attempts
-                .iter()
-                .map(|a| AttemptGoodputJson {
-                    attempt: a.attempt,
-                    wall_ms: a.wall_ms,
-                    startup_ms: a.startup_ms,
-                    train_ms: a.train_ms,
-                    eval_ms: a.eval_ms,
-                    checkpoint_ms: a.checkpoint_ms,
-                    restart_ms: a.restart_ms,
-                    lost_ms: a.lost_ms,
-                    steps_redone: a.steps_redone,
-                    other_ms: a.other_ms,
-                })
-                .collect(),
-        }
+        GoodputJson { summary: g.summary.clone(), steps_redone: g.steps_redone, goodput: g.into() }
     }
 }
 

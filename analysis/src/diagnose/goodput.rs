@@ -16,6 +16,7 @@
 //! placement. Goodput is training less lost, over the job's wall time.
 
 use trainyard_model::domain::ReceiptKind;
+use trainyard_proto::v1 as pb;
 
 /// What the events and the reporting rank's receipts say about one attempt.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -63,7 +64,7 @@ impl AttemptFacts {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
 pub struct AttemptGoodput {
     pub attempt: u32,
     pub wall_ms: f64,
@@ -79,7 +80,7 @@ pub struct AttemptGoodput {
     pub other_ms: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
 pub struct Goodput {
     pub attempts: Vec<AttemptGoodput>,
     /// First placement to the end (or now): attempts and the restarts between them.
@@ -138,6 +139,80 @@ pub fn human(ms: f64) -> String {
     } else {
         let m = (ms / 60e3).round() as u64;
         format!("{}h{:02}m", m / 60, m % 60)
+    }
+}
+
+/// The record on the wire: the same fields (and the one-line summary, and the steps redone
+/// over all attempts, which `ctl` shows); `ctl` reads it back into a [`Goodput`] with `From`.
+impl From<&Goodput> for pb::Goodput {
+    fn from(g: &Goodput) -> pb::Goodput {
+        pb::Goodput {
+            summary: g.describe(),
+            wall_ms: g.wall_ms,
+            startup_ms: g.startup_ms,
+            train_ms: g.train_ms,
+            eval_ms: g.eval_ms,
+            checkpoint_ms: g.checkpoint_ms,
+            restart_ms: g.restart_ms,
+            lost_ms: g.lost_ms,
+            other_ms: g.other_ms,
+            steps_redone: g.attempts.iter().map(|a| a.steps_redone).sum(),
+            goodput: g.goodput,
+            steps: g.steps,
+            attempts: g.attempts.iter().map(pb::AttemptGoodput::from).collect(),
+        }
+    }
+}
+
+impl From<&pb::Goodput> for Goodput {
+    fn from(g: &pb::Goodput) -> Goodput {
+        Goodput {
+            attempts: g.attempts.iter().map(AttemptGoodput::from).collect(),
+            wall_ms: g.wall_ms,
+            startup_ms: g.startup_ms,
+            train_ms: g.train_ms,
+            eval_ms: g.eval_ms,
+            checkpoint_ms: g.checkpoint_ms,
+            restart_ms: g.restart_ms,
+            lost_ms: g.lost_ms,
+            other_ms: g.other_ms,
+            steps: g.steps,
+            goodput: g.goodput,
+        }
+    }
+}
+
+impl From<&AttemptGoodput> for pb::AttemptGoodput {
+    fn from(a: &AttemptGoodput) -> pb::AttemptGoodput {
+        pb::AttemptGoodput {
+            attempt: a.attempt,
+            wall_ms: a.wall_ms,
+            startup_ms: a.startup_ms,
+            train_ms: a.train_ms,
+            eval_ms: a.eval_ms,
+            checkpoint_ms: a.checkpoint_ms,
+            restart_ms: a.restart_ms,
+            lost_ms: a.lost_ms,
+            steps_redone: a.steps_redone,
+            other_ms: a.other_ms,
+        }
+    }
+}
+
+impl From<&pb::AttemptGoodput> for AttemptGoodput {
+    fn from(a: &pb::AttemptGoodput) -> AttemptGoodput {
+        AttemptGoodput {
+            attempt: a.attempt,
+            wall_ms: a.wall_ms,
+            startup_ms: a.startup_ms,
+            train_ms: a.train_ms,
+            eval_ms: a.eval_ms,
+            checkpoint_ms: a.checkpoint_ms,
+            steps_redone: a.steps_redone,
+            lost_ms: a.lost_ms,
+            restart_ms: a.restart_ms,
+            other_ms: a.other_ms,
+        }
     }
 }
 
@@ -257,5 +332,35 @@ mod tests {
             (human(850.0), human(12_345.0), human(245_000.0), human(7_980_000.0)),
             ("850ms".into(), "12.3s".into(), "4m05s".into(), "2h13m".into())
         );
+    }
+
+    /// The wire carries every field of the record: what `ctl` reads back is what was computed,
+    /// and its JSON has the record's own field names.
+    #[test]
+    fn the_record_crosses_the_wire_whole() {
+        let a = AttemptGoodput {
+            attempt: 1,
+            wall_ms: 9.0,
+            train_ms: 5.0,
+            steps_redone: 3,
+            lost_ms: 1.5,
+            ..Default::default()
+        };
+        let g = Goodput {
+            attempts: vec![AttemptGoodput { attempt: 0, wall_ms: 4.0, ..Default::default() }, a],
+            wall_ms: 15.0,
+            train_ms: 5.0,
+            lost_ms: 1.5,
+            restart_ms: 2.0,
+            steps: 42,
+            goodput: Some(0.23),
+            ..Default::default()
+        };
+        let wire = pb::Goodput::from(&g);
+        assert_eq!((wire.steps_redone, wire.steps, wire.summary.clone()), (3, 42, g.describe()));
+        assert_eq!(Goodput::from(&wire), g);
+        let json = serde_json::to_value(&g).expect("serialises");
+        assert_eq!(json["attempts"][1]["steps_redone"], 3);
+        assert_eq!(json["goodput"], 0.23);
     }
 }

@@ -174,35 +174,7 @@ impl Jobs<'_> {
         let mut job =
             super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record).await?;
         let g = Diagnoses { c: self.c }.goodput(job_id).await?;
-        job.goodput = Some(trainyard_proto::v1::Goodput {
-            summary: g.describe(),
-            wall_ms: g.wall_ms,
-            startup_ms: g.startup_ms,
-            train_ms: g.train_ms,
-            eval_ms: g.eval_ms,
-            checkpoint_ms: g.checkpoint_ms,
-            restart_ms: g.restart_ms,
-            lost_ms: g.lost_ms,
-            other_ms: g.other_ms,
-            steps_redone: g.attempts.iter().map(|a| a.steps_redone).sum(),
-            goodput: g.goodput,
-            attempts: g
-                .attempts
-                .iter()
-                .map(|a| trainyard_proto::v1::AttemptGoodput {
-                    attempt: a.attempt,
-                    wall_ms: a.wall_ms,
-                    startup_ms: a.startup_ms,
-                    train_ms: a.train_ms,
-                    eval_ms: a.eval_ms,
-                    checkpoint_ms: a.checkpoint_ms,
-                    restart_ms: a.restart_ms,
-                    lost_ms: a.lost_ms,
-                    steps_redone: a.steps_redone,
-                    other_ms: a.other_ms,
-                })
-                .collect(),
-        });
+        job.goodput = Some(trainyard_proto::v1::Goodput::from(&g));
         job.events = self
             .c
             .store
