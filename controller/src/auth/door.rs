@@ -5,7 +5,7 @@
 //! is not: on a 2-core controller the handshake and HTTP/2 set-up of each cost about 0.5 ms of
 //! CPU, so 200 made-up tokens a second, each on a new connection, took a fifth of the receipt
 //! ingest rate. The door counts refused calls per source address; an address past
-//! [`REFUSALS_BURST`] (then [`REFUSALS_PER_SEC`]) is *limited* for [`LIMITED_FOR`] (renewed while
+//! [`REFUSALS_BURST`] (then [`REFUSALS_PER_SEC`]) is *limited* for [`LIMITED_FOR_MS`] (renewed while
 //! it keeps failing): it may open at most [`ACCEPTS_PER_SEC_WHEN_LIMITED`] new connections a
 //! second, and the others are closed as soon as they are accepted. Connections already open
 //! (an agent's stream, a `watch`) are never touched, and a user with a valid token behind the

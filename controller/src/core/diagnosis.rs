@@ -50,7 +50,7 @@ pub(super) const OUTCOMES_AT_ONCE: usize = 2;
 /// Telemetry windows a diagnosis reads at most (64 GPUs x 10 s windows for about 4.5 hours).
 const MAX_WINDOWS: u32 = 100_000;
 
-/// Diagnoses, comparisons, goodput and live findings ([`Controller::diagnoses`]).
+/// Diagnoses, comparisons, goodput and live findings ([`super::Controller::diagnoses`]).
 #[derive(Clone, Copy)]
 pub struct Diagnoses<'c> {
     pub(super) c: &'c Shared,

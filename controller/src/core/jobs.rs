@@ -19,7 +19,7 @@ use trainyard_store::{Allocation, JobEventRecord, JobId, JobOwner, JobRecord, Jo
 /// How long a cancel waits for the reconciler to store it before telling the caller so.
 const CANCEL_STORE_WAIT: Duration = Duration::from_secs(30);
 
-/// Jobs: submit, cancel, read, rank reports and logs ([`Controller::jobs`]).
+/// Jobs: submit, cancel, read, rank reports and logs ([`super::Controller::jobs`]).
 #[derive(Clone, Copy)]
 pub struct Jobs<'c> {
     pub(super) c: &'c Shared,

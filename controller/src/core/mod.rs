@@ -8,8 +8,9 @@
 //! Requests only record: a submit stores its job, a rank report stores its observation, a
 //! cancel marks the job; then they wake the reconciler ([`Controller::run_background`]), the
 //! one task that moves jobs between states, schedules and launches. Because it is the only
-//! writer of job states, it can decide under the lock, write to the store without it, and
-//! apply the result under it again: nothing else could have moved the job in between. A store
+//! writer of job states (a fact of the types: a job's record is visible to `reconcile` alone),
+//! it can decide under the lock, write to the store without it, and apply the result under it
+//! again: nothing else could have moved the job in between. A store
 //! error while placing one job is logged and retried on the next pass; it fails nobody's request.
 //!
 //! The in-memory state sits behind a `std::sync::Mutex`, not a Tokio one: no `.await` happens
@@ -32,11 +33,12 @@
 //! - [`Auth`] (`auth`): users, tokens and the audit log.
 //!
 //! # Inside
-//! - `controller`: [`Controller`], the owner of the store, the state's lock, the clock and the
-//!   side systems, and the reconciler's loop; `shared`: the parts the services and the
-//!   reconciler borrow; `state`: what the lock guards; `error`: what a
+//! - `controller`: [`Controller`], its constructors, the services' way in, the reconciler's
+//!   loop and a follower's mirror; `shared`: the parts the services and the reconciler borrow
+//!   (never the `Controller`); `state`: what the lock guards, plain data; `error`: what a
 //!   request can end in; `clock`: time that follows Tokio's.
-//! - `reconcile`: the reconciler: settling jobs, restarts, the scheduling pass and launches.
+//! - `reconcile`: the `Reconciler`, the one path of a job's state: settling jobs, restarts,
+//!   the scheduling pass and launches; `reconcile/job.rs`: a job as the core holds it.
 //! - `launch`: the messages that start, stop and forget ranks; the fleet as the scheduler sees it.
 //! - `fleet`: each node's state as the table shows it, busy GPUs, hostnames to agent ids.
 //! - `agents`: what agents observe about their ranks, and the check that an agent speaks only

@@ -32,7 +32,7 @@ pub const PREFLIGHT_RUN_LEVELS: [PreflightLevel; 3] =
 /// NCCL up to 1 GiB on every GPU, which takes tens of seconds on a healthy node.
 pub const PREFLIGHT_RUN_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// The fleet and each agent's link ([`Controller::nodes`]).
+/// The fleet and each agent's link ([`super::Controller::nodes`]).
 #[derive(Clone, Copy)]
 pub struct Nodes<'c> {
     pub(super) c: &'c Shared,

@@ -24,7 +24,7 @@ pub const MAX_BATCH: usize = 20_000;
 /// Receipts one fold pass reads.
 const FOLD_PASS: u32 = 100_000;
 
-/// Receipts and telemetry, in and out ([`Controller::receipts`]).
+/// Receipts and telemetry, in and out ([`super::Controller::receipts`]).
 #[derive(Clone, Copy)]
 pub struct Receipts<'c> {
     pub(super) c: &'c Shared,
@@ -125,7 +125,7 @@ impl Receipts<'_> {
     }
 
     /// Folds every settled step receipt of the job into its plot rollups
-    /// ([`trainyard_analysis::series`]), in passes of [`FOLD_PASS`] receipts.
+    /// ([`trainyard_analysis::series`]), in passes of `FOLD_PASS` receipts.
     pub async fn fold(self, job_id: JobId) -> Result<()> {
         let settled = self.c.now_ms() - trainyard_analysis::series::SETTLE_MS;
         while self.c.store.roll_up_steps(job_id, settled, FOLD_PASS).await? == u64::from(FOLD_PASS) {}
