@@ -80,7 +80,7 @@ proptest! {
             let c = controller(&store).await;
             let _agent = connect(&c, "node-a", 4, None).await;
             let job = c.jobs().submit(spec(2), None).await.expect("submit");
-            c.s.reconciler().reconcile().await;
+            crate::core::reconcile::Reconciler(&c.s).reconcile().await;
             for m in messages {
                 // Errors are answers (the service ends or refuses the stream); panics are not.
                 match m {
@@ -100,7 +100,7 @@ proptest! {
                         let _ = c.nodes().leaving("node-a", &reason).await;
                     }
                 }
-                c.s.reconciler().reconcile().await;
+                crate::core::reconcile::Reconciler(&c.s).reconcile().await;
             }
             assert!(c.jobs().get(job).await.is_ok(), "the controller still answers");
             assert!(!c.nodes().list().await.is_empty());

@@ -201,12 +201,15 @@ impl Controller {
                 _ = tick.tick() => true,
             };
             if periodic {
-                self.s.reconciler().mark_all();
-                if let Err(e) = super::liveness::check_liveness(&self.s.reconciler(), &self.s.heard).await {
+                super::reconcile::Reconciler(&self.s).mark_all();
+                if let Err(e) =
+                    super::liveness::check_liveness(&super::reconcile::Reconciler(&self.s), &self.s.heard)
+                        .await
+                {
                     tracing::error!(error = %e, "failed to check agent liveness");
                 }
                 super::liveness::reap_vanished_agents(
-                    &self.s.reconciler(),
+                    &super::reconcile::Reconciler(&self.s),
                     &self.s.heard,
                     &self.s.steps,
                     &self.s.logs,
@@ -217,7 +220,7 @@ impl Controller {
                 super::evict::check_evictions(&mut self.s.lock(), &self.s.steps, self.now_ms());
                 super::faults::store_cordons(self.s.store.as_ref(), &self.s.core).await;
             }
-            owed = !self.s.reconciler().reconcile_paced(&mut next_pass).await;
+            owed = !super::reconcile::Reconciler(&self.s).reconcile_paced(&mut next_pass).await;
             let ended = std::mem::take(&mut self.s.lock().ended);
             for job_id in ended {
                 let controller = self.clone();

@@ -134,15 +134,7 @@ impl Diagnoses<'_> {
         let windows = self.c.store.attempt_gpu_windows(job_id, attempt, MAX_WINDOWS).await?;
         let (nodes, predicted_comm_ms) = {
             let core = self.c.lock();
-            let nodes: BTreeMap<String, NodeFacts> = allocations
-                .iter()
-                .filter_map(|a| core.agents.get(&a.agent_id))
-                .map(|e| {
-                    let facts =
-                        NodeFacts { inventory: e.record.inventory.clone(), preflight: e.preflight.clone() };
-                    (e.record.agent_id.clone(), facts)
-                })
-                .collect();
+            let nodes = super::view::node_facts(&core, &allocations);
             (nodes, super::view::predicted_comm_ms(&core, &allocations, &record.spec))
         };
         Ok(Evidence { record, attempt, allocations, samples, nodes, predicted_comm_ms, windows })

@@ -27,14 +27,15 @@ async fn pass(d: Duration) {
 
 /// One liveness tick of the reconciler, then a pass.
 async fn tick(c: &Controller) {
-    super::liveness::check_liveness(&c.s.reconciler(), &c.s.heard).await.expect("liveness");
-    super::liveness::reap_vanished_agents(&c.s.reconciler(), &c.s.heard, &c.s.steps, &c.s.logs, c.s.started)
-        .await;
+    super::liveness::check_liveness(&crate::core::reconcile::Reconciler(&c.s), &c.s.heard)
+        .await
+        .expect("liveness");
+    crate::core::test_support::reap(c).await;
     super::faults::check_hangs(&mut c.s.lock(), &c.s.steps, c.now_ms());
     super::evict::check_evictions(&mut c.s.lock(), &c.s.steps, c.now_ms());
     super::faults::store_cordons(c.s.store.as_ref(), &c.s.core).await;
-    c.s.reconciler().mark_all();
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).mark_all();
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
 }
 
 async fn state_of(c: &Controller, job: u64) -> (String, String) {
@@ -50,9 +51,9 @@ async fn running_job(
 ) -> (Agent, Agent, u64) {
     let mut a = connect(c, "a", gpus, None).await;
     let mut b = connect(c, "b", gpus, None).await;
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let job = c.jobs().submit(spec_of(spec(2 * gpus)), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     // Rank 0's host chose the port; the other host is launched then.
     c.jobs()
         .rank_report("a", &RankReport { master_port: 29500, ..report(job, 0, 0, "running", -1) })
@@ -62,7 +63,7 @@ async fn running_job(
         let host = if rank < gpus { "a" } else { "b" };
         c.jobs().rank_report(host, &report(job, 0, rank, "running", -1)).await.expect("update");
     }
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(state_of(c, job).await.0, "running");
     a.sent();
     b.sent();
@@ -287,18 +288,18 @@ async fn repeated_blame_cordons_a_node_until_it_passes_a_preflight_and_operators
         .expect("start");
     for round in 0..2 {
         let mut flaky = connect(&c, "flaky", 1, None).await;
-        c.s.reconciler().reconcile().await;
+        crate::core::reconcile::Reconciler(&c.s).reconcile().await;
         let job = c.jobs().submit(spec(1), None).await.expect("submit");
-        c.s.reconciler().reconcile().await;
+        crate::core::reconcile::Reconciler(&c.s).reconcile().await;
         assert_eq!(flaky.launched_jobs(), [job], "round {round}: the only node");
         c.jobs().rank_report("flaky", &report(job, 0, 0, "running", -1)).await.expect("update");
-        c.s.reconciler().reconcile().await;
+        crate::core::reconcile::Reconciler(&c.s).reconcile().await;
         c.nodes().disconnected("flaky", flaky.conn_id).await.expect("disconnect");
         pass(Duration::from_secs(9)).await;
         tick(&c).await;
         let view = c.jobs().get(job).await.expect("job");
         assert_eq!(view.state, "pending", "round {round}: {}", view.reason);
-        let reconciler = c.s.reconciler();
+        let reconciler = crate::core::reconcile::Reconciler(&c.s);
         let (cancelled, ()) = tokio::join!(c.jobs().cancel(job, "done with it"), reconciler.reconcile());
         cancelled.expect("cancel");
     }
@@ -323,12 +324,12 @@ async fn repeated_blame_cordons_a_node_until_it_passes_a_preflight_and_operators
     // An operator's cordon: no new work, and only uncordon lifts it.
     c.nodes().cordon("flaky", Some("fan noise")).await.expect("cordon");
     let job = c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert!(flaky.launched_jobs().is_empty());
     assert_eq!(node(c.nodes().list().await, "flaky").cordon_by, "operator");
     assert!(matches!(c.nodes().cordon("nope", None).await, Err(ControllerError::AgentNotFound(_))));
     c.nodes().cordon("flaky", None).await.expect("uncordon");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(flaky.launched_jobs(), [job]);
 }
 
@@ -420,12 +421,12 @@ async fn a_job_far_higher_in_priority_preempts_a_running_one_through_a_checkpoin
     let mut near = spec(2);
     near.priority = 5;
     let near = c.jobs().submit(near, None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert!(a.sent().iter().all(|m| !matches!(m, Msg::CheckpointNow(_))), "no preemption for a gap of 5");
     let mut urgent = spec(2);
     urgent.priority = 20;
     let urgent = c.jobs().submit(urgent, None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert!(
         a.sent().iter().any(|m| matches!(m, Msg::CheckpointNow(x) if x.job_id == low)),
         "the low job is asked to checkpoint"

@@ -322,6 +322,6 @@ impl Jobs<'_> {
                 )));
             }
         }
-        super::agents::observe(&self.c.reconciler(), agent_id, report).await
+        super::agents::observe(&super::reconcile::Reconciler(self.c), agent_id, report).await
     }
 }

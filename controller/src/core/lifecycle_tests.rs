@@ -38,18 +38,18 @@ async fn a_placement_recorded_before_a_crash_is_launched_when_the_agent_returns(
 
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 2, None).await;
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(agent.launched_jobs(), vec![job], "the launch is sent again");
     assert_eq!(state_of(&c, job).await.0, "launching");
     for rank in 0..2 {
         c.jobs().rank_report("a", &report(job, 0, rank, "running", -1)).await.expect("update");
     }
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(state_of(&c, job).await.0, "running");
     for rank in 0..2 {
         c.jobs().rank_report("a", &report(job, 0, rank, "exited", 0)).await.expect("update");
     }
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(state_of(&c, job).await, ("succeeded".into(), "all 2 ranks exited with code 0".into()));
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::Forget(f) if f.job_id == job)), "ranks forgotten");
 }
@@ -59,17 +59,17 @@ async fn an_agent_that_returns_without_its_running_ranks_restarts_the_job_elsewh
     let store = store().await;
     let c = controller(&store).await;
     let agent = connect(&c, "a", 2, None).await;
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let job = c.jobs().submit(spec(2), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     for rank in 0..2 {
         c.jobs().rank_report("a", &report(job, 0, rank, "running", -1)).await.expect("update");
     }
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     c.nodes().disconnected("a", agent.conn_id).await.expect("disconnect");
     // Its state directory was wiped: the hello reports no ranks.
     let _back = connect(&c, "a", 2, None).await;
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     // A host that lost its ranks is the fleet's failure: the job restarts, and the node is left
     // out until it passes a preflight (here the only node, so the job waits and says why).
     let view = c.jobs().get(job).await.expect("job");
@@ -87,20 +87,18 @@ async fn ranks_on_an_agent_gone_past_the_timeout_are_lost() {
         .with_reconnect_grace(Duration::ZERO);
     let c = Controller::start(store.clone(), config).await.expect("start");
     let agent = connect(&c, "a", 1, None).await;
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let job = c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     c.jobs().rank_report("a", &report(job, 0, 0, "running", -1)).await.expect("update");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     c.nodes().disconnected("a", agent.conn_id).await.expect("disconnect");
-    super::liveness::reap_vanished_agents(&c.s.reconciler(), &c.s.heard, &c.s.steps, &c.s.logs, c.s.started)
-        .await;
-    c.s.reconciler().reconcile().await;
+    crate::core::test_support::reap(&c).await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(state_of(&c, job).await.0, "running", "within the timeout nothing happens");
     tokio::time::sleep(Duration::from_millis(80)).await;
-    super::liveness::reap_vanished_agents(&c.s.reconciler(), &c.s.heard, &c.s.steps, &c.s.logs, c.s.started)
-        .await;
-    c.s.reconciler().reconcile().await;
+    crate::core::test_support::reap(&c).await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let view = c.jobs().get(job).await.expect("job");
     assert_eq!(view.state, "pending", "restarted: a lost host does not use up max_restarts = 0");
     let restart = view.events.iter().find(|e| e.to_state == "restarting").expect("restart event");
@@ -112,18 +110,18 @@ async fn ranks_of_a_finished_attempt_are_stopped_or_forgotten() {
     let store = store().await;
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 1, None).await;
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let job = c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     c.jobs().rank_report("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     agent.sent();
     // A late report of a running rank of that finished attempt: stop it. An exited one: forget.
     c.jobs().rank_report("a", &report(job, 0, 0, "running", -1)).await.expect("update");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::Cancel(x) if x.job_id == job)));
     c.jobs().rank_report("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert!(agent.sent().iter().any(|m| matches!(m, Msg::Forget(x) if x.job_id == job)));
     assert_eq!(state_of(&c, job).await.0, "succeeded", "a late report changes nothing");
 }
@@ -133,14 +131,14 @@ async fn cancelling_a_pending_job_ends_it_at_once() {
     let store = store().await;
     let c = controller(&store).await;
     let _agent = connect(&c, "a", 1, None).await;
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let running = c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let waiting = c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(state_of(&c, waiting).await.0, "pending");
     // The cancel is carried out by the reconciler; the request returns once it is stored.
-    let reconciler = c.s.reconciler();
+    let reconciler = crate::core::reconcile::Reconciler(&c.s);
     let (record, ()) = tokio::join!(c.jobs().cancel(waiting, ""), reconciler.reconcile());
     let record = record.expect("cancel");
     assert_eq!((record.state, record.reason.as_str()), (JobState::Cancelled, "cancelled by operator"));
@@ -165,7 +163,7 @@ async fn a_placement_the_store_refuses_fails_no_other_request() {
     let c = controller(&store).await;
     let mut agent = connect(&c, "a", 2, None).await;
     let b = c.jobs().submit(spec(1), None).await.expect("B's submit is stored");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let view = c.jobs().get(b).await.expect("job");
     assert_eq!(view.state, "pending");
     assert!(
@@ -173,7 +171,7 @@ async fn a_placement_the_store_refuses_fails_no_other_request() {
         "{view:?}"
     );
     let a = c.jobs().submit(spec(1), None).await.expect("A's submit is not failed by B's placement");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(agent.launched_jobs(), vec![a]);
     assert_eq!(state_of(&c, a).await.0, "launching");
 
@@ -181,7 +179,7 @@ async fn a_placement_the_store_refuses_fails_no_other_request() {
         .execute(sqlite.sqlite_pool().expect("a SQLite store"))
         .await
         .expect("drop trigger");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(agent.launched_jobs(), vec![b], "B is placed on the next pass");
 }
 
@@ -237,7 +235,7 @@ async fn a_logs_client_that_does_not_read_is_dropped_without_waiting() {
     let c = controller(&store).await;
     let mut agent = connect(&c, "node-a", 8, None).await;
     let job = c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     let (_, mut rx) = c.jobs().logs(job, 0, 0, true).await.expect("open logs");
     let request_id = agent
         .sent()
@@ -290,21 +288,27 @@ async fn the_running_controller_places_jobs_at_most_every_schedule_interval() {
     let mut agent = connect(&c, "a", 8, None).await;
     let mut next_pass = Instant::now();
     // A pass with nothing pending does not start the interval.
-    assert!(c.s.reconciler().reconcile_paced(&mut next_pass).await);
+    assert!(crate::core::reconcile::Reconciler(&c.s).reconcile_paced(&mut next_pass).await);
     assert!(next_pass <= Instant::now(), "an empty pass paces nothing");
     let first = c.jobs().submit(spec(1), None).await.expect("submit");
     let before = Instant::now();
-    assert!(c.s.reconciler().reconcile_paced(&mut next_pass).await, "a quiet controller places at once");
+    assert!(
+        crate::core::reconcile::Reconciler(&c.s).reconcile_paced(&mut next_pass).await,
+        "a quiet controller places at once"
+    );
     assert_eq!(agent.launched_jobs(), vec![first]);
     assert!(next_pass >= before + super::reconcile::SCHEDULE_EVERY, "the next pass waits the interval");
     // Within the interval (whatever the machine's speed: the next pass is set an hour away).
     next_pass = Instant::now() + Duration::from_secs(3600);
     let second = c.jobs().submit(spec(1), None).await.expect("submit");
-    assert!(!c.s.reconciler().reconcile_paced(&mut next_pass).await, "the pass is owed, not run");
+    assert!(
+        !crate::core::reconcile::Reconciler(&c.s).reconcile_paced(&mut next_pass).await,
+        "the pass is owed, not run"
+    );
     assert!(agent.launched_jobs().is_empty(), "placed within the interval");
     next_pass = Instant::now();
     assert!(
-        c.s.reconciler().reconcile_paced(&mut next_pass).await,
+        crate::core::reconcile::Reconciler(&c.s).reconcile_paced(&mut next_pass).await,
         "the owed pass runs when the interval is over"
     );
     assert_eq!(agent.launched_jobs(), vec![second]);
@@ -316,9 +320,9 @@ async fn an_ended_job_waits_for_a_turn_to_record_its_outcome() {
     let c = controller(&store).await;
     let _a = connect(&c, "a", 8, None).await;
     let job = c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     c.jobs().rank_report("a", &report(job, 0, 0, "exited", 0)).await.expect("update");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(state_of(&c, job).await.0, "succeeded");
     // Every turn is taken (other jobs recording theirs): this one waits past its settling.
     let turns = c.s.outcomes.acquire_many(super::diagnosis::OUTCOMES_AT_ONCE as u32).await.expect("turns");

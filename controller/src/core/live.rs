@@ -170,16 +170,7 @@ pub(super) fn running_contexts(core: &Core) -> BTreeMap<JobId, Context> {
         .values()
         .filter(|j| j.record().state == JobState::Running)
         .map(|j| {
-            let nodes = j
-                .allocations
-                .iter()
-                .filter_map(|a| core.agents.get(&a.agent_id))
-                .map(|e| {
-                    let facts =
-                        NodeFacts { inventory: e.record.inventory.clone(), preflight: e.preflight.clone() };
-                    (e.record.agent_id.clone(), facts)
-                })
-                .collect();
+            let nodes = super::view::node_facts(core, &j.allocations);
             let predicted = super::view::predicted_comm_ms(core, &j.allocations, &j.record().spec);
             let context = Context {
                 record: j.record().clone(),

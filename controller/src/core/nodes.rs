@@ -210,12 +210,12 @@ impl Nodes<'_> {
         let (conn_id, lost) = self.register(&agent_id, record, preflight, tx, &reported)?;
         tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
         for report in &hello.ranks {
-            super::agents::observe(&self.c.reconciler(), &agent_id, report).await?;
+            super::agents::observe(&super::reconcile::Reconciler(self.c), &agent_id, report).await?;
         }
         for id in lost {
             let message = format!("agent {agent_id} came back without it");
             super::agents::observe(
-                &self.c.reconciler(),
+                &super::reconcile::Reconciler(self.c),
                 &agent_id,
                 &lost_report(id, &super::faults::host_lost_message(&message)),
             )

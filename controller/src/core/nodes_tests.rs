@@ -73,18 +73,18 @@ async fn failing_node_is_not_scheduled_and_the_table_says_why() {
     let mut ids = Vec::new();
     for _ in 0..4 {
         ids.push(c.jobs().submit(spec(1), None).await.expect("submit"));
-        c.s.reconciler().reconcile().await;
+        crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     }
     assert_eq!(good.launched_jobs(), ids[..2]);
     assert!(bad_agent.launched_jobs().is_empty());
     assert_eq!(row(&c.nodes().list().await, "good").free_gpus, 0);
     // A job only the failing node could hold is still accepted: the node can be fixed.
     let big = c.jobs().submit(spec(8), None).await.expect("an 8-GPU job is feasible on the fleet");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
 
     // The node is fixed and says so: the waiting jobs go there at once.
     c.nodes().preflight_report("bad", report("bad", 2, &[])).await.expect("report");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(bad_agent.launched_jobs(), ids[2..]);
     let b = row(&c.nodes().list().await, "bad").clone();
     assert_eq!((b.verdict.as_str(), b.verdict_reason.as_str(), b.free_gpus), ("pass", "", 6));
@@ -110,7 +110,7 @@ async fn verdicts_come_back_after_a_restart() {
     // The agent comes back with a hello without a report: it stays failing, and a job waits.
     let mut bad = connect(&c, "bad", 4, None).await;
     c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert!(bad.launched_jobs().is_empty());
     assert_eq!(row(&c.nodes().list().await, "bad").verdict, "fail");
     // A second stream while the first is open is refused, and stores nothing.
@@ -218,13 +218,17 @@ async fn a_silent_agent_is_unresponsive_and_gets_no_work_until_it_speaks() {
     let config = crate::ControllerConfig::default().with_unresponsive_after(Duration::from_millis(300));
     let c = Controller::start(store.clone(), config).await.expect("start");
     let mut quiet = connect(&c, "quiet", 2, Some(report("quiet", 1, &[]))).await;
-    crate::core::liveness::check_liveness(&c.s.reconciler(), &c.s.heard).await.expect("liveness");
+    crate::core::liveness::check_liveness(&crate::core::reconcile::Reconciler(&c.s), &c.s.heard)
+        .await
+        .expect("liveness");
     assert_eq!(row(&c.nodes().list().await, "quiet").state, "connected");
 
     // The controller's clock follows Tokio's: 450 ms pass without anyone waiting for them.
     tokio::time::pause();
     tokio::time::advance(Duration::from_millis(450)).await;
-    crate::core::liveness::check_liveness(&c.s.reconciler(), &c.s.heard).await.expect("liveness");
+    crate::core::liveness::check_liveness(&crate::core::reconcile::Reconciler(&c.s), &c.s.heard)
+        .await
+        .expect("liveness");
     let nodes = c.nodes().list().await;
     let q = row(&nodes, "quiet");
     assert_eq!(q.state, "unresponsive");
@@ -233,12 +237,14 @@ async fn a_silent_agent_is_unresponsive_and_gets_no_work_until_it_speaks() {
     assert!(age >= 450, "ctl nodes shows the real age of the last message: {age} ms");
     tokio::time::resume();
     let job = c.jobs().submit(spec(1), None).await.expect("submit");
-    c.s.reconciler().reconcile().await;
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert!(quiet.launched_jobs().is_empty(), "no work for an unresponsive agent");
 
     c.nodes().seen("quiet");
-    crate::core::liveness::check_liveness(&c.s.reconciler(), &c.s.heard).await.expect("liveness");
-    c.s.reconciler().reconcile().await;
+    crate::core::liveness::check_liveness(&crate::core::reconcile::Reconciler(&c.s), &c.s.heard)
+        .await
+        .expect("liveness");
+    crate::core::reconcile::Reconciler(&c.s).reconcile().await;
     assert_eq!(row(&c.nodes().list().await, "quiet").state, "connected");
     assert_eq!(quiet.launched_jobs(), [job], "the waiting job goes there once it speaks");
     let stored = store.snapshot().await.expect("snapshot");

@@ -118,7 +118,8 @@ impl Receipts<'_> {
         crate::metrics::metrics().gpu_windows_stored.inc_by(stored);
         for r in records.iter().filter(|r| !r.xids.is_empty()) {
             for &number in &r.xids {
-                super::telemetry::on_xid(&self.c.reconciler(), r, telemetry::xid(number)).await?;
+                super::telemetry::on_xid(&super::reconcile::Reconciler(self.c), r, telemetry::xid(number))
+                    .await?;
             }
         }
         Ok(TelemetryAck { id: batch.id })

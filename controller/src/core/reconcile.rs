@@ -5,19 +5,15 @@
 //! store without the lock, and applied to memory under it again. A store error ends the step
 //! for that job only: it stays dirty and the next pass (at most 500 ms later) tries again.
 
-use std::sync::{Mutex, MutexGuard};
-
-use tokio::sync::{Notify, watch};
-
+use super::Result;
 use super::faults::{self, Finding};
+use super::shared::Shared;
 use super::state::{Core, rank_done};
-use super::{Clock, Result};
-use crate::config::ControllerConfig;
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
 use trainyard_placement::scheduler::{self, NodeView, Placement};
 use trainyard_store::{
-    Allocation, FailureRecord, JobId, JobRecord, JobState, RankId, RankObserved, RankState, Store,
+    Allocation, FailureRecord, JobId, JobRecord, JobState, RankId, RankObserved, RankState,
 };
 
 /// What a job needs next.
@@ -176,42 +172,24 @@ struct Plan {
     reason: String,
 }
 
-/// The reconciler: the one path by which a job's state moves. It is borrowed from the
-/// controller (`Controller::reconciler`) with exactly what a move needs: the store, the
-/// settings, the core's state, the clock, and the wake-ups of the `Watch` streams and of the
-/// reconciler's own loop. Only this file writes a job's record (`ActiveJob::record` is private
-/// to it); everything else marks jobs for it (`Core::dirty`) or records what it must act on
+/// The reconciler: the one path by which a job's state moves. A view of the core's shared
+/// parts (`Reconciler(&shared)`: the store, the settings, the core's state, the clock, and the
+/// wake-ups of the `Watch` streams and of the reconciler's own loop) with the moves as its
+/// methods. Only this module writes a job's record (`ActiveJob::record` is visible to it
+/// alone); everything else marks jobs for it (`Core::dirty`) or records what it must act on
 /// (a rank's report, a detected failure, a cancel, an eviction).
 #[derive(Clone, Copy)]
-pub(super) struct Reconciler<'a> {
-    pub(super) store: &'a dyn Store,
-    pub(super) config: &'a ControllerConfig,
-    pub(super) core: &'a Mutex<Core>,
-    pub(super) clock: Clock,
-    pub(super) changes: &'a watch::Sender<u64>,
-    pub(super) wake: &'a Notify,
+pub(super) struct Reconciler<'a>(pub(super) &'a Shared);
+
+impl std::ops::Deref for Reconciler<'_> {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        self.0
+    }
 }
 
 impl Reconciler<'_> {
-    /// The core's state. Callers drop the guard before any `.await`.
-    pub(super) fn lock(&self) -> MutexGuard<'_, Core> {
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(super) fn now_ms(&self) -> i64 {
-        self.clock.now_ms()
-    }
-
-    /// A job changed: `Watch` streams look again.
-    pub(super) fn bump(&self) {
-        self.changes.send_modify(|n| *n += 1);
-    }
-
-    /// Something changed that the reconciler's loop may act on.
-    pub(super) fn wake(&self) {
-        self.wake.notify_one();
-    }
-
     /// One pass: settles every job a request marked (or every job, after
     /// [`Reconciler::mark_all`]), then places what is pending. The core's tests call it
     /// directly, with no task running; the running controller paces the placing
@@ -303,7 +281,9 @@ impl Reconciler<'_> {
                         Then::NextAttempt => {
                             let spec = self.lock().jobs.get(&job_id).map(|j| j.record.spec.clone());
                             match spec {
-                                Some(spec) => super::resume::points_of(self.store, job_id, &spec).await?,
+                                Some(spec) => {
+                                    super::resume::points_of(self.store.as_ref(), job_id, &spec).await?
+                                }
                                 None => Vec::new(),
                             }
                         }
@@ -322,13 +302,13 @@ impl Reconciler<'_> {
                             apply_move(job, record, &then, failure.as_deref(), resume_from);
                         }
                         if let Some(f) = &failure {
-                            super::faults::blame(&mut core, f, self.config);
+                            super::faults::blame(&mut core, f, &self.config);
                         }
                         if let Then::StopRanks(why) = &then {
                             super::launch::stop_ranks(&mut core, job_id, why, self.config.cancel_grace);
                         }
                     }
-                    super::faults::store_cordons(self.store, self.core).await;
+                    super::faults::store_cordons(self.store.as_ref(), &self.core).await;
                     self.bump();
                 }
             }
@@ -377,7 +357,7 @@ impl Reconciler<'_> {
             for p in &placements {
                 core.waiting.remove(&p.job_id);
             }
-            super::evict::preempt(&mut core, self.config, &queue, &views);
+            super::evict::preempt(&mut core, &self.config, &queue, &views);
             let now = self.now_ms();
             placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
         };

@@ -2,7 +2,7 @@
 //! the settings, the role in a group, the in-memory state behind its one lock, the clock, the
 //! change counter the `Watch` streams wait on, the reconciler's wake-up, and the side systems
 //! that keep their own small locks. The services borrow it (`Jobs { c: &Shared }`, ...), and
-//! so does the reconciler ([`Shared::reconciler`]); none of them holds the `Controller`.
+//! so does the reconciler (`Reconciler(&shared)`); none of them holds the `Controller`.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -10,7 +10,6 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use trainyard_store::Store;
 
-use super::reconcile::Reconciler;
 use super::state::Core;
 use super::{Clock, Role, heard, logs, steps};
 use crate::config::ControllerConfig;
@@ -64,17 +63,5 @@ impl Shared {
     /// A receiver that changes whenever receipts are stored or a job changes state.
     pub(super) fn subscribe(&self) -> watch::Receiver<u64> {
         self.changes.subscribe()
-    }
-
-    /// The reconciler, borrowed with what a job's move needs (`reconcile`).
-    pub(super) fn reconciler(&self) -> Reconciler<'_> {
-        Reconciler {
-            store: self.store.as_ref(),
-            config: &self.config,
-            core: &self.core,
-            clock: self.clock,
-            changes: &self.changes,
-            wake: &self.wake,
-        }
     }
 }

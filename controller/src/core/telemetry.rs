@@ -82,7 +82,7 @@ pub(super) async fn on_xid(r: &Reconciler<'_>, w: &GpuWindowRecord, xid: Xid) ->
         if let Some(job) = core.jobs.get_mut(&job_id) {
             job.charged = job.charged.saturating_sub(1);
         }
-        super::faults::blame(&mut core, &f, r.config);
+        super::faults::blame(&mut core, &f, &r.config);
     }
     Ok(())
 }

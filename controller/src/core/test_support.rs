@@ -22,6 +22,19 @@ pub(super) async fn controller(store: &Arc<dyn Store>) -> Arc<Controller> {
     Controller::start(store.clone(), ControllerConfig::default()).await.expect("start")
 }
 
+/// The reaper's pass over vanished agents, as the running controller's loop takes it.
+pub(super) async fn reap(c: &Controller) {
+    let s = &c.s;
+    super::liveness::reap_vanished_agents(
+        &super::reconcile::Reconciler(s),
+        &s.heard,
+        &s.steps,
+        &s.logs,
+        s.started,
+    )
+    .await
+}
+
 pub(super) fn inventory(host: &str, gpus: u32) -> HostInventory {
     HostInventory {
         hostname: host.into(),

@@ -1,7 +1,7 @@
 //! The read side: jobs as `ctl` shows them, served from the store so that finished jobs and
 //! jobs of a previous controller life look the same as live ones.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use trainyard_proto::v1::{Job, RankStatus};
 
@@ -9,6 +9,7 @@ use std::sync::Mutex;
 
 use super::Result;
 use super::state::Core;
+use trainyard_analysis::diagnose::NodeFacts;
 use trainyard_model::spec::JobSpec;
 use trainyard_placement::cost;
 use trainyard_placement::scheduler::LinkMatrix;
@@ -140,6 +141,18 @@ fn binding_warnings(allocations: &[Allocation]) -> Vec<String> {
                 a.planned_cpus,
                 a.planned_mems
             )
+        })
+        .collect()
+}
+
+/// What a diagnosis knows of each node of `allocations`: its inventory and newest preflight.
+pub(super) fn node_facts(core: &Core, allocations: &[Allocation]) -> BTreeMap<String, NodeFacts> {
+    allocations
+        .iter()
+        .filter_map(|a| core.agents.get(&a.agent_id))
+        .map(|e| {
+            let facts = NodeFacts { inventory: e.record.inventory.clone(), preflight: e.preflight.clone() };
+            (e.record.agent_id.clone(), facts)
         })
         .collect()
 }
