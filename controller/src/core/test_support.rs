@@ -35,6 +35,24 @@ pub(super) async fn reap(c: &Controller) {
     .await
 }
 
+/// A job as the store holds it: attempt 0 of `spec` in `state`.
+pub(super) fn record(
+    id: u64,
+    state: trainyard_store::JobState,
+    spec: trainyard_model::spec::JobSpec,
+) -> trainyard_store::JobRecord {
+    trainyard_store::JobRecord {
+        id,
+        spec,
+        owner: Default::default(),
+        state,
+        reason: String::new(),
+        attempt: 0,
+        created_at_ms: 0,
+        updated_at_ms: 0,
+    }
+}
+
 pub(super) fn inventory(host: &str, gpus: u32) -> HostInventory {
     HostInventory {
         hostname: host.into(),

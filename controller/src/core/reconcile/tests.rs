@@ -1,21 +1,10 @@
 //! The reconciler's pure decisions: what each job needs next.
 
 use super::*;
-use trainyard_store::JobRecord;
 
 fn job(state: JobState, ranks: &[(RankState, Option<i32>)], max_restarts: u32) -> ActiveJob {
     let spec = JobSpec { max_restarts, ..JobSpec::try_from(crate::core::test_support::spec(1)).unwrap() };
-    let record = JobRecord {
-        id: 7,
-        spec,
-        owner: Default::default(),
-        state,
-        reason: String::new(),
-        attempt: 0,
-        created_at_ms: 0,
-        updated_at_ms: 0,
-    };
-    let mut job = ActiveJob::new(record);
+    let mut job = ActiveJob::new(crate::core::test_support::record(7, state, spec));
     job.allocations = ranks
         .iter()
         .enumerate()

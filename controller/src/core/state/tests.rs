@@ -31,16 +31,8 @@ fn agent(id: &str, hostname: &str, gpus: u32) -> AgentRecord {
 }
 
 fn job(id: u64, state: JobState) -> JobRecord {
-    JobRecord {
-        id,
-        spec: JobSpec::try_from(crate::core::test_support::spec(2)).expect("a valid spec"),
-        owner: Default::default(),
-        state,
-        reason: String::new(),
-        attempt: 0,
-        created_at_ms: 0,
-        updated_at_ms: 0,
-    }
+    let spec = JobSpec::try_from(crate::core::test_support::spec(2)).expect("a valid spec");
+    crate::core::test_support::record(id, state, spec)
 }
 
 fn rank(job_id: u64, rank: u32, agent: &str, gpu: u32, state: RankState) -> Allocation {
