@@ -286,7 +286,7 @@ impl Session<'_> {
                     info!(level = level.as_str(), "preflight requested by the controller");
                     let (runner, tx) = (self.preflight.clone(), self.tx.clone());
                     tokio::spawn(async move {
-                        let report = runner.run(level, BTreeMap::new()).await;
+                        let report = runner.run(level).await;
                         info!(verdict = %report.verdict, local_id = %report.local_id, "preflight finished");
                         let _ = tx.send(AgentMessage { msg: Some(Out::Preflight(report)) }).await;
                     });
@@ -347,8 +347,9 @@ impl Session<'_> {
         };
         let (runner, done) = (self.preflight.clone(), self.checked_tx.clone());
         let job_env: BTreeMap<String, String> = spec.env.into_iter().collect();
+        let gpus: Vec<u32> = launch.ranks.iter().map(|a| a.gpu_index).collect();
         tokio::spawn(async move {
-            let report = runner.run(level, job_env).await;
+            let report = runner.run_for_job(level, job_env, launch.job_id, gpus).await;
             let _ = done.send((launch, report)).await;
         });
         Ok(())

@@ -7,7 +7,6 @@
 //! retried every 30 s rather than exiting: the ranks on this host keep running and keep their
 //! receipts, and the agent reconnects by itself once the controller is upgraded or rolled back.
 
-use std::collections::BTreeMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::time::Duration;
@@ -327,7 +326,7 @@ fn start_telemetry(
 /// Runs the quick preflight the agent starts with, and logs its verdict.
 async fn start_up_preflight(agent_id: &str, host: Arc<dyn HostProbe>) -> Runner {
     let preflight = Runner::new(agent_id, host);
-    let report = preflight.run(PreflightLevel::Quick, BTreeMap::new()).await;
+    let report = preflight.run(PreflightLevel::Quick).await;
     match failure_reason(&report) {
         Some(reason) => {
             warn!(local_id = %report.local_id, %reason, "start-up preflight failed; the controller will not schedule here")

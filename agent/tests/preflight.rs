@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use trainyard_agent::preflight::{self, HostFacts, Request};
+use trainyard_agent::preflight::{self, HostFacts, Request, Scope};
 use trainyard_agent::preflight::{host::HostFile, probe::HostProbe};
 use trainyard_proto::v1::PreflightReport;
 use trainyard_proto::words::PreflightLevel;
@@ -19,7 +19,11 @@ fn run_with(name: &str, level: PreflightLevel, job_env: &[(&str, &str)]) -> Pref
     let facts = host.host_facts().expect("fixtures carry a host section");
     let job_env: BTreeMap<String, String> =
         job_env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    preflight::run(&Request { level, agent_id: "node-a", job_env: &job_env }, &host, &facts)
+    preflight::run(
+        &Request { level, agent_id: "node-a", job_env: &job_env, scope: Scope::Node },
+        &host,
+        &facts,
+    )
 }
 
 fn run(name: &str) -> PreflightReport {
@@ -113,9 +117,40 @@ fn a_gpu_whose_cuda_init_fails_fails_the_node() {
     assert_eq!(
         preflight::failure_reason(&r).unwrap(),
         "preflight failed: cuda.init.gpu3: context: DriverError(CUDA_ERROR_UNKNOWN, \"unknown error\") \
-         (expected cuInit, then a context, an allocation and a copy on every GPU)"
+         (expected cuInit, then a context, an allocation and a copy on every GPU checked)"
     );
     assert!(check(&r, "cuda.init.gpu3").remedy.contains("driver/runtime mismatch"));
+}
+
+/// A job's launch preflight checks the job's GPUs only: the broken GPU 3 of another job is
+/// neither touched nor held against this job, and the report names the job and its GPUs.
+#[test]
+fn a_jobs_launch_preflight_checks_its_own_gpus_only() {
+    let host = fixture("cuda-fails-gpu3.json");
+    let facts = host.host_facts().expect("fixtures carry a host section");
+    let env = BTreeMap::new();
+    let scope = Scope::Job { job_id: 42, gpus: &[0, 1] };
+    let r = preflight::run(
+        &Request { level: PreflightLevel::Full, agent_id: "node-a", job_env: &env, scope },
+        &host,
+        &facts,
+    );
+    assert_eq!((r.job_id, r.gpus.as_slice()), (42, &[0, 1][..]));
+    let cuda: Vec<&str> =
+        r.checks.iter().map(|c| c.id.as_str()).filter(|id| id.starts_with("cuda.init.")).collect();
+    assert_eq!(cuda, ["cuda.init.gpu0", "cuda.init.gpu1"], "{r:?}");
+    assert_eq!(r.verdict, "pass", "{r:?}");
+    // The same job on GPUs 2 and 3 meets the broken one, and says so by its index.
+    let scope = Scope::Job { job_id: 42, gpus: &[2, 3] };
+    let r = preflight::run(
+        &Request { level: PreflightLevel::Quick, agent_id: "node-a", job_env: &env, scope },
+        &host,
+        &facts,
+    );
+    assert_eq!(r.verdict, "fail", "{r:?}");
+    assert_eq!(check(&r, "cuda.init.gpu3").status, "fail");
+    assert_eq!(check(&r, "cuda.init.gpu2").status, "pass");
+    assert!(r.checks.iter().all(|c| c.id != "cuda.init.gpu0"), "{r:?}");
 }
 
 #[test]
@@ -193,7 +228,12 @@ fn host_file_without_sections_uses_this_machine_and_does_not_fail_it() {
     assert!(host.host_facts().is_none());
     let facts = HostFacts::gather();
     let r = preflight::run(
-        &Request { level: PreflightLevel::Quick, agent_id: "ci", job_env: &BTreeMap::new() },
+        &Request {
+            level: PreflightLevel::Quick,
+            agent_id: "ci",
+            job_env: &BTreeMap::new(),
+            scope: Scope::Node,
+        },
         &host,
         &facts,
     );

@@ -157,6 +157,10 @@ pub struct PreflightRecord {
     /// The GPU matrix as `nvidia-smi topo -m` prints it.
     pub topology: String,
     pub checks: Vec<CheckRecord>,
+    /// The job whose launch preflight this is, on its GPUs `gpus`; `None` for a preflight of
+    /// the whole node (the node's verdict).
+    pub job_id: Option<u64>,
+    pub gpus: Vec<u32>,
 }
 
 /// One check of a [`PreflightRecord`].
@@ -209,6 +213,8 @@ impl TryFrom<PreflightReport> for PreflightRecord {
             source: r.source,
             topology: r.topology,
             checks,
+            job_id: (r.job_id != 0).then_some(r.job_id),
+            gpus: r.gpus,
         })
     }
 }
@@ -240,6 +246,8 @@ impl From<PreflightRecord> for PreflightReport {
                     remedy: c.remedy,
                 })
                 .collect(),
+            job_id: r.job_id.unwrap_or_default(),
+            gpus: r.gpus,
         }
     }
 }

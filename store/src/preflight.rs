@@ -30,8 +30,8 @@ impl PreflightStore for SqlStore {
                 .query(
                     "INSERT INTO preflight_reports (agent_id, local_id, level, started_at_ms, \
                      finished_at_ms, verdict, interconnect_class, driver_version, cuda_version, \
-                     nccl_version, source, topology, received_at_ms) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING id",
+                     nccl_version, source, topology, received_at_ms, job_id, gpus) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) RETURNING id",
                 )
                 .bind(report.agent_id.as_str())
                 .bind(report.local_id.as_str())
@@ -46,6 +46,8 @@ impl PreflightStore for SqlStore {
                 .bind(report.source.as_str())
                 .bind(report.topology.as_str())
                 .bind(now_ms)
+                .bind(report.job_id.map(|id| id as i64))
+                .bind(report.gpus.iter().map(u32::to_string).collect::<Vec<_>>().join(","))
                 .one()
                 .await?;
             let id: i64 = row.get("preflight_reports", "id")?;
@@ -57,7 +59,7 @@ impl PreflightStore for SqlStore {
 
     async fn latest_preflight(&self, agent_id: &str) -> Result<Option<PreflightRecord>> {
         self.read("latest_preflight", async |c| {
-            let newest = "(SELECT max(id) FROM preflight_reports WHERE agent_id = $1)";
+            let newest = "(SELECT max(id) FROM preflight_reports WHERE agent_id = $1 AND job_id IS NULL)";
             let mut reports = fetch_preflights(c, newest, Some(agent_id)).await?;
             Ok(reports.pop())
         })
@@ -66,7 +68,7 @@ impl PreflightStore for SqlStore {
 
     async fn latest_preflights(&self) -> Result<Vec<PreflightRecord>> {
         self.read("latest_preflights", async |c| {
-            let newest = "(SELECT max(id) FROM preflight_reports GROUP BY agent_id)";
+            let newest = "(SELECT max(id) FROM preflight_reports WHERE job_id IS NULL GROUP BY agent_id)";
             fetch_preflights(c, newest, None).await
         })
         .await
@@ -103,7 +105,7 @@ async fn fetch_preflights(
 ) -> Result<Vec<PreflightRecord>> {
     let reports_sql = format!(
         "SELECT id, agent_id, local_id, level, started_at_ms, finished_at_ms, verdict, \
-         interconnect_class, driver_version, cuda_version, nccl_version, source, topology \
+         interconnect_class, driver_version, cuda_version, nccl_version, source, topology, job_id, gpus \
          FROM preflight_reports WHERE id IN {ids} ORDER BY agent_id, id"
     );
     let checks_sql = format!(

@@ -233,7 +233,17 @@ pub(crate) fn preflight(row: &Row) -> Result<PreflightRecord> {
         nccl_version: row.get(t, "nccl_version")?,
         source: row.get(t, "source")?,
         checks: Vec::new(),
+        job_id: row.get::<Option<i64>>(t, "job_id")?.map(report_id_from).transpose()?,
+        gpus: gpu_list(t, &row.get::<String>(t, "gpus")?)?,
     })
+}
+
+/// A comma-separated list of GPU indices ('' for none).
+fn gpu_list(table: &'static str, text: &str) -> Result<Vec<u32>> {
+    text.split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().map_err(|_| corrupt(table, format!("GPU index {s:?} in {text:?}"))))
+        .collect()
 }
 
 /// A row of `preflight_checks` with the id of its report.

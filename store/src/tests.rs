@@ -220,6 +220,7 @@ pub mod fixtures {
             source: "host-file".into(),
             checks,
             local_id: format!("{agent}-{started_at_ms}"),
+            ..Default::default()
         }
     }
 
@@ -922,6 +923,15 @@ pub mod suite {
         let bare_id = s.insert_preflight(&bare, 7_000).await.unwrap();
         let stored = s.latest_preflight("sxm-b").await.unwrap().expect("stored");
         assert_eq!(stored, PreflightRecord { report_id: bare_id, ..bare });
+        // A job's launch preflight, newer and failing, is stored with its job and GPUs but is
+        // never the node's latest.
+        let job =
+            PreflightRecord { job_id: Some(7), gpus: vec![2, 3], ..preflight("sxm-a", 3_000, 2, "fail") };
+        let job_report = s.insert_preflight(&job, 8_000).await.unwrap();
+        assert!(job_report > newer_id);
+        assert_eq!(s.latest_preflight("sxm-a").await.unwrap().expect("stored").report_id, newer_id);
+        let all = s.latest_preflights().await.unwrap();
+        assert!(all.iter().all(|r| r.job_id.is_none() && r.report_id != job_report), "{all:?}");
     }
 
     pub async fn preflight_same_report_twice_is_stored_once(h: &impl Harness) {

@@ -37,16 +37,20 @@ fn real_agent_with_a_broken_gpu_is_not_scheduled() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A job whose own environment fails its launch preflight fails, once and finally, and takes
+/// no node with it: before, each failed report became the node's verdict for everyone and the
+/// job's restarts walked it across the fleet ("0 such node(s) are free" for the next job).
 #[test]
-fn nccl_shm_disable_in_a_job_fails_it_at_launch() -> anyhow::Result<()> {
+fn nccl_shm_disable_in_a_job_fails_it_at_launch_and_no_node() -> anyhow::Result<()> {
     let mut c = Cluster::start()?;
     c.start_agent("node-a", 2)?;
+    c.start_agent("node-b", 2)?;
     let file = c.job_file(
         "noshm",
         2,
         0,
         &["--steps", "5", "--step-ms", "1"],
-        "preflight = \"quick\"\n[env]\nNCCL_SHM_DISABLE = \"1\"\n",
+        "preflight = \"quick\"\n[restart]\nmax_restarts = 3\n[env]\nNCCL_SHM_DISABLE = \"1\"\n",
     );
     let job = c.submit(&file)?;
     let status = c.wait_state(job, &["failed", "succeeded"], Duration::from_secs(60))?;
@@ -56,9 +60,23 @@ fn nccl_shm_disable_in_a_job_fails_it_at_launch() -> anyhow::Result<()> {
         reason.contains("preflight failed") && reason.contains("env.nccl_shm_disable"),
         "reason: {reason}"
     );
+    assert!(reason.contains("not restarted"), "a restart cannot help, and it says so: {reason}");
+    assert_eq!(status["attempt"], 0, "no restart: the same spec fails everywhere: {status}");
     assert_eq!(c.live_processes("python").len(), 0, "no rank was started");
     let receipts = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job}"))?;
     assert_eq!(receipts[0][0], 0);
+    // The failed report is the job's, on its GPUs; the nodes keep their own verdict.
+    let stored =
+        c.query_text(&format!("SELECT verdict, gpus FROM preflight_reports WHERE job_id = {job}"))?;
+    assert_eq!(stored, vec![vec!["fail".to_string(), "0,1".to_string()]], "{stored:?}");
+    for node in ["node-a", "node-b"] {
+        let n = c.node(node)?;
+        assert_ne!(n["verdict"], "fail", "a job's environment is not the node's verdict: {n}");
+    }
+    let next = c.job_file("next", 2, 0, &["--steps", "2", "--step-ms", "1"], "");
+    let next_job = c.submit(&next)?;
+    let status = c.wait_state(next_job, &["succeeded", "failed"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "succeeded", "{status}");
     Ok(())
 }
 

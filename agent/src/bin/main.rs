@@ -259,6 +259,14 @@ enum Output {
 }
 
 fn main() -> ExitCode {
+    // CUDA numbers devices fastest first unless told otherwise; NVML, the launcher's
+    // CUDA_VISIBLE_DEVICES and the preflight's checks of a job's GPUs go by PCI bus order. Set
+    // here, before any thread starts and before CUDA is loaded, so a CUDA ordinal in this
+    // process is the NVML index.
+    if std::env::var_os("CUDA_DEVICE_ORDER").is_none() {
+        // SAFETY: the process has one thread here (the runtime starts later).
+        unsafe { std::env::set_var("CUDA_DEVICE_ORDER", "PCI_BUS_ID") };
+    }
     let cli = Cli::parse();
     match &cli.command {
         Some(Command::Preflight { level, output }) => return preflight(&cli, level, *output),
@@ -307,7 +315,7 @@ fn main() -> ExitCode {
 
 /// `trainyard-agent preflight`: exit 0 on pass or warn, 1 on fail, 2 when it cannot run.
 fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
-    use trainyard_agent::preflight::{self, HostFacts, Request};
+    use trainyard_agent::preflight::{self, HostFacts, Request, Scope};
 
     let usage = |message: String| {
         eprintln!("trainyard-agent preflight: {message}");
@@ -328,8 +336,11 @@ fn preflight(cli: &Cli, level: &str, output: Output) -> ExitCode {
     };
     let facts = probe.host_facts().unwrap_or_else(HostFacts::gather);
     let job_env = Default::default();
-    let report =
-        preflight::run(&Request { level, agent_id: &agent_id, job_env: &job_env }, probe.as_ref(), &facts);
+    let report = preflight::run(
+        &Request { level, agent_id: &agent_id, job_env: &job_env, scope: Scope::Node },
+        probe.as_ref(),
+        &facts,
+    );
     match output {
         Output::Text => print!("{}", preflight::table::render(&report)),
         Output::Json => {

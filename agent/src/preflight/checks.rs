@@ -409,8 +409,9 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 }
 
 /// `cuda.init` and per GPU `cuda.init.gpuN`. Any failure fails the node.
-pub fn cuda(outcome: &cuda::Outcome, n: usize) -> Vec<Check> {
-    let expected = "cuInit, then a context, an allocation and a copy on every GPU";
+pub fn cuda(outcome: &cuda::Outcome, wanted: &[u32]) -> Vec<Check> {
+    let expected = "cuInit, then a context, an allocation and a copy on every GPU checked";
+    let n = wanted.iter().map(|&i| i as usize + 1).max().unwrap_or(0);
     let remedy = "CUDA initialisation failing (\"CUDA unknown error\") is the driver/runtime mismatch of the field \
         reports: the node is unusable until the driver matches (check `nvidia-smi`, dmesg for Xid errors; reinstall \
         the driver or reboot)";
@@ -420,14 +421,14 @@ pub fn cuda(outcome: &cuda::Outcome, n: usize) -> Vec<Check> {
             vec![Check::new("cuda.init", CheckStatus::Fail, e.clone(), expected).remedy(remedy)]
         }
         cuda::Outcome::Ran { cuda_version, devices, gpus, .. } => {
-            let mut checks = Vec::with_capacity(n + 1);
+            let mut checks = Vec::with_capacity(wanted.len() + 1);
             let head = format!("CUDA driver {cuda_version}, {devices} devices");
             checks.push(if *devices < n {
                 Check::new("cuda.init", CheckStatus::Fail, head, format!("{n} devices")).remedy(remedy)
             } else {
                 Check::new("cuda.init", CheckStatus::Pass, head, format!("{n} devices"))
             });
-            for (i, result) in gpus.iter().enumerate() {
+            for (i, result) in wanted.iter().zip(gpus) {
                 checks.push(match result {
                     Ok(()) => Check::new(
                         format!("cuda.init.gpu{i}"),

@@ -20,24 +20,25 @@ pub enum Outcome {
     Skipped(String),
     /// `cuInit` (or counting devices) failed: the whole node is unusable.
     InitFailed(String),
-    /// Per GPU index: `Ok` or the error of the step that failed.
+    /// Per GPU checked, in the order asked for: `Ok` or the error of the step that failed.
     Ran { driver_version: String, cuda_version: String, devices: usize, gpus: Vec<Result<(), String>> },
 }
 
-/// Runs the check on GPUs `0..n`. Blocking; panics inside cudarc (a missing symbol in an old
-/// driver) become failures rather than taking the agent down.
-pub fn check(n: usize) -> Outcome {
+/// Runs the check on the GPUs `gpus` (NVML indices, which are CUDA ordinals in the agent: it
+/// starts with `CUDA_DEVICE_ORDER=PCI_BUS_ID`). Blocking; panics inside cudarc (a missing
+/// symbol in an old driver) become failures rather than taking the agent down.
+pub fn check(gpus: &[u32]) -> Outcome {
     // SAFETY: only tries to dlopen the library names cudarc would use.
     if !unsafe { sys::is_culib_present() } {
         return Outcome::Skipped(NOT_FOUND.into());
     }
-    match catch_unwind(AssertUnwindSafe(|| check_loaded(n))) {
+    match catch_unwind(AssertUnwindSafe(|| check_loaded(gpus))) {
         Ok(outcome) => outcome,
         Err(panic) => Outcome::InitFailed(format!("CUDA driver call panicked: {}", panic_text(&panic))),
     }
 }
 
-fn check_loaded(n: usize) -> Outcome {
+fn check_loaded(wanted: &[u32]) -> Outcome {
     if let Err(e) = result::init() {
         return Outcome::InitFailed(format!("cuInit: {e}"));
     }
@@ -52,7 +53,16 @@ fn check_loaded(n: usize) -> Outcome {
         Err(e) => return Outcome::InitFailed(format!("cuDeviceGetCount: {e}")),
     };
     let gpus =
-        (0..n).map(|i| if i < devices { probe_gpu(i) } else { Err(format!("no CUDA device {i}")) }).collect();
+        wanted
+            .iter()
+            .map(|&i| {
+                if (i as usize) < devices {
+                    probe_gpu(i as usize)
+                } else {
+                    Err(format!("no CUDA device {i}"))
+                }
+            })
+            .collect();
     Outcome::Ran { driver_version: String::new(), cuda_version, devices, gpus }
 }
 
@@ -89,6 +99,6 @@ mod tests {
         if unsafe { sys::is_culib_present() } {
             return; // a machine with a driver: nothing to assert about absence
         }
-        assert_eq!(check(8), Outcome::Skipped(NOT_FOUND.into()));
+        assert_eq!(check(&[0, 1, 2, 3, 4, 5, 6, 7]), Outcome::Skipped(NOT_FOUND.into()));
     }
 }

@@ -83,7 +83,7 @@ struct NumaJson {
 pub struct HostFile {
     inventory: HostInventory,
     facts: Option<HostFacts>,
-    cuda: Option<cuda::Outcome>,
+    cuda: Option<CudaJson>,
 }
 
 impl HostFile {
@@ -104,7 +104,7 @@ impl HostFile {
             reason,
         })?;
         let facts = file.host.clone();
-        let cuda = file.cuda.as_ref().map(|c| simulated_cuda(c, file.gpus.len()));
+        let cuda = file.cuda.clone();
         Ok(Self { inventory: to_inventory(file), facts, cuda })
     }
 
@@ -123,8 +123,10 @@ impl HostProbe for HostFile {
         Err(nvml::host_file_reason())
     }
 
-    fn cuda_check(&self, n: usize) -> cuda::Outcome {
-        self.cuda.clone().unwrap_or_else(|| cuda::check(n))
+    fn cuda_check(&self, gpus: &[u32]) -> cuda::Outcome {
+        self.cuda
+            .as_ref()
+            .map_or_else(|| cuda::check(gpus), |c| simulated_cuda(c, self.inventory.gpus.len(), gpus))
     }
 
     fn host_facts(&self) -> Option<HostFacts> {
@@ -132,17 +134,13 @@ impl HostProbe for HostFile {
     }
 }
 
-fn simulated_cuda(c: &CudaJson, n: usize) -> cuda::Outcome {
+fn simulated_cuda(c: &CudaJson, devices: usize, wanted: &[u32]) -> cuda::Outcome {
     if let Some(e) = &c.init_error {
         return cuda::Outcome::InitFailed(e.clone());
     }
-    let gpus = (0..n).map(|i| c.gpu_errors.get(&i.to_string()).map_or(Ok(()), |e| Err(e.clone()))).collect();
-    cuda::Outcome::Ran {
-        driver_version: String::new(),
-        cuda_version: c.cuda_version.clone(),
-        devices: n,
-        gpus,
-    }
+    let gpus =
+        wanted.iter().map(|i| c.gpu_errors.get(&i.to_string()).map_or(Ok(()), |e| Err(e.clone()))).collect();
+    cuda::Outcome::Ran { driver_version: String::new(), cuda_version: c.cuda_version.clone(), devices, gpus }
 }
 
 type Invalid = (String, String);

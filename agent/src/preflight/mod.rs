@@ -76,6 +76,19 @@ pub struct Request<'a> {
     pub agent_id: &'a str,
     /// The job's environment overlay (empty outside a launch): checked with the agent's own.
     pub job_env: &'a BTreeMap<String, String>,
+    /// What is checked: the whole node (an admin's act, the node's verdict) or one job's GPUs.
+    pub scope: Scope<'a>,
+}
+
+/// Whose preflight it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope<'a> {
+    /// The whole node: at the agent's start and on an operator's or the controller's request.
+    /// Its report is the node's verdict.
+    Node,
+    /// A job's launch preflight: the CUDA and NCCL checks run on the job's own GPUs only (NVML
+    /// indices), and the report belongs to the job, never to the node.
+    Job { job_id: u64, gpus: &'a [u32] },
 }
 
 /// The report's verdict: the worst status of `checks`, skipped counting as pass.
@@ -131,8 +144,16 @@ pub fn run(request: &Request<'_>, probe: &dyn HostProbe, facts: &HostFacts) -> P
         report.cuda_version = h.cuda_version.clone();
     }
     all.extend(checks::nvml(&health));
-    let n = topo.gpus.len();
-    let cuda = probe.cuda_check(n);
+    let present: Vec<u32> = topo.gpus.iter().map(|g| g.index).collect();
+    let gpus: Vec<u32> = match request.scope {
+        Scope::Node => present,
+        Scope::Job { job_id, gpus } => {
+            report.job_id = job_id;
+            report.gpus = gpus.to_vec();
+            gpus.iter().copied().filter(|i| present.contains(i)).collect()
+        }
+    };
+    let cuda = probe.cuda_check(&gpus);
     if let cuda::Outcome::Ran { driver_version, cuda_version, .. } = &cuda {
         if report.driver_version.is_empty() {
             report.driver_version = driver_version.clone();
@@ -141,7 +162,7 @@ pub fn run(request: &Request<'_>, probe: &dyn HostProbe, facts: &HostFacts) -> P
             report.cuda_version = cuda_version.clone();
         }
     }
-    let cuda_checks = checks::cuda(&cuda, n);
+    let cuda_checks = checks::cuda(&cuda, &gpus);
     let cuda_failed = verdict(&cuda_checks) == Verdict::Fail;
     all.extend(cuda_checks);
     let sizes = sweep_sizes(request.level);
@@ -150,12 +171,12 @@ pub fn run(request: &Request<'_>, probe: &dyn HostProbe, facts: &HostFacts) -> P
         let sweep = if cuda_failed {
             nccl::Outcome::Skipped("CUDA check failed on this node".into())
         } else {
-            probe.nccl_sweep(n, &sizes)
+            probe.nccl_sweep(&gpus, &sizes)
         };
         if let nccl::Outcome::Ran { version, .. } = &sweep {
             report.nccl_version = version.clone();
         }
-        all.extend(checks::nccl(&sweep, class, n));
+        all.extend(checks::nccl(&sweep, class, gpus.len()));
     }
     finish(report, all)
 }

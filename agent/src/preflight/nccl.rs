@@ -66,32 +66,34 @@ enum Library {
 
 /// [`sweep`] with this process's executable as the helper, when it is the agent binary (tests
 /// run inside a test harness, which has no `nccl-sweep` subcommand).
-pub fn sweep_with_agent_binary(n: usize, sizes: &[u64]) -> Outcome {
+pub fn sweep_with_agent_binary(gpus: &[u32], sizes: &[u64]) -> Outcome {
     let exe = std::env::current_exe().unwrap_or_default();
     let is_agent = exe.file_name().is_some_and(|name| name == "trainyard-agent");
-    if n >= 1 && locate().is_some() && !is_agent {
+    if !gpus.is_empty() && locate().is_some() && !is_agent {
         return Outcome::Skipped(format!(
             "the NCCL sweep runs in the trainyard-agent binary, not {}",
             exe.display()
         ));
     }
-    sweep(&exe, n, sizes)
+    sweep(&exe, gpus, sizes)
 }
 
-/// Runs the sweep over GPUs `0..n` in a child process of `helper` (the agent binary).
+/// Runs the sweep over the GPUs `gpus` (NVML indices) in a child process of `helper` (the agent
+/// binary) that sees only those GPUs (`CUDA_VISIBLE_DEVICES`, in PCI bus order), so a job's
+/// launch preflight never touches a GPU other jobs' ranks hold.
 ///
 /// One GPU runs too: the communicator, the all_reduce and the timing path are the same code a
 /// multi-GPU node runs, so a broken NCCL install fails here even on a 1-GPU host; only the bus
 /// bandwidth means nothing there (no GPU-to-GPU traffic), which [`super::checks::nccl`] says.
-pub fn sweep(helper: &Path, n: usize, sizes: &[u64]) -> Outcome {
-    if n == 0 {
+pub fn sweep(helper: &Path, gpus: &[u32], sizes: &[u64]) -> Outcome {
+    if gpus.is_empty() {
         return Outcome::Skipped("no GPU to run NCCL on".into());
     }
     let library = match locate() {
         Some(library) => library,
         None => return Outcome::Skipped(NOT_FOUND.into()),
     };
-    match run_child(helper, &library, n, sizes) {
+    match run_child(helper, &library, gpus, sizes) {
         Ok(outcome) => outcome,
         Err(e) => Outcome::Failed(e),
     }
@@ -129,7 +131,7 @@ fn loaded_path(name: &str) -> Option<PathBuf> {
     }
 }
 
-fn run_child(helper: &Path, library: &Library, n: usize, sizes: &[u64]) -> Result<Outcome, String> {
+fn run_child(helper: &Path, library: &Library, gpus: &[u32], sizes: &[u64]) -> Result<Outcome, String> {
     // Output goes to files, not pipes: NCCL_DEBUG=INFO can print more than a pipe holds.
     let dir = tempdir::TempDir::new().map_err(|e| format!("cannot create a scratch directory: {e}"))?;
     let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
@@ -137,8 +139,11 @@ fn run_child(helper: &Path, library: &Library, n: usize, sizes: &[u64]) -> Resul
         |p: &Path| std::fs::File::create(p).map_err(|e| format!("cannot create {}: {e}", p.display()));
     let sizes_arg: Vec<String> = sizes.iter().map(u64::to_string).collect();
     let mut command = Command::new(helper);
+    let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
     command
-        .args(["nccl-sweep", "--gpus", &n.to_string(), "--sizes", &sizes_arg.join(",")])
+        .args(["nccl-sweep", "--gpus", &gpus.len().to_string(), "--sizes", &sizes_arg.join(",")])
+        .env("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        .env("CUDA_VISIBLE_DEVICES", visible.join(","))
         .stdin(Stdio::null())
         .stdout(create(&out_path)?)
         .stderr(create(&err_path)?);
@@ -298,9 +303,12 @@ mod tests {
         if locate().is_some() {
             return; // a machine with NCCL: nothing to assert about absence
         }
-        assert_eq!(sweep(Path::new("/nonexistent"), 8, &[1 << 20]), Outcome::Skipped(NOT_FOUND.into()));
+        assert_eq!(
+            sweep(Path::new("/nonexistent"), &[0, 1, 2, 3, 4, 5, 6, 7], &[1 << 20]),
+            Outcome::Skipped(NOT_FOUND.into())
+        );
         assert_eq!(sweep_in_process(8, &[1 << 20]), Outcome::Skipped(NOT_FOUND.into()));
-        assert!(matches!(sweep(Path::new("/nonexistent"), 1, &[1 << 20]), Outcome::Skipped(_)));
-        assert!(matches!(sweep(Path::new("/nonexistent"), 0, &[1 << 20]), Outcome::Skipped(_)));
+        assert!(matches!(sweep(Path::new("/nonexistent"), &[0], &[1 << 20]), Outcome::Skipped(_)));
+        assert!(matches!(sweep(Path::new("/nonexistent"), &[], &[1 << 20]), Outcome::Skipped(_)));
     }
 }

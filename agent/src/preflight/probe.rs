@@ -22,14 +22,15 @@ pub trait HostProbe: Send + Sync {
     /// NVML's view of the GPUs' health; `Err` is the reason the check is skipped.
     fn gpu_health(&self) -> Result<Health, String>;
 
-    /// The CUDA check on GPUs `0..n` (blocking).
-    fn cuda_check(&self, n: usize) -> cuda::Outcome {
-        cuda::check(n)
+    /// The CUDA check on the GPUs `gpus` (NVML indices; blocking).
+    fn cuda_check(&self, gpus: &[u32]) -> cuda::Outcome {
+        cuda::check(gpus)
     }
 
-    /// The NCCL all_reduce sweep over GPUs `0..n` (blocking, seconds to minutes).
-    fn nccl_sweep(&self, n: usize, sizes: &[u64]) -> nccl::Outcome {
-        nccl::sweep_with_agent_binary(n, sizes)
+    /// The NCCL all_reduce sweep over the GPUs `gpus` (NVML indices; blocking, seconds to
+    /// minutes).
+    fn nccl_sweep(&self, gpus: &[u32], sizes: &[u64]) -> nccl::Outcome {
+        nccl::sweep_with_agent_binary(gpus, sizes)
     }
 
     /// Host facts this probe stands in for (a fixture's), or `None` to read the real machine.

@@ -11,7 +11,7 @@ use trainyard_proto::v1::PreflightReport;
 
 use trainyard_proto::words::{CheckStatus, PreflightLevel, Verdict};
 
-use super::{HostFacts, Request};
+use super::{HostFacts, Request, Scope};
 use crate::layout::write_atomic;
 use crate::preflight::probe::HostProbe;
 
@@ -36,18 +36,47 @@ impl Runner {
         Self { agent_id: agent_id.into(), probe, latest: Arc::new(Mutex::new(None)) }
     }
 
-    /// Runs a preflight at `level` with the job's environment overlay `job_env` (empty outside a
-    /// launch) on a blocking thread, and remembers the report as the latest.
-    pub async fn run(&self, level: PreflightLevel, job_env: BTreeMap<String, String>) -> PreflightReport {
-        let (agent_id, probe) = (self.agent_id.clone(), self.probe.clone());
-        let report = tokio::task::spawn_blocking(move || {
-            let facts = probe.host_facts().unwrap_or_else(HostFacts::gather);
-            super::run(&Request { level, agent_id: &agent_id, job_env: &job_env }, probe.as_ref(), &facts)
-        })
-        .await
-        .unwrap_or_else(|e| panicked(&self.agent_id, level, &e.to_string()));
+    /// Runs a preflight of the whole node at `level` on a blocking thread and remembers its
+    /// report as the node's latest (what `Hello` carries).
+    pub async fn run(&self, level: PreflightLevel) -> PreflightReport {
+        let report = self.run_blocking(level, BTreeMap::new(), None).await;
         *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(report.clone());
         report
+    }
+
+    /// Runs job `job_id`'s launch preflight at `level`, with its environment overlay `job_env`,
+    /// on its GPUs `gpus` only. The report is the job's: it never becomes the node's latest.
+    pub async fn run_for_job(
+        &self,
+        level: PreflightLevel,
+        job_env: BTreeMap<String, String>,
+        job_id: u64,
+        gpus: Vec<u32>,
+    ) -> PreflightReport {
+        self.run_blocking(level, job_env, Some((job_id, gpus))).await
+    }
+
+    async fn run_blocking(
+        &self,
+        level: PreflightLevel,
+        job_env: BTreeMap<String, String>,
+        job: Option<(u64, Vec<u32>)>,
+    ) -> PreflightReport {
+        let (agent_id, probe) = (self.agent_id.clone(), self.probe.clone());
+        tokio::task::spawn_blocking(move || {
+            let facts = probe.host_facts().unwrap_or_else(HostFacts::gather);
+            let scope = match &job {
+                Some((job_id, gpus)) => Scope::Job { job_id: *job_id, gpus },
+                None => Scope::Node,
+            };
+            super::run(
+                &Request { level, agent_id: &agent_id, job_env: &job_env, scope },
+                probe.as_ref(),
+                &facts,
+            )
+        })
+        .await
+        .unwrap_or_else(|e| panicked(&self.agent_id, level, &e.to_string()))
     }
 
     /// The latest report, if a preflight ran.

@@ -45,6 +45,8 @@ fn node(numa: impl Fn(u32) -> u32, checks: &[(&str, CheckStatus, &str)]) -> Node
                     remedy: String::new(),
                 })
                 .collect(),
+            job_id: None,
+            gpus: vec![],
         }),
     }
 }

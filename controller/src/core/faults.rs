@@ -139,6 +139,13 @@ pub(super) fn after_failure(job: &ActiveJob, f: &FailureRecord) -> (JobState, St
     let max = job.record().spec.max_restarts;
     let attempt = job.record().attempt;
     let what = format!("{}: {}", f.kind, f.evidence);
+    // The job's own environment fails the preflight wherever it goes: a restart cannot help.
+    if f.kind == FailureKind::Preflight && f.charged {
+        return (
+            JobState::Failed,
+            format!("{what}; not restarted: the job's own environment fails it on every node"),
+        );
+    }
     if f.charged && job.charged >= max {
         let why = if max > 0 { format!("{what}; no restarts left ({max} used)") } else { what };
         return (JobState::Failed, why);

@@ -197,7 +197,8 @@ impl Nodes<'_> {
         self.c.store.upsert_agent(&record).await?;
         crate::metrics::metrics().agent_hellos.inc();
         let preflight = match hello.preflight.clone() {
-            Some(report) => self.store_preflight(&agent_id, report).await?,
+            // Only a preflight of the whole node is its verdict, whatever an agent sends.
+            Some(report) => self.store_preflight(&agent_id, report).await?.filter(|r| r.job_id.is_none()),
             None => None,
         };
         let reported: BTreeSet<RankId> = hello.ranks.iter().filter_map(|r| r.key.map(rank_id)).collect();
@@ -339,6 +340,12 @@ impl Nodes<'_> {
     /// pending jobs.
     pub async fn preflight_report(self, agent_id: &str, report: PreflightReport) -> Result<()> {
         let Some(report) = self.store_preflight(agent_id, report).await? else { return Ok(()) };
+        // A job's launch preflight is the job's: its failure fails the job (the ranks the agent
+        // refused say so), never the node's verdict, which only a preflight of the whole node
+        // sets.
+        if report.job_id.is_some() {
+            return Ok(());
+        }
         {
             let mut core = self.c.lock();
             if let Some(entry) = core.agents.get_mut(agent_id)

@@ -64,6 +64,8 @@ fn report(agent: &str, verdict: Verdict) -> PreflightRecord {
         source: "host-file".into(),
         topology: String::new(),
         checks: vec![],
+        job_id: None,
+        gpus: vec![],
     }
 }
 
