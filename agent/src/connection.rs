@@ -295,7 +295,15 @@ impl Session<'_> {
             },
             Some(In::ReadLogs(request)) => {
                 let id = RankId { job_id: request.job_id, attempt: request.attempt, rank: request.rank };
-                let files = self.launcher.layout().rank_files(id);
+                // The rank's own files while the agent knows it; else where its run name says.
+                let files = match self.launcher.get(id) {
+                    Some(rank) => rank.record.files.clone(),
+                    None => {
+                        let run = crate::layout::run_name(id.job_id, &request.run_name)
+                            .unwrap_or_else(|_| format!("job-{}", id.job_id));
+                        self.launcher.layout().rank_files(&run, id)
+                    }
+                };
                 let files =
                     crate::logs::RankLogs { stdout: files.stdout, stderr: files.stderr, exit: files.exit };
                 self.logs.retain(|_, (stop, _)| !stop.is_cancelled());
@@ -357,15 +365,20 @@ impl Session<'_> {
 
     /// A launch whose preflight finished: record the report, then start or refuse the ranks.
     async fn launch_checked(&mut self, launch: Launch, report: PreflightReport) -> Result<(), Closed> {
-        let path = self.launcher.layout().attempt_dir(launch.job_id, launch.attempt).join("preflight.json");
-        if let Err(e) = write_report(&path, &report) {
-            warn!(path = %path.display(), error = %e, "failed to write preflight.json");
-        }
         info!(job_id = launch.job_id, verdict = %report.verdict, local_id = %report.local_id, "launch preflight finished");
         let refusal = failure_reason(&report);
         self.launcher.set_preflight_report(Some(report.local_id.clone()));
-        self.send(Out::Preflight(report)).await?;
-        self.start_ranks(&launch, refusal).await
+        self.send(Out::Preflight(report.clone())).await?;
+        self.start_ranks(&launch, refusal).await?;
+        // Beside launch.json, in the run directory the launch made (never one of its own).
+        if let Ok(run) = crate::layout::run_name(launch.job_id, &launch.run_name) {
+            let dir = self.launcher.layout().attempt_dir(&run, launch.attempt);
+            let path = dir.join("preflight.json");
+            if let Err(e) = dir.is_dir().then(|| write_report(&path, &report)).transpose() {
+                warn!(path = %path.display(), error = %e, "failed to write preflight.json");
+            }
+        }
+        Ok(())
     }
 
     /// Starts the launch's ranks, or records them `lost` with `refusal` without starting them.

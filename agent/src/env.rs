@@ -191,6 +191,7 @@ mod tests {
             node_count: 0,
             run_as: String::new(),
             resume_from: Vec::new(),
+            run_name: String::new(),
         }
     }
 

@@ -1,20 +1,24 @@
 //! Where the agent keeps things under its data directory (see docs/internals.md):
 //!
 //! ```text
-//! DATA/runs/job-<id>/attempt-<n>/launch.json
-//! DATA/runs/job-<id>/attempt-<n>/rank-<r>/{receipts.jsonl,stdout.log,stderr.log,exit.json,rank.pid}
+//! DATA/runs/<run>/attempt-<n>/launch.json
+//! DATA/runs/<run>/attempt-<n>/rank-<r>/{receipts.jsonl,stdout.log,stderr.log,exit.json,rank.pid}
 //! DATA/state/ranks/<job>.<attempt>.<rank>.json
+//! DATA/state/runs/<run>
 //! ```
+//!
+//! `<run>` is the job's run directory name ([`run_name`]): the controller's, unique to its job.
 //!
 //! `rank.pid` (the rank's pid, written by the shim) and `env.json` (the rank's environment, read
 //! by the shim) are ours; the rest is the documented layout.
 //!
 //! Who may read what: the agent's state directory is its own, 0700. A job's run directories
-//! (`job-<id>`, `attempt-<n>`, `rank-<r>`) are the agent's, with the job user's group and mode
-//! 0750, so the job's user enters them and nobody else does, and only the agent (root) creates
-//! entries there: a user can never plant a link where the root shim writes. The rank's own files
-//! (`receipts.jsonl`, `stdout.log`, `stderr.log`) are the user's, 0640; `launch.json`, which holds
-//! the environment overlay, is the user's, 0600; `env.json` is the agent's, 0600.
+//! (`<run>`, `attempt-<n>`, `rank-<r>`) are the agent's, with the job user's group and mode
+//! 0710: the job's user (and whoever shares its primary group) may pass through but not list,
+//! and only the agent (root) creates entries there, so a user can never plant a link where the
+//! root shim writes. Every file in them is 0600: the rank's own (`receipts.jsonl`, `stdout.log`,
+//! `stderr.log`) and `launch.json` (it holds the environment overlay) the job user's, the rest
+//! the agent's. So nobody but the job's user and root reads a job's files, whatever the groups.
 
 use std::fmt;
 use std::fs::OpenOptions;
@@ -68,16 +72,27 @@ impl Layout {
         &self.data_dir
     }
 
-    pub fn attempt_dir(&self, job_id: u64, attempt: u32) -> PathBuf {
-        self.data_dir.join("runs").join(format!("job-{job_id}")).join(format!("attempt-{attempt}"))
+    /// The run directories the agent made, one marker each (`state/runs/<run name>`): a run
+    /// directory without one is not this agent's record of a launch, and is moved aside.
+    pub fn made_runs_dir(&self) -> PathBuf {
+        self.data_dir.join("state").join("runs")
     }
 
-    pub fn launch_json(&self, job_id: u64, attempt: u32) -> PathBuf {
-        self.attempt_dir(job_id, attempt).join("launch.json")
+    /// A job's run directory, `runs/<run>` ([`run_name`]).
+    pub fn run_dir(&self, run: &str) -> PathBuf {
+        self.data_dir.join("runs").join(run)
     }
 
-    pub fn rank_dir(&self, id: RankId) -> PathBuf {
-        self.attempt_dir(id.job_id, id.attempt).join(format!("rank-{}", id.rank))
+    pub fn attempt_dir(&self, run: &str, attempt: u32) -> PathBuf {
+        self.run_dir(run).join(format!("attempt-{attempt}"))
+    }
+
+    pub fn launch_json(&self, run: &str, attempt: u32) -> PathBuf {
+        self.attempt_dir(run, attempt).join("launch.json")
+    }
+
+    pub fn rank_dir(&self, run: &str, id: RankId) -> PathBuf {
+        self.attempt_dir(run, id.attempt).join(format!("rank-{}", id.rank))
     }
 
     pub fn state_dir(&self) -> PathBuf {
@@ -88,8 +103,8 @@ impl Layout {
         self.state_dir().join(format!("{id}.json"))
     }
 
-    pub fn rank_files(&self, id: RankId) -> RankFiles {
-        let dir = self.rank_dir(id);
+    pub fn rank_files(&self, run: &str, id: RankId) -> RankFiles {
+        let dir = self.rank_dir(run, id);
         RankFiles {
             receipts: dir.join("receipts.jsonl"),
             stdout: dir.join("stdout.log"),
@@ -98,6 +113,28 @@ impl Layout {
             pid: dir.join("rank.pid"),
             dir,
         }
+    }
+}
+
+/// The longest run directory name the agent accepts.
+pub const MAX_RUN_NAME: usize = 128;
+
+/// The name of a job's run directory: what the controller chose (`Launch.run_name`, unique to
+/// its job: `job-<id>-<cluster id>-<submitted ms>`), or `job-<id>` from a controller that chose
+/// none. A name that could leave `runs/` (a `/`, `..`, a leading dot) or is too long is refused.
+pub fn run_name(job_id: u64, chosen: &str) -> Result<String, String> {
+    if chosen.is_empty() {
+        return Ok(format!("job-{job_id}"));
+    }
+    let fine = chosen.len() <= MAX_RUN_NAME
+        && !chosen.starts_with('.')
+        && chosen.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if fine {
+        Ok(chosen.to_string())
+    } else {
+        Err(format!(
+            "launch refused: run directory name {chosen:?} is not 1-{MAX_RUN_NAME} letters, digits, '-', '_' or '.' (not leading)"
+        ))
     }
 }
 
@@ -130,10 +167,12 @@ pub fn checkpoint_request_beside(receipts: &Path) -> PathBuf {
     receipts.with_file_name("checkpoint.request")
 }
 
-/// Mode of the run directories of a job (owner the agent, group the job's user).
-pub const RUN_DIR_MODE: u32 = 0o750;
-/// Mode of a rank's own files (owner the job's user).
-pub const RUN_FILE_MODE: u32 = 0o640;
+/// Mode of the run directories of a job (owner the agent, group the job's user's primary
+/// group: pass through, never list; the files inside are private).
+pub const RUN_DIR_MODE: u32 = 0o710;
+/// Mode of a rank's own files (owner the job's user): nobody else reads them, whatever the
+/// groups.
+pub const RUN_FILE_MODE: u32 = 0o600;
 /// Mode of files that may hold secrets (the environment overlay) and of the agent's state.
 pub const PRIVATE_FILE_MODE: u32 = 0o600;
 /// Mode of the agent's state directory.

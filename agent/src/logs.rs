@@ -283,7 +283,15 @@ mod tests {
     }
 
     fn request(tail_lines: u32, follow: bool) -> ReadLogs {
-        ReadLogs { request_id: 7, job_id: 1, attempt: 0, rank: 3, tail_lines, follow }
+        ReadLogs {
+            request_id: 7,
+            job_id: 1,
+            attempt: 0,
+            rank: 3,
+            tail_lines,
+            follow,
+            run_name: String::new(),
+        }
     }
 
     #[tokio::test]

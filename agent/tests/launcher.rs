@@ -48,6 +48,7 @@ fn launch(job_id: u64, ranks: u32, workdir: &Path, argv: &[&str], env: &[(&str, 
         }),
         node_count: 1,
         run_as: String::new(),
+        run_name: String::new(),
         resume_from: Vec::new(),
     }
 }
@@ -157,9 +158,48 @@ async fn rank_gets_its_environment_and_exit_status() {
         assert!(h.launcher.layout().state_file(id(1, rank)).exists());
     }
     let launch_json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(h.launcher.layout().launch_json(1, 1)).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(h.launcher.layout().launch_json("job-1", 1)).unwrap()).unwrap();
     assert_eq!(launch_json["ranks"][1]["gpu_uuid"], "GPU-1");
     assert_eq!(launch_json["ranks"][1]["cpus"], "0-3");
+}
+
+/// The run directory is the one the controller named, unique to its job: a directory of that
+/// name the agent did not make (a restored database's job, another controller's) is moved
+/// aside with its files untouched, never reused; a name that could leave `runs/` is refused.
+#[tokio::test]
+async fn run_directories_are_named_by_the_controller_and_never_reused() {
+    let mut h = Harness::new();
+    let layout = h.launcher.layout().clone();
+    let stale = layout.rank_dir("job-7-c0ffee00-1000", id(7, 0));
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("stdout.log"), "the previous user's output\n").unwrap();
+    let mut named = launch(7, 1, &h.workdir(), &["sh", "-c", "echo mine"], &[]);
+    named.run_name = "job-7-c0ffee00-1000".into();
+    h.launcher.launch(&named);
+    h.wait_for(id(7, 0), "exited", |p, _| p == RankState::Exited).await;
+    let r = h.launcher.get(id(7, 0)).unwrap().record.clone();
+    assert!(r.files.dir.starts_with(layout.run_dir("job-7-c0ffee00-1000")), "{:?}", r.files.dir);
+    assert_eq!(std::fs::read_to_string(&r.files.stdout).unwrap(), "mine\n", "nothing of the old run");
+    let aside: Vec<String> = std::fs::read_dir(layout.data_dir().join("runs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("job-7-c0ffee00-1000.moved-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    let old = layout.data_dir().join("runs").join(&aside[0]).join("attempt-1/rank-0/stdout.log");
+    assert_eq!(std::fs::read_to_string(old).unwrap(), "the previous user's output\n");
+    // Relaunching the same job (a reconnect) keeps its own directory where it is.
+    h.launcher.launch(&named);
+    assert!(r.files.stdout.exists());
+    for (job, bad) in (80..).zip(["../etc", ".hidden", "a/b", &"x".repeat(129)]) {
+        let mut hostile = launch(job, 1, &h.workdir(), &["true"], &[]);
+        hostile.run_name = bad.to_string();
+        h.launcher.launch(&hostile);
+        let r = &h.launcher.get(id(job, 0)).unwrap().record;
+        assert_eq!(r.phase, RankState::Lost, "{bad}");
+        assert!(r.message.contains("run directory name"), "{}", r.message);
+    }
+    assert!(!layout.data_dir().join("etc").exists());
 }
 
 /// A job holding part of the host (GPU 1 of 2): its rank sees only that GPU, as cuda:0 =
@@ -177,7 +217,7 @@ async fn a_job_on_part_of_the_host_sees_its_gpus_only() {
         assert!(env.lines().any(|l| l == line), "{line} missing from:\n{env}");
     }
     let launch_json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(h.launcher.layout().launch_json(9, 1)).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(h.launcher.layout().launch_json("job-9", 1)).unwrap()).unwrap();
     assert_eq!(launch_json["cuda_visible_devices"], "1");
     assert_eq!(launch_json["ranks"][0]["cuda_device"], "cuda:0");
     assert_eq!(launch_json["ranks"][0]["gpu_uuid"], "GPU-1");
@@ -282,11 +322,11 @@ async fn the_shim_gets_a_clean_environment_and_run_files_are_private() {
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
     let layout = h.launcher.layout();
     assert_eq!(mode(&layout.state_dir()), 0o700);
-    assert_eq!(mode(&layout.attempt_dir(11, 1)), 0o750);
-    assert_eq!(mode(&layout.rank_dir(id(11, 0))), 0o750);
-    assert_eq!(mode(&layout.launch_json(11, 1)), 0o600);
+    assert_eq!(mode(&layout.attempt_dir("job-11", 1)), 0o710);
+    assert_eq!(mode(&layout.rank_dir("job-11", id(11, 0))), 0o710);
+    assert_eq!(mode(&layout.launch_json("job-11", 1)), 0o600);
     assert_eq!(mode(&r.files.env()), 0o600);
-    assert_eq!(mode(&r.files.stdout), 0o640);
+    assert_eq!(mode(&r.files.stdout), 0o600);
     assert_eq!(mode(&layout.state_file(id(11, 0))), 0o600);
 }
 

@@ -149,6 +149,24 @@ impl AuthStore for SqlStore {
         .await
     }
 
+    async fn secret(&self, name: &str, fresh: &str, now_ms: i64) -> Result<String> {
+        self.write("secret", async |c| {
+            c.query(
+                "INSERT INTO controller_secrets (name, value, created_at_ms) VALUES ($1, $2, $3) \
+                 ON CONFLICT (name) DO NOTHING",
+            )
+            .bind(name)
+            .bind(fresh)
+            .bind(now_ms)
+            .execute()
+            .await?;
+            let row =
+                c.query("SELECT value FROM controller_secrets WHERE name = $1").bind(name).one().await?;
+            row.get("controller_secrets", "value")
+        })
+        .await
+    }
+
     async fn audit(&self, entry: &AuditEntry) -> Result<()> {
         self.write("audit", async |c| {
             c.query(

@@ -23,20 +23,10 @@
 //! types it reads and writes (samples, findings, goodput, rollups) are [`trainyard_analysis`]'s.
 //!
 //! # What we persist
-//! - `jobs`: one row per job with its spec (protobuf bytes plus plain columns an operator
-//!   filters on), its current state, reason and attempt. The state is a cache of the newest
-//!   row of `job_events`, written in the same transaction, so the two never disagree.
-//! - `job_events`: every state transition with its reason.
-//! - `allocations`: the placement of every rank of every attempt (intent), and what the agent
-//!   last reported about it (observed: state, pid, exit code, skipped receipt lines), with the
-//!   CPU/memory binding planned for the rank and the one read back from `/proc` after spawn.
-//! - `agents` and `gpus`: every host that ever said hello, with its inventory.
-//! - `receipts`: every receipt line, keyed on (job, attempt, rank, seq) so a replay is ignored.
-//! - `preflight_reports` and `preflight_checks`: every preflight report an agent sent, with
-//!   its checks. The newest report of each agent is its verdict, reloaded at start-up.
-//! - `failures`: what ended each attempt, with its node, blame and cost.
-//! - `gpu_samples`: one row per GPU per telemetry window, with the rank on it and its steps.
-//! - `live_findings`: the live diagnosis's findings, open and closed, with their alerts.
+//! Every table and view is listed in docs/architecture.md (the store) and documented in
+//! docs/schema.md. Two rules hold across them: a job's state in `jobs` is a cache of the newest
+//! row of `job_events`, written in the same transaction; and a node's verdict is its newest
+//! preflight of the whole node (a job's launch preflight is stored with its job, never a verdict).
 //!
 //! Not persisted: which agents are connected now, and the fleet view the scheduler works on:
 //! both are rebuilt at start-up from these tables and the agents' hellos.
@@ -448,6 +438,10 @@ pub trait AuthStore: Send + Sync {
     async fn token_hashes(&self) -> Result<Vec<String>>;
 
     async fn audit(&self, entry: &AuditEntry) -> Result<()>;
+
+    /// The value stored under `name` in `controller_secrets`; the first caller stores `fresh`
+    /// (a concurrent first caller's value wins for both: every member of a group reads one).
+    async fn secret(&self, name: &str, fresh: &str, now_ms: i64) -> Result<String>;
 
     /// The newest `limit` audit rows, newest first.
     async fn audit_log(&self, limit: u32) -> Result<Vec<AuditEntry>>;

@@ -47,6 +47,7 @@ macro_rules! store_suite {
             step_rollups_fold_each_receipt_once,
             concurrent_folds_count_each_receipt_once,
             users_tokens_owners_and_audit,
+            secrets_are_created_once_and_kept,
             failures_move_the_job_with_their_cause,
             cordons_survive_hellos_and_reopen,
             gpu_windows_are_stored_once_read_back_and_pruned,
@@ -789,6 +790,14 @@ pub mod suite {
         assert_eq!(a + b + c + d, 2_000, "each receipt folded by exactly one of them");
         let coarse = s.rollup_rows(j.id, 0, Metric::StepMs, 1024, 0, 0).await.unwrap();
         assert_eq!(coarse.iter().map(|r| r.aggs[0].n).sum::<i64>(), 2_000, "every step once");
+    }
+
+    pub async fn secrets_are_created_once_and_kept(h: &impl Harness) {
+        let s = h.open().await;
+        assert_eq!(s.secret("env_hash_key", "first", 1).await.unwrap(), "first");
+        // A second leader (or a restart) offers its own fresh value and gets the stored one.
+        assert_eq!(s.secret("env_hash_key", "second", 2).await.unwrap(), "first");
+        assert_eq!(s.secret("cluster_id", "c1", 3).await.unwrap(), "c1");
     }
 
     pub async fn users_tokens_owners_and_audit(h: &impl Harness) {

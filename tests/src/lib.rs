@@ -815,6 +815,22 @@ impl Cluster {
         path
     }
 
+    /// The run directory of `job` under agent `agent`'s data directory
+    /// (`runs/job-<id>-<cluster id>-<submitted ms>`; the newest submitted when a job id was
+    /// given twice; `None` while there is none).
+    pub fn run_dir(&self, agent: &str, job: u64) -> Option<PathBuf> {
+        let runs = self.path(&format!("agent-{agent}/runs"));
+        let prefix = format!("job-{job}-");
+        let submitted = |name: &str| name.rsplit('-').next().and_then(|ms| ms.parse::<i64>().ok());
+        std::fs::read_dir(&runs)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .filter(|n| n.starts_with(&prefix) && !n.contains(".moved-"))
+            .max_by_key(|n| submitted(n))
+            .map(|n| runs.join(n))
+    }
+
     /// Submits a job file with `ctl submit` and returns its id.
     pub fn submit(&self, file: &Path) -> Result<u64> {
         let out = self.ctl(&["submit", &file.display().to_string()])?;

@@ -59,7 +59,8 @@ fn logs_of_an_ended_job_a_tail_and_bad_requests() -> anyhow::Result<()> {
     std::thread::sleep(Duration::from_millis(500));
     let (ok, _, err) = logs(&c, &[&id])?;
     assert!(!ok);
-    let dir = format!("runs/job-{job}/attempt-0/rank-0/");
+    let run = c.run_dir("a", job).expect("the job's run directory");
+    let dir = format!("runs/{}/attempt-0/rank-0/", run.file_name().unwrap().to_string_lossy());
     assert!(err.contains("node a is not connected") && err.contains(&dir), "{err}");
     Ok(())
 }
@@ -79,5 +80,35 @@ fn follow_streams_until_the_rank_ends() -> anyhow::Result<()> {
     assert!(started.elapsed() < Duration::from_secs(30), "follow ended with the rank");
     let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(30))?;
     assert_eq!(status["state"], "succeeded");
+    Ok(())
+}
+
+/// A job id that a restored (here: a new) database gives again meets nothing of the old job on
+/// the node: its logs are its own, and the old job's files stay where they were, untouched.
+/// (Before, the run directory was `runs/job-<id>`: the new job's output was appended to the
+/// old one's and `ctl logs` showed both.)
+#[test]
+fn a_repeated_job_id_never_sees_the_old_jobs_files() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 1)?;
+    let first = c.submit(&sh_job(&c, "first", 1, "echo the-first-users-output"))?;
+    c.wait_state(first, &["succeeded"], Duration::from_secs(60))?;
+    let old = c.run_dir("a", first).expect("the first job's run directory");
+
+    c.kill_controller();
+    std::fs::remove_dir_all(c.path("controller"))?;
+    c.start_controller()?;
+    c.wait_agent_connected("a", Duration::from_secs(30))?;
+    let second = c.submit(&sh_job(&c, "second", 1, "echo the-second-users-output"))?;
+    assert_eq!(second, first, "the new database numbers its jobs from the start again");
+    c.wait_state(second, &["succeeded"], Duration::from_secs(60))?;
+
+    let (ok, out, err) = logs(&c, &[&second.to_string()])?;
+    assert!(ok, "{err}");
+    assert_eq!(out, "the-second-users-output\n", "only the new job's output");
+    let new = c.run_dir("a", second).expect("the second job's run directory");
+    assert_ne!(new, old, "a run directory of its own");
+    let kept = std::fs::read_to_string(old.join("attempt-0/rank-0/stdout.log"))?;
+    assert_eq!(kept, "the-first-users-output\n", "the old job's files are untouched");
     Ok(())
 }

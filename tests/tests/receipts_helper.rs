@@ -6,6 +6,7 @@
 //! through `PYTHONPATH` in the job's env overlay, so it needs no install; torch is the one
 //! deploy/setup.sh installs into .venv.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -108,15 +109,21 @@ fn a_ddp_script_with_the_receipts_helper_writes_v1_receipts() -> anyhow::Result<
          FROM receipts WHERE job_id = {id} AND kind = 'launch' ORDER BY rank"
     ))?;
     assert_eq!(launches.len(), RANKS as usize, "one launch receipt per rank: {launches:?}");
+    let mut hashed_flag = None;
     for (rank, row) in launches.iter().enumerate() {
         assert_eq!((row[0].as_str(), row[1].as_str()), (rank.to_string().as_str(), "1"), "rank, schema");
         assert_eq!(row[2], torch, "rank {rank}: the torch .venv runs, read at run time");
-        let env: serde_json::Value = serde_json::from_str(&row[3]).context("env of the launch receipt")?;
-        assert_eq!(
-            env,
-            serde_json::json!({"PYTHONPATH": helper.as_str(), "TRAINYARD_DEMO_FLAG": "1"}),
-            "rank {rank}: the job's env overlay, and only it"
-        );
+        // The job's env overlay, and only it: names kept, values as the controller's keyed
+        // hash (never stored; equal values compare equal).
+        let env: BTreeMap<String, String> =
+            serde_json::from_str(&row[3]).context("env of the launch receipt")?;
+        assert_eq!(env.keys().collect::<Vec<_>>(), ["PYTHONPATH", "TRAINYARD_DEMO_FLAG"], "rank {rank}");
+        for (name, value) in &env {
+            assert!(value.starts_with("hmac-sha256:") && value.len() == 44, "rank {rank}: {name}={value}");
+        }
+        assert_ne!(env["TRAINYARD_DEMO_FLAG"], env["PYTHONPATH"]);
+        let flag = hashed_flag.get_or_insert_with(|| env["TRAINYARD_DEMO_FLAG"].clone());
+        assert_eq!(&env["TRAINYARD_DEMO_FLAG"], flag, "rank {rank}: one value, one hash");
         assert_eq!(row[4], RANKS.to_string(), "rank {rank}: world_size");
         match &head {
             // json_extract gives a JSON false as 0.

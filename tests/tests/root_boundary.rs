@@ -198,6 +198,8 @@ fn another_local_user_reads_nothing_of_a_job() -> Result<()> {
     let (nobody, nogroup) = uid_of("nobody")?;
     let (other, other_gid) = uid_of("daemon")?;
     assert_ne!(other_gid, nogroup, "the second account must not share the job user's group");
+    let (peer, peer_gid) = uid_of("sync")?;
+    assert_eq!(peer_gid, nogroup, "the third account shares the job user's primary group");
     let alice = c.add_user("alice", &["--unix-user", "nobody"])?;
     let text = "name = \"secret\"\n[resources]\ngpus = 1\n\n[engine]\nkind = \"exec\"\n\
                 argv = [\"sh\", \"-c\", \"echo '{\\\"kind\\\":\\\"step\\\",\\\"step\\\":1}' >> $TRAINYARD_RECEIPTS; echo hi; sleep 30\"]\n\
@@ -206,29 +208,34 @@ fn another_local_user_reads_nothing_of_a_job() -> Result<()> {
     let job = c.submit_as(&alice, &c.path("secret.toml"))?;
     let status = c.wait_state(job, &["running"], Duration::from_secs(20))?;
     let attempt = status["attempt"].as_u64().context("attempt")?;
-    let job_dir = c.path(&format!("agent-sxm-a/runs/job-{job}"));
+    let job_dir = c.run_dir("sxm-a", job).context("the job's run directory")?;
     let attempt_dir = job_dir.join(format!("attempt-{attempt}"));
     let rank_dir = attempt_dir.join("rank-0");
     let files = ["receipts.jsonl", "stdout.log", "stderr.log"].map(|f| rank_dir.join(f));
     let launch = attempt_dir.join("launch.json");
     std::thread::sleep(Duration::from_millis(500));
 
+    // `sync` shares `nobody`'s primary group (nogroup), as accounts in `users` do on many
+    // clusters: it may pass through the directories but neither lists them nor reads a file.
     for dir in [&job_dir, &attempt_dir, &rank_dir] {
         let m = std::fs::metadata(dir)?;
-        assert_eq!((m.mode() & 0o7777, m.gid()), (0o750, nogroup), "{}", dir.display());
+        assert_eq!((m.mode() & 0o7777, m.gid()), (0o710, nogroup), "{}", dir.display());
         assert!(!can_read_as(other, other_gid, "ls", dir), "daemon listed {}", dir.display());
+        assert!(!can_read_as(peer, nogroup, "ls", dir), "sync (same group) listed {}", dir.display());
     }
     for f in &files {
         let m = std::fs::metadata(f)?;
-        assert_eq!((m.mode() & 0o7777, m.uid()), (0o640, nobody), "{}", f.display());
+        assert_eq!((m.mode() & 0o7777, m.uid()), (0o600, nobody), "{}", f.display());
         assert!(can_read_as(nobody, nogroup, "cat", f), "the job's user reads {}", f.display());
         assert!(!can_read_as(other, other_gid, "cat", f), "daemon read {}", f.display());
+        assert!(!can_read_as(peer, nogroup, "cat", f), "sync (same group) read {}", f.display());
     }
     let m = std::fs::metadata(&launch)?;
     assert_eq!((m.mode() & 0o7777, m.uid()), (0o600, nobody), "launch.json holds the overlay");
     assert!(std::fs::read_to_string(&launch)?.contains("s3cret"));
     assert!(can_read_as(nobody, nogroup, "cat", &launch));
     assert!(!can_read_as(other, other_gid, "cat", &launch));
+    assert!(!can_read_as(peer, nogroup, "cat", &launch), "sync (same group) read launch.json");
     let env = rank_dir.join("env.json");
     assert_eq!(std::fs::metadata(&env)?.mode() & 0o7777, 0o600);
     assert!(!can_read_as(nobody, nogroup, "cat", &env), "the rank's environment file is root's");

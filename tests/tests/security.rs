@@ -175,7 +175,8 @@ fn ranks_run_as_their_users_account_never_root() -> anyhow::Result<()> {
     }
     // The rank's own files are the user's.
     use std::os::unix::fs::MetadataExt as _;
-    let rank_dir = c.path(&format!("agent-sxm-a/runs/job-{job}/attempt-{}/rank-0", status["attempt"]));
+    let run_dir = c.run_dir("sxm-a", job).context("the job's run directory")?;
+    let rank_dir = run_dir.join(format!("attempt-{}/rank-0", status["attempt"]));
     for f in ["receipts.jsonl", "stdout.log", "stderr.log"] {
         assert_eq!(std::fs::metadata(rank_dir.join(f))?.uid(), nobody, "{f}");
     }

@@ -44,7 +44,12 @@ fn builtin_engine(b: &trainyard_proto::v1::BuiltinEngine) -> Result<ExecEngine, 
 }
 
 /// `launch.json`: the launch as received, plus the rank map (rank, GPU, NUMA node, CPUs, files).
-pub(super) fn launch_json(launch: &Launch, inventory: &HostInventory, layout: &Layout) -> serde_json::Value {
+pub(super) fn launch_json(
+    launch: &Launch,
+    run: &str,
+    inventory: &HostInventory,
+    layout: &Layout,
+) -> serde_json::Value {
     let spec = launch.spec.clone().unwrap_or_default();
     let engine = match &spec.engine {
         Some(job_spec::Engine::Exec(e)) => {
@@ -68,7 +73,7 @@ pub(super) fn launch_json(launch: &Launch, inventory: &HostInventory, layout: &L
                 "rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu_index,
                 "gpu_uuid": gpu.map(|g| g.uuid.clone()), "gpu_pci_bus_id": gpu.map(|g| g.pci_bus_id.clone()),
                 "cuda_device": format!("cuda:{}", a.local_rank), "numa_node": numa,
-                "cpus": cpus.map(|n| n.cpus.clone()), "dir": layout.rank_dir(id),
+                "cpus": cpus.map(|n| n.cpus.clone()), "dir": layout.rank_dir(run, id),
                 "planned_cpus": a.cpus, "planned_mems": (!a.cpus.is_empty() && a.numa_node >= 0).then_some(a.numa_node),
             })
         })

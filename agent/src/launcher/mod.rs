@@ -14,7 +14,7 @@
 //! and the work per call is a few small file operations.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -33,8 +33,8 @@ use crate::account::{self, RunAs};
 use crate::bootstrap::Bootstrap;
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::layout::{
-    Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankId, STATE_DIR_MODE, make_dir, write_durable,
-    write_private,
+    Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankFiles, RankId, STATE_DIR_MODE, make_dir,
+    write_durable, write_private,
 };
 use crate::state::{self, RankRecord};
 use crate::supervise::{SHIM_PATH, SPAWN_FAILED_EXIT_CODE};
@@ -76,6 +76,7 @@ impl Launcher {
     pub fn new(layout: Layout, shim_program: PathBuf, inventory: HostInventory) -> std::io::Result<Self> {
         make_dir(&layout.data_dir().join("state"), STATE_DIR_MODE, None)?;
         make_dir(&layout.state_dir(), STATE_DIR_MODE, None)?;
+        make_dir(&layout.made_runs_dir(), STATE_DIR_MODE, None)?;
         make_dir(&layout.data_dir().join("runs"), 0o755, None)?;
         let bootstrap = crate::bootstrap::install(layout.data_dir())?;
         // create_dir_all succeeds on a read-only directory that exists: prove it is writable now
@@ -165,9 +166,16 @@ impl Launcher {
         let launch = &launch;
         let run_as =
             account::decide(&launch.run_as, account::effective_uid(), self.root_ranks, account::lookup);
-        if let Err(e) = self.write_launch_json(launch, owner(&run_as)) {
+        let (run, bad_name) = match crate::layout::run_name(launch.job_id, &launch.run_name) {
+            Ok(run) => (run, None),
+            Err(e) => (format!("job-{}", launch.job_id), Some(e)),
+        };
+        if bad_name.is_none()
+            && let Err(e) = self.write_launch_json(&run, launch, owner(&run_as))
+        {
             warn!(job_id = launch.job_id, attempt = launch.attempt, error = %e, "failed to write launch.json");
         }
+        let refusal = refusal.or(bad_name.as_deref());
         let mut ids = Vec::new();
         for assignment in &launch.ranks {
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
@@ -176,7 +184,7 @@ impl Launcher {
                 info!(rank_id = %id, "rank already known; launch is idempotent");
                 continue;
             }
-            let record = match self.start_rank(id, launch, assignment, &run_as, refusal) {
+            let record = match self.start_rank(&run, id, launch, assignment, &run_as, refusal) {
                 Ok(record) => record,
                 Err(e) => {
                     // Not recorded, so not started: the controller sees no report for it.
@@ -223,33 +231,58 @@ impl Launcher {
 
     /// Writes `launch.json` (it holds the environment overlay: the job's user's, 0600) after
     /// making the job's run directories private to the job's user.
-    fn write_launch_json(&self, launch: &Launch, owner: Option<Owner>) -> std::io::Result<()> {
-        self.make_run_dirs(launch.job_id, launch.attempt, None, owner)?;
-        let bytes = serde_json::to_vec_pretty(&launch_json(launch, &self.inventory, &self.layout))
+    fn write_launch_json(&self, run: &str, launch: &Launch, owner: Option<Owner>) -> std::io::Result<()> {
+        self.make_run_dirs(run, launch.job_id, launch.attempt, None, owner)?;
+        let bytes = serde_json::to_vec_pretty(&launch_json(launch, run, &self.inventory, &self.layout))
             .map_err(std::io::Error::other)?;
-        let path = self.layout.launch_json(launch.job_id, launch.attempt);
+        let path = self.layout.launch_json(run, launch.attempt);
         write_durable(&path, &bytes, PRIVATE_FILE_MODE, owner)
     }
 
-    /// Creates the job's, the attempt's and (given `rank`) the rank's run directories, mode
-    /// 0750 with the job user's group: only the agent creates entries there, only the job's
-    /// user (and root) enters.
+    /// Creates the job's run directory `run`, the attempt's and (given `rank`) the rank's, mode
+    /// 0710 with the job user's group: only the agent creates entries there, only the job's
+    /// user (and root) reads what is in them.
     fn make_run_dirs(
         &self,
+        run: &str,
         job_id: u64,
         attempt: u32,
         rank: Option<u32>,
         owner: Option<Owner>,
     ) -> std::io::Result<()> {
+        self.claim_run_dir(run)?;
         let group = owner.map(|o| o.gid);
-        let attempt_dir = self.layout.attempt_dir(job_id, attempt);
-        let job_dir = attempt_dir.parent().map(Path::to_path_buf).unwrap_or_default();
-        make_dir(&job_dir, RUN_DIR_MODE, group)?;
-        make_dir(&attempt_dir, RUN_DIR_MODE, group)?;
+        make_dir(&self.layout.run_dir(run), RUN_DIR_MODE, group)?;
+        make_dir(&self.layout.attempt_dir(run, attempt), RUN_DIR_MODE, group)?;
         if let Some(rank) = rank {
-            make_dir(&self.layout.rank_dir(RankId { job_id, attempt, rank }), RUN_DIR_MODE, group)?;
+            make_dir(&self.layout.rank_dir(run, RankId { job_id, attempt, rank }), RUN_DIR_MODE, group)?;
         }
         Ok(())
+    }
+
+    /// Makes `runs/<run>` this agent's: a directory of that name it did not make (no marker in
+    /// `state/runs/`, no rank of its own in it), left by a restored database's job or another
+    /// controller's, is moved aside (`<run>.moved-<ms>`), never reused or re-owned.
+    fn claim_run_dir(&self, run: &str) -> std::io::Result<()> {
+        let marker = self.layout.made_runs_dir().join(run);
+        if marker.exists() {
+            return Ok(());
+        }
+        let dir = self.layout.run_dir(run);
+        let ours = self.ranks.values().any(|r| r.record.files.dir.starts_with(&dir));
+        if !ours && std::fs::symlink_metadata(&dir).is_ok() {
+            let ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            let aside = self.layout.run_dir(&format!("{run}.moved-{ms}"));
+            std::fs::rename(&dir, &aside)?;
+            warn!(
+                from = %dir.display(),
+                to = %aside.display(),
+                "a run directory this agent did not make was in the way of a launch; moved aside, not reused"
+            );
+        }
+        write_durable(&marker, b"", PRIVATE_FILE_MODE, None)
     }
 
     /// Records the rank (phase `launching`, no shim yet) durably, then spawns its shim. The
@@ -259,13 +292,14 @@ impl Launcher {
     /// when the record cannot be written, and then nothing was started.
     fn start_rank(
         &self,
+        run: &str,
         id: RankId,
         launch: &Launch,
         assignment: &RankAssignment,
         run_as: &Result<RunAs, String>,
         refusal: Option<&str>,
     ) -> std::io::Result<RankRecord> {
-        let files = self.layout.rank_files(id);
+        let files = self.layout.rank_files(run, id);
         let mut record = RankRecord {
             id,
             local_rank: assignment.local_rank,
@@ -291,10 +325,10 @@ impl Launcher {
             record.message = reason.to_string();
             return Ok(record);
         }
-        self.make_run_dirs(id.job_id, id.attempt, Some(id.rank), owner(run_as))?;
+        self.make_run_dirs(run, id.job_id, id.attempt, Some(id.rank), owner(run_as))?;
         record.save(&self.layout)?;
         failpoint("before-spawn");
-        let spawned = self.spawn_shim(id, launch, assignment, run_as);
+        let spawned = self.spawn_shim(&record.files, id, launch, assignment, run_as);
         if spawned.is_ok() {
             failpoint("after-spawn");
         }
@@ -321,6 +355,7 @@ impl Launcher {
     /// hands to the rank's exec after the drop ([`crate::supervise`]).
     fn spawn_shim(
         &self,
+        files: &RankFiles,
         id: RankId,
         launch: &Launch,
         assignment: &RankAssignment,
@@ -331,7 +366,6 @@ impl Launcher {
             return Err(format!("launch refused: GPU {} is not on this host", assignment.gpu_index));
         }
         let run_as = run_as.as_ref().map_err(Clone::clone)?;
-        let files = self.layout.rank_files(id);
         let host = HostContext {
             gpus: &self.inventory.gpus,
             inherited_omp_threads: std::env::var_os("OMP_NUM_THREADS").is_some(),
@@ -352,7 +386,7 @@ impl Launcher {
         command.arg("--env-file").arg(files.env()).arg("--workdir").arg(&exec.workdir);
         let (stdout, stderr) = (shim::open_output(&files.stdout)?, shim::open_output(&files.stderr)?);
         if let RunAs::Switch(user) = run_as {
-            shim::switch_user(&mut command, &mut env, user, &files, [&stdout, &stderr])?;
+            shim::switch_user(&mut command, &mut env, user, files, [&stdout, &stderr])?;
             info!(rank_id = %id, user = %user.name, uid = user.uid, "rank runs as its job's user");
         }
         shim::bind(&mut command, &mut env, assignment);

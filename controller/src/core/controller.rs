@@ -14,7 +14,8 @@ use trainyard_store::{Fence, Lease, Store};
 use super::shared::Shared;
 use super::state::Core;
 use super::{
-    Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, heard, live, logs, steps,
+    Auth, Clock, Diagnoses, Jobs, Nodes, Receipts, Result, Role, diagnosis, faults, heard, keys, live, logs,
+    steps,
 };
 use crate::config::ControllerConfig;
 
@@ -70,6 +71,11 @@ impl Controller {
             Role::Leader(_) => faults::reload(&mut core, store.as_ref(), &config, clock.now_ms()).await?,
             Role::Follower { .. } => HashMap::new(),
         };
+        let keys = match role {
+            Role::Leader(_) => keys::Keys::load(store.as_ref(), clock.now_ms()).await?,
+            Role::Follower { .. } => keys::Keys::default(),
+        };
+        core.cluster_id = keys.cluster_id().to_string();
         tracing::info!(jobs = core.jobs.len(), agents = core.agents.len(), "state reloaded from the store");
         let (changes, _) = watch::channel(0);
         let auth = Auth::new(store.clone());
@@ -86,6 +92,7 @@ impl Controller {
             steps: steps::StepWatches::new(watches),
             started: now,
             outcomes: tokio::sync::Semaphore::new(diagnosis::OUTCOMES_AT_ONCE),
+            keys,
         };
         Ok(Arc::new(Controller { s, auth }))
     }

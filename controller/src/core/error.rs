@@ -45,6 +45,9 @@ pub enum ControllerError {
     /// This controller follows another in its group: writes go to the leader.
     #[error("{0}")]
     NotLeader(NotLeader),
+    /// The host failed the controller (no random bytes, say): named, never a panic.
+    #[error("{0}")]
+    Internal(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }

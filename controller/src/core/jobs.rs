@@ -278,10 +278,12 @@ impl Jobs<'_> {
         let Some(link) = link else {
             return Err(ControllerError::LogsUnavailable(format!(
                 "node {agent_id} is not connected, so the logs of job {job_id} rank {rank} cannot be read now; they \
-                 stay on that host under the agent's data directory, in runs/job-{job_id}/attempt-{attempt}/rank-{rank}/"
+                 stay on that host under the agent's data directory, in runs/{}/attempt-{attempt}/rank-{rank}/",
+                c.keys.run_name(&job)
             )));
         };
-        let read = ReadLogs { request_id: 0, job_id, attempt, rank, tail_lines, follow };
+        let run_name = c.keys.run_name(&job);
+        let read = ReadLogs { request_id: 0, job_id, attempt, rank, tail_lines, follow, run_name };
         c.logs.open(agent_id, link, read).await
     }
 

@@ -214,6 +214,7 @@ fn launch_messages(core: &Core, job: &ActiveJob) -> Vec<(String, Launch)> {
                 spec: Some((&job.record().spec).into()),
                 run_as: job.record().owner.run_as.clone(),
                 resume_from: job.resume_from.clone(),
+                run_name: super::keys::run_name(&core.cluster_id, job.record()),
             };
             (agent.to_string(), launch)
         })

@@ -71,6 +71,7 @@ mod fleet;
 mod follow;
 mod heard;
 mod jobs;
+mod keys;
 mod launch;
 pub mod leader;
 mod live;

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use trainyard_store::Store;
 
 use super::state::Core;
-use super::{Clock, Role, heard, logs, steps};
+use super::{Clock, Role, heard, keys, logs, steps};
 use crate::config::ControllerConfig;
 
 pub(super) struct Shared {
@@ -37,6 +37,9 @@ pub(super) struct Shared {
     pub(super) started: Instant,
     /// Turns to record an ended job's outcome (`diagnosis::OUTCOMES_AT_ONCE` at a time).
     pub(super) outcomes: tokio::sync::Semaphore,
+    /// The group's cluster id and the key of launch receipts' `[env]` hashes (a leader's; a
+    /// follower neither launches nor stores receipts, and holds none).
+    pub(super) keys: keys::Keys,
 }
 
 impl Shared {

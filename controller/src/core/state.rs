@@ -40,6 +40,8 @@ pub(super) struct Core {
     /// Bumped by [`Core::fleet_changed`]: a feasibility answer computed outside the lock is
     /// kept only if the fleet did not change meanwhile.
     pub(super) fleet_generation: u64,
+    /// The group's cluster id, in the run directory names launches carry (`keys::run_name`).
+    pub(super) cluster_id: String,
 }
 
 pub(super) struct AgentEntry {

@@ -34,6 +34,7 @@ pub fn to_status(e: ControllerError) -> tonic::Status {
         ControllerError::NotYours(_) => tonic::Status::permission_denied(e.to_string()),
         ControllerError::TooMany(_) => tonic::Status::resource_exhausted(e.to_string()),
         ControllerError::NotLeader(refusal) => not_leader(&refusal),
+        ControllerError::Internal(_) => tonic::Status::internal(e.to_string()),
         ControllerError::Store(StoreError::JobNotFound(_)) => tonic::Status::not_found(e.to_string()),
         ControllerError::Store(StoreError::StateConflict { .. }) => tonic::Status::aborted(e.to_string()),
         // Database text (SQL, constraint names, server messages) stays in the controller's log:

@@ -1,0 +1,115 @@
+//! What a controller group keeps for the life of its database (`controller_secrets`), read or
+//! created by the leader when it starts:
+//!
+//! - the cluster id, in every run directory's name (`job-<id>-<cluster>-<submitted ms>`), so
+//!   that a job id a restored database or another controller repeats never meets an old job's
+//!   files on a node;
+//! - the key of the keyed hash that launch receipts carry instead of `[env]` values, so two runs
+//!   still compare equal or not while nobody who reads receipts learns a value (a plain hash of
+//!   `1` is `1` to anyone who tries).
+
+use hmac::{Hmac, Mac as _};
+use sha2::Sha256;
+use trainyard_store::{JobRecord, Store};
+
+use super::Result;
+
+/// The prefix of a hashed value in a stored launch receipt.
+pub const ENV_HASH_PREFIX: &str = "hmac-sha256:";
+
+#[derive(Clone, Default)]
+pub(super) struct Keys {
+    cluster_id: String,
+    env_hash_key: Vec<u8>,
+}
+
+impl std::fmt::Debug for Keys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keys").field("cluster_id", &self.cluster_id).finish_non_exhaustive()
+    }
+}
+
+impl Keys {
+    /// The group's keys, created on the first start of a database.
+    pub(super) async fn load(store: &dyn Store, now_ms: i64) -> Result<Keys> {
+        let cluster_id = store.secret("cluster_id", &random_hex(4)?, now_ms).await?;
+        let key = store.secret("env_hash_key", &random_hex(32)?, now_ms).await?;
+        Ok(Keys { cluster_id, env_hash_key: key.into_bytes() })
+    }
+
+    pub(super) fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// The name of `job`'s run directory on its nodes ([`run_name`]).
+    pub(super) fn run_name(&self, job: &JobRecord) -> String {
+        run_name(&self.cluster_id, job)
+    }
+
+    /// `value` as launch receipts keep it: `hmac-sha256:` and 32 hex digits.
+    pub(super) fn env_hash(&self, value: &str) -> String {
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(&self.env_hash_key).expect("HMAC takes a key of any size");
+        mac.update(value.as_bytes());
+        let digest = mac.finalize().into_bytes();
+        let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+        format!("{ENV_HASH_PREFIX}{hex}")
+    }
+
+    /// A launch receipt's body with each `env` value replaced by its keyed hash (names kept,
+    /// `null` for a variable the rank unset kept); `None` when there is nothing to hash.
+    pub(super) fn hash_launch_env(&self, body: &str) -> Option<String> {
+        let mut doc: serde_json::Value = serde_json::from_str(body).ok()?;
+        let env = doc.get_mut("env")?.as_object_mut()?;
+        let mut changed = false;
+        for value in env.values_mut() {
+            if let serde_json::Value::String(s) = value
+                && !s.starts_with(ENV_HASH_PREFIX)
+            {
+                *value = serde_json::Value::String(self.env_hash(s));
+                changed = true;
+            }
+        }
+        changed.then(|| doc.to_string())
+    }
+}
+
+/// The name of `job`'s run directory on its nodes, `job-<id>-<cluster id>-<submitted ms>`:
+/// unique to this database's job, so a repeated job id never meets an old job's files.
+pub(super) fn run_name(cluster_id: &str, job: &JobRecord) -> String {
+    format!("job-{}-{cluster_id}-{}", job.id, job.created_at_ms)
+}
+
+fn random_hex(bytes: usize) -> Result<String> {
+    let mut buf = vec![0u8; bytes];
+    getrandom::fill(&mut buf)
+        .map_err(|e| super::ControllerError::Internal(format!("read random bytes: {e}")))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(key: &str) -> Keys {
+        Keys { cluster_id: "c0ffee00".into(), env_hash_key: key.as_bytes().to_vec() }
+    }
+
+    #[test]
+    fn env_values_become_keyed_hashes_that_compare() {
+        let k = keys("one key");
+        let body = r#"{"kind":"launch","env":{"HF_TOKEN":"hf_secret","N":"1","GONE":null}}"#;
+        let hashed = k.hash_launch_env(body).expect("hashed");
+        assert!(!hashed.contains("hf_secret"), "{hashed}");
+        let doc: serde_json::Value = serde_json::from_str(&hashed).unwrap();
+        assert_eq!(doc["env"]["GONE"], serde_json::Value::Null);
+        let one = doc["env"]["N"].as_str().unwrap();
+        assert!(one.starts_with(ENV_HASH_PREFIX) && one.len() == ENV_HASH_PREFIX.len() + 32, "{one}");
+        // Keyed: not the plain SHA-256 of "1", and another controller's key gives another hash.
+        assert_ne!(one, keys("another key").env_hash("1"));
+        assert_eq!(one, k.env_hash("1"), "the same value under one key compares equal");
+        // Hashing again changes nothing; a receipt without env is left alone.
+        assert_eq!(k.hash_launch_env(&hashed), None);
+        assert_eq!(k.hash_launch_env(r#"{"kind":"launch"}"#), None);
+    }
+}
