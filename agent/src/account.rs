@@ -17,7 +17,15 @@ pub struct Account {
     /// Supplementary groups (the primary one included), from the group database.
     pub groups: Vec<u32>,
     pub home: String,
+    /// The groups of [`groups`](Self::groups) that give root, or the means to it (gid 0,
+    /// [`PRIVILEGED_GROUPS`]), by name.
+    pub privileged: Vec<String>,
 }
+
+/// Groups whose members hold root or a short way to it: sudo rights, the container daemons'
+/// sockets, raw disks, the shadow file. A rank never runs with one of them.
+pub const PRIVILEGED_GROUPS: [&str; 10] =
+    ["root", "sudo", "wheel", "admin", "docker", "lxd", "incus-admin", "libvirt", "disk", "shadow"];
 
 /// How a launch's ranks are started: as the agent itself, or switched to an account.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +61,18 @@ pub fn decide(
     if account.uid == 0 {
         return Err(format!(
             "launch refused: account {requested:?} is root (uid 0); ranks never run as root"
+        ));
+    }
+    if account.gid == 0 {
+        return Err(format!(
+            "launch refused: account {requested:?} has group 0 (root) as its primary group; ranks never run with root's group"
+        ));
+    }
+    if !account.privileged.is_empty() {
+        return Err(format!(
+            "launch refused: account {requested:?} is in the privileged group(s) {}, which give root or a way to it; \
+             map the user to an account without them",
+            account.privileged.join(", ")
         ));
     }
     match (as_root, account.uid == agent_uid) {
@@ -93,7 +113,31 @@ pub fn lookup(name: &str) -> Option<Account> {
         (pwd.pw_uid, pwd.pw_gid, home)
     };
     let groups = group_list(&c_name, gid);
-    Some(Account { name: name.to_string(), uid, gid, groups, home })
+    let privileged = groups
+        .iter()
+        .filter_map(|&g| match group_name(g) {
+            Some(n) if PRIVILEGED_GROUPS.contains(&n.as_str()) => Some(n),
+            _ if g == 0 => Some("gid 0".to_string()),
+            _ => None,
+        })
+        .collect();
+    Some(Account { name: name.to_string(), uid, gid, groups, home, privileged })
+}
+
+/// The name of group `gid`, from the group database.
+fn group_name(gid: u32) -> Option<String> {
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: a zeroed group is a valid out-parameter; getgrgid_r writes into `grp` and `buf`
+    // (whose length we pass) and sets `result` to `&grp` or null.
+    unsafe {
+        let mut grp: libc::group = std::mem::zeroed();
+        let mut result: *mut libc::group = std::ptr::null_mut();
+        let rc = libc::getgrgid_r(gid, &mut grp, buf.as_mut_ptr(), buf.len(), &mut result);
+        if rc != 0 || result.is_null() || grp.gr_name.is_null() {
+            return None;
+        }
+        Some(CStr::from_ptr(grp.gr_name).to_string_lossy().into_owned())
+    }
 }
 
 fn group_list(name: &CStr, gid: u32) -> Vec<u32> {
@@ -118,7 +162,8 @@ mod tests {
     use super::*;
 
     fn account(name: &str, uid: u32) -> Option<Account> {
-        Some(Account { name: name.into(), uid, gid: uid, groups: vec![uid], home: format!("/home/{name}") })
+        let home = format!("/home/{name}");
+        Some(Account { name: name.into(), uid, gid: uid, groups: vec![uid], home, privileged: vec![] })
     }
 
     fn table(name: &str) -> Option<Account> {
@@ -126,8 +171,22 @@ mod tests {
             "alice" => account("alice", 1001),
             "toor" => account("toor", 0),
             "dev" => account("dev", 1000),
+            "wheeler" => account("wheeler", 1002).map(|a| Account { gid: 0, ..a }),
+            "ops" => account("ops", 1003)
+                .map(|a| Account { privileged: vec!["docker".into(), "sudo".into()], ..a }),
             _ => None,
         }
+    }
+
+    #[test]
+    fn accounts_with_roots_group_or_a_privileged_one_are_refused_naming_it() {
+        let e = decide("wheeler", 0, false, table).unwrap_err();
+        assert!(e.contains("group 0"), "{e}");
+        let e = decide("ops", 0, false, table).unwrap_err();
+        assert!(e.contains("docker, sudo"), "{e}");
+        // The real databases: root's own groups name gid 0; nobody's none.
+        assert!(lookup("root").unwrap().privileged.iter().any(|g| g == "root" || g == "gid 0"));
+        assert!(lookup("nobody").unwrap().privileged.is_empty());
     }
 
     #[test]

@@ -45,6 +45,9 @@ pub struct AgentConfig {
     /// When the agent runs as root, run launches that name no Unix account (the loopback
     /// demo's) as root instead of refusing them. For a single-user development box only.
     pub allow_root_ranks: bool,
+    /// Hold each rank's processes with its shim as a child subreaper even where cgroups can
+    /// be made (`--process-tracking subreaper`); by default, cgroups where the host allows.
+    pub subreaper_only: bool,
     /// Where preemption notices come from (`crate::notice`), how often it is polled, and how
     /// long the host has once one comes (30 s, GCP's; AWS gives 120 s).
     pub preemption_notice: Option<crate::notice::NoticeSource>,
@@ -105,6 +108,7 @@ impl AgentConfig {
             metrics_addr_file: None,
             tls: None,
             allow_root_ranks: false,
+            subreaper_only: false,
             preemption_notice: None,
             notice_poll: Duration::from_secs(1),
             notice_deadline: Duration::from_secs(30),

@@ -27,6 +27,8 @@ pub const PREFLIGHT_REPORT: &str = "TRAINYARD_PREFLIGHT_REPORT";
 /// Set for the ranks of a job that holds part of its host, never from the overlay nor inherited
 /// from the agent's own environment.
 pub const VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
+/// The resume candidates from the agent to the shim, never seen by the rank.
+pub const RESUME_CANDIDATES: &str = "TRAINYARD_RESUME_CANDIDATES";
 
 /// What the host contributes to a rank's environment.
 #[derive(Debug, Clone, Default)]
@@ -117,8 +119,10 @@ pub fn rank_env(
             "TRAINYARD_CHECKPOINT_REQUEST",
             crate::layout::checkpoint_request_beside(receipts).display().to_string(),
         ),
-        ("TRAINYARD_RESUME_STEP", resume_point(launch).map(|p| p.step.to_string()).unwrap_or_default()),
-        ("TRAINYARD_RESUME_PATH", resume_point(launch).map(|p| p.path.clone()).unwrap_or_default()),
+        // Chosen by the shim, as the job's user, from the candidates (`resume_candidates`).
+        ("TRAINYARD_RESUME_STEP", String::new()),
+        ("TRAINYARD_RESUME_PATH", String::new()),
+        (RESUME_CANDIDATES, resume_candidates(launch)),
         // The overlay names that reached the process, comma-separated, so a receipt helper
         // records the overlay (and only it) in its launch receipt.
         ("TRAINYARD_ENV_OVERLAY", applied_overlay),
@@ -148,18 +152,26 @@ fn source_dir(launch: &Launch) -> String {
     }
 }
 
-/// The newest checkpoint of an earlier attempt that every rank reported (the controller's
-/// list) and whose path exists here (a relative path is read from the job's workdir), when the
-/// attempt resumes.
-fn resume_point(launch: &Launch) -> Option<&trainyard_proto::v1::ResumePoint> {
-    if !resumes(launch) {
-        return None;
+/// The checkpoints of earlier attempts that every rank reported (the controller's list, newest
+/// first), as the shim gets them in the rank's environment: a JSON list of `[step, path]`, a
+/// relative path read from the job's workdir; empty when the attempt does not resume. The shim
+/// gives the rank the newest whose path exists as the job's user sees it
+/// ([`crate::supervise::pick_resume_point`]): the agent, root, never looks at a path a user
+/// named.
+fn resume_candidates(launch: &Launch) -> String {
+    if !resumes(launch) || launch.resume_from.is_empty() {
+        return String::new();
     }
     let workdir = match launch.spec.as_ref().and_then(|s| s.engine.as_ref()) {
         Some(job_spec::Engine::Exec(e)) => e.workdir.as_str(),
         _ => "",
     };
-    launch.resume_from.iter().find(|p| Path::new(workdir).join(&p.path).exists())
+    let list: Vec<(i64, String)> = launch
+        .resume_from
+        .iter()
+        .map(|p| (p.step, Path::new(workdir).join(&p.path).display().to_string()))
+        .collect();
+    serde_json::to_string(&list).unwrap_or_default()
 }
 
 /// A restarted attempt of a job whose restart policy says resume continues from the last
@@ -332,15 +344,15 @@ mod tests {
         // Step 30's files did not reach this host's storage; step 20's did.
         l.resume_from =
             vec![point(30, &dir.path().join("step_30")), point(20, &present), point(10, &present)];
-        let env = env_of(&l, &a, &[]);
-        assert_eq!(env.vars["TRAINYARD_RESUME_STEP"], "20");
-        assert_eq!(env.vars["TRAINYARD_RESUME_PATH"], present.display().to_string());
+        let mut env = env_of(&l, &a, &[]).vars;
+        crate::supervise::pick_resume_point(&mut env);
+        assert_eq!(env["TRAINYARD_RESUME_STEP"], "20");
+        assert_eq!(env["TRAINYARD_RESUME_PATH"], present.display().to_string());
+        assert!(!env.contains_key(RESUME_CANDIDATES), "the candidates never reach the rank");
         l.resume_from.truncate(1);
-        let env = env_of(&l, &a, &[]);
-        assert_eq!(
-            (env.vars["TRAINYARD_RESUME_STEP"].as_str(), env.vars["TRAINYARD_RESUME_PATH"].as_str()),
-            ("", "")
-        );
+        let mut env = env_of(&l, &a, &[]).vars;
+        crate::supervise::pick_resume_point(&mut env);
+        assert_eq!((env["TRAINYARD_RESUME_STEP"].as_str(), env["TRAINYARD_RESUME_PATH"].as_str()), ("", ""));
     }
 
     #[test]

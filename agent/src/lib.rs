@@ -8,6 +8,8 @@
 //! - [`layout`]: where things live under the data directory (run directories, state files).
 //! - [`pinning`]: binds a rank to its planned CPUs and NUMA memory node, reads back the binding.
 //! - [`procfs`]: the few `/proc` and signal helpers the launcher needs (liveness, start times).
+//! - [`cgroup`]: every process of a rank held in its cgroups (v2, v1), or by its shim as a
+//!   child subreaper; killed together, counted, limited.
 //! - [`env`]: the rank environment (torchrun variables, `TRAINYARD_*`, the job's overlay).
 //! - [`bootstrap`]: the Python bootstrap an `exec` rank gets on its path (receipts of a script
 //!   nobody changed), written under the data directory at start.
@@ -36,6 +38,7 @@
 pub mod account;
 pub mod address;
 pub mod bootstrap;
+pub mod cgroup;
 pub mod config;
 pub mod connection;
 pub mod env;

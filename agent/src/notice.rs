@@ -11,8 +11,11 @@
 //! - `cmd:PROGRAM [ARGS...]`: a command run at every poll; exit 0 with output is the notice.
 //!
 //! [`NoticeSource::parse`] refuses a source that cannot work (an unknown scheme, a file in a
-//! directory that does not exist, a program that is not there) with the reason, so the agent
-//! does not start with a watch that would never fire. A poll that fails later (the endpoint
+//! directory that does not exist, a program that is not there) or that others could forge (a
+//! file in a directory anyone but root or the agent's account may write) with the reason, so
+//! the agent does not start with a watch that would never fire, or fire for anyone. A notice
+//! file is read without following links, only when it is a regular file of root or the agent's
+//! account, at most 512 bytes. A poll that fails later (the endpoint
 //! down) is logged and tried again; it never stops the agent.
 
 use std::path::{Path, PathBuf};
@@ -45,6 +48,9 @@ impl NoticeSource {
             let dir = path.parent().unwrap_or(Path::new("/"));
             if std::fs::read_dir(dir).is_err() {
                 return bad(format!("its directory {} cannot be read", dir.display()));
+            }
+            if let Err(why) = trusted_dir(dir) {
+                return bad(why);
             }
             return Ok(NoticeSource::File(path));
         }
@@ -84,11 +90,12 @@ impl NoticeSource {
 
     async fn poll_once(&self) -> Result<Option<String>, String> {
         match self {
-            NoticeSource::File(path) => match tokio::fs::read(path).await {
-                Ok(bytes) => Ok(Some(detail(&bytes, "notice file present"))),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                Err(e) => Err(format!("read {}: {e}", path.display())),
-            },
+            NoticeSource::File(path) => {
+                let path = path.clone();
+                tokio::task::spawn_blocking(move || read_notice_file(&path))
+                    .await
+                    .map_err(|e| format!("read the notice file: {e}"))?
+            }
             NoticeSource::Http { host, port, path } => {
                 let (status, body) = http_get(host, *port, path).await?;
                 let text = String::from_utf8_lossy(&body).trim().to_string();
@@ -106,6 +113,70 @@ impl NoticeSource {
             }
         }
     }
+}
+
+/// Who may own a notice file and its directory: root, or the account the agent runs as.
+fn trusted_owner(uid: u32) -> bool {
+    uid == 0 || uid == crate::account::effective_uid()
+}
+
+/// A notice file's directory must be one nobody else can write: otherwise a local user could
+/// plant the notice (draining the node) or link it to a file only root may read.
+fn trusted_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::metadata(dir).map_err(|e| format!("its directory {}: {e}", dir.display()))?;
+    if !trusted_owner(m.uid()) {
+        return Err(format!(
+            "its directory {} belongs to uid {}, not root or this agent's account: another user could plant the notice",
+            dir.display(),
+            m.uid()
+        ));
+    }
+    if m.mode() & 0o022 != 0 {
+        return Err(format!(
+            "its directory {} is writable by others (mode {:o}): another user could plant the notice or link it elsewhere; \
+             give the agent a directory only root writes, e.g. /run/trainyard",
+            dir.display(),
+            m.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
+/// The notice file at `path`, read safely: never through a link, only a regular file owned by
+/// root or the agent's account, never blocking (a FIFO), at most [`MAX_DETAIL`] bytes.
+/// `Ok(None)` while there is none; `Err` (logged, no notice) for anything else there.
+fn read_notice_file(path: &Path) -> Result<Option<String>, String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(format!("{} is a symbolic link: ignored, not a notice", path.display()));
+        }
+        Err(e) => return Err(format!("read {}: {e}", path.display())),
+    };
+    let m = file.metadata().map_err(|e| format!("read {}: {e}", path.display()))?;
+    if !m.is_file() {
+        return Err(format!("{} is not a regular file: ignored, not a notice", path.display()));
+    }
+    if !trusted_owner(m.uid()) {
+        return Err(format!(
+            "{} belongs to uid {}, not root or this agent's account: ignored, not a notice",
+            path.display(),
+            m.uid()
+        ));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_DETAIL as u64)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("read {}: {e}", path.display()))?;
+    Ok(Some(detail(&bytes, "notice file present")))
 }
 
 fn detail(bytes: &[u8], empty: &str) -> String {
@@ -214,6 +285,44 @@ mod tests {
                 path: "/computeMetadata/v1/instance/preempted".into()
             }
         );
+    }
+
+    /// A notice file is the operator's: in a directory others can write, it is refused at
+    /// start; a link, a FIFO, or a file another user owns is no notice; a long one is cut.
+    #[tokio::test]
+    async fn a_notice_file_is_read_only_when_nobody_else_could_have_put_it_there() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let open = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(open.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let text = format!("file:{}", open.path().join("notice").display());
+        let e = NoticeSource::parse(&text).unwrap_err();
+        assert!(e.contains("writable by others") && e.contains("1777"), "{e}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notice");
+        let file = NoticeSource::File(path.clone());
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "root-only first line\n").unwrap();
+        std::os::unix::fs::symlink(&secret, &path).unwrap();
+        let e = file.poll().await.unwrap_err();
+        assert!(e.contains("symbolic link"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+
+        let fifo = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo on a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let e = file.poll().await.unwrap_err();
+        assert!(e.contains("not a regular file"), "a FIFO neither blocks nor counts: {e}");
+        std::fs::remove_file(&path).unwrap();
+
+        std::fs::write(&path, "x".repeat(100_000)).unwrap();
+        assert_eq!(file.poll().await.unwrap().unwrap().len(), MAX_DETAIL, "a bounded prefix");
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(&path, Some(65534), None).unwrap();
+            let e = file.poll().await.unwrap_err();
+            assert!(e.contains("uid 65534"), "{e}");
+        }
     }
 
     #[tokio::test]

@@ -8,6 +8,8 @@ use std::io;
 pub struct ProcStat {
     /// Field 3: `R`, `S`, `Z` (zombie), ...
     pub state: char,
+    /// Field 4: the parent's pid.
+    pub ppid: u32,
     /// Field 5.
     pub pgrp: i32,
     /// Field 22: start time in clock ticks after boot. With the pid it identifies a process
@@ -29,6 +31,7 @@ pub fn parse_stat(text: &str) -> Option<ProcStat> {
     // fields[0] is field 3 of the file.
     Some(ProcStat {
         state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
         pgrp: fields.get(2)?.parse().ok()?,
         start_time: fields.get(19)?.parse().ok()?,
     })
@@ -37,6 +40,52 @@ pub fn parse_stat(text: &str) -> Option<ProcStat> {
 /// Whether `pid` is a live (not zombie) process that started at `start_time`.
 pub fn is_same_live_process(pid: u32, start_time: u64) -> bool {
     stat(pid).is_some_and(|s| s.state != 'Z' && s.start_time == start_time)
+}
+
+/// The pids of the children of `parent` (zombies included: they still need reaping).
+pub fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| stat(pid).is_some_and(|s| s.ppid == parent))
+        .collect()
+}
+
+/// Marks every descriptor from `first` up close-on-exec, so a program started next inherits
+/// only its stdin, stdout and stderr. Between fork and exec: async-signal-safe, allocates
+/// nothing; marks rather than closes, so the pipe std reports an exec failure on keeps working.
+pub fn cloexec_from(first: u32) {
+    // SAFETY: close_range and fcntl with integer arguments.
+    unsafe {
+        if libc::syscall(libc::SYS_close_range, first, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) == 0 {
+            return;
+        }
+        // Kernels before 5.11: one fcntl per possible descriptor, up to the limit.
+        let max = libc::sysconf(libc::_SC_OPEN_MAX).clamp(0, 1 << 20) as i32;
+        for fd in first as i32..max {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+}
+
+/// Whether `pid` is a live process started at `start_time` that runs `program` (an upgraded
+/// binary's " (deleted)" path counts as the same) under this process's own uid: a shim of this
+/// agent, never a user's process that reused the pid (after a reboot, start times repeat) or
+/// copied the shim's arguments.
+pub fn is_own_process(pid: u32, start_time: u64, program: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    if !is_same_live_process(pid, start_time) {
+        return false;
+    }
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let owner = std::fs::metadata(format!("/proc/{pid}")).map(|m| m.uid()).ok();
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+    let exe = exe.as_ref().and_then(|p| p.to_str()).map(|p| p.trim_end_matches(" (deleted)").to_string());
+    let wanted = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf());
+    owner == Some(me) && exe.is_some_and(|e| std::path::Path::new(&e) == wanted)
 }
 
 /// Sends `signal` to the process group `pgid`. `Ok(false)` when the group no longer exists.

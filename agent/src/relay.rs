@@ -98,6 +98,11 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     let mut launcher = Launcher::new(layout, config.shim_program.clone(), inventory)
         .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?
         .allow_root_ranks(config.allow_root_ranks);
+    if config.subreaper_only {
+        let tracking = crate::cgroup::Tracking::Subreaper("--process-tracking subreaper".into());
+        info!("{}", tracking.describe());
+        launcher = launcher.with_tracking(tracking);
+    }
     if config.allow_root_ranks && crate::account::effective_uid() == 0 {
         warn!(
             "--allow-root-ranks: jobs that name no Unix account run their ranks as root on this node; never use it on a shared node"

@@ -59,6 +59,18 @@ pub struct RankRecord {
     /// job's pattern and how far it read ([`crate::printed`]).
     #[serde(default)]
     pub printed: Option<crate::printed::PrintedState>,
+    /// The rank's cgroups (empty: tracked by its shim as a subreaper, or not started).
+    #[serde(default)]
+    pub cgroup: crate::cgroup::RankGroup,
+    /// What the rank used, from `exit.json`, and processes it left that its shim killed.
+    #[serde(default)]
+    pub usage: crate::cgroup::Usage,
+    #[serde(default)]
+    pub leftover_killed: Option<usize>,
+    /// The agent's exit receipt for the rank was appended to its receipts file (saved first,
+    /// so a restarted agent never appends it twice).
+    #[serde(default)]
+    pub exit_receipt: bool,
 }
 
 impl RankRecord {

@@ -35,8 +35,12 @@ use std::process::{Command, ExitStatus};
 
 use serde::{Deserialize, Serialize};
 
+use crate::cgroup::{Joiner, RankGroup, Usage};
 use crate::layout::write_atomic;
 use crate::pinning::Binding;
+
+/// How long the shim waits for the rank's leftover processes to die after SIGKILL.
+const LEFTOVER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Exit code written when the rank could not be started at all (as a shell would for a
 /// command it cannot run).
@@ -64,6 +68,10 @@ pub struct SuperviseArgs {
     pub binding: Option<Binding>,
     /// The user the rank runs as; `None`: the shim's own.
     pub user: Option<SwitchUser>,
+    /// The rank's cgroups, joined between fork and exec and emptied when the rank ends.
+    pub group: RankGroup,
+    /// No cgroups: the shim is a child subreaper and kills the rank's orphans when it ends.
+    pub subreaper: bool,
     pub argv: Vec<String>,
 }
 
@@ -82,11 +90,23 @@ pub struct ExitFile {
     pub signal: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// CPU time and peak memory of every process of the rank (from its cgroups).
+    #[serde(default, flatten)]
+    pub usage: Usage,
+    /// Processes of the rank still alive when it ended, killed by the shim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leftover_killed: Option<usize>,
 }
 
 impl ExitFile {
     fn from_status(status: ExitStatus) -> Self {
-        Self { exit_code: status.code(), signal: status.signal(), error: None }
+        Self {
+            exit_code: status.code(),
+            signal: status.signal(),
+            error: None,
+            usage: Usage::default(),
+            leftover_killed: None,
+        }
     }
 
     /// Reads an `exit.json`.
@@ -124,13 +144,43 @@ pub fn supervise(args: &SuperviseArgs) -> i32 {
     if let Err(e) = survive_termination_signals() {
         eprintln!("trainyard-agent supervise: failed to install signal handlers: {e}");
     }
-    let outcome = match run_rank(args) {
+    if args.subreaper
+        && let Err(e) = crate::cgroup::become_subreaper()
+    {
+        eprintln!("trainyard-agent supervise: cannot become a child subreaper: {e}");
+    }
+    let mut outcome = match run_rank(args) {
         Ok(status) => ExitFile::from_status(status),
         Err(e) => {
             eprintln!("trainyard-agent supervise: {e}");
-            ExitFile { exit_code: Some(SPAWN_FAILED_EXIT_CODE), signal: None, error: Some(e) }
+            ExitFile {
+                exit_code: Some(SPAWN_FAILED_EXIT_CODE),
+                signal: None,
+                error: Some(e),
+                usage: Usage::default(),
+                leftover_killed: None,
+            }
         }
     };
+    // The rank ended: what it left behind (a `setsid` child, a daemonized loader) goes with it.
+    let left = if args.group.is_empty() {
+        args.subreaper.then(|| crate::cgroup::reap_orphans(LEFTOVER_WAIT))
+    } else {
+        match args.group.kill_and_wait(LEFTOVER_WAIT) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                eprintln!("trainyard-agent supervise: cannot empty the rank's cgroups: {e}");
+                None
+            }
+        }
+    };
+    outcome.leftover_killed = left.filter(|n| *n > 0);
+    if !args.group.is_empty() {
+        outcome.usage = args.group.usage();
+        if let Err(e) = args.group.remove() {
+            eprintln!("trainyard-agent supervise: cannot remove the rank's cgroups: {e}");
+        }
+    }
     match outcome.write(&args.status_file) {
         Ok(()) => 0,
         Err(e) => {
@@ -142,7 +192,9 @@ pub fn supervise(args: &SuperviseArgs) -> i32 {
 
 fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
     let (program, rest) = args.argv.split_first().ok_or("spawn failed: empty argv")?;
-    let env = read_env_file(&args.env_file)?;
+    let mut env = read_env_file(&args.env_file)?;
+    // Paths a user named are looked at as that user: a root-only directory stays unseen.
+    as_user(args.user.as_ref(), || pick_resume_point(&mut env))?;
     let path_var = env.get("PATH").map_or(DEFAULT_EXECVP_PATH, String::as_str);
     as_user(args.user.as_ref(), || check_launch(program, &args.workdir, path_var))??;
     let workdir = CString::new(args.workdir.as_os_str().as_bytes())
@@ -151,14 +203,19 @@ fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
     command.args(rest).env_clear().envs(&env);
     let binding = args.binding.as_ref().map(Binding::prepare);
     let user = args.user.clone();
-    // SAFETY: setpgid, sched_setaffinity, set_mempolicy, setgroups, setgid, setuid, chdir and
-    // write are async-signal-safe, and the binding, group list and workdir were prepared before
-    // the fork: nothing here allocates.
+    let joiner = Joiner::new(&args.group).map_err(|e| format!("spawn failed: the rank's cgroups: {e}"))?;
+    // SAFETY: setpgid, open, write, close, fcntl, sched_setaffinity, set_mempolicy, setgroups,
+    // setgid, setuid and chdir are async-signal-safe, and the binding, cgroup paths, group list
+    // and workdir were prepared before the fork: nothing here allocates.
     unsafe {
         command.pre_exec(move || {
             if libc::setpgid(0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            // Into the rank's cgroups while still root: everything it starts stays there.
+            joiner.join_in_child()?;
+            // Nothing the agent or the shim inherited reaches the rank.
+            crate::procfs::cloexec_from(3);
             if let Some(b) = &binding {
                 b.apply_in_child();
             }
@@ -185,6 +242,19 @@ fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
     }
     // std's wait retries on EINTR, so a caught SIGTERM does not end the wait.
     child.wait().map_err(|e| format!("wait for rank failed: {e}"))
+}
+
+/// Gives the rank the newest resume point whose path exists (`TRAINYARD_RESUME_STEP`, `_PATH`)
+/// from the candidates the agent passed (`TRAINYARD_RESUME_CANDIDATES`, removed here). Run with
+/// the rank user's effective ids, so a path the user could not see is not chosen (and the
+/// user learns nothing of root-only directories).
+pub fn pick_resume_point(env: &mut BTreeMap<String, String>) {
+    let Some(text) = env.remove(crate::env::RESUME_CANDIDATES) else { return };
+    let candidates: Vec<(i64, String)> = serde_json::from_str(&text).unwrap_or_default();
+    if let Some((step, path)) = candidates.into_iter().find(|(_, p)| Path::new(p).exists()) {
+        env.insert("TRAINYARD_RESUME_STEP".into(), step.to_string());
+        env.insert("TRAINYARD_RESUME_PATH".into(), path);
+    }
 }
 
 /// glibc's `execvp` search path when the environment has no `PATH`.

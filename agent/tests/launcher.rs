@@ -125,7 +125,16 @@ async fn rank_gets_its_environment_and_exit_status() {
         assert_eq!((exit.exit_code, exit.signal), (Some(3), None));
         assert_eq!(std::fs::read_to_string(&r.files.stdout).unwrap(), "out\n");
         assert_eq!(std::fs::read_to_string(&r.files.stderr).unwrap(), "err\n");
-        assert_eq!(std::fs::read_to_string(&r.files.receipts).unwrap(), "{\"kind\":\"step\",\"step\":1}\n");
+        // The rank's line, then the agent's exit receipt: how it ended, what it used.
+        let receipts = std::fs::read_to_string(&r.files.receipts).unwrap();
+        let lines: Vec<&str> = receipts.lines().collect();
+        assert_eq!(lines[0], "{\"kind\":\"step\",\"step\":1}");
+        let exit: serde_json::Value = serde_json::from_str(lines[1]).unwrap();
+        assert_eq!(
+            (&exit["kind"], &exit["status"], &exit["exit_code"]),
+            (&"exit".into(), &"failed".into(), &3.into())
+        );
+        assert_eq!(lines.len(), 2, "one exit receipt: {receipts}");
         let env: HashMap<String, String> =
             std::fs::read_to_string(h.workdir().join(format!("env-{rank}.txt")))
                 .unwrap()
@@ -381,4 +390,49 @@ async fn vanished_supervisor_makes_the_rank_lost_and_kills_its_group() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("rank group {pid} survived its lost supervisor");
+}
+
+/// The checkpoint a restarted rank resumes from is chosen as the job's user sees the paths:
+/// one in a directory only root may enter is passed over for an older one the user can reach
+/// (the rank would otherwise learn that a root-only path exists). As the shim's own account,
+/// the newest is chosen.
+#[tokio::test]
+async fn the_resume_point_is_chosen_as_the_jobs_user() {
+    use std::os::unix::fs::PermissionsExt as _;
+    if trainyard_agent::account::effective_uid() != 0 {
+        assert!(std::env::var_os("CI").is_none(), "CI runs as root: this must run there");
+        println!("skipped: running a rank as another user needs root");
+        return;
+    }
+    let mut h = Harness::new();
+    for p in [h.dir.path().to_path_buf(), h.workdir()] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let hidden = h.dir.path().join("root-only");
+    std::fs::create_dir_all(hidden.join("step_30")).unwrap();
+    std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let shared = h.dir.path().join("shared");
+    std::fs::create_dir_all(shared.join("step_20")).unwrap();
+    let point = |step: i64, path: PathBuf| trainyard_proto::v1::ResumePoint {
+        step,
+        path: path.display().to_string(),
+    };
+    for (job, run_as, want) in [(70, "nobody", "20"), (71, "", "30")] {
+        let mut l = launch(
+            job,
+            1,
+            &h.workdir(),
+            &["sh", "-c", "echo \"$TRAINYARD_RESUME_STEP $TRAINYARD_RESUME_PATH\""],
+            &[],
+        );
+        l.run_as = run_as.into();
+        l.spec.as_mut().unwrap().restart =
+            Some(trainyard_proto::v1::RestartPolicy { max_restarts: 3, resume: true, ..Default::default() });
+        l.resume_from = vec![point(30, hidden.join("step_30")), point(20, shared.join("step_20"))];
+        h.launcher.launch(&l);
+        h.wait_for(id(job, 0), "exited", |p, _| p == RankState::Exited).await;
+        let r = &h.launcher.get(id(job, 0)).unwrap().record;
+        let out = std::fs::read_to_string(&r.files.stdout).unwrap();
+        assert!(out.starts_with(&format!("{want} ")), "{run_as:?}: {out:?} ({})", r.message);
+    }
 }

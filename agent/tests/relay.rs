@@ -56,7 +56,9 @@ echo garbage >> "$TRAINYARD_RECEIPTS"; printf '{"kind":"exit"}' >> "$TRAINYARD_R
             other => panic!("unexpected {other:?}"),
         }
     };
-    assert_eq!(seqs, vec![0, 1, 2, 4], "every receipt, the unterminated last one too, before the exit");
+    // The rank's receipts, its unterminated last one too, then the agent's exit receipt (on a
+    // line of its own), all before the exit.
+    assert_eq!(seqs, vec![0, 1, 2, 4, 5], "every receipt, the unterminated last one too, before the exit");
     assert_eq!((exited.exit_code, exited.signal, exited.skipped_lines), (0, 0, 1));
 
     let state_file = dir.path().join("data/state/ranks/9.0.0.json");

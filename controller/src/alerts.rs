@@ -40,7 +40,7 @@ pub struct Target {
 impl Target {
     /// Parses `http://HOST[:PORT]/PATH` or `https://...`; the error says what is wrong.
     pub fn parse(url: &str) -> Result<Target, String> {
-        let bad = |why: &str| format!("--alert-webhook {url:?}: {why}");
+        let bad = |why: &str| format!("--alert-webhook {:?}: {why}", mask_path(url));
         let (https, rest) = match url.split_once("://") {
             Some(("http", rest)) => (false, rest),
             Some(("https", rest)) => (true, rest),
@@ -66,9 +66,21 @@ impl Target {
         Ok(Target { https, host: host.to_string(), port, path: path.to_string() })
     }
 
+    /// The URL as logs and errors show it: the path (where Slack and friends keep the token)
+    /// masked.
     fn url(&self) -> String {
         let scheme = if self.https { "https" } else { "http" };
-        format!("{scheme}://{}:{}{}", self.host, self.port, self.path)
+        mask_path(&format!("{scheme}://{}:{}{}", self.host, self.port, self.path))
+    }
+}
+
+/// `url` with everything after the host masked (`https://hooks.example:443/***`): a webhook's
+/// path is its secret.
+pub fn mask_path(url: &str) -> String {
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    match url[after_scheme..].find('/') {
+        Some(i) if after_scheme + i + 1 < url.len() => format!("{}/***", &url[..after_scheme + i]),
+        _ => url.to_string(),
     }
 }
 
@@ -258,6 +270,12 @@ mod tests {
             let err = Target::parse(url).unwrap_err();
             assert!(err.contains(says), "{url}: {err}");
         }
+        // The path is the secret: never printed.
+        let err = Target::parse("https://user:pw@hooks.slack.com/services/T0/B0/xyz").unwrap_err();
+        assert!(!err.contains("xyz") && err.contains("/***"), "{err}");
+        let t = Target::parse("https://hooks.slack.com/services/T0/B0/xyz").unwrap();
+        assert_eq!(t.url(), "https://hooks.slack.com:443/***");
+        assert_eq!(mask_path("http://127.0.0.1:9099/"), "http://127.0.0.1:9099/");
     }
 
     #[test]

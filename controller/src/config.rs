@@ -37,6 +37,10 @@ pub struct ControllerConfig {
     /// (`ResourceExhausted`), so a loop of submits cannot bury the queue (every scheduling pass
     /// looks at every pending job) or the store.
     pub max_pending_per_user: usize,
+    /// Bytes of spec (encoded) one user's unfinished jobs may hold in the controller's memory
+    /// together; a submit past it is refused (`ResourceExhausted`), so 1,000 pending jobs of
+    /// 512 KiB specs cannot take half a gigabyte of it.
+    pub max_spec_bytes_per_user: usize,
     /// GPU telemetry windows older than this are deleted (`None`: kept for ever).
     pub telemetry_retention: Option<Duration>,
     /// How often running jobs are diagnosed live (a telemetry window, 10 s).
@@ -49,6 +53,9 @@ pub struct ControllerConfig {
 
 /// The default of [`ControllerConfig::max_pending_per_user`].
 pub const MAX_PENDING_JOBS_PER_USER: usize = 1_000;
+/// The default of [`ControllerConfig::max_spec_bytes_per_user`]: 1,000 specs of 64 KiB (a
+/// long argv and env overlay), or 128 of the largest allowed (512 KiB).
+pub const MAX_SPEC_BYTES_PER_USER: usize = 64 << 20;
 
 impl Default for ControllerConfig {
     fn default() -> Self {
@@ -68,6 +75,7 @@ impl Default for ControllerConfig {
             // waits for the host's verdict (a cut network makes peers' collectives fail first).
             unresponsive_after: Duration::from_secs(5),
             max_pending_per_user: MAX_PENDING_JOBS_PER_USER,
+            max_spec_bytes_per_user: MAX_SPEC_BYTES_PER_USER,
             telemetry_retention: Some(Duration::from_secs(30 * 86_400)),
             live_every: Duration::from_secs(10),
             alert_webhooks: Vec::new(),

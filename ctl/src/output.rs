@@ -75,6 +75,8 @@ pub struct ResourcesJson {
     pub gpu_model: String,
     pub min_gpu_memory_mib: u64,
     pub interconnect: String,
+    pub memory_limit_mib: u64,
+    pub max_processes: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -304,6 +306,8 @@ impl From<&JobSpec> for SpecJson {
             gpu_model: r.gpu_model.clone(),
             min_gpu_memory_mib: r.min_gpu_memory_mib,
             interconnect: r.interconnect.clone(),
+            memory_limit_mib: r.memory_limit_mib,
+            max_processes: r.max_processes,
         });
         let restart = s.restart.as_ref().map_or_else(RestartJson::default, |r| RestartJson {
             max_restarts: r.max_restarts,
@@ -394,9 +398,12 @@ impl ReceiptJson {
     }
 }
 
-/// Writes `text` to stdout. A reader that went away (`ctl status | head`) is not an error.
+/// Writes `text` to stdout, every terminal control in it shown as `\uXXXX` rather than acted
+/// on (job names, argv and reasons are users' text). A reader that went away
+/// (`ctl status | head`) is not an error.
 pub fn print_out(text: &str) -> anyhow::Result<()> {
     use std::io::Write as _;
+    let text = trainyard_model::text::printable(text);
     let mut stdout = std::io::stdout().lock();
     match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),

@@ -74,6 +74,12 @@ pub struct ResourcesFile {
     /// Collective bytes per optimizer step, for the placement cost model (exec jobs).
     #[serde(default)]
     pub comm_bytes_per_step: u64,
+    /// Memory all of the job's processes on one node may hold together (its cgroup there).
+    #[serde(default)]
+    pub memory_limit_gib: f64,
+    /// Processes and threads the job may run at once on one node.
+    #[serde(default)]
+    pub max_processes: u32,
 }
 
 /// `[engine]`: one flat table told apart by `kind`. Flat rather than a serde tagged enum,
@@ -255,6 +261,9 @@ impl SpecFile {
                 min_gpu_memory_mib: self.resources.min_gpu_memory_gib.saturating_mul(MIB_PER_GIB),
                 interconnect: self.resources.interconnect,
                 comm_bytes_per_step: self.resources.comm_bytes_per_step,
+                memory_limit_mib: (self.resources.memory_limit_gib.max(0.0) * MIB_PER_GIB as f64).round()
+                    as u64,
+                max_processes: self.resources.max_processes,
             }),
             engine: Some(engine),
             env: self.env.into_iter().collect::<HashMap<_, _>>(),
@@ -328,6 +337,8 @@ resume = false
                 min_gpu_memory_mib: 80 * 1024,
                 interconnect: "nvswitch".into(),
                 comm_bytes_per_step: 0,
+                memory_limit_mib: 0,
+                max_processes: 0,
             }),
             engine: Some(Engine::Exec(ExecEngine {
                 argv: vec!["python3".into(), "examples/rank.py".into(), "--steps".into(), "50".into()],

@@ -9,8 +9,10 @@
 //! - [`receipts`]: receipt schema v1, checked at ingest.
 //! - [`records`]: jobs, their events, the allocation of every rank, agents and preflight
 //!   reports, as the core holds them and the store persists them.
+//! - [`text`]: user text made safe to print on a terminal.
 pub mod domain;
 pub mod receipts;
 pub mod records;
 pub mod restart;
 pub mod spec;
+pub mod text;

@@ -96,6 +96,10 @@ pub struct Resources {
     pub interconnect: Option<InterconnectClass>,
     /// Bytes of collectives per optimizer step (exec jobs); 0 when unknown.
     pub comm_bytes_per_step: u64,
+    /// Memory all of the job's processes on one node may hold, in MiB; 0 for no limit.
+    pub memory_limit_mib: u64,
+    /// Processes and threads the job may run at once on one node; 0 for no limit.
+    pub max_processes: u32,
 }
 
 /// What the ranks run.
@@ -200,6 +204,8 @@ impl TryFrom<WireSpec> for JobSpec {
                 min_gpu_memory_mib: res.min_gpu_memory_mib,
                 interconnect,
                 comm_bytes_per_step: res.comm_bytes_per_step,
+                memory_limit_mib: res.memory_limit_mib,
+                max_processes: res.max_processes,
             },
             engine,
             env: spec.env.into_iter().collect(),
@@ -233,6 +239,8 @@ impl From<&JobSpec> for WireSpec {
                 min_gpu_memory_mib: r.min_gpu_memory_mib,
                 interconnect: r.interconnect.map_or("any", InterconnectClass::as_str).to_string(),
                 comm_bytes_per_step: r.comm_bytes_per_step,
+                memory_limit_mib: r.memory_limit_mib,
+                max_processes: r.max_processes,
             }),
             engine: Some(match &spec.engine {
                 Engine::Exec { argv, workdir, source_dir } => WireEngine::Exec(pb::ExecEngine {
@@ -298,6 +306,12 @@ use trainyard_proto::limits::{
     MAX_PATH_BYTES, MAX_SETTINGS, MAX_SETTINGS_BYTES, MAX_SHORT_STRING_BYTES, MAX_SPEC_BYTES,
 };
 const MAX_GPUS: u32 = 65_536;
+/// `resources.memory_limit_mib`, when set: at least enough for a Python interpreter with torch
+/// imported, at most 1 PiB.
+pub const MEMORY_LIMIT_MIB: std::ops::RangeInclusive<u64> = 256..=(1 << 30);
+/// `resources.max_processes`, when set: at least a rank's interpreter and its threads, at most
+/// the kernel's largest pid_max.
+pub const MAX_PROCESSES: std::ops::RangeInclusive<u32> = 16..=4_194_304;
 const MAX_RESTARTS: u32 = 100;
 
 /// Checks everything that can be checked without knowing the fleet.
@@ -377,6 +391,28 @@ fn validate_resources(spec: &WireSpec) -> Result<(), SpecError> {
         return Err(bad(
             "resources.gpus_per_node",
             format!("{} GPUs cannot be split evenly into nodes of {}", res.gpus, res.gpus_per_node),
+        ));
+    }
+    if res.memory_limit_mib != 0 && !MEMORY_LIMIT_MIB.contains(&res.memory_limit_mib) {
+        return Err(bad(
+            "resources.memory_limit_mib",
+            format!(
+                "{} is not 0 (no limit) or {} to {}",
+                res.memory_limit_mib,
+                MEMORY_LIMIT_MIB.start(),
+                MEMORY_LIMIT_MIB.end()
+            ),
+        ));
+    }
+    if res.max_processes != 0 && !MAX_PROCESSES.contains(&res.max_processes) {
+        return Err(bad(
+            "resources.max_processes",
+            format!(
+                "{} is not 0 (no limit) or {} to {}",
+                res.max_processes,
+                MAX_PROCESSES.start(),
+                MAX_PROCESSES.end()
+            ),
         ));
     }
     let known =

@@ -49,7 +49,7 @@ pub fn expand_url(url: &str, addrs: &[std::net::SocketAddr]) -> Vec<String> {
 /// environment overlay may not redefine them. `TRAINYARD_CPUS` / `TRAINYARD_MEMS` are set only
 /// when the rank is pinned, `CUDA_VISIBLE_DEVICES` only when the job holds part of a host.
 /// docs/internals.md has the table of their meanings next to torchrun's.
-pub const RANK_ENV: [&str; 33] = [
+pub const RANK_ENV: [&str; 34] = [
     // torchrun (torch.distributed.elastic's local agent) gives its workers these.
     "RANK",
     "LOCAL_RANK",
@@ -82,6 +82,8 @@ pub const RANK_ENV: [&str; 33] = [
     // attempt reported and whose path exists on this host (empty when there is none).
     "TRAINYARD_RESUME_STEP",
     "TRAINYARD_RESUME_PATH",
+    // The shim's: the resume candidates it chooses from as the job's user (never the rank's).
+    "TRAINYARD_RESUME_CANDIDATES",
     // A file the agent writes (and rewrites) when the rank should checkpoint now: a drain or a
     // preemption notice. A rank checkpoints at the end of its step when its modification time
     // moves.

@@ -114,6 +114,16 @@ pub(crate) fn claim(db: &Path) -> std::result::Result<SqliteClaim, String> {
     }
 }
 
+/// Creates the empty file `path`, mode 0600, unless it exists (then it is left as it is).
+fn create_private(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
+        Ok(file) => file.set_permissions(std::fs::Permissions::from_mode(0o600)),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 impl Sqlite {
     /// Opens `sqlite://...` URLs (options in the URL are kept, ours are applied on top) or a
     /// plain file path.
@@ -129,7 +139,15 @@ impl Sqlite {
     }
 
     /// Opens (creating it if missing) the database file at `path` and applies the migrations.
+    /// A new file is created 0600 whatever the umask (it holds every job's spec and receipts);
+    /// SQLite gives its `-wal` and `-shm` files the database file's mode.
     pub(crate) async fn open_file(path: &Path) -> Result<Self> {
+        create_private(path).map_err(|e| {
+            crate::StoreError::Database(sqlx::Error::Io(std::io::Error::new(
+                e.kind(),
+                format!("create {}: {e}", path.display()),
+            )))
+        })?;
         Self::open_with(SqliteConnectOptions::new().filename(path), POOL_SIZE).await
     }
 

@@ -66,7 +66,9 @@ pub fn flood_job(c: &Cluster, name: &str, per_rank: i64, rate_per_rank: i64) -> 
     let timeout = Duration::from_secs(300 + per_rank as u64 / 1_000);
     let state = wait_ended(c, job, timeout)?;
     anyhow::ensure!(state == "succeeded", "flood job ended {state}: {}", c.status(job)?);
-    let count = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job}"))?[0][0];
+    let count = c
+        .query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND {}", crate::RANK_WRITTEN))?
+        [0][0];
     anyhow::ensure!(count == 8 * per_rank, "stored {count} receipts, expected {}", 8 * per_rank);
     Ok(job)
 }

@@ -73,6 +73,11 @@ pub fn build_release_binaries() -> Result<()> {
     Ok(())
 }
 
+/// A SQL condition (SQLite and PostgreSQL) that holds for the receipts a rank wrote, leaving out
+/// the exit receipt the agent appends for every rank that ran (its usage: docs/receipts.md).
+pub const RANK_WRITTEN: &str =
+    "(kind <> 'exit' OR body NOT LIKE '%\"producer\":\"trainyard agent (rank end)\"%')";
+
 /// Root of the repository (for `examples/rank.py`).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()

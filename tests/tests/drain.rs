@@ -92,11 +92,32 @@ fn a_preemption_notice_moves_the_job_before_the_host_goes() -> anyhow::Result<()
     moved_without_losing_a_step(&c, job, "preemption")?;
     let node = c.node("a")?;
     assert_eq!(node["cordon_by"], "preemption", "{node}");
-    assert!(
-        node["cordon_reason"].as_str().unwrap_or("").contains("spot instance-action: terminate"),
-        "{node}"
-    );
+    // The notice's detail is for admins: in the controller's log, never in what users see.
+    let reason = node["cordon_reason"].as_str().unwrap_or("");
+    assert!(reason.contains("preemption notice on a") && !reason.contains("instance-action"), "{node}");
+    assert!(c.logs("controller").contains("spot instance-action: terminate"));
     c.ctl_ok(&["cancel", &job.to_string()])?;
+    Ok(())
+}
+
+/// A notice file in a directory other users can write (as /tmp) could be planted or linked to
+/// a root-only file: the agent refuses it at start, naming it.
+#[test]
+fn an_agent_refuses_a_notice_file_others_could_forge() -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir()?;
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open)?;
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777))?;
+    let out = std::process::Command::new(trainyard_tests::bin("trainyard-agent")?)
+        .args(["--controller", "http://127.0.0.1:9", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .arg("--preemption-notice")
+        .arg(format!("file:{}/notice", open.display()))
+        .output()?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--preemption-notice") && err.contains("writable by others"), "{err}");
     Ok(())
 }
 

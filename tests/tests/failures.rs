@@ -21,8 +21,17 @@ fn cancel_leaves_no_rank_alive() -> anyhow::Result<()> {
     let status = c.wait_ranks_exited(job, Duration::from_secs(10))?;
     assert_eq!(status["state"], "cancelled");
     // The example writes an exit receipt on SIGTERM; it reached the store after the cancel.
-    let exits = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'exit'"))?;
+    let exits = c.query(&format!(
+        "SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'exit' AND {}",
+        trainyard_tests::RANK_WRITTEN
+    ))?;
     assert_eq!(exits[0][0], 8);
+    // And the agent's own exit receipt of each rank, with what all its processes used.
+    let agents = c.query(&format!(
+        "SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'exit' AND NOT {}",
+        trainyard_tests::RANK_WRITTEN
+    ))?;
+    assert_eq!(agents[0][0], 8);
     Ok(())
 }
 

@@ -162,7 +162,8 @@ fn a_ddp_script_with_the_receipts_helper_writes_v1_receipts() -> anyhow::Result<
     let exits = c.query_text(&format!(
         "SELECT CAST(rank AS TEXT), CAST(step AS TEXT), json_extract(body, '$.status'), \
                 CAST(json_extract(body, '$.dropped_receipts_total') AS TEXT) \
-         FROM receipts WHERE job_id = {id} AND kind = 'exit' ORDER BY rank"
+         FROM receipts WHERE job_id = {id} AND kind = 'exit' AND {} ORDER BY rank",
+        trainyard_tests::RANK_WRITTEN
     ))?;
     let want: Vec<Vec<String>> = (0..RANKS)
         .map(|r| vec![r.to_string(), (STEPS - 1).to_string(), "ok".to_string(), "0".to_string()])

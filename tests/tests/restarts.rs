@@ -12,7 +12,9 @@ const STEPS: i64 = 60;
 fn assert_complete(c: &Cluster, job: u64, ranks: usize) -> anyhow::Result<()> {
     let rows = c.query(&format!(
         "SELECT rank, COUNT(*) FILTER (WHERE kind = 'step'), COUNT(DISTINCT step), \
-         COUNT(*) FILTER (WHERE kind = 'launch'), COUNT(*) FILTER (WHERE kind = 'exit') FROM receipts WHERE job_id = {job} GROUP BY rank ORDER BY rank"
+         COUNT(*) FILTER (WHERE kind = 'launch'), COUNT(*) FILTER (WHERE kind = 'exit') FROM receipts WHERE job_id = {job} \
+         AND {} GROUP BY rank ORDER BY rank",
+        trainyard_tests::RANK_WRITTEN
     ))?;
     assert_eq!(rows.len(), ranks, "{rows:?}");
     for (rank, row) in rows.iter().enumerate() {
@@ -203,7 +205,8 @@ fn controller_killed_during_heavy_ingest_on_postgres_loses_and_doubles_nothing()
     assert_eq!(status["state"], "succeeded", "{status}\n{}", c.logs("controller"));
     let rows = c.query(&format!(
         "SELECT rank, COUNT(*), COUNT(DISTINCT seq), MIN(seq), MAX(seq) FROM receipts WHERE job_id = {job} \
-         GROUP BY rank ORDER BY rank"
+         AND {} GROUP BY rank ORDER BY rank",
+        trainyard_tests::RANK_WRITTEN
     ))?;
     assert_eq!(rows.len(), 8);
     for (rank, row) in rows.iter().enumerate() {

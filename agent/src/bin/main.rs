@@ -7,9 +7,9 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use trainyard_agent::AgentConfig;
 use trainyard_agent::config::{TelemetrySource, TlsFiles};
-use trainyard_agent::pinning::Binding;
-use trainyard_agent::supervise::{SuperviseArgs, SwitchUser, supervise};
 use trainyard_proto::words::Verdict;
+
+mod shim;
 
 #[derive(Debug, Parser)]
 #[command(name = "trainyard-agent", version, about = "trainyard's host agent")]
@@ -66,6 +66,10 @@ struct Cli {
     /// demo's) as root instead of refusing them. A single-user development box only.
     #[arg(long, env = "TRAINYARD_ALLOW_ROOT_RANKS", global = true)]
     allow_root_ranks: bool,
+    /// How every process of a rank is held: `auto` (a cgroup per rank where this host lets
+    /// the agent make one, else its shim as a child subreaper) or `subreaper`.
+    #[arg(long, env = "TRAINYARD_PROCESS_TRACKING", value_enum, default_value_t = ProcessTracking::Auto, global = true)]
+    process_tracking: ProcessTracking,
     /// Where this host's preemption notice appears: file:PATH (a file a cloud metadata handler
     /// writes), http://HOST:PORT/PATH (a local endpoint, polled) or cmd:PROGRAM ARGS (run at
     /// every poll; output means a notice). The jobs here then checkpoint and move.
@@ -141,35 +145,7 @@ enum Command {
     },
     /// Internal: the per-rank shim the agent starts for every rank.
     #[command(hide = true)]
-    Supervise {
-        #[arg(long)]
-        status_file: PathBuf,
-        #[arg(long)]
-        pid_file: PathBuf,
-        /// The rank's environment, a JSON object written by the agent (root-only).
-        #[arg(long)]
-        env_file: PathBuf,
-        /// The rank's working directory, entered after dropping to the rank's user.
-        #[arg(long)]
-        workdir: PathBuf,
-        /// CPUs to bind the rank to (kernel list format, e.g. 0-15).
-        #[arg(long)]
-        cpus: Option<String>,
-        /// NUMA node the rank's memory is bound to (MPOL_BIND).
-        #[arg(long)]
-        mem_node: Option<u32>,
-        /// User id the rank runs as (with --gid and --groups; the shim must be root).
-        #[arg(long, requires = "gid")]
-        uid: Option<u32>,
-        #[arg(long, requires = "uid")]
-        gid: Option<u32>,
-        /// Supplementary group ids of the rank, comma-separated.
-        #[arg(long, value_delimiter = ',')]
-        groups: Vec<u32>,
-        /// The rank's program and arguments.
-        #[arg(last = true, required = true)]
-        argv: Vec<String>,
-    },
+    Supervise(Box<shim::ShimCli>),
 }
 
 /// `auto`, `off` or `script:FILE`.
@@ -211,6 +187,7 @@ impl TryFrom<&Cli> for AgentConfig {
         config.metrics_listen = cli.metrics_listen;
         config.metrics_addr_file = cli.metrics_addr_file.clone();
         config.allow_root_ranks = cli.allow_root_ranks;
+        config.subreaper_only = cli.process_tracking == ProcessTracking::Subreaper;
         if let Some(text) = &cli.preemption_notice {
             config.preemption_notice =
                 Some(trainyard_agent::notice::NoticeSource::parse(text).map_err(anyhow::Error::msg)?);
@@ -252,6 +229,12 @@ impl TryFrom<&Cli> for AgentConfig {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ProcessTracking {
+    Auto,
+    Subreaper,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Output {
     Text,
@@ -279,29 +262,8 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
-    if let Some(Command::Supervise {
-        status_file,
-        pid_file,
-        env_file,
-        workdir,
-        cpus,
-        mem_node,
-        uid,
-        gid,
-        groups,
-        argv,
-    }) = cli.command
-    {
-        // A binding that cannot even be parsed leaves the rank unpinned; the read-back and
-        // the controller's warning tell the operator (see `trainyard_agent::pinning`).
-        let binding = Binding::from_flags(cpus.as_deref(), mem_node).unwrap_or_else(|e| {
-            eprintln!("trainyard-agent supervise: {e}; the rank runs unpinned");
-            None
-        });
-        let user = uid.zip(gid).map(|(uid, gid)| SwitchUser { uid, gid, groups });
-        let code =
-            supervise(&SuperviseArgs { status_file, pid_file, env_file, workdir, binding, user, argv });
-        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    if let Some(Command::Supervise(shim)) = cli.command {
+        return shim::run(*shim);
     }
     init_tracing(cli.log_format);
     match daemon(&cli) {

@@ -7,8 +7,12 @@
 //! written to the rank's state file before anyone is told about it.
 //!
 //! - `engines`: what a launch runs (the engine's argv) and `launch.json`.
-//! - `shim`: the shim's command: the rank's output files, the user switch, the binding, the start.
-//! - `watch`: reading what a rank's shim left, and terminating a rank's process group.
+//! - `rundir`: the job's run directories, named by the controller and never reused.
+//! - `shim`: the shim's command: the rank's output files, the user switch, the binding, the
+//!   rank's cgroups, the start.
+//! - `watch`: reading what a rank's shim left, and terminating every process of a rank.
+//! - `read` and `receipts_file`: reading a rank each tick, and what the agent appends to its
+//!   receipts file (printed steps' receipts, its exit receipt with the rank's usage).
 //!
 //! The launcher is owned by the connection task and used without locks: nothing here awaits,
 //! and the work per call is a few small file operations.
@@ -23,6 +27,8 @@ use trainyard_proto::v1::{HostInventory, Launch, RankAssignment};
 
 mod engines;
 mod read;
+mod receipts_file;
+mod rundir;
 mod shim;
 mod watch;
 
@@ -31,10 +37,10 @@ use watch::{find_unrecorded_shim, observe, terminate};
 
 use crate::account::{self, RunAs};
 use crate::bootstrap::Bootstrap;
+use crate::cgroup::{RankGroup, Tracking};
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::layout::{
-    Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankFiles, RankId, STATE_DIR_MODE, make_dir,
-    write_durable, write_private,
+    Layout, Owner, PRIVATE_FILE_MODE, RankId, STATE_DIR_MODE, make_dir, write_durable, write_private,
 };
 use crate::state::{self, RankRecord};
 use crate::supervise::{SHIM_PATH, SPAWN_FAILED_EXIT_CODE};
@@ -65,6 +71,8 @@ pub struct Launcher {
     bootstrap: Bootstrap,
     /// When acknowledged positions were last written to the state files.
     acks_persisted_at: std::time::Instant,
+    /// How every process of a rank is held: its cgroups, or its shim as a subreaper.
+    tracking: Tracking,
 }
 
 /// How often acknowledged positions reach the state files (each write is fsynced): a crash
@@ -84,6 +92,8 @@ impl Launcher {
         let probe = layout.state_dir().join(".write-probe");
         std::fs::write(&probe, b"")?;
         std::fs::remove_file(&probe)?;
+        let tracking = Tracking::detect(&crate::cgroup::Mounts::read());
+        info!("{}", tracking.describe());
         Ok(Self {
             layout,
             shim_program,
@@ -93,7 +103,19 @@ impl Launcher {
             root_ranks: false,
             bootstrap,
             acks_persisted_at: std::time::Instant::now(),
+            tracking,
         })
+    }
+
+    /// Holds ranks' processes as `tracking` says rather than as this host allows (tests: the
+    /// subreaper on a host with cgroups).
+    pub fn with_tracking(mut self, tracking: Tracking) -> Self {
+        self.tracking = tracking;
+        self
+    }
+
+    pub fn tracking(&self) -> &Tracking {
+        &self.tracking
     }
 
     /// Lets a root agent run launches that name no Unix account as root (see
@@ -113,7 +135,7 @@ impl Launcher {
         let count = records.len();
         for mut record in records {
             if record.phase == RankState::Launching && record.shim_pid.is_none() {
-                find_unrecorded_shim(&mut record);
+                find_unrecorded_shim(&mut record, &self.shim_program);
                 if let Err(e) = record.save(&self.layout) {
                     warn!(rank_id = %record.id, error = %e, "failed to write rank state file");
                 }
@@ -239,9 +261,8 @@ impl Launcher {
         write_durable(&path, &bytes, PRIVATE_FILE_MODE, owner)
     }
 
-    /// Creates the job's run directory `run`, the attempt's and (given `rank`) the rank's, mode
-    /// 0710 with the job user's group: only the agent creates entries there, only the job's
-    /// user (and root) reads what is in them.
+    /// Creates the job's run directories ([`rundir::make`]); a directory of that name this agent
+    /// did not make is moved aside first, unless a rank of its own is in it.
     fn make_run_dirs(
         &self,
         run: &str,
@@ -250,39 +271,16 @@ impl Launcher {
         rank: Option<u32>,
         owner: Option<Owner>,
     ) -> std::io::Result<()> {
-        self.claim_run_dir(run)?;
-        let group = owner.map(|o| o.gid);
-        make_dir(&self.layout.run_dir(run), RUN_DIR_MODE, group)?;
-        make_dir(&self.layout.attempt_dir(run, attempt), RUN_DIR_MODE, group)?;
-        if let Some(rank) = rank {
-            make_dir(&self.layout.rank_dir(run, RankId { job_id, attempt, rank }), RUN_DIR_MODE, group)?;
-        }
-        Ok(())
-    }
-
-    /// Makes `runs/<run>` this agent's: a directory of that name it did not make (no marker in
-    /// `state/runs/`, no rank of its own in it), left by a restored database's job or another
-    /// controller's, is moved aside (`<run>.moved-<ms>`), never reused or re-owned.
-    fn claim_run_dir(&self, run: &str) -> std::io::Result<()> {
-        let marker = self.layout.made_runs_dir().join(run);
-        if marker.exists() {
-            return Ok(());
-        }
         let dir = self.layout.run_dir(run);
         let ours = self.ranks.values().any(|r| r.record.files.dir.starts_with(&dir));
-        if !ours && std::fs::symlink_metadata(&dir).is_ok() {
-            let ms = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis());
-            let aside = self.layout.run_dir(&format!("{run}.moved-{ms}"));
-            std::fs::rename(&dir, &aside)?;
-            warn!(
-                from = %dir.display(),
-                to = %aside.display(),
-                "a run directory this agent did not make was in the way of a launch; moved aside, not reused"
-            );
-        }
-        write_durable(&marker, b"", PRIVATE_FILE_MODE, None)
+        rundir::claim(&self.layout, run, ours)?;
+        rundir::make(
+            &self.layout,
+            run,
+            RankId { job_id, attempt, rank: rank.unwrap_or(0) },
+            rank.is_some(),
+            owner,
+        )
     }
 
     /// Records the rank (phase `launching`, no shim yet) durably, then spawns its shim. The
@@ -319,6 +317,10 @@ impl Launcher {
             effective_mems: String::new(),
             master_port: u16::try_from(launch.master_port).unwrap_or(0),
             printed: crate::bootstrap::printed_state(launch),
+            cgroup: RankGroup::default(),
+            usage: Default::default(),
+            leftover_killed: None,
+            exit_receipt: false,
         };
         if let Some(reason) = refusal {
             record.phase = RankState::Lost;
@@ -326,9 +328,25 @@ impl Launcher {
             return Ok(record);
         }
         self.make_run_dirs(run, id.job_id, id.attempt, Some(id.rank), owner(run_as))?;
+        // The groups exist, and are recorded, before anything runs in them.
+        let grouped = self.gpu_free(id, assignment.gpu_index).and_then(|()| {
+            self.tracking
+                .create(&format!("{run}.a{}", id.attempt), id.rank, &receipts_file::limits_of(launch))
+                .map_err(|e| format!("launch refused: the rank's cgroups: {e}"))
+        });
+        match grouped {
+            Ok(group) => record.cgroup = group,
+            Err(message) => {
+                warn!(rank_id = %id, %message, "rank not started");
+                record.phase = RankState::Exited;
+                record.exit_code = Some(SPAWN_FAILED_EXIT_CODE);
+                record.message = message;
+                return Ok(record);
+            }
+        }
         record.save(&self.layout)?;
         failpoint("before-spawn");
-        let spawned = self.spawn_shim(&record.files, id, launch, assignment, run_as);
+        let spawned = self.spawn_shim(&record, launch, assignment, run_as);
         if spawned.is_ok() {
             failpoint("after-spawn");
         }
@@ -340,6 +358,7 @@ impl Launcher {
             }
             Err(message) => {
                 warn!(rank_id = %id, %message, "rank could not be started");
+                let _ = record.cgroup.remove();
                 record.phase = RankState::Exited;
                 record.exit_code = Some(SPAWN_FAILED_EXIT_CODE);
                 record.message = message;
@@ -355,8 +374,7 @@ impl Launcher {
     /// hands to the rank's exec after the drop ([`crate::supervise`]).
     fn spawn_shim(
         &self,
-        files: &RankFiles,
-        id: RankId,
+        record: &RankRecord,
         launch: &Launch,
         assignment: &RankAssignment,
         run_as: &Result<RunAs, String>,
@@ -366,6 +384,7 @@ impl Launcher {
             return Err(format!("launch refused: GPU {} is not on this host", assignment.gpu_index));
         }
         let run_as = run_as.as_ref().map_err(Clone::clone)?;
+        let (id, files) = (record.id, &record.files);
         let host = HostContext {
             gpus: &self.inventory.gpus,
             inherited_omp_threads: std::env::var_os("OMP_NUM_THREADS").is_some(),
@@ -390,6 +409,7 @@ impl Launcher {
             info!(rank_id = %id, user = %user.name, uid = user.uid, "rank runs as its job's user");
         }
         shim::bind(&mut command, &mut env, assignment);
+        shim::track(&mut command, &record.cgroup, &self.tracking);
         env.extend(rank.vars);
         self.bootstrap.apply(launch, &mut env);
         if let Some(local_id) = &self.preflight_report {
@@ -403,14 +423,43 @@ impl Launcher {
         shim::start(command, &self.shim_program)
     }
 
+    /// `Err` naming the holder when a process of another job's rank on GPU `gpu` still lives
+    /// in its cgroups: a GPU is never shared with what a previous job left running.
+    fn gpu_free(&self, id: RankId, gpu: u32) -> Result<(), String> {
+        let holder = self.ranks.values().map(|r| &r.record).find(|r| {
+            r.id.job_id != id.job_id && r.gpu_index == gpu && !r.cgroup.is_empty() && r.cgroup.populated()
+        });
+        match holder {
+            Some(r) => Err(format!(
+                "launch refused: GPU {gpu} is still held by processes of job {} rank {} ({} left in its cgroup)",
+                r.id.job_id,
+                r.id.rank,
+                r.cgroup.pids().len()
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Checks every rank that has not ended yet; returns the ids of those that changed (their
     /// state files are already written).
     pub fn poll_exits(&mut self) -> Vec<RankId> {
         let mut changed = Vec::new();
         for rank in self.ranks.values_mut() {
-            if !rank.record.phase.is_done() && observe(&mut rank.record) {
+            if !rank.record.phase.is_done() && observe(&mut rank.record, &self.shim_program) {
+                let receipt =
+                    rank.record.phase.is_done() && rank.record.pid.is_some() && !rank.record.exit_receipt;
+                rank.record.exit_receipt |= receipt;
                 if let Err(e) = rank.record.save(&self.layout) {
                     warn!(rank_id = %rank.record.id, error = %e, "failed to write rank state file");
+                }
+                // After the save: an agent killed in between loses this receipt, never doubles it.
+                if receipt
+                    && let Err(e) = receipts_file::append(
+                        &rank.record.files.receipts,
+                        &[receipts_file::exit_receipt(&rank.record)],
+                    )
+                {
+                    warn!(rank_id = %rank.record.id, error = %e, "failed to append the rank's exit receipt");
                 }
                 changed.push(rank.record.id);
             }
@@ -430,7 +479,7 @@ impl Launcher {
             if r.message.is_empty() {
                 r.message = format!("cancelled: {reason}");
             }
-            tokio::spawn(terminate(r.id, r.pid, r.files.pid.clone(), grace));
+            tokio::spawn(terminate(r.id, r.pid, r.files.pid.clone(), r.cgroup.clone(), grace));
         }
     }
 

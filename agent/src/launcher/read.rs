@@ -1,7 +1,6 @@
 //! Reading a rank each tick: what it printed, then its receipts, the printed step lines merged
 //! into its step receipts (see [`crate::printed`]).
 
-use std::io::Write as _;
 use std::time::Instant;
 
 use tracing::warn;
@@ -44,7 +43,7 @@ impl Rank {
             let lines = printed.due(now, ended);
             self.save_printed(layout);
             if !lines.is_empty() {
-                append(&self.record.files.receipts, &lines)?;
+                super::receipts_file::append(&self.record.files.receipts, &lines)?;
             }
         }
         let tailer = &mut self.tailer;
@@ -67,20 +66,4 @@ impl Rank {
             }
         }
     }
-}
-
-/// Appends whole lines to a rank's receipts file: one `write` each, on a file opened for
-/// appending, as the rank's own writers do, so no line is ever split by another writer's.
-fn append(path: &std::path::Path, lines: &[String]) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut file = std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .mode(0o640)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
-    for line in lines {
-        file.write_all(format!("{line}\n").as_bytes())?;
-    }
-    Ok(())
 }

@@ -9,6 +9,7 @@ use std::path::Path;
 use tokio::process::Command;
 
 use crate::account::Account;
+use crate::cgroup::{RankGroup, Tracking};
 use crate::layout::{RUN_FILE_MODE, RankFiles};
 use crate::procfs;
 use trainyard_proto::v1::RankAssignment;
@@ -61,15 +62,35 @@ pub(super) fn bind(command: &mut Command, env: &mut BTreeMap<String, String>, as
     }
 }
 
+/// The rank's cgroups for the shim to move it into (and empty when it ends), or the subreaper
+/// where this host gives the agent no cgroups.
+pub(super) fn track(command: &mut Command, group: &RankGroup, tracking: &Tracking) {
+    if let Some(dir) = &group.v2 {
+        command.arg("--cgroup2").arg(dir);
+    }
+    for (controller, dir) in &group.v1 {
+        let mut pair = std::ffi::OsString::from(format!("{controller}="));
+        pair.push(dir);
+        command.arg("--cgroup1").arg(pair);
+    }
+    if matches!(tracking, Tracking::Subreaper(_)) {
+        command.arg("--subreaper");
+    }
+}
+
 /// Starts the shim in a session of its own; returns its pid and start time. The shim is
 /// reaped when it ends, so it never lingers as a zombie of the agent.
 pub(super) fn start(mut command: Command, program: &Path) -> Result<(u32, u64), String> {
-    // SAFETY: setsid is async-signal-safe, the only call between fork and exec.
+    // SAFETY: setsid, close_range and fcntl are async-signal-safe, the only calls between fork
+    // and exec.
     unsafe {
         command.pre_exec(|| {
             if libc::setsid() == -1 {
                 return Err(std::io::Error::last_os_error());
             }
+            // Nothing the agent inherited (a service manager's sockets, a test harness's pipes)
+            // reaches the shim, nor the rank after it.
+            procfs::cloexec_from(3);
             Ok(())
         });
     }

@@ -1,12 +1,13 @@
 //! How the launcher follows a rank it started: reading what its shim left (pid file,
 //! `exit.json`), finding a shim it had not recorded, and terminating a rank's process group.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tracing::{info, warn};
 use trainyard_proto::words::RankState;
 
+use crate::cgroup::RankGroup;
 use crate::layout::RankId;
 use crate::pinning;
 use crate::procfs;
@@ -16,9 +17,10 @@ use crate::supervise::{ExitFile, read_pid_file};
 /// For a rank recorded as launching with no shim (the agent stopped between recording it and
 /// recording its shim): adopts the shim if one runs for it, else marks the rank lost, since it
 /// was never started (or its shim is gone without a trace) and must not be started twice.
-pub(super) fn find_unrecorded_shim(record: &mut RankRecord) {
+pub(super) fn find_unrecorded_shim(record: &mut RankRecord, shim: &Path) {
     let found = procfs::find_by_argument("--status-file", record.files.exit.as_os_str());
-    if let Some((pid, stat)) = found.into_iter().next() {
+    let ours = found.into_iter().find(|(pid, stat)| procfs::is_own_process(*pid, stat.start_time, shim));
+    if let Some((pid, stat)) = ours {
         info!(rank_id = %record.id, shim_pid = pid, "found the shim of a rank the agent had not recorded as started");
         record.shim_pid = Some(pid);
         record.shim_start_time = Some(stat.start_time);
@@ -29,12 +31,14 @@ pub(super) fn find_unrecorded_shim(record: &mut RankRecord) {
     }
 }
 
-/// Looks at one unfinished rank; returns whether its record changed.
-pub(super) fn observe(record: &mut RankRecord) -> bool {
+/// Looks at one unfinished rank whose shim runs the program `shim`; returns whether its record
+/// changed.
+pub(super) fn observe(record: &mut RankRecord, shim: &Path) -> bool {
     // Liveness first: the shim writes exit.json before it exits, so a shim seen gone before
-    // exit.json is looked for really left without writing it.
+    // exit.json is looked for really left without writing it. Only the agent's own process
+    // counts as the shim (its uid, its binary, its start time).
     let shim_alive = match (record.shim_pid, record.shim_start_time) {
-        (Some(pid), Some(start)) => procfs::is_same_live_process(pid, start),
+        (Some(pid), Some(start)) => procfs::is_own_process(pid, start, shim),
         _ => false,
     };
     let mut changed = false;
@@ -62,8 +66,13 @@ pub(super) fn observe(record: &mut RankRecord) -> bool {
                 record.phase = RankState::Exited;
                 record.exit_code = exit.exit_code;
                 record.signal = exit.signal;
+                record.usage = exit.usage;
+                record.leftover_killed = exit.leftover_killed;
                 if let Some(error) = exit.error {
                     record.message = error;
+                }
+                if let Some(n) = exit.leftover_killed {
+                    info!(rank_id = %record.id, processes = n, "the rank left processes behind; its shim killed them");
                 }
             }
             Err(e) => {
@@ -77,17 +86,27 @@ pub(super) fn observe(record: &mut RankRecord) -> bool {
     if !shim_alive {
         record.phase = RankState::Lost;
         record.message = "supervisor vanished".to_string();
-        warn!(rank_id = %record.id, "supervisor vanished without an exit status; killing the rank's group");
+        warn!(rank_id = %record.id, "supervisor vanished without an exit status; killing every process of the rank");
         if let Some(pid) = record.pid {
             let _ = procfs::killpg(pid, libc::SIGKILL);
+        }
+        if let Err(e) = record.cgroup.kill().and_then(|()| record.cgroup.remove()) {
+            warn!(rank_id = %record.id, error = %e, "cannot empty the rank's cgroups");
         }
         return true;
     }
     changed
 }
 
-/// Terminates one rank's process group: SIGTERM, then SIGKILL after `grace` if any member lives.
-pub(super) async fn terminate(id: RankId, known_pid: Option<u32>, pid_file: PathBuf, grace: Duration) {
+/// Terminates one rank: SIGTERM to its process group, then, after `grace`, SIGKILL to every
+/// process in its cgroups (a `setsid` child included) and to its group.
+pub(super) async fn terminate(
+    id: RankId,
+    known_pid: Option<u32>,
+    pid_file: PathBuf,
+    group: RankGroup,
+    grace: Duration,
+) {
     let mut pid = known_pid;
     // The shim writes the pid right after starting the rank; wait briefly for a fresh launch.
     for _ in 0..100 {
@@ -106,10 +125,16 @@ pub(super) async fn terminate(id: RankId, known_pid: Option<u32>, pid_file: Path
     }
     let deadline = tokio::time::Instant::now() + grace;
     while tokio::time::Instant::now() < deadline {
-        if !procfs::group_has_live_member(pid) {
+        if !procfs::group_has_live_member(pid) && !group.populated() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50).min(grace)).await;
+    }
+    if group.populated() {
+        warn!(rank_id = %id, pid, "rank outlived its grace period; killing every process in its cgroups");
+        if let Err(e) = group.kill() {
+            warn!(rank_id = %id, error = %e, "cannot kill the rank's cgroups");
+        }
     }
     if procfs::group_has_live_member(pid) {
         warn!(rank_id = %id, pid, "rank outlived its grace period; sending SIGKILL");

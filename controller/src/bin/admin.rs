@@ -91,9 +91,17 @@ pub async fn run(command: &Command, cli: &Cli) -> anyhow::Result<()> {
         Command::Audit { limit } => {
             for e in open_auth(cli).await?.audit_log(*limit).await?.iter().rev() {
                 let outcome = if e.accepted { "accepted" } else { "REFUSED" };
+                // Actor, target and detail come from callers (refused tokens included): shown,
+                // never acted on by the terminal.
+                let text = |s: &str| trainyard_model::text::printable(s).into_owned();
                 println!(
                     "{}  {:<8} {:<12} {:<20} {:<16} {}",
-                    e.at_ms, outcome, e.actor, e.action, e.target, e.detail
+                    e.at_ms,
+                    outcome,
+                    text(&e.actor),
+                    text(&e.action),
+                    text(&e.target),
+                    text(&e.detail)
                 );
             }
             Ok(())

@@ -300,6 +300,17 @@ fn http_exposure(cli: &Cli, bound: SocketAddr, security: &Security) -> anyhow::R
     Ok(Exposure { tls: None, public_metrics })
 }
 
+/// Creates the data directory 0700 whatever the umask (it holds the database); one that exists
+/// is left as the operator made it.
+fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
 /// Opens the store the flags name (--db, else the SQLite file in --data-dir).
 async fn open_store(cli: &Cli) -> anyhow::Result<SqlStore> {
     Ok(match &cli.db {
@@ -307,7 +318,7 @@ async fn open_store(cli: &Cli) -> anyhow::Result<SqlStore> {
             SqlStore::open(url).await.with_context(|| format!("open the database {}", redact(url)))?
         }
         None => {
-            std::fs::create_dir_all(&cli.data_dir)
+            create_private_dir(&cli.data_dir)
                 .with_context(|| format!("create the data directory {}", cli.data_dir.display()))?;
             let path = cli.data_dir.join("trainyard.db");
             SqlStore::open_sqlite_file(&path)
@@ -413,17 +424,28 @@ fn group_config(
 }
 
 /// The URL without its password, for messages and logs.
+/// A database URL as it may be printed: the password of `user:password@` and of a
+/// `password=`/`sslpassword=` query parameter replaced by `***`.
 fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_string(),
+    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
+    let base = match (base.find("://"), base.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => match base[scheme + 3..at].split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &base[..scheme + 3], &base[at..]),
+            None => base.to_string(),
+        },
+        _ => base.to_string(),
+    };
+    let Some(query) = query else { return base };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("password") || k.eq_ignore_ascii_case("sslpassword") => {
+                format!("{k}=***")
             }
-        }
-        _ => url.to_string(),
-    }
+            _ => p.to_string(),
+        })
+        .collect();
+    format!("{base}?{}", params.join("&"))
 }
 
 fn write_atomically(path: &std::path::Path, text: &str) -> std::io::Result<()> {
@@ -450,5 +472,25 @@ fn init_logging(format: &str) {
         builder.json().init();
     } else {
         builder.init();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn database_passwords_never_print() {
+        let cases = [
+            ("postgres://ty:s3cret@db:5432/trainyard", "postgres://ty:***@db:5432/trainyard"),
+            (
+                "postgres://db/trainyard?user=ty&password=s3cret&sslmode=require",
+                "postgres://db/trainyard?user=ty&password=***&sslmode=require",
+            ),
+            ("postgres://ty:a@b@db/x?sslpassword=k", "postgres://ty:***@db/x?sslpassword=***"),
+            ("postgres://db/trainyard", "postgres://db/trainyard"),
+        ];
+        for (url, shown) in cases {
+            assert_eq!(super::redact(url), shown);
+            assert!(!super::redact(url).contains("s3cret"));
+        }
     }
 }

@@ -43,20 +43,7 @@ impl Jobs<'_> {
             return Ok(id);
         }
         let request = request_of(0, &spec);
-        let cap = self.c.config.max_pending_per_user;
-        let pending = {
-            let core = self.c.lock();
-            let mine =
-                |j: &&ActiveJob| j.record().state == JobState::Pending && j.record().owner.user == owner.user;
-            core.jobs.values().filter(mine).count()
-        };
-        if !owner.user.is_empty() && pending >= cap {
-            return Err(ControllerError::TooMany(format!(
-                "user {} already has {pending} jobs waiting, the most one user may have ({cap}); \
-                 cancel some or wait for them to start",
-                owner.user
-            )));
-        }
+        self.within_user_caps(&spec, owner)?;
         self.feasible(&request)?;
         let record = match self.c.store.create_job_for(&spec, key, owner, "submitted", self.c.now_ms()).await
         {
@@ -79,6 +66,40 @@ impl Jobs<'_> {
         self.c.bump();
         self.c.wake();
         Ok(id)
+    }
+
+    /// `Err(TooMany)` when `owner` already has `max_pending_per_user` jobs waiting, or when
+    /// `spec` would take the specs of the user's unfinished jobs past `max_spec_bytes_per_user`.
+    fn within_user_caps(self, spec: &spec::JobSpec, owner: &JobOwner) -> Result<()> {
+        if owner.user.is_empty() {
+            return Ok(());
+        }
+        let (cap, byte_cap) = (self.c.config.max_pending_per_user, self.c.config.max_spec_bytes_per_user);
+        let (pending, held) = {
+            let core = self.c.lock();
+            let mine = core.jobs.values().filter(|j| j.record().owner.user == owner.user);
+            mine.fold((0, 0), |(n, bytes), j| {
+                let waiting = usize::from(j.record().state == JobState::Pending);
+                let active = if j.record().state.is_terminal() { 0 } else { j.spec_bytes };
+                (n + waiting, bytes + active)
+            })
+        };
+        if pending >= cap {
+            return Err(ControllerError::TooMany(format!(
+                "user {} already has {pending} jobs waiting, the most one user may have ({cap}); \
+                 cancel some or wait for them to start",
+                owner.user
+            )));
+        }
+        let size = prost::Message::encoded_len(&trainyard_proto::v1::JobSpec::from(spec));
+        if held + size > byte_cap {
+            return Err(ControllerError::TooMany(format!(
+                "user {}'s unfinished jobs hold {held} bytes of specs; this one ({size} bytes) would pass \
+                 the most one user may hold ({byte_cap} bytes); cancel some or wait for them to finish",
+                owner.user
+            )));
+        }
+        Ok(())
     }
 
     /// Whether the fleet could ever hold `request` (every node, every GPU free): answered once

@@ -56,13 +56,22 @@ impl Keys {
         format!("{ENV_HASH_PREFIX}{hex}")
     }
 
-    /// A launch receipt's body with each `env` value replaced by its keyed hash (names kept,
-    /// `null` for a variable the rank unset kept); `None` when there is nothing to hash.
-    pub(super) fn hash_launch_env(&self, body: &str) -> Option<String> {
+    /// A launch receipt's body with the `env` value of each variable of the job's overlay
+    /// (`overlay`, the names of its `[env]`; `None` when the job's spec is not at hand: every
+    /// variable) replaced by its keyed hash (names kept, `null` for a variable the rank unset
+    /// kept; trainyard's own variables, which a rank may record too, as they are); `None` when
+    /// there is nothing to hash.
+    pub(super) fn hash_launch_env<S: AsRef<str>>(&self, body: &str, overlay: Option<&[S]>) -> Option<String> {
+        if overlay.is_some_and(<[S]>::is_empty) {
+            return None;
+        }
         let mut doc: serde_json::Value = serde_json::from_str(body).ok()?;
         let env = doc.get_mut("env")?.as_object_mut()?;
         let mut changed = false;
-        for value in env.values_mut() {
+        for (name, value) in env.iter_mut() {
+            if overlay.is_some_and(|o| !o.iter().any(|n| n.as_ref() == name)) {
+                continue;
+            }
             if let serde_json::Value::String(s) = value
                 && !s.starts_with(ENV_HASH_PREFIX)
             {
@@ -98,18 +107,28 @@ mod tests {
     #[test]
     fn env_values_become_keyed_hashes_that_compare() {
         let k = keys("one key");
-        let body = r#"{"kind":"launch","env":{"HF_TOKEN":"hf_secret","N":"1","GONE":null}}"#;
-        let hashed = k.hash_launch_env(body).expect("hashed");
+        let overlay = ["HF_TOKEN", "N", "GONE"];
+        let body = r#"{"kind":"launch","env":{"HF_TOKEN":"hf_secret","N":"1","GONE":null,"WORLD_SIZE":"8"}}"#;
+        let hashed = k.hash_launch_env(body, Some(&overlay[..])).expect("hashed");
         assert!(!hashed.contains("hf_secret"), "{hashed}");
         let doc: serde_json::Value = serde_json::from_str(&hashed).unwrap();
         assert_eq!(doc["env"]["GONE"], serde_json::Value::Null);
+        assert_eq!(doc["env"]["WORLD_SIZE"], "8", "trainyard's own variables stay readable");
         let one = doc["env"]["N"].as_str().unwrap();
         assert!(one.starts_with(ENV_HASH_PREFIX) && one.len() == ENV_HASH_PREFIX.len() + 32, "{one}");
         // Keyed: not the plain SHA-256 of "1", and another controller's key gives another hash.
         assert_ne!(one, keys("another key").env_hash("1"));
         assert_eq!(one, k.env_hash("1"), "the same value under one key compares equal");
         // Hashing again changes nothing; a receipt without env is left alone.
-        assert_eq!(k.hash_launch_env(&hashed), None);
-        assert_eq!(k.hash_launch_env(r#"{"kind":"launch"}"#), None);
+        assert_eq!(k.hash_launch_env(&hashed, Some(&overlay[..])), None);
+        assert_eq!(k.hash_launch_env(r#"{"kind":"launch"}"#, Some(&overlay[..])), None);
+        assert_eq!(
+            k.hash_launch_env(body, Some(&[] as &[&str])),
+            None,
+            "a job without [env] has nothing to hide"
+        );
+        // A job whose spec is not at hand: every value is hashed.
+        let all = k.hash_launch_env(body, None::<&[&str]>).expect("hashed");
+        assert!(!all.contains("\"8\""), "{all}");
     }
 }

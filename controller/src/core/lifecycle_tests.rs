@@ -225,6 +225,34 @@ async fn a_user_may_have_so_many_pending_jobs_and_no_more() {
     c.jobs().submit_as(spec(8), None, &bob).await.expect("bob has his own cap");
 }
 
+/// The specs of one user's unfinished jobs may hold `max_spec_bytes_per_user` of the
+/// controller's memory: a spec that would pass it is refused, naming the cap; another user is not
+/// held back, and a job that ends gives its bytes back.
+#[tokio::test]
+async fn a_user_may_hold_so_many_spec_bytes_and_no_more() {
+    let store = store().await;
+    let parsed = trainyard_model::spec::parse(spec(8)).expect("valid");
+    let one = prost::Message::encoded_len(&trainyard_proto::v1::JobSpec::from(&parsed));
+    let config = crate::config::ControllerConfig { max_spec_bytes_per_user: 3 * one, ..Default::default() };
+    let c = Controller::start(store.clone(), config).await.expect("start");
+    let _agent = connect(&c, "node-a", 8, None).await;
+    let alice = trainyard_store::JobOwner { user: "alice".into(), run_as: "alice".into() };
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(c.jobs().submit_as(spec(8), None, &alice).await.expect("at the cap"));
+    }
+    let refused = c.jobs().submit_as(spec(8), None, &alice).await.expect_err("one byte over");
+    assert!(matches!(refused, ControllerError::TooMany(_)), "{refused}");
+    assert!(refused.to_string().contains(&format!("({} bytes)", 3 * one)), "{refused}");
+    let bob = trainyard_store::JobOwner { user: "bob".into(), run_as: "bob".into() };
+    c.jobs().submit_as(spec(8), None, &bob).await.expect("bob has his own budget");
+    // A finished job gives its bytes back.
+    let reconciler = crate::core::reconcile::Reconciler(&c.s);
+    let (cancelled, ()) = tokio::join!(c.jobs().cancel(ids[2], "make room"), reconciler.reconcile());
+    cancelled.expect("cancel");
+    c.jobs().submit_as(spec(8), None, &alice).await.expect("room again after a cancel");
+}
+
 /// A logs client that does not read never holds up the agent's stream: once its buffer is full
 /// the next piece drops it at once (no wait), the agent is told to stop, and the client is told
 /// why.

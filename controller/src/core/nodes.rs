@@ -399,11 +399,10 @@ impl Nodes<'_> {
             at => Duration::from_millis(u64::try_from(at - now_ms).unwrap_or(0)),
         };
         let deadline = left.saturating_sub(NOTICE_MARGIN);
+        // The detail (the notice's first line) is for admins: it goes to this log only, never
+        // into a reason every user sees (`ctl nodes`, job events).
         let detail: String = notice.detail.chars().take(200).collect();
-        let why = format!(
-            "preemption notice on {agent_id}: {}",
-            if detail.is_empty() { "(no detail)" } else { &detail }
-        );
+        let why = format!("preemption notice on {agent_id} (its detail is in the controller's log)");
         let cordon = Cordon { by: "preemption".into(), reason: why.clone(), at_ms: now_ms };
         self.c.store.set_cordon(agent_id, Some(&cordon)).await?;
         let jobs = {
@@ -413,7 +412,7 @@ impl Nodes<'_> {
             }
             super::evict::evict(&mut core, agent_id, FailureKind::Preemption, deadline, &why)
         };
-        tracing::warn!(agent_id, kind = %notice.kind, jobs = jobs.len(), deadline_s = deadline.as_secs(), "preemption notice");
+        tracing::warn!(agent_id, kind = %notice.kind, detail, jobs = jobs.len(), deadline_s = deadline.as_secs(), "preemption notice");
         self.c.bump();
         self.c.wake();
         Ok(())

@@ -57,7 +57,15 @@ impl Receipts<'_> {
             let (problem, metrics) = (checked.problem, checked.metrics);
             // `[env]` values (tokens, passwords) are never stored: their keyed hashes compare.
             let body = match r.kind.as_str() {
-                "launch" => self.c.keys.hash_launch_env(&r.body).unwrap_or(r.body),
+                "launch" => {
+                    let overlay: Option<Vec<String>> = self
+                        .c
+                        .lock()
+                        .jobs
+                        .get(&id.job_id)
+                        .map(|j| j.record().spec.env.keys().cloned().collect());
+                    self.c.keys.hash_launch_env(&r.body, overlay.as_deref()).unwrap_or(r.body)
+                }
                 _ => r.body,
             };
             rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body, problem, metrics });

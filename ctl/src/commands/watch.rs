@@ -30,6 +30,7 @@ pub async fn run(ctl: &mut Controller, job_id: u64, from: u64, json: bool) -> an
             Event::State(s) if !json => format!("job {job_id}: state {} ({})", s.state, s.reason),
             Event::State(_) => return ControlFlow::Continue(()),
         };
+        let line = trainyard_model::text::printable(&line);
         match writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
             Ok(()) => ControlFlow::Continue(()),
             Err(e) => {

@@ -42,6 +42,8 @@ pub(in crate::core) struct ActiveJob {
     pub(in crate::core) streak: u32,
     /// When the current attempt started running.
     pub(in crate::core) running_since: Option<Instant>,
+    /// The spec's encoded size: what the job holds of its user's spec budget while active.
+    pub(in crate::core) spec_bytes: usize,
 }
 
 impl ActiveJob {
@@ -51,7 +53,9 @@ impl ActiveJob {
     }
 
     pub(in crate::core) fn new(record: JobRecord) -> ActiveJob {
+        let spec_bytes = prost::Message::encoded_len(&trainyard_proto::v1::JobSpec::from(&record.spec));
         ActiveJob {
+            spec_bytes,
             record,
             cancel: None,
             launches_sent: 0,

@@ -1,0 +1,206 @@
+//! A shared node: a job's processes end with the job, whatever they did to get away (`setsid`,
+//! a double fork), and the job's limits hold, through real agents and real cgroups (cgroup2
+//! membership and kill, cgroup v1 limits on this project's machines). The cgroup tests need
+//! root; elsewhere they say skipped, and in CI (root there) a test that cannot run fails.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use trainyard_tests::{Cluster, host_file};
+
+fn root_or_skip(why: &str) -> bool {
+    // SAFETY: geteuid cannot fail.
+    let root = unsafe { libc::geteuid() == 0 };
+    if !root {
+        assert!(std::env::var_os("CI").is_none(), "{why}: CI runs as root, so this must run there");
+        println!("skipped: {why}");
+    }
+    root
+}
+
+/// A job of one rank running `script` under `sh -c`, with `resources` added to its table.
+fn sh_job(c: &Cluster, name: &str, script: &str, resources: &str) -> PathBuf {
+    let text = format!(
+        "name = {name:?}\n\n[resources]\ngpus = 1\n{resources}\n\n[engine]\nkind = \"exec\"\n\
+         argv = [\"sh\", \"-c\", {script:?}]\nworkdir = \"/tmp\"\n"
+    );
+    let path = c.path(&format!("{name}.toml"));
+    std::fs::write(&path, text).expect("write job file");
+    path
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) != Some("Z"))
+}
+
+fn wait_dead(pid: u32, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    while alive(pid) {
+        if Instant::now() > deadline {
+            bail!("process {pid} is still alive after {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+fn read_pid(path: &Path, within: Duration) -> Result<u32> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && let Ok(pid) = text.trim().parse()
+        {
+            return Ok(pid);
+        }
+        if Instant::now() > deadline {
+            bail!("no pid in {} after {within:?}", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The agent's exit receipt of the job's rank 0: (processes, leftover_killed, cpu_ms).
+fn exit_receipt(c: &Cluster, job: u64) -> Result<Vec<String>> {
+    let rows = c.query_text(&format!(
+        "SELECT json_extract(body, '$.processes'), CAST(json_extract(body, '$.leftover_killed') AS TEXT), \
+         CAST(json_extract(body, '$.cpu_ms') AS TEXT), json_extract(body, '$.status') FROM receipts \
+         WHERE job_id = {job} AND kind = 'exit' AND json_extract(body, '$.producer') = 'trainyard agent (rank end)'"
+    ))?;
+    rows.into_iter().next().context("the agent's exit receipt")
+}
+
+/// A rank that starts a child in a session of its own and exits 0: the child dies with the
+/// rank, in its cgroup (root) and under its shim as a child subreaper (any user). Before, it
+/// kept running after its job succeeded, as the user, with the job's GPU and variables.
+#[test]
+fn a_detached_child_ends_with_its_rank() -> Result<()> {
+    let modes: &[&str] = if root_or_skip("cgroups need root; the subreaper half runs") {
+        &["auto", "subreaper"]
+    } else {
+        &["subreaper"]
+    };
+    for mode in modes {
+        let mut c = Cluster::start()?;
+        let host = host_file(&c.path(""), "node-a", 1);
+        c.start_agent_env("node-a", &host, &[("TRAINYARD_PROCESS_TRACKING", mode)])?;
+        let pidfile = c.path("detached.pid");
+        let script = format!("setsid sleep 300 & echo $! > {}; sleep 0.3", pidfile.display());
+        let job = c.submit(&sh_job(&c, "escape", &script, ""))?;
+        let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(60))?;
+        assert_eq!(status["state"], "succeeded", "{mode}: {status}");
+        let detached = read_pid(&pidfile, Duration::from_secs(5))?;
+        wait_dead(detached, Duration::from_secs(5)).with_context(|| format!("{mode}: the setsid child"))?;
+        let receipt = exit_receipt(&c, job)?;
+        let held = if *mode == "auto" { "cgroup" } else { "subreaper" };
+        assert_eq!(
+            (receipt[0].as_str(), receipt[1].as_str(), receipt[3].as_str()),
+            (held, "1", "ok"),
+            "{mode}"
+        );
+        if *mode == "auto" {
+            assert!(
+                receipt[2].parse::<u64>().is_ok(),
+                "the exit receipt counts the rank's CPU time: {receipt:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A cancel takes every process of the job, the detached ones included, within the grace.
+#[test]
+fn a_cancel_takes_every_process_of_the_job() -> Result<()> {
+    if !root_or_skip("cgroups need root") {
+        return Ok(());
+    }
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 1)?;
+    let pidfile = c.path("detached.pid");
+    let script =
+        format!("setsid sh -c 'trap \"\" TERM; sleep 300' & echo $! > {}; exec sleep 300", pidfile.display());
+    let job = c.submit(&sh_job(&c, "stubborn", &script, ""))?;
+    c.wait_state(job, &["running"], Duration::from_secs(30))?;
+    let detached = read_pid(&pidfile, Duration::from_secs(10))?;
+    assert!(alive(detached));
+    c.ctl_ok(&["cancel", &job.to_string()])?;
+    c.wait_state(job, &["cancelled"], Duration::from_secs(30))?;
+    // The cluster's cancel grace is 3 s; the child ignores SIGTERM and is outside the group.
+    wait_dead(detached, Duration::from_secs(10)).context("the detached child that ignores SIGTERM")?;
+    Ok(())
+}
+
+/// `[resources] max_processes` and `memory_limit_gib` hold on the node: a fork bomb stops at
+/// the limit, and a rank that allocates past the memory limit is killed, its job failing.
+#[test]
+fn a_jobs_limits_hold_on_its_node() -> Result<()> {
+    if !root_or_skip("cgroups need root") {
+        return Ok(());
+    }
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 1)?;
+    // Without the limit the rank starts its 64 children; with max_processes = 16 the 16th fork
+    // fails inside the job (dash says "Cannot fork" and gives up, exit code 2).
+    let forks = "for i in $(seq 64); do sleep 30 & done; kill $(jobs -p) 2>/dev/null; exit 0";
+    for (limit, capped) in [("", false), ("max_processes = 16", true)] {
+        let job = c.submit(&sh_job(&c, "forks", forks, limit))?;
+        let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(60))?;
+        let want = if capped { "failed" } else { "succeeded" };
+        assert_eq!(status["state"], want, "{limit:?}: {status}");
+        let out = c.ctl(&["logs", &job.to_string()])?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stderr.contains("fork"), capped, "{limit:?}: the rank's stderr: {stderr}");
+    }
+
+    let hog = "python3 -c 'b = bytearray(700 << 20); print(len(b))'";
+    let job = c.submit(&sh_job(&c, "hog", hog, "memory_limit_gib = 0.5"))?;
+    let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "failed", "700 MiB under a 512 MiB limit: {status}");
+    let fine = "python3 -c 'b = bytearray(100 << 20); print(len(b))'";
+    let job = c.submit(&sh_job(&c, "fits", fine, "memory_limit_gib = 0.5"))?;
+    let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "succeeded", "100 MiB under a 512 MiB limit: {status}");
+    Ok(())
+}
+
+/// The controller's SQLite data directory and database files are private whatever the umask
+/// of whoever started it: they hold every job's spec, its users and their token hashes.
+#[test]
+fn the_controllers_database_is_private_whatever_the_umask() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    use std::os::unix::process::CommandExt as _;
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let addr = dir.path().join("addr");
+    let mut command = std::process::Command::new(trainyard_tests::bin("trainyard-controller")?);
+    command
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--addr-file"])
+        .arg(&addr)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: umask is async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            libc::umask(0);
+            Ok(())
+        });
+    }
+    let mut child = command.spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !addr.exists() || std::fs::read_to_string(&addr)?.trim().is_empty() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            bail!("the controller never wrote its address");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mode = |p: &Path| std::fs::metadata(p).map(|m| m.permissions().mode() & 0o777);
+    let modes = (mode(&data)?, mode(&data.join("trainyard.db"))?, mode(&data.join("trainyard.db-wal"))?);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(modes, (0o700, 0o600, 0o600), "data directory, database, its WAL under umask 0");
+    Ok(())
+}
