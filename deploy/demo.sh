@@ -9,20 +9,35 @@
 #                             shipped in engine/corpus, one CPU rank on each node (ZeRO-2 over TCP)
 #   ./deploy/demo.sh --keep   (with either) leaves the cluster running after the job until
 #                             Ctrl-C, to open the web view, `ctl diagnose` and the tables
+#   ./deploy/demo.sh --run-ranks-as-root
+#                             as root only: run the demo's ranks as root (without it, the demo
+#                             refuses to start as root). Its controller answers calls without a
+#                             token only from the account that started it, whoever else is on
+#                             the machine (docs/security.md, "Modes").
 set -euo pipefail
 
 MODE=ranks
 KEEP=0
+RANKS_AS_ROOT=0
 for arg in "$@"; do
     case "$arg" in
         gpt) MODE=gpt ;;
         --keep) KEEP=1 ;;
+        --run-ranks-as-root) RANKS_AS_ROOT=1 ;;
         *)
-            echo "usage: $0 [gpt] [--keep]" >&2
+            echo "usage: $0 [gpt] [--keep] [--run-ranks-as-root]" >&2
             exit 2
             ;;
     esac
 done
+if [ "$(id -u)" = 0 ] && [ "$RANKS_AS_ROOT" != 1 ]; then
+    cat >&2 <<'EOF_ROOT'
+deploy/demo.sh is running as root, so the demo's ranks (its jobs' programs) would run as root.
+Run it as an ordinary user, or pass --run-ranks-as-root to say that every rank of this demo
+may run as root on this machine.
+EOF_ROOT
+    exit 2
+fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -106,9 +121,11 @@ echo "controller listening at $URL; database $DATA/controller/trainyard.db"
 echo "web view at $WEB (jobs, plots, diagnosis, nodes)"
 
 # The demo's jobs belong to the local admin, who has no Unix account mapping: an agent running
-# as root refuses such launches unless told that this is a single-user box (docs/security.md).
+# as root refuses such launches unless told to run them as root, which the operator asked for
+# in words (--run-ranks-as-root) to get here as root (docs/security.md).
 AGENT_FLAGS=()
 if [ "$(id -u)" = 0 ]; then
+    echo "--run-ranks-as-root: the demo's ranks run as root on this machine" >&2
     AGENT_FLAGS+=(--allow-root-ranks)
 fi
 for node in a b; do

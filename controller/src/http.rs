@@ -60,7 +60,40 @@ pub fn router(controller: Arc<Controller>, auth: Authenticator, metrics_need_tok
         .fallback(not_found)
         .merge(crate::web::routes(controller, auth))
         .layer(axum::middleware::from_fn_with_state(slots, limit))
+        .layer(axum::middleware::from_fn_with_state(refusals.1.clone(), loopback_doors))
         .layer(axum::middleware::from_fn_with_state(refusals, note_refusals))
+}
+
+/// The loopback demo's HTTP doors ([`crate::auth::peer`]): only requests addressed to the
+/// loopback (a page of another site rebinding its name to 127.0.0.1 gets 403), and a request
+/// without a token only from the account that started the controller (401). Off the demo,
+/// every call needs a token anyway and this lets everything through.
+async fn loopback_doors(
+    State(auth): State<Authenticator>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if auth.policy().require_user_token {
+        return next.run(request).await;
+    }
+    let host = request.headers().get(header::HOST).map(|v| v.to_str().unwrap_or("?"));
+    if !crate::auth::peer::is_loopback_host(host) {
+        return (
+            StatusCode::FORBIDDEN,
+            format!(
+                "this loopback demo controller answers only requests for localhost, 127.0.0.1 or [::1], not Host {}\n",
+                host.unwrap_or_default()
+            ),
+        )
+            .into_response();
+    }
+    if request.headers().get(header::AUTHORIZATION).is_none() {
+        let peer = request.extensions().get::<axum::extract::ConnectInfo<Peer>>().map(|c| c.0.0);
+        if let Err(e) = auth.tokenless_from(peer) {
+            return (StatusCode::UNAUTHORIZED, format!("{e}\n")).into_response();
+        }
+    }
+    next.run(request).await
 }
 
 /// Where a request came from (served with `into_make_service_with_connect_info::<Peer>`), for

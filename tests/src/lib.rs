@@ -778,6 +778,11 @@ impl Cluster {
         http(&self.http_addr, method, path)
     }
 
+    /// The controller's HTTP listener address (web view, API, `/metrics`).
+    pub fn http_addr(&self) -> &str {
+        &self.http_addr
+    }
+
     /// The agent's metrics listener address (every agent of a cluster serves one).
     pub fn agent_metrics_addr(&self, name: &str) -> Result<String> {
         wait_for_file(&self.path(&format!("agent-{name}.metrics")), Duration::from_secs(10))

@@ -620,3 +620,23 @@ fn string_array(text: &str, key: &str) -> Option<Vec<String>> {
 fn read(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))
 }
+
+/// The demo run as root never runs its ranks as root unless the operator says so in words:
+/// without `--run-ranks-as-root` it refuses to start, saying why. (Before, it added
+/// `--allow-root-ranks` by itself.)
+#[test]
+fn the_demo_as_root_refuses_to_run_ranks_as_root_unasked() -> anyhow::Result<()> {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(std::env::var_os("CI").is_none(), "CI runs as root: this must run there");
+        println!("skipped: the demo's refusal is for root");
+        return Ok(());
+    }
+    let out = std::process::Command::new("bash")
+        .arg(trainyard_tests::repo_root().join("deploy/demo.sh"))
+        .output()?;
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("would run as root") && err.contains("--run-ranks-as-root"), "{err}");
+    Ok(())
+}

@@ -204,3 +204,63 @@ fn the_controllers_database_is_private_whatever_the_umask() -> Result<()> {
     assert_eq!(modes, (0o700, 0o600, 0o600), "data directory, database, its WAL under umask 0");
     Ok(())
 }
+
+/// The loopback demo lets a call without a token in only from the account that started the
+/// controller: `nobody` on the same host is refused, on gRPC (`ctl`) and on HTTP. A web page of
+/// another site that rebinds its name to 127.0.0.1 is refused by `Host`. (Before, `nobody`
+/// submitted a job without a token on a root-run demo and it ran as uid 0.)
+#[test]
+fn the_loopback_demo_answers_only_its_owner_and_only_loopback_names() -> Result<()> {
+    use std::io::{Read as _, Write as _};
+    use std::os::unix::process::CommandExt as _;
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 1)?;
+    let job = sh_job(&c, "owners", "true", "");
+    let owner = c.submit(&job)?;
+    c.wait_state(owner, &["succeeded"], Duration::from_secs(60))?;
+
+    // HTTP: a rebinding page's Host is refused whoever sends it.
+    let mut stream = std::net::TcpStream::connect(c.http_addr())?;
+    write!(stream, "GET /api/jobs HTTP/1.1\r\nHost: attacker.example:7071\r\nConnection: close\r\n\r\n")?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.contains("only requests for localhost"), "{answer}");
+    let (status, _) = c.http("GET", "/api/jobs")?;
+    assert_eq!(status, 200, "the owner's own browser");
+
+    if !root_or_skip("calling as another account needs root") {
+        return Ok(());
+    }
+    // gRPC: `ctl` as nobody, without a token.
+    std::fs::set_permissions(c.path(""), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    std::fs::set_permissions(&job, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    let out = std::process::Command::new(trainyard_tests::bin("ctl")?)
+        .args(["--controller", &c.url(), "submit"])
+        .arg(&job)
+        .uid(65534)
+        .gid(65534)
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "nobody submitted without a token: {err}");
+    assert!(err.contains("only from the account that started it"), "{err}");
+    let jobs = c.query("SELECT COUNT(*) FROM jobs")?;
+    assert_eq!(jobs[0][0], 1, "nothing was stored for nobody");
+    // HTTP: curl-like, as nobody.
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import urllib.request, urllib.error\ntry:\n urllib.request.urlopen('http://{}/api/jobs')\nexcept urllib.error.HTTPError as e:\n print(e.code)",
+            c.http_addr()
+        ))
+        .uid(65534)
+        .gid(65534)
+        .output()?;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "401",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}

@@ -15,6 +15,7 @@
 
 mod budget;
 pub mod door;
+pub mod peer;
 pub mod pki;
 
 use std::sync::Arc;
@@ -187,6 +188,21 @@ impl Authenticator {
                 door::LIMITED_FOR_MS / 1000
             );
         }
+    }
+
+    /// A call without a token from `peer`: in the loopback demo it acts as the local admin only
+    /// when it comes from the account that started this controller ([`peer::is_own_account`]);
+    /// from any other account on the host it is refused, saying so.
+    pub fn tokenless_from(&self, peer: Option<std::net::SocketAddr>) -> Result<(), AuthError> {
+        if self.policy.require_user_token || peer::is_own_account(peer) {
+            return Ok(());
+        }
+        // SAFETY: geteuid cannot fail.
+        let me = unsafe { libc::geteuid() };
+        Err(AuthError::Unauthenticated(format!(
+            "this loopback demo controller answers calls without a token only from the account that started it \
+             (uid {me}); pass a token (TRAINYARD_TOKEN or --token-file) or ask its owner"
+        )))
     }
 
     /// Creates the demo's local admin when this policy lets tokenless calls in.

@@ -103,6 +103,15 @@ impl JobsService {
     async fn caller<T>(&self, request: &Request<T>, action: &str, target: &str) -> Result<Caller, Status> {
         let header = request.metadata().get("authorization").map(|v| v.to_str().unwrap_or("?"));
         let now = self.controller.now_ms();
+        let tokenless = match header {
+            None | Some("") => self.auth.tokenless_from(request.remote_addr()),
+            Some(_) => Ok(()),
+        };
+        if let Err(e) = tokenless {
+            let why = e.to_string();
+            self.auth.audit_refusal(action, target, &why, request.remote_addr(), now).await;
+            return Err(auth_status(e));
+        }
         match self.auth.user(header, now).await {
             Ok(caller) => Ok(caller),
             Err(e) => {
