@@ -48,6 +48,11 @@ pub struct AgentConfig {
     /// Hold each rank's processes with its shim as a child subreaper even where cgroups can
     /// be made (`--process-tracking subreaper`); by default, cgroups where the host allows.
     pub subreaper_only: bool,
+    /// What is kept of each of a rank's streams, in bytes (`--rank-output-cap-mib`).
+    pub rank_output_cap: u64,
+    /// No launch while the data directory has less free than the larger of this and 5 % of its
+    /// file system (`--disk-floor-mib`).
+    pub disk_floor: u64,
     /// Where preemption notices come from (`crate::notice`), how often it is polled, and how
     /// long the host has once one comes (30 s, GCP's; AWS gives 120 s).
     pub preemption_notice: Option<crate::notice::NoticeSource>,
@@ -109,6 +114,8 @@ impl AgentConfig {
             tls: None,
             allow_root_ranks: false,
             subreaper_only: false,
+            rank_output_cap: crate::output::DEFAULT_CAP_BYTES,
+            disk_floor: crate::launcher::DEFAULT_DISK_FLOOR_BYTES,
             preemption_notice: None,
             notice_poll: Duration::from_secs(1),
             notice_deadline: Duration::from_secs(30),

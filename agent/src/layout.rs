@@ -95,6 +95,41 @@ impl Layout {
         self.attempt_dir(run, id.attempt).join(format!("rank-{}", id.rank))
     }
 
+    /// Space the agent keeps allocated for its own records (`state/reserve`): given up when a
+    /// full disk would stop it from writing them ([`Layout::release_reserve`]).
+    pub fn reserve(&self) -> PathBuf {
+        self.data_dir.join("state").join("reserve")
+    }
+
+    /// Allocates the reserve when it is not there; `Ok(false)` when the disk has no room for it.
+    pub fn keep_reserve(&self) -> std::io::Result<bool> {
+        use std::os::fd::AsRawFd as _;
+        let path = self.reserve();
+        if std::fs::metadata(&path).is_ok_and(|m| m.len() == RESERVE_BYTES as u64) {
+            return Ok(true);
+        }
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(PRIVATE_FILE_MODE)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)?;
+        // SAFETY: fallocate on our own open descriptor.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, RESERVE_BYTES) } != 0 {
+            let e = std::io::Error::last_os_error();
+            drop(file);
+            let _ = std::fs::remove_file(&path);
+            return if e.raw_os_error() == Some(libc::ENOSPC) { Ok(false) } else { Err(e) };
+        }
+        Ok(true)
+    }
+
+    /// Gives the reserve up; whether there was one to give.
+    pub fn release_reserve(&self) -> bool {
+        std::fs::remove_file(self.reserve()).is_ok()
+    }
+
     pub fn state_dir(&self) -> PathBuf {
         self.data_dir.join("state").join("ranks")
     }
@@ -165,6 +200,64 @@ impl RankFiles {
 /// The checkpoint request file of the rank whose receipts file is `receipts`.
 pub fn checkpoint_request_beside(receipts: &Path) -> PathBuf {
     receipts.with_file_name("checkpoint.request")
+}
+
+/// The space set aside for the exit status of the rank whose `exit.json` is `exit`.
+pub fn exit_slot_beside(exit: &Path) -> PathBuf {
+    exit.with_file_name("exit.slot")
+}
+
+/// Bytes set aside for an exit status: far more than `exit.json` ever holds.
+pub const EXIT_SLOT_BYTES: i64 = 4096;
+
+/// Creates `slot` with its blocks allocated (`fallocate`), so a later [`fill_slot`] needs no new
+/// space on the disk.
+pub fn allocate_slot(slot: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(PRIVATE_FILE_MODE)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(slot)?;
+    // SAFETY: fallocate on our own open descriptor.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, EXIT_SLOT_BYTES) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    file.sync_all()
+}
+
+/// Writes `bytes` into the allocated `slot` (in place: no new blocks), cuts it to their length,
+/// syncs it and renames it to `path`, then syncs the directory: readers see no file or the whole
+/// status. `NotFound` when there is no slot.
+pub fn fill_slot(slot: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    if bytes.len() as i64 > EXIT_SLOT_BYTES {
+        return Err(std::io::Error::other("the exit status is larger than its slot"));
+    }
+    let file = OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW).open(slot)?;
+    file.write_all_at(bytes, 0)?;
+    file.set_len(bytes.len() as u64)?;
+    file.sync_all()?;
+    std::fs::rename(slot, path)?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Bytes of the agent's reserve: enough for every state file and exit status of a full node.
+pub const RESERVE_BYTES: i64 = 32 << 20;
+
+/// Free bytes of the file system holding `dir`, and its size.
+pub fn disk_space(dir: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: a zeroed statvfs is a valid out-parameter; the path is NUL-terminated.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let unit = s.f_frsize as u64;
+    Ok((s.f_bavail as u64 * unit, s.f_blocks as u64 * unit))
 }
 
 /// Mode of the run directories of a job (owner the agent, group the job's user's primary

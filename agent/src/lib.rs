@@ -30,6 +30,8 @@
 //! - [`telemetry`]: GPU telemetry: a sampler thread (NVML, or a script on hosts without a GPU)
 //!   summarising each running rank's GPU per window, queued for the stream.
 //! - [`account`]: the Unix account a job's ranks run as, looked up on this node (never root).
+//! - [`output`]: a rank's stdout and stderr, piped through its shim into capped logs that a
+//!   full disk never blocks.
 //! - [`notice`]: preemption notices from a source the operator names (a file, a command, a
 //!   cloud's metadata endpoint), told to the controller.
 //! - [`metrics`]: the agent's Prometheus metrics and `/healthz`.
@@ -48,6 +50,7 @@ pub mod layout;
 pub mod logs;
 pub mod metrics;
 pub mod notice;
+pub mod output;
 pub mod pinning;
 pub mod preflight;
 pub mod printed;

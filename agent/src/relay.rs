@@ -97,7 +97,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     let layout = Layout::new(&config.data_dir);
     let mut launcher = Launcher::new(layout, config.shim_program.clone(), inventory)
         .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?
-        .allow_root_ranks(config.allow_root_ranks);
+        .allow_root_ranks(config.allow_root_ranks)
+        .with_limits(config.rank_output_cap, config.disk_floor);
     if config.subreaper_only {
         let tracking = crate::cgroup::Tracking::Subreaper("--process-tracking subreaper".into());
         info!("{}", tracking.describe());

@@ -67,6 +67,9 @@ pub struct RankRecord {
     pub usage: crate::cgroup::Usage,
     #[serde(default)]
     pub leftover_killed: Option<usize>,
+    /// Bytes of its stdout and stderr dropped (past the cap, or a full disk).
+    #[serde(default)]
+    pub output_dropped_bytes: Option<u64>,
     /// The agent's exit receipt for the rank was appended to its receipts file (saved first,
     /// so a restarted agent never appends it twice).
     #[serde(default)]
@@ -74,10 +77,23 @@ pub struct RankRecord {
 }
 
 impl RankRecord {
-    /// Writes the record to its state file.
+    /// Writes the record to its state file. On a full disk (a job's output filled it), the
+    /// agent's reserve ([`Layout::reserve`]) is given up and the write tried again: the agent's
+    /// records never share the fate of ranks' output.
     pub fn save(&self, layout: &Layout) -> std::io::Result<()> {
         let bytes = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
-        write_atomic(&layout.state_file(self.id), &bytes)
+        let path = layout.state_file(self.id);
+        match write_atomic(&path, &bytes) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && layout.release_reserve() => {
+                tracing::warn!(
+                    rank_id = %self.id,
+                    "the data directory's file system is full: gave up the agent's reserve to keep its records; \
+                     no launch until there is room again"
+                );
+                write_atomic(&path, &bytes)
+            }
+            other => other,
+        }
     }
 
     /// Removes the record's state file (the run files stay).

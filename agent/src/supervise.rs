@@ -72,6 +72,10 @@ pub struct SuperviseArgs {
     pub group: RankGroup,
     /// No cgroups: the shim is a child subreaper and kills the rank's orphans when it ends.
     pub subreaper: bool,
+    /// The rank's stdout and stderr log files, which the shim's own stdout and stderr are: the
+    /// rank writes into pipes the shim copies there, capped ([`crate::output`]). `None`: the
+    /// rank writes into the files itself (an older agent's launch).
+    pub logs: Option<[crate::output::Log; 2]>,
     pub argv: Vec<String>,
 }
 
@@ -96,6 +100,9 @@ pub struct ExitFile {
     /// Processes of the rank still alive when it ended, killed by the shim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub leftover_killed: Option<usize>,
+    /// Bytes of the rank's stdout and stderr dropped: past the cap, or the disk was full.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_dropped_bytes: Option<u64>,
 }
 
 impl ExitFile {
@@ -106,6 +113,7 @@ impl ExitFile {
             error: None,
             usage: Usage::default(),
             leftover_killed: None,
+            output_dropped_bytes: None,
         }
     }
 
@@ -114,9 +122,16 @@ impl ExitFile {
         Ok(serde_json::from_slice(&std::fs::read(path)?)?)
     }
 
+    /// Writes `exit.json` into the space the agent set aside for it (`exit.slot`, allocated at
+    /// launch), so a disk a job filled cannot keep a rank's exit status from being known; where
+    /// there is no slot, as a fresh file.
     fn write(&self, path: &Path) -> std::io::Result<()> {
         let bytes = serde_json::to_vec(self).map_err(std::io::Error::other)?;
-        write_atomic(path, &bytes)
+        let slot = crate::layout::exit_slot_beside(path);
+        match crate::layout::fill_slot(&slot, path, &bytes) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => write_atomic(path, &bytes),
+            other => other,
+        }
     }
 }
 
@@ -149,7 +164,8 @@ pub fn supervise(args: &SuperviseArgs) -> i32 {
     {
         eprintln!("trainyard-agent supervise: cannot become a child subreaper: {e}");
     }
-    let mut outcome = match run_rank(args) {
+    let mut copiers = Copiers::default();
+    let mut outcome = match run_rank(args, &mut copiers) {
         Ok(status) => ExitFile::from_status(status),
         Err(e) => {
             eprintln!("trainyard-agent supervise: {e}");
@@ -159,6 +175,7 @@ pub fn supervise(args: &SuperviseArgs) -> i32 {
                 error: Some(e),
                 usage: Usage::default(),
                 leftover_killed: None,
+                output_dropped_bytes: None,
             }
         }
     };
@@ -175,6 +192,10 @@ pub fn supervise(args: &SuperviseArgs) -> i32 {
         }
     };
     outcome.leftover_killed = left.filter(|n| *n > 0);
+    // With every process of the rank gone, its pipes end: the logs are whole.
+    crate::output::join(copiers.handles, LEFTOVER_WAIT);
+    let dropped: u64 = copiers.dropped.iter().map(crate::output::Dropped::get).sum();
+    outcome.output_dropped_bytes = (dropped > 0).then_some(dropped);
     if !args.group.is_empty() {
         outcome.usage = args.group.usage();
         if let Err(e) = args.group.remove() {
@@ -190,7 +211,14 @@ pub fn supervise(args: &SuperviseArgs) -> i32 {
     }
 }
 
-fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
+/// The threads copying the rank's output into its logs, and what each dropped.
+#[derive(Default)]
+struct Copiers {
+    handles: Vec<std::thread::JoinHandle<()>>,
+    dropped: Vec<crate::output::Dropped>,
+}
+
+fn run_rank(args: &SuperviseArgs, copiers: &mut Copiers) -> Result<ExitStatus, String> {
     let (program, rest) = args.argv.split_first().ok_or("spawn failed: empty argv")?;
     let mut env = read_env_file(&args.env_file)?;
     // Paths a user named are looked at as that user: a root-only directory stays unseen.
@@ -236,7 +264,24 @@ fn run_rank(args: &SuperviseArgs) -> Result<ExitStatus, String> {
         });
     }
     // std reports exec failures through a pipe, so spawn returns only once the rank runs.
+    if args.logs.is_some() {
+        command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    }
     let mut child = command.spawn().map_err(|e| format!("spawn failed: {program}: {e}"))?;
+    if let Some([out, err]) = &args.logs {
+        use std::os::fd::AsFd as _;
+        let own = |fd: std::os::fd::BorrowedFd<'_>| fd.try_clone_to_owned().map(std::fs::File::from);
+        if let (Some(from), Ok(file)) = (child.stdout.take(), own(std::io::stdout().as_fd())) {
+            let (h, d) = crate::output::copy(from, file, out.clone());
+            copiers.handles.push(h);
+            copiers.dropped.push(d);
+        }
+        if let (Some(from), Ok(file)) = (child.stderr.take(), own(std::io::stderr().as_fd())) {
+            let (h, d) = crate::output::copy(from, file, err.clone());
+            copiers.handles.push(h);
+            copiers.dropped.push(d);
+        }
+    }
     if let Err(e) = write_atomic(&args.pid_file, child.id().to_string().as_bytes()) {
         eprintln!("trainyard-agent supervise: failed to write {}: {e}", args.pid_file.display());
     }

@@ -436,3 +436,34 @@ async fn the_resume_point_is_chosen_as_the_jobs_user() {
         assert!(out.starts_with(&format!("{want} ")), "{run_as:?}: {out:?} ({})", r.message);
     }
 }
+
+/// A rank's output goes through its shim into a capped log: past the cap the oldest is
+/// dropped, counted in `exit.json`, and said at the end of the log; and no launch starts while
+/// the data directory is under its disk floor, saying why.
+#[tokio::test]
+async fn output_past_its_cap_is_dropped_and_counted_and_a_full_disk_refuses_launches() {
+    let mut h = Harness::new();
+    h.launcher = Harness::launcher_over(h.dir.path()).with_limits(1 << 20, 0);
+    let script = "head -c 5000000 /dev/zero | tr '\\0' x; echo; echo last-line";
+    h.launcher.launch(&launch(60, 1, &h.workdir(), &["sh", "-c", script], &[]));
+    h.wait_for(id(60, 0), "exited", |p, _| p == RankState::Exited).await;
+    let r = &h.launcher.get(id(60, 0)).unwrap().record;
+    assert_eq!(r.exit_code, Some(0), "{}", r.message);
+    let dropped = r.output_dropped_bytes.expect("counted");
+    let kept = std::fs::metadata(&r.files.stdout).unwrap().len()
+        + std::fs::metadata(trainyard_agent::output::rotated(&r.files.stdout)).unwrap().len();
+    assert!(kept <= (1 << 20) + 200, "{kept} bytes kept under a 1 MiB cap");
+    assert!(dropped >= 5_000_000 - (1 << 20), "{dropped} dropped");
+    let log = std::fs::read_to_string(&r.files.stdout).unwrap();
+    assert!(
+        log.contains("last-line") && log.contains(&format!("[trainyard: {dropped} bytes")),
+        "{}",
+        &log[log.len().saturating_sub(300)..]
+    );
+
+    h.launcher = Harness::launcher_over(h.dir.path()).with_limits(1 << 20, u64::MAX);
+    h.launcher.launch(&launch(61, 1, &h.workdir(), &["true"], &[]));
+    let r = &h.launcher.get(id(61, 0)).unwrap().record;
+    assert_eq!(r.phase, RankState::Lost);
+    assert!(r.message.contains("under its floor"), "{}", r.message);
+}

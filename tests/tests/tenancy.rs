@@ -264,3 +264,74 @@ fn the_loopback_demo_answers_only_its_owner_and_only_loopback_names() -> Result<
     );
     Ok(())
 }
+
+/// Unmounts a test's file system when dropped (after the cluster using it is gone).
+struct Mounted(PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// One rank fills a small real file system (a 48 MiB tmpfs) with its output while another
+/// job's rank runs on the same node, whose state and exit files live there too. The other job
+/// still ends as it should (not "supervisor vanished"), its exit status read; the writer's own
+/// rank is never blocked or failed by the full disk, its loss counted in its exit receipt; no
+/// node is blamed. (Before, the other job failed, the node was blamed, and the writer's next
+/// attempt hung in `launching`.)
+#[test]
+fn a_rank_that_fills_the_disk_harms_no_other_job() -> Result<()> {
+    if !root_or_skip("mounting a small file system needs root") {
+        return Ok(());
+    }
+    let small = tempfile::tempdir()?;
+    let status = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=48m,mode=0755", "tmpfs"])
+        .arg(small.path())
+        .status()?;
+    anyhow::ensure!(status.success(), "mount a tmpfs at {}", small.path().display());
+    let _mounted = Mounted(small.path().to_path_buf());
+    let mut c = Cluster::start()?;
+    std::os::unix::fs::symlink(small.path(), c.path("agent-node-a"))?;
+    let host = host_file(&c.path(""), "node-a", 2);
+    c.start_agent_env("node-a", &host, &[("TRAINYARD_DISK_FLOOR_MIB", "1")])?;
+
+    let other = c.submit(&sh_job(&c, "other", "sleep 4; echo other-done", ""))?;
+    c.wait_state(other, &["running"], Duration::from_secs(30))?;
+    let filler =
+        c.submit(&sh_job(&c, "filler", "head -c 100000000 /dev/zero | tr '\\0' x; echo filler-done", ""))?;
+    let status = c.wait_state(filler, &["succeeded", "failed"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "succeeded", "the writer is not failed by its own full disk: {status}");
+    let status = c.wait_state(other, &["succeeded", "failed"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "succeeded", "the other job ends as it should: {status}");
+    // The writer's output filled the file system down to its floor (5 % of 48 MiB), where the
+    // shim stops writing output so the agent's records and exit statuses keep their room.
+    let (free, size) = disk(small.path())?;
+    assert!(free < size / 20 + (4 << 20), "the file system really filled: {free} bytes free");
+
+    let dropped = c.query_text(&format!(
+        "SELECT CAST(json_extract(body, '$.output_dropped_bytes') AS TEXT) FROM receipts WHERE job_id = {filler} \
+         AND kind = 'exit' AND NOT {}",
+        trainyard_tests::RANK_WRITTEN
+    ))?;
+    let dropped: u64 =
+        dropped.first().and_then(|r| r[0].parse().ok()).context("the writer's exit receipt")?;
+    assert!(dropped > 50_000_000, "the loss is counted: {dropped} bytes");
+    for job in [filler, other] {
+        let failures = c.status(job)?["failures"].as_array().cloned().unwrap_or_default();
+        assert!(failures.is_empty(), "no failure, so no node blamed: {failures:?}");
+    }
+    let node = c.node("node-a")?;
+    assert!(node["cordon_by"].is_null() || node["cordon_by"] == "", "{node}");
+    c.kill_agent("node-a");
+    Ok(())
+}
+
+fn disk(dir: &Path) -> Result<(u64, u64)> {
+    let out = std::process::Command::new("df").args(["-B1", "--output=avail,size"]).arg(dir).output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().nth(1).context("df output")?;
+    let mut f = line.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+    Ok((f.next().unwrap_or(0), f.next().unwrap_or(0)))
+}

@@ -92,7 +92,8 @@ fn wait_success(c: &Cluster, id: u64) -> anyhow::Result<Value> {
 /// The job's receipts of `kind`, as (rank, body) in (rank, seq) order.
 fn receipts(c: &Cluster, job: u64, kind: &str) -> anyhow::Result<Vec<(u32, Value)>> {
     let rows = c.query_text(&format!(
-        "SELECT CAST(rank AS TEXT), body FROM receipts WHERE job_id = {job} AND kind = '{kind}' ORDER BY rank, seq"
+        "SELECT CAST(rank AS TEXT), body FROM receipts WHERE job_id = {job} AND kind = '{kind}' AND {} ORDER BY rank, seq",
+        trainyard_tests::RANK_WRITTEN
     ))?;
     rows.iter().map(|r| Ok((r[0].parse()?, serde_json::from_str(&r[1]).context("a receipt body")?))).collect()
 }

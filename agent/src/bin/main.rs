@@ -70,6 +70,14 @@ struct Cli {
     /// the agent make one, else its shim as a child subreaper) or `subreaper`.
     #[arg(long, env = "TRAINYARD_PROCESS_TRACKING", value_enum, default_value_t = ProcessTracking::Auto, global = true)]
     process_tracking: ProcessTracking,
+    /// MiB kept of each of a rank's streams (stdout, stderr): past half of it the log is rotated
+    /// to `<name>.1`, the oldest output dropped and counted.
+    #[arg(long, env = "TRAINYARD_RANK_OUTPUT_CAP_MIB", default_value_t = 512, global = true, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    rank_output_cap_mib: u64,
+    /// No launch while the data directory's file system has less free than the larger of this
+    /// many MiB and 5 % of its size.
+    #[arg(long, env = "TRAINYARD_DISK_FLOOR_MIB", default_value_t = 1024, global = true)]
+    disk_floor_mib: u64,
     /// Where this host's preemption notice appears: file:PATH (a file a cloud metadata handler
     /// writes), http://HOST:PORT/PATH (a local endpoint, polled) or cmd:PROGRAM ARGS (run at
     /// every poll; output means a notice). The jobs here then checkpoint and move.
@@ -188,6 +196,8 @@ impl TryFrom<&Cli> for AgentConfig {
         config.metrics_addr_file = cli.metrics_addr_file.clone();
         config.allow_root_ranks = cli.allow_root_ranks;
         config.subreaper_only = cli.process_tracking == ProcessTracking::Subreaper;
+        config.rank_output_cap = cli.rank_output_cap_mib << 20;
+        config.disk_floor = cli.disk_floor_mib << 20;
         if let Some(text) = &cli.preemption_notice {
             config.preemption_notice =
                 Some(trainyard_agent::notice::NoticeSource::parse(text).map_err(anyhow::Error::msg)?);

@@ -43,6 +43,18 @@ pub struct ShimCli {
     /// No cgroups: the shim is a child subreaper and kills the rank's orphans at its end.
     #[arg(long)]
     subreaper: bool,
+    /// The rank's stdout log (the shim's own stdout): the rank writes into a pipe the shim
+    /// copies there, at most --output-cap bytes kept.
+    #[arg(long, requires = "stderr_log")]
+    stdout_log: Option<PathBuf>,
+    #[arg(long, requires = "stdout_log")]
+    stderr_log: Option<PathBuf>,
+    #[arg(long, default_value_t = trainyard_agent::output::DEFAULT_CAP_BYTES)]
+    output_cap: u64,
+    /// The disk floor's absolute part in bytes: no output is written while the logs' file
+    /// system has less free than the larger of this and 5 % of its size.
+    #[arg(long, default_value_t = 0)]
+    keep_free: u64,
     /// The rank's program and arguments.
     #[arg(last = true, required = true)]
     argv: Vec<String>,
@@ -63,6 +75,10 @@ pub fn run(shim: ShimCli) -> ExitCode {
         cgroup2,
         cgroup1,
         subreaper,
+        stdout_log,
+        stderr_log,
+        output_cap,
+        keep_free,
         argv,
     } = shim;
     // A binding that cannot even be parsed leaves the rank unpinned; the read-back and
@@ -72,12 +88,25 @@ pub fn run(shim: ShimCli) -> ExitCode {
         None
     });
     let user = uid.zip(gid).map(|(uid, gid)| SwitchUser { uid, gid, groups });
+    let owner = user.as_ref().map(|u| (u.uid, u.gid));
+    let log = |path: PathBuf| trainyard_agent::output::Log { path, cap: output_cap, owner, keep_free };
+    let logs = stdout_log.zip(stderr_log).map(|(out, err)| [log(out), log(err)]);
     let v1 = cgroup1
         .iter()
         .filter_map(|pair| pair.split_once('=').map(|(c, d)| (c.to_string(), PathBuf::from(d))))
         .collect();
     let group = trainyard_agent::cgroup::RankGroup { v2: cgroup2, v1 };
-    let args =
-        SuperviseArgs { status_file, pid_file, env_file, workdir, binding, user, group, subreaper, argv };
+    let args = SuperviseArgs {
+        status_file,
+        pid_file,
+        env_file,
+        workdir,
+        binding,
+        user,
+        group,
+        subreaper,
+        logs,
+        argv,
+    };
     ExitCode::from(u8::try_from(supervise(&args)).unwrap_or(1))
 }

@@ -6,6 +6,8 @@
 //! polls: `exit.json` present means exited, shim gone without it means lost. Every change is
 //! written to the rank's state file before anyone is told about it.
 //!
+//! - `admit`: whether a launch may start here (the disk floor, the GPU free of other jobs'
+//!   processes) and what a rank needs before it runs (its exit status's space, its cgroups).
 //! - `engines`: what a launch runs (the engine's argv) and `launch.json`.
 //! - `rundir`: the job's run directories, named by the controller and never reused.
 //! - `shim`: the shim's command: the rank's output files, the user switch, the binding, the
@@ -25,6 +27,7 @@ use std::time::Duration;
 use tracing::{info, warn};
 use trainyard_proto::v1::{HostInventory, Launch, RankAssignment};
 
+mod admit;
 mod engines;
 mod read;
 mod receipts_file;
@@ -73,7 +76,15 @@ pub struct Launcher {
     acks_persisted_at: std::time::Instant,
     /// How every process of a rank is held: its cgroups, or its shim as a subreaper.
     tracking: Tracking,
+    /// What is kept of each of a rank's streams ([`crate::output`]).
+    output_cap: u64,
+    /// No launch while the data directory's file system has less free than the larger of this
+    /// and 5 % of its size.
+    disk_floor: u64,
 }
+
+/// The default of the disk floor's absolute part (`--disk-floor-mib`).
+pub const DEFAULT_DISK_FLOOR_BYTES: u64 = 1 << 30;
 
 /// How often acknowledged positions reach the state files (each write is fsynced): a crash
 /// loses at most this much of them, which only resends receipts the store deduplicates.
@@ -94,6 +105,11 @@ impl Launcher {
         std::fs::remove_file(&probe)?;
         let tracking = Tracking::detect(&crate::cgroup::Mounts::read());
         info!("{}", tracking.describe());
+        match layout.keep_reserve() {
+            Ok(true) => {}
+            Ok(false) => warn!("no room on the data directory's file system for the agent's reserve"),
+            Err(e) => warn!(error = %e, "cannot allocate the agent's reserve"),
+        }
         Ok(Self {
             layout,
             shim_program,
@@ -104,7 +120,17 @@ impl Launcher {
             bootstrap,
             acks_persisted_at: std::time::Instant::now(),
             tracking,
+            output_cap: crate::output::DEFAULT_CAP_BYTES,
+            disk_floor: DEFAULT_DISK_FLOOR_BYTES,
         })
+    }
+
+    /// Keeps at most `cap` bytes of each of a rank's streams, and starts no launch while the
+    /// data directory has less free than the larger of `disk_floor` and 5 % of its size.
+    pub fn with_limits(mut self, cap: u64, disk_floor: u64) -> Self {
+        self.output_cap = cap;
+        self.disk_floor = disk_floor;
+        self
     }
 
     /// Holds ranks' processes as `tracking` says rather than as this host allows (tests: the
@@ -197,7 +223,9 @@ impl Launcher {
         {
             warn!(job_id = launch.job_id, attempt = launch.attempt, error = %e, "failed to write launch.json");
         }
-        let refusal = refusal.or(bad_name.as_deref());
+        let low_disk =
+            if refusal.is_none() { admit::short_of_disk(&self.layout, self.disk_floor) } else { None };
+        let refusal = refusal.or(bad_name.as_deref()).or(low_disk.as_deref());
         let mut ids = Vec::new();
         for assignment in &launch.ranks {
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
@@ -320,6 +348,7 @@ impl Launcher {
             cgroup: RankGroup::default(),
             usage: Default::default(),
             leftover_killed: None,
+            output_dropped_bytes: None,
             exit_receipt: false,
         };
         if let Some(reason) = refusal {
@@ -328,12 +357,10 @@ impl Launcher {
             return Ok(record);
         }
         self.make_run_dirs(run, id.job_id, id.attempt, Some(id.rank), owner(run_as))?;
-        // The groups exist, and are recorded, before anything runs in them.
-        let grouped = self.gpu_free(id, assignment.gpu_index).and_then(|()| {
-            self.tracking
-                .create(&format!("{run}.a{}", id.attempt), id.rank, &receipts_file::limits_of(launch))
-                .map_err(|e| format!("launch refused: the rank's cgroups: {e}"))
-        });
+        // The exit status has its space, and the groups exist and are recorded, before
+        // anything runs in them.
+        let others = self.ranks.values().map(|r| &r.record);
+        let grouped = admit::prepare(&self.tracking, &record, run, launch, assignment.gpu_index, others);
         match grouped {
             Ok(group) => record.cgroup = group,
             Err(message) => {
@@ -410,6 +437,7 @@ impl Launcher {
         }
         shim::bind(&mut command, &mut env, assignment);
         shim::track(&mut command, &record.cgroup, &self.tracking);
+        shim::logs(&mut command, files, self.output_cap, self.disk_floor);
         env.extend(rank.vars);
         self.bootstrap.apply(launch, &mut env);
         if let Some(local_id) = &self.preflight_report {
@@ -421,23 +449,6 @@ impl Launcher {
             .map_err(|e| format!("cannot write {}: {e}", files.env().display()))?;
         command.arg("--").args(&exec.argv).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
         shim::start(command, &self.shim_program)
-    }
-
-    /// `Err` naming the holder when a process of another job's rank on GPU `gpu` still lives
-    /// in its cgroups: a GPU is never shared with what a previous job left running.
-    fn gpu_free(&self, id: RankId, gpu: u32) -> Result<(), String> {
-        let holder = self.ranks.values().map(|r| &r.record).find(|r| {
-            r.id.job_id != id.job_id && r.gpu_index == gpu && !r.cgroup.is_empty() && r.cgroup.populated()
-        });
-        match holder {
-            Some(r) => Err(format!(
-                "launch refused: GPU {gpu} is still held by processes of job {} rank {} ({} left in its cgroup)",
-                r.id.job_id,
-                r.id.rank,
-                r.cgroup.pids().len()
-            )),
-            None => Ok(()),
-        }
     }
 
     /// Checks every rank that has not ended yet; returns the ids of those that changed (their
@@ -453,11 +464,10 @@ impl Launcher {
                     warn!(rank_id = %rank.record.id, error = %e, "failed to write rank state file");
                 }
                 // After the save: an agent killed in between loses this receipt, never doubles it.
-                if receipt
-                    && let Err(e) = receipts_file::append(
-                        &rank.record.files.receipts,
-                        &[receipts_file::exit_receipt(&rank.record)],
-                    )
+                let line = receipt.then(|| receipts_file::exit_receipt(&rank.record));
+                if let Some(line) = line
+                    && let Err(e) =
+                        receipts_file::append_kept(&self.layout, &rank.record.files.receipts, &line)
                 {
                     warn!(rank_id = %rank.record.id, error = %e, "failed to append the rank's exit receipt");
                 }

@@ -36,6 +36,20 @@ pub(super) fn append(path: &std::path::Path, lines: &[String]) -> std::io::Resul
     Ok(())
 }
 
+/// [`append`] of the agent's own `line` (its exit receipt), which a disk a job filled must not
+/// lose: on ENOSPC the agent's reserve is given up and the line written again.
+pub(super) fn append_kept(
+    layout: &crate::layout::Layout,
+    path: &std::path::Path,
+    line: &str,
+) -> std::io::Result<()> {
+    let lines = [line.to_string()];
+    match append(path, &lines) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && layout.release_reserve() => append(path, &lines),
+        other => other,
+    }
+}
+
 /// The agent's `exit` receipt for a rank that ran: how it ended and what all of its processes
 /// used (CPU time, peak memory, from its cgroups), and how many it left behind.
 pub(super) fn exit_receipt(r: &RankRecord) -> String {
@@ -53,6 +67,7 @@ pub(super) fn exit_receipt(r: &RankRecord) -> String {
         ("cpu_ms", r.usage.cpu_ms),
         ("peak_memory_bytes", r.usage.peak_memory_bytes),
         ("leftover_killed", r.leftover_killed.map(|n| n as u64)),
+        ("output_dropped_bytes", r.output_dropped_bytes),
     ] {
         if let Some(v) = value {
             body[name] = v.into();

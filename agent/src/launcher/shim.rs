@@ -78,6 +78,13 @@ pub(super) fn track(command: &mut Command, group: &RankGroup, tracking: &Trackin
     }
 }
 
+/// The rank's log files and the cap on each: the shim copies the rank's output there
+/// ([`crate::output`]).
+pub(super) fn logs(command: &mut Command, files: &RankFiles, cap: u64, keep_free: u64) {
+    command.arg("--stdout-log").arg(&files.stdout).arg("--stderr-log").arg(&files.stderr);
+    command.arg("--output-cap").arg(cap.to_string()).arg("--keep-free").arg(keep_free.to_string());
+}
+
 /// Starts the shim in a session of its own; returns its pid and start time. The shim is
 /// reaped when it ends, so it never lingers as a zombie of the agent.
 pub(super) fn start(mut command: Command, program: &Path) -> Result<(u32, u64), String> {

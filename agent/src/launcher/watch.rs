@@ -68,6 +68,7 @@ pub(super) fn observe(record: &mut RankRecord, shim: &Path) -> bool {
                 record.signal = exit.signal;
                 record.usage = exit.usage;
                 record.leftover_killed = exit.leftover_killed;
+                record.output_dropped_bytes = exit.output_dropped_bytes;
                 if let Some(error) = exit.error {
                     record.message = error;
                 }
