@@ -41,14 +41,38 @@ pub struct ControllerConfig {
     /// together; a submit past it is refused (`ResourceExhausted`), so 1,000 pending jobs of
     /// 512 KiB specs cannot take half a gigabyte of it.
     pub max_spec_bytes_per_user: usize,
+    /// How much one job, and one user's unfinished jobs, may store of receipts.
+    pub receipt_quota: QuotaConfig,
     /// GPU telemetry windows older than this are deleted (`None`: kept for ever).
     pub telemetry_retention: Option<Duration>,
+    /// Receipts of jobs that ended longer ago than this are deleted (`None`: kept for ever).
+    pub receipt_retention: Option<Duration>,
     /// How often running jobs are diagnosed live (a telemetry window, 10 s).
     pub live_every: Duration,
     /// Webhook URLs every live finding is posted to when it opens and when it closes.
     pub alert_webhooks: Vec<String>,
     /// CA bundle for https webhooks (default: the system's).
     pub alert_ca_file: Option<std::path::PathBuf>,
+}
+
+/// The budgets of receipts ([`ControllerConfig::receipt_quota`], `core::quota`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaConfig {
+    /// Bytes of step receipts one job may store.
+    pub job_step_bytes: u64,
+    /// Bytes of receipts of every other kind one job may store.
+    pub job_other_bytes: u64,
+    /// Bytes of receipts one user's unfinished jobs may store together.
+    pub user_bytes: u64,
+}
+
+impl Default for QuotaConfig {
+    /// Far above what any bench or a zero-code-receipts job sends (docs/security.md, "Limits"):
+    /// the largest, the 3-minute soak, writes 18 million receipts of ~300 bytes (5.4 GB) in one
+    /// job; 32 GiB of step receipts is ~100 million steps of such receipts.
+    fn default() -> Self {
+        QuotaConfig { job_step_bytes: 32 << 30, job_other_bytes: 1 << 30, user_bytes: 128 << 30 }
+    }
 }
 
 /// The default of [`ControllerConfig::max_pending_per_user`].
@@ -76,7 +100,9 @@ impl Default for ControllerConfig {
             unresponsive_after: Duration::from_secs(5),
             max_pending_per_user: MAX_PENDING_JOBS_PER_USER,
             max_spec_bytes_per_user: MAX_SPEC_BYTES_PER_USER,
+            receipt_quota: QuotaConfig::default(),
             telemetry_retention: Some(Duration::from_secs(30 * 86_400)),
+            receipt_retention: None,
             live_every: Duration::from_secs(10),
             alert_webhooks: Vec::new(),
             alert_ca_file: None,
@@ -115,6 +141,12 @@ impl ControllerConfig {
     pub fn with_cordon_after(mut self, blames: usize, window: Duration) -> Self {
         self.cordon_after_blames = blames;
         self.blame_window = window;
+        self
+    }
+
+    pub fn with_receipt_quota(mut self, quota: QuotaConfig, retention: Option<Duration>) -> Self {
+        self.receipt_quota = quota;
+        self.receipt_retention = retention;
         self
     }
 

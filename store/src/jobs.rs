@@ -116,6 +116,21 @@ impl JobStore for SqlStore {
         .await
     }
 
+    async fn note_job_event(&self, job: JobId, reason: &str, now_ms: i64) -> Result<()> {
+        self.write("note_job_event", async |c| {
+            let row = c
+                .query("SELECT state, attempt FROM jobs WHERE id = $1")
+                .bind(int(job)?)
+                .optional()
+                .await?
+                .ok_or(StoreError::JobNotFound(job))?;
+            let state: JobState = row.word("jobs", "state")?;
+            let attempt: u32 = row.num("jobs", "attempt")?;
+            insert_event(c, job, Some(state), state, attempt, reason, now_ms).await
+        })
+        .await
+    }
+
     async fn job_events(&self, job: JobId) -> Result<Vec<JobEventRecord>> {
         self.read("job_events", async |c| {
             let found = c

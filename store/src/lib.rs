@@ -15,7 +15,7 @@
 //! - `sql`: the seam between those queries and the two drivers: a connection, a query, a row.
 //! - `sqlite` and `postgres`: what is each database's own: opening it, running a transaction
 //!   (SQLite's writer queue, PostgreSQL's retries), and the receipt batch in its fastest form.
-//! - `rows`: row readers and column conversions.
+//! - `rows`: row readers and column conversions; `error`: [`StoreError`].
 //! - [`metrics`]: the duration and failures of every store operation, for `/metrics`.
 //!
 //! The records the core holds (jobs, allocations, agents, preflight reports) are
@@ -37,6 +37,7 @@
 mod auth;
 mod db;
 mod diagnosis;
+mod error;
 mod fence;
 mod fleet;
 mod group;
@@ -60,6 +61,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 pub use db::SqlStore;
+pub(crate) use error::corrupt;
+pub use error::{Result, StoreError};
 pub use fence::Fence;
 pub use lease::{Election, Lease};
 pub use sqlite::SqliteClaim;
@@ -74,45 +77,6 @@ pub use trainyard_model::spec::JobSpec;
 /// PostgreSQL, `sqlite:` URLs and plain paths open SQLite. Migrations run on open.
 pub async fn open(url_or_path: &str) -> Result<Arc<dyn Store>> {
     Ok(Arc::new(SqlStore::open(url_or_path).await?))
-}
-
-/// Errors of the store, mapped to `tonic::Status` in one place (the controller's
-/// `service::status`).
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("job {0} not found")]
-    JobNotFound(JobId),
-    /// A transition was asked from a state the job is no longer in (someone else moved it).
-    #[error("job {job} is {actual}, not {expected}")]
-    StateConflict { job: JobId, expected: JobState, actual: JobState },
-    /// A unique key is taken (SQLSTATE 23505, SQLite's UNIQUE constraint), e.g. a submit's
-    /// idempotency key.
-    #[error("already exists: {0}")]
-    Duplicate(String),
-    #[error("corrupt row in {table}: {detail}")]
-    Corrupt { table: &'static str, detail: String },
-    /// The database cannot be reached (connection refused or dropped, server shutting down)
-    /// even after the retries of the backend's one database helper.
-    #[error("the database is unavailable: {0}")]
-    Unavailable(String),
-    /// Another controller holds the SQLite file ([`SqliteClaim`]).
-    #[error("{0}")]
-    InUse(String),
-    /// This store's fence no longer holds: another controller leads, or the lease ran out.
-    /// Nothing was written.
-    #[error("fenced off: {0}")]
-    Fenced(String),
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
-    #[error("migration: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
-}
-
-pub type Result<T, E = StoreError> = std::result::Result<T, E>;
-
-/// A row of `table` that does not read as its record, with what is wrong.
-pub(crate) fn corrupt(table: &'static str, detail: impl Into<String>) -> StoreError {
-    StoreError::Corrupt { table, detail: detail.into() }
 }
 
 /// A row of `users`.
@@ -257,6 +221,10 @@ pub trait JobStore: Send + Sync {
     /// Oldest first.
     async fn job_events(&self, job: JobId) -> Result<Vec<JobEventRecord>>;
 
+    /// Adds an event that is not a transition (its from and to are the job's state as it is, in
+    /// the same transaction), e.g. receipts dropped over the job's quota.
+    async fn note_job_event(&self, job: JobId, reason: &str, now_ms: i64) -> Result<()>;
+
     async fn allocations(&self, job: JobId, attempt: u32) -> Result<Vec<Allocation>>;
 
     /// [`JobStore::transition`] that also records the failure that caused it, in the same
@@ -319,6 +287,15 @@ pub trait ReceiptStore: Send + Sync {
 
     /// Number of receipts stored for a job, all attempts.
     async fn receipt_count(&self, job: JobId) -> Result<u64>;
+
+    /// Deletes the receipts of jobs that ended (succeeded, failed, cancelled) before
+    /// `ended_before_ms` (the receipt retention); their plot rollups, goodput and findings stay.
+    /// Returns how many.
+    async fn prune_receipts(&self, ended_before_ms: i64) -> Result<u64>;
+
+    /// Characters of the bodies of a job's stored receipts: of its step receipts, and of the
+    /// others (its receipt quota's use, `core::quota`).
+    async fn receipt_bytes(&self, job: JobId) -> Result<(u64, u64)>;
 
     /// How many of a job's receipts break receipt schema v1 (stored, flagged), with the
     /// problem of the newest one.

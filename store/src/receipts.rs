@@ -82,6 +82,35 @@ impl ReceiptStore for SqlStore {
         .await
     }
 
+    async fn prune_receipts(&self, ended_before_ms: i64) -> Result<u64> {
+        self.write("prune_receipts", async |c| {
+            Ok(c.query(
+                "DELETE FROM receipts WHERE job_id IN (SELECT id FROM jobs \
+                 WHERE state IN ('succeeded', 'failed', 'cancelled') AND updated_at_ms < $1)",
+            )
+            .bind(ended_before_ms)
+            .execute()
+            .await?)
+        })
+        .await
+    }
+
+    async fn receipt_bytes(&self, job: JobId) -> Result<(u64, u64)> {
+        self.read("receipt_bytes", async |c| {
+            let row = c
+                .query(
+                    "SELECT COALESCE(SUM(CASE WHEN kind = 'step' THEN length(body) ELSE 0 END), 0) AS step, \
+                     COALESCE(SUM(CASE WHEN kind <> 'step' THEN length(body) ELSE 0 END), 0) AS other \
+                     FROM receipts WHERE job_id = $1",
+                )
+                .bind(int(job)?)
+                .one()
+                .await?;
+            Ok((row.num("receipts", "step")?, row.num("receipts", "other")?))
+        })
+        .await
+    }
+
     async fn receipt_problems(&self, job: JobId) -> Result<(u64, Option<String>)> {
         self.read("receipt_problems", async |c| {
             let row = c

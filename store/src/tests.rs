@@ -48,6 +48,7 @@ macro_rules! store_suite {
             concurrent_folds_count_each_receipt_once,
             users_tokens_owners_and_audit,
             secrets_are_created_once_and_kept,
+            receipts_of_long_ended_jobs_are_pruned,
             failures_move_the_job_with_their_cause,
             cordons_survive_hellos_and_reopen,
             gpu_windows_are_stored_once_read_back_and_pruned,
@@ -340,6 +341,14 @@ pub mod suite {
             ]
         );
         assert!(s.job_events(j.id + 1).await.unwrap().is_empty());
+        // An event that is not a transition: from and to are the job's state as it is.
+        s.note_job_event(j.id, "receipts dropped from now on", 40).await.unwrap();
+        let last = s.job_events(j.id).await.unwrap().pop().unwrap();
+        assert_eq!(
+            (last.from_state, last.to_state, last.reason.as_str(), last.at_ms),
+            (Some(JobState::Failed), JobState::Failed, "receipts dropped from now on", 40)
+        );
+        assert!(matches!(s.note_job_event(j.id + 1, "x", 50).await, Err(StoreError::JobNotFound(_))));
     }
 
     pub async fn schedule_writes_allocations(h: &impl Harness) {
@@ -792,6 +801,22 @@ pub mod suite {
         assert_eq!(coarse.iter().map(|r| r.aggs[0].n).sum::<i64>(), 2_000, "every step once");
     }
 
+    pub async fn receipts_of_long_ended_jobs_are_pruned(h: &impl Harness) {
+        let s = h.open().await;
+        let ended = s.create_job(&spec("ended", 1), None, "submitted", 10).await.unwrap();
+        let running = s.create_job(&spec("running", 1), None, "submitted", 10).await.unwrap();
+        for j in [&ended, &running] {
+            s.insert_receipts(&receipts(RankId { job_id: j.id, attempt: 0, rank: 0 }, 0, 5), 20)
+                .await
+                .unwrap();
+        }
+        s.transition(ended.id, JobState::Pending, JobState::Cancelled, 0, "cancelled", 100).await.unwrap();
+        assert_eq!(s.prune_receipts(100).await.unwrap(), 0, "ended at 100: not before the cut");
+        assert_eq!(s.prune_receipts(101).await.unwrap(), 5);
+        assert_eq!(s.receipt_count(ended.id).await.unwrap(), 0);
+        assert_eq!(s.receipt_count(running.id).await.unwrap(), 5, "an unfinished job keeps its receipts");
+    }
+
     pub async fn secrets_are_created_once_and_kept(h: &impl Harness) {
         let s = h.open().await;
         assert_eq!(s.secret("env_hash_key", "first", 1).await.unwrap(), "first");
@@ -902,6 +927,12 @@ pub mod suite {
         assert!(s.last_seqs(j.id, 2).await.unwrap().is_empty());
         assert_eq!(s.receipt_count(j.id).await.unwrap(), 17);
         assert_eq!(s.receipt_count(j.id + 1).await.unwrap(), 0);
+        // What the job's receipts hold, for its quota: all step receipts here.
+        let bytes: u64 = batch.iter().map(|r| r.body.len() as u64).sum();
+        assert_eq!(s.receipt_bytes(j.id).await.unwrap(), (bytes, 0));
+        assert_eq!(s.receipt_bytes(j.id + 1).await.unwrap(), (0, 0));
+        // Retention takes only the receipts of jobs that ended before its cut.
+        assert_eq!(s.prune_receipts(i64::MAX).await.unwrap(), 0, "the job has not ended");
         // Where each rank stands, for stall detection: last step and when it was stored.
         s.insert_receipts(&receipts(at(0, 2), 8, 1), 5).await.unwrap();
         let progress = s.step_progress(j.id, 0).await.unwrap();

@@ -335,3 +335,42 @@ fn disk(dir: &Path) -> Result<(u64, u64)> {
     let mut f = line.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
     Ok((f.next().unwrap_or(0), f.next().unwrap_or(0)))
 }
+
+/// A rank that writes receipts without end stops being stored at its job's quota: the rest are
+/// acknowledged but dropped, counted, and shown on the job; the job itself runs on, and another
+/// job is not held back. (Before, one rank grew the database by ~20 MB/s without bound.)
+#[test]
+fn receipts_past_a_jobs_quota_are_dropped_counted_and_shown() -> Result<()> {
+    let mut c = Cluster::start_with(&[("--receipt-quota-job-mib", "1")])?;
+    c.start_agent("node-a", 2)?;
+    // ~2.4 MB of step receipts: over a quota of 1 MiB.
+    let flood = "i=0; while [ $i -lt 20000 ]; do echo \"{\\\"kind\\\":\\\"step\\\",\\\"step\\\":$i,\\\"step_time_ms\\\":1.0,\\\"pad\\\":\\\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\\\"}\"; i=$((i+1)); done >> $TRAINYARD_RECEIPTS";
+    let big = c.submit(&sh_job(&c, "flood", flood, ""))?;
+    let small = c.submit(&sh_job(
+        &c,
+        "small",
+        "echo '{\"kind\":\"step\",\"step\":0,\"step_time_ms\":1}' >> $TRAINYARD_RECEIPTS",
+        "",
+    ))?;
+    for job in [big, small] {
+        let status = c.wait_state(job, &["succeeded", "failed"], Duration::from_secs(120))?;
+        assert_eq!(status["state"], "succeeded", "{status}");
+    }
+    let stored = c.query_text(&format!(
+        "SELECT CAST(COUNT(*) AS TEXT), CAST(COALESCE(SUM(length(body)), 0) AS TEXT) FROM receipts WHERE job_id = {big} AND kind = 'step'"
+    ))?;
+    let (count, bytes): (u64, u64) = (stored[0][0].parse()?, stored[0][1].parse()?);
+    assert!(bytes <= 1 << 20 && count > 5_000 && count < 20_000, "{count} receipts, {bytes} bytes stored");
+    let status = c.status(big)?;
+    let warnings = status["warnings"].to_string();
+    assert!(
+        warnings.contains("were dropped, not stored") && warnings.contains("reached its quota of 1.0 MiB"),
+        "{status}"
+    );
+    let events = status["events"].to_string();
+    assert!(events.contains("receipts dropped from now on, not stored"), "an event of the job: {events}");
+    let small_steps =
+        c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {small} AND kind = 'step'"))?;
+    assert_eq!(small_steps[0][0], 1, "another job is not held back");
+    Ok(())
+}

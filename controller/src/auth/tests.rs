@@ -161,6 +161,14 @@ async fn tokens_authenticate_until_revoked_or_expired() {
     assert!(expired.contains("expired"), "{expired}");
     assert!(auth.user(None, 10).await.unwrap_err().to_string().starts_with("no token"));
     assert!(auth.user(Some("Bearer tyt_nope"), 10).await.unwrap_err().to_string().contains("not valid"));
+    // The token limit (128 bytes): at it a value is looked up (and is unknown); one past it is
+    // refused as no token at all, without a lookup.
+    let at_limit = format!("{TOKEN_PREFIX}{}", "a".repeat(super::MAX_TOKEN_BYTES - TOKEN_PREFIX.len()));
+    let past = format!("{at_limit}a");
+    assert!(
+        auth.user(Some(&at_limit), 10).await.unwrap_err().to_string().contains("unknown to this controller")
+    );
+    assert!(auth.user(Some(&past), 10).await.unwrap_err().to_string().contains("starts with tyt_"));
     assert_eq!(store.revoke_tokens("alice", None, 20).await.unwrap(), 1);
     assert!(auth.user(Some(&bearer), 30).await.unwrap_err().to_string().contains("revoked"));
     // The demo lets tokenless calls in as the local admin, but still checks a token given.

@@ -138,6 +138,20 @@ struct Cli {
     /// Days GPU telemetry windows are kept (0: for ever).
     #[arg(long, default_value_t = 30)]
     telemetry_retention_days: u64,
+    /// MiB of step receipts one job may store; past it they are dropped, counted and shown on
+    /// the job (docs/security.md, "Limits").
+    #[arg(long, default_value_t = 32768)]
+    receipt_quota_job_mib: u64,
+    /// MiB of receipts of other kinds one job may store.
+    #[arg(long, default_value_t = 1024)]
+    receipt_quota_job_other_mib: u64,
+    /// MiB of receipts one user's unfinished jobs may store together.
+    #[arg(long, default_value_t = 131072)]
+    receipt_quota_user_mib: u64,
+    /// Days the receipts of an ended job are kept (0: for ever); its plot rollups, goodput and
+    /// findings stay.
+    #[arg(long, default_value_t = 0)]
+    receipt_retention_days: u64,
     /// Log format on stderr.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
@@ -165,6 +179,15 @@ impl From<&Cli> for ControllerConfig {
             .with_telemetry_retention(
                 (cli.telemetry_retention_days > 0)
                     .then(|| Duration::from_secs(cli.telemetry_retention_days * 86_400)),
+            )
+            .with_receipt_quota(
+                trainyard_controller::config::QuotaConfig {
+                    job_step_bytes: cli.receipt_quota_job_mib << 20,
+                    job_other_bytes: cli.receipt_quota_job_other_mib << 20,
+                    user_bytes: cli.receipt_quota_user_mib << 20,
+                },
+                (cli.receipt_retention_days > 0)
+                    .then(|| Duration::from_secs(cli.receipt_retention_days * 86_400)),
             )
     }
 }

@@ -93,6 +93,7 @@ impl Controller {
             started: now,
             outcomes: tokio::sync::Semaphore::new(diagnosis::OUTCOMES_AT_ONCE),
             keys,
+            quotas: Default::default(),
         };
         Ok(Arc::new(Controller { s, auth }))
     }
@@ -200,7 +201,10 @@ impl Controller {
             let periodic = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = prune.tick() => {
-                    super::telemetry::prune(self.s.store.as_ref(), self.s.config.telemetry_retention, self.now_ms()).await;
+                    let config = &self.s.config;
+                    let now = self.now_ms();
+                    super::telemetry::prune(self.s.store.as_ref(), config.telemetry_retention, config.receipt_retention, now)
+                        .await;
                     continue;
                 }
                 _ = self.s.wake.notified() => false,

@@ -192,8 +192,10 @@ impl Jobs<'_> {
     /// One job with its ranks (current attempt), events and receipt count.
     pub async fn get(self, job_id: JobId) -> Result<Job> {
         let record = self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
+        let warning = self.c.quotas.warning(job_id);
         let mut job =
-            super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record).await?;
+            super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record, warning)
+                .await?;
         let g = Diagnoses { c: self.c }.goodput(job_id).await?;
         job.goodput = Some(trainyard_proto::v1::Goodput::from(&g));
         job.events = self
@@ -235,8 +237,10 @@ impl Jobs<'_> {
         let limit = if limit == 0 { 100 } else { limit.min(10_000) };
         let mut jobs = Vec::new();
         for record in self.c.store.list_jobs(active_only, submitted_by, limit).await? {
+            let warning = self.c.quotas.warning(record.id);
             jobs.push(
-                super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record).await?,
+                super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record, warning)
+                    .await?,
             );
         }
         Ok(jobs)

@@ -78,6 +78,7 @@ mod live;
 mod liveness;
 mod logs;
 mod nodes;
+mod quota;
 mod receipts;
 mod reconcile;
 mod resume;

@@ -33,6 +33,57 @@ pub struct Receipts<'c> {
 impl Receipts<'_> {
     /// Stores a batch of receipts (one transaction) and returns the ack to send back: the
     /// highest seq per rank of the batch. Takes no lock on the controller's state.
+    /// Reads from the store what the batch's jobs not seen since this controller started have
+    /// stored of their quota; returns the unfinished jobs, whose use counts against their users'.
+    async fn seed_quotas(
+        self,
+        receipts: &[trainyard_proto::v1::Receipt],
+    ) -> Result<std::collections::HashSet<JobId>> {
+        let jobs: std::collections::BTreeSet<JobId> =
+            receipts.iter().filter_map(|r| r.key.map(|k| k.job_id)).collect();
+        let (users, active) = {
+            let core = self.c.lock();
+            let users: Vec<(JobId, String)> = jobs
+                .iter()
+                .filter(|j| !self.c.quotas.knows(**j))
+                .filter_map(|j| core.jobs.get(j).map(|a| (*j, a.record().owner.user.clone())))
+                .collect();
+            let active = core
+                .jobs
+                .iter()
+                .filter(|(_, a)| !a.record().state.is_terminal())
+                .map(|(id, _)| *id)
+                .collect();
+            (users, active)
+        };
+        for (job, user) in users {
+            let (step, other) = self.c.store.receipt_bytes(job).await?;
+            self.c.quotas.seed(job, &user, step, other);
+        }
+        Ok(active)
+    }
+
+    /// A receipt's body as it is stored: a launch receipt's `[env]` values (tokens, passwords)
+    /// as their keyed hashes, which compare; every other body as it came.
+    fn stored_body(self, job_id: JobId, kind: &str, body: String) -> String {
+        if kind != "launch" {
+            return body;
+        }
+        let overlay: Option<Vec<String>> =
+            self.c.lock().jobs.get(&job_id).map(|j| j.record().spec.env.keys().cloned().collect());
+        self.c.keys.hash_launch_env(&body, overlay.as_deref()).unwrap_or(body)
+    }
+
+    /// A job's first receipt over its quota is an event of the job (the count is its warning).
+    async fn note_over_quota(self, over_quota: Vec<(JobId, String)>) {
+        for (job_id, why) in over_quota {
+            let reason = format!("receipts dropped from now on, not stored: {why}");
+            if let Err(e) = self.c.store.note_job_event(job_id, &reason, self.c.now_ms()).await {
+                tracing::warn!(job_id, error = %e, "could not record the quota event");
+            }
+        }
+    }
+
     pub async fn ingest(self, agent_id: &str, batch: ReceiptBatch) -> Result<ReceiptAck> {
         let arrived = std::time::Instant::now();
         let received = batch.receipts.len() as u64;
@@ -40,6 +91,8 @@ impl Receipts<'_> {
         let mut rows = Vec::with_capacity(batch.receipts.len());
         let (mut not_objects, mut flagged) = (0, 0);
         let mut news: BTreeMap<(u64, u32), super::steps::StepNews> = BTreeMap::new();
+        let (active, quota) = (self.seed_quotas(&batch.receipts).await?, self.c.config.receipt_quota);
+        let mut over_quota: Vec<(JobId, String)> = Vec::new();
         for r in batch.receipts {
             let Some(id) = r.key.map(rank_id) else { continue };
             let seq = highest.entry(id).or_insert(r.seq);
@@ -51,28 +104,27 @@ impl Receipts<'_> {
                 continue;
             };
             flagged += usize::from(checked.problem.is_some());
+            // Past its quota a receipt is acknowledged (in `highest` above) but not stored.
+            let bytes = r.body.len() as u64;
+            let admit =
+                self.c.quotas.admit(&quota, id.job_id, r.kind == "step", bytes, &|j| active.contains(&j));
+            if let super::quota::Admit::Drop { first: true, why } = &admit {
+                tracing::warn!(job_id = id.job_id, %why, "receipts over quota: dropped, not stored, from now on");
+                over_quota.push((id.job_id, why.clone()));
+            }
+            if admit != super::quota::Admit::Store {
+                continue;
+            }
             let step = (r.step >= 0).then_some(r.step);
             super::steps::note_receipt(&mut news, id, (&r.kind, step), &r.body, checked.metrics.as_ref());
-            let step = (r.step >= 0).then_some(r.step);
             let (problem, metrics) = (checked.problem, checked.metrics);
-            // `[env]` values (tokens, passwords) are never stored: their keyed hashes compare.
-            let body = match r.kind.as_str() {
-                "launch" => {
-                    let overlay: Option<Vec<String>> = self
-                        .c
-                        .lock()
-                        .jobs
-                        .get(&id.job_id)
-                        .map(|j| j.record().spec.env.keys().cloned().collect());
-                    self.c.keys.hash_launch_env(&r.body, overlay.as_deref()).unwrap_or(r.body)
-                }
-                _ => r.body,
-            };
+            let body = self.stored_body(id.job_id, &r.kind, r.body);
             rows.push(NewReceipt { id, seq: r.seq, kind: r.kind, step, body, problem, metrics });
         }
         if not_objects > 0 {
             tracing::warn!(not_objects, "dropping receipts whose body is not a JSON object");
         }
+        self.note_over_quota(over_quota).await;
         if flagged > 0 {
             tracing::debug!(
                 flagged,
@@ -104,12 +156,7 @@ impl Receipts<'_> {
             stored = self.c.store.insert_receipts(&rows, self.c.now_ms()).await?;
             self.c.bump();
         }
-        let m = crate::metrics::metrics();
-        m.receipts_ingested.inc_by(stored);
-        m.receipts_skipped.inc_by(received.saturating_sub(stored + held_back));
-        m.receipts_unknown_job.inc_by(held_back);
-        m.receipts_flagged.inc_by(flagged as u64);
-        m.receipt_batch.observe(arrived.elapsed().as_secs_f64());
+        count_batch(received, stored, held_back, flagged as u64, arrived);
         let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();
         Ok(ReceiptAck { acks })
     }
@@ -172,4 +219,14 @@ impl Receipts<'_> {
     ) -> Result<Vec<RollupRow>> {
         Ok(self.c.store.rollup_rows(job, attempt, metric, level, buckets.0, buckets.1).await?)
     }
+}
+
+/// A batch in `/metrics`: stored, skipped, held back (unknown job), flagged, and how long it took.
+fn count_batch(received: u64, stored: u64, held_back: u64, flagged: u64, arrived: std::time::Instant) {
+    let m = crate::metrics::metrics();
+    m.receipts_ingested.inc_by(stored);
+    m.receipts_skipped.inc_by(received.saturating_sub(stored + held_back));
+    m.receipts_unknown_job.inc_by(held_back);
+    m.receipts_flagged.inc_by(flagged);
+    m.receipt_batch.observe(arrived.elapsed().as_secs_f64());
 }

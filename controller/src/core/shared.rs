@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use trainyard_store::Store;
 
 use super::state::Core;
-use super::{Clock, Role, heard, keys, logs, steps};
+use super::{Clock, Role, heard, keys, logs, quota, steps};
 use crate::config::ControllerConfig;
 
 pub(super) struct Shared {
@@ -40,6 +40,8 @@ pub(super) struct Shared {
     /// The group's cluster id and the key of launch receipts' `[env]` hashes (a leader's; a
     /// follower neither launches nor stores receipts, and holds none).
     pub(super) keys: keys::Keys,
+    /// What each job sending receipts has stored of its quota (`quota`).
+    pub(super) quotas: quota::Quotas,
 }
 
 impl Shared {

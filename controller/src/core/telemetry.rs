@@ -88,13 +88,25 @@ pub(super) async fn on_xid(r: &Reconciler<'_>, w: &GpuWindowRecord, xid: Xid) ->
 }
 
 /// Deletes telemetry windows older than the retention (run with the other periodic work).
-pub(super) async fn prune(store: &dyn Store, retention: Option<Duration>, now_ms: i64) {
-    let Some(keep) = retention else { return };
-    let before = now_ms - keep.as_millis() as i64;
-    match store.prune_gpu_windows(before).await {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(windows = n, "pruned GPU telemetry past its retention"),
-        Err(e) => tracing::warn!(error = %e, "failed to prune GPU telemetry; trying again later"),
+pub(super) async fn prune(
+    store: &dyn Store,
+    retention: Option<Duration>,
+    receipts: Option<Duration>,
+    now_ms: i64,
+) {
+    if let Some(keep) = retention {
+        match store.prune_gpu_windows(now_ms - keep.as_millis() as i64).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(windows = n, "pruned GPU telemetry past its retention"),
+            Err(e) => tracing::warn!(error = %e, "failed to prune GPU telemetry; trying again later"),
+        }
+    }
+    if let Some(keep) = receipts {
+        match store.prune_receipts(now_ms - keep.as_millis() as i64).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(receipts = n, "pruned the receipts of jobs ended past their retention"),
+            Err(e) => tracing::warn!(error = %e, "failed to prune receipts; trying again later"),
+        }
     }
 }
 

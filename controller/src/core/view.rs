@@ -22,11 +22,13 @@ pub(super) async fn summary(
     core: &Mutex<Core>,
     now_ms: i64,
     record: JobRecord,
+    quota_warning: Option<String>,
 ) -> Result<Job> {
     let (id, attempt) = (record.id, record.attempt);
     let seqs: HashMap<u32, u64> = store.last_seqs(id, attempt).await?.into_iter().collect();
     let allocations = store.allocations(id, attempt).await?;
     let mut warnings = binding_warnings(&allocations);
+    warnings.extend(quota_warning);
     if let (n @ 1.., newest) = store.receipt_problems(id).await? {
         warnings.push(format!(
             "{n} receipt(s) break receipt schema v1 and are stored flagged (receipts.problem); newest: {}",
