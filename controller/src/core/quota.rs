@@ -60,25 +60,30 @@ impl Quotas {
         self.jobs().entry(job).or_insert(Usage { user: user.to_string(), step, other, ..Default::default() });
     }
 
-    /// Admits (and charges) or drops (and counts) one receipt of job `job` of `bytes`; `active`
-    /// holds the jobs of the same user that are unfinished, whose use counts against the user's
-    /// budget.
+    /// What each user's unfinished jobs (`active`) have stored: once per batch, for
+    /// [`Quotas::admit`], which keeps it up to date as it admits.
+    pub(super) fn users(&self, active: &dyn Fn(JobId) -> bool) -> HashMap<String, u64> {
+        let mut users: HashMap<String, u64> = HashMap::new();
+        for (_, u) in self.jobs().iter().filter(|(id, u)| !u.user.is_empty() && active(**id)) {
+            *users.entry(u.user.clone()).or_default() += u.step + u.other;
+        }
+        users
+    }
+
+    /// Admits (and charges) or drops (and counts) one receipt of job `job` of `bytes`; `users`
+    /// holds what each user's unfinished jobs have stored ([`Quotas::users`]).
     pub(super) fn admit(
         &self,
         config: &QuotaConfig,
         job: JobId,
         step_kind: bool,
         bytes: u64,
-        active: &dyn Fn(JobId) -> bool,
+        users: &mut HashMap<String, u64>,
     ) -> Admit {
         let mut jobs = self.jobs();
-        let user = jobs.get(&job).map(|u| u.user.clone()).unwrap_or_default();
-        let user_used: u64 = if user.is_empty() {
-            0
-        } else {
-            jobs.iter().filter(|(id, u)| u.user == user && active(**id)).map(|(_, u)| u.step + u.other).sum()
-        };
         let usage = jobs.entry(job).or_default();
+        let user = usage.user.clone();
+        let user_used = users.get(&user).copied().unwrap_or(0);
         let (used, budget, what) = if step_kind {
             (usage.step, config.job_step_bytes, "step receipts")
         } else {
@@ -100,6 +105,9 @@ impl Quotas {
                     usage.step += bytes;
                 } else {
                     usage.other += bytes;
+                }
+                if !user.is_empty() {
+                    *users.entry(user).or_default() += bytes;
                 }
                 Admit::Store
             }
@@ -144,24 +152,35 @@ mod tests {
         let config = QuotaConfig { job_step_bytes: 1_000, job_other_bytes: 100, user_bytes: 1_500 };
         let all = |_: JobId| true;
         q.seed(1, "alice", 900, 0);
-        assert_eq!(q.admit(&config, 1, true, 100, &all), Admit::Store, "at the job's step quota");
-        let Admit::Drop { first, why } = q.admit(&config, 1, true, 1, &all) else { panic!("one byte past") };
+        let mut users = q.users(&all);
+        assert_eq!(q.admit(&config, 1, true, 100, &mut users), Admit::Store, "at the job's step quota");
+        let Admit::Drop { first, why } = q.admit(&config, 1, true, 1, &mut users) else {
+            panic!("one byte past")
+        };
         assert!(first && why.contains("step receipts reached its quota of 1000 bytes"), "{why}");
-        assert!(matches!(q.admit(&config, 1, true, 1, &all), Admit::Drop { first: false, .. }));
-        assert_eq!(q.admit(&config, 1, false, 100, &all), Admit::Store, "other kinds have their own budget");
-        assert!(matches!(q.admit(&config, 1, false, 1, &all), Admit::Drop { .. }));
+        assert!(matches!(q.admit(&config, 1, true, 1, &mut users), Admit::Drop { first: false, .. }));
+        assert_eq!(
+            q.admit(&config, 1, false, 100, &mut users),
+            Admit::Store,
+            "other kinds have their own budget"
+        );
+        assert!(matches!(q.admit(&config, 1, false, 1, &mut users), Admit::Drop { .. }));
         // Alice's second job: her jobs together hold 1,100; 400 more is her quota.
         q.seed(2, "alice", 0, 0);
-        assert_eq!(q.admit(&config, 2, true, 400, &all), Admit::Store);
-        let Admit::Drop { why, .. } = q.admit(&config, 2, true, 1, &all) else {
+        let mut users = q.users(&all);
+        assert_eq!(users["alice"], 1_100);
+        assert_eq!(q.admit(&config, 2, true, 400, &mut users), Admit::Store);
+        let Admit::Drop { why, .. } = q.admit(&config, 2, true, 1, &mut users) else {
             panic!("past alice's quota")
         };
         assert!(why.contains("user alice's unfinished jobs"), "{why}");
         // Once job 1 is finished its use no longer counts against her.
-        assert_eq!(q.admit(&config, 2, true, 1, &|id| id != 1), Admit::Store);
+        let mut users = q.users(&|id| id != 1);
+        assert_eq!(q.admit(&config, 2, true, 1, &mut users), Admit::Store);
         // Bob is not held back by alice.
         q.seed(3, "bob", 0, 0);
-        assert_eq!(q.admit(&config, 3, true, 900, &all), Admit::Store);
+        let mut users = q.users(&all);
+        assert_eq!(q.admit(&config, 3, true, 900, &mut users), Admit::Store);
         let w = q.warning(1).expect("job 1 dropped some");
         assert!(w.starts_with("3 receipt(s) (3 bytes) were dropped"), "{w}");
         assert_eq!(q.warning(3), None);

@@ -92,6 +92,7 @@ impl Receipts<'_> {
         let (mut not_objects, mut flagged) = (0, 0);
         let mut news: BTreeMap<(u64, u32), super::steps::StepNews> = BTreeMap::new();
         let (active, quota) = (self.seed_quotas(&batch.receipts).await?, self.c.config.receipt_quota);
+        let mut users = self.c.quotas.users(&|j| active.contains(&j));
         let mut over_quota: Vec<(JobId, String)> = Vec::new();
         for r in batch.receipts {
             let Some(id) = r.key.map(rank_id) else { continue };
@@ -106,8 +107,7 @@ impl Receipts<'_> {
             flagged += usize::from(checked.problem.is_some());
             // Past its quota a receipt is acknowledged (in `highest` above) but not stored.
             let bytes = r.body.len() as u64;
-            let admit =
-                self.c.quotas.admit(&quota, id.job_id, r.kind == "step", bytes, &|j| active.contains(&j));
+            let admit = self.c.quotas.admit(&quota, id.job_id, r.kind == "step", bytes, &mut users);
             if let super::quota::Admit::Drop { first: true, why } = &admit {
                 tracing::warn!(job_id = id.job_id, %why, "receipts over quota: dropped, not stored, from now on");
                 over_quota.push((id.job_id, why.clone()));
