@@ -1,11 +1,15 @@
 //! Property test: whatever an agent sends on its stream (receipt batches with any keys, bodies
-//! and kinds, rank reports with any states, preflight reports decoded from any bytes, log
-//! pieces, a leave), the controller answers each message with a result, never a panic, and
-//! still serves afterwards. The messages go through the same calls the `Agents` service makes.
+//! and kinds, rank reports with any states, preflight reports, hellos, preemption notices and
+//! telemetry batches decoded from any bytes, log pieces, heartbeats, a leave), the controller
+//! answers each message with a result, never a panic, and still serves afterwards. The messages
+//! go through the same calls the `Agents` service makes; a heartbeat is only a sign of life, which
+//! the service notes before it reaches the core.
 
 use proptest::prelude::*;
 use prost::Message;
-use trainyard_proto::v1::{LogData, PreflightReport, RankKey, RankReport, Receipt};
+use trainyard_proto::v1::{
+    Hello, LogData, Notice, PreflightReport, RankKey, RankReport, Receipt, TelemetryBatch,
+};
 
 use crate::core::test_support::{connect, controller, spec, store};
 
@@ -14,6 +18,9 @@ enum Sent {
     Receipts(Vec<Receipt>),
     Report(RankReport),
     Preflight(Vec<u8>),
+    Hello(Vec<u8>),
+    Notice(Vec<u8>),
+    Telemetry(Vec<u8>),
     Log(LogData),
     Leaving(String),
 }
@@ -57,6 +64,9 @@ fn sent() -> impl Strategy<Value = Sent> {
         4 => proptest::collection::vec(receipt, 0..8).prop_map(Sent::Receipts),
         3 => report.prop_map(Sent::Report),
         1 => proptest::collection::vec(any::<u8>(), 0..200).prop_map(Sent::Preflight),
+        1 => proptest::collection::vec(any::<u8>(), 0..200).prop_map(Sent::Hello),
+        1 => proptest::collection::vec(any::<u8>(), 0..60).prop_map(Sent::Notice),
+        1 => proptest::collection::vec(any::<u8>(), 0..300).prop_map(Sent::Telemetry),
         1 => (any::<u64>(), any::<bool>(), "\\PC{0,10}").prop_map(|(request_id, done, error)| Sent::Log(LogData {
             request_id,
             done,
@@ -93,6 +103,23 @@ proptest! {
                     Sent::Preflight(bytes) => {
                         if let Ok(report) = PreflightReport::decode(bytes.as_slice()) {
                             let _ = c.nodes().preflight_report("node-a", report).await;
+                        }
+                    }
+                    Sent::Hello(bytes) => {
+                        // A second agent's hello, whatever it says of itself.
+                        if let Ok(hello) = Hello::decode(bytes.as_slice()) {
+                            let (tx, _rx) = tokio::sync::mpsc::channel(16);
+                            let _ = c.nodes().hello(hello, tx).await;
+                        }
+                    }
+                    Sent::Notice(bytes) => {
+                        if let Ok(notice) = Notice::decode(bytes.as_slice()) {
+                            let _ = c.nodes().notice("node-a", &notice).await;
+                        }
+                    }
+                    Sent::Telemetry(bytes) => {
+                        if let Ok(batch) = TelemetryBatch::decode(bytes.as_slice()) {
+                            let _ = c.receipts().telemetry("node-a", batch).await;
                         }
                     }
                     Sent::Log(data) => c.jobs().log_data("node-a", data),
