@@ -73,6 +73,18 @@ pub fn build_release_binaries() -> Result<()> {
     Ok(())
 }
 
+/// Whether the tests run as root; if not, says the test is skipped and why, and in CI (which
+/// runs as root) fails instead, so a green CI proves the root tests ran.
+pub fn root_or_skip(why: &str) -> bool {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let root = unsafe { libc::geteuid() == 0 };
+    if !root {
+        assert!(std::env::var_os("CI").is_none(), "{why}: CI runs as root, so this must run there");
+        println!("skipped: {why}");
+    }
+    root
+}
+
 /// A SQL condition (SQLite and PostgreSQL) that holds for the receipts a rank wrote, leaving out
 /// the exit receipt the agent appends for every rank that ran (its usage: docs/receipts.md).
 pub const RANK_WRITTEN: &str =

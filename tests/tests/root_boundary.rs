@@ -10,17 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use trainyard_tests::Cluster;
-
-/// Whether the tests run as root; if not, says the test is skipped and why.
-fn root_or_skip(why: &str) -> bool {
-    // SAFETY: geteuid cannot fail and touches no memory.
-    let root = unsafe { libc::geteuid() == 0 };
-    if !root {
-        println!("skipped: {why}");
-    }
-    root
-}
+use trainyard_tests::{Cluster, root_or_skip};
 
 /// The preload library of `tests/fixtures/preload`, built for this test, with its log; both in a
 /// directory every account can read (the rank runs as `nobody`).

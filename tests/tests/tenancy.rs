@@ -7,17 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use trainyard_tests::{Cluster, host_file};
-
-fn root_or_skip(why: &str) -> bool {
-    // SAFETY: geteuid cannot fail.
-    let root = unsafe { libc::geteuid() == 0 };
-    if !root {
-        assert!(std::env::var_os("CI").is_none(), "{why}: CI runs as root, so this must run there");
-        println!("skipped: {why}");
-    }
-    root
-}
+use trainyard_tests::{Cluster, host_file, root_or_skip};
 
 /// A job of one rank running `script` under `sh -c`, with `resources` added to its table.
 fn sh_job(c: &Cluster, name: &str, script: &str, resources: &str) -> PathBuf {
