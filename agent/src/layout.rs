@@ -103,26 +103,17 @@ impl Layout {
 
     /// Allocates the reserve when it is not there; `Ok(false)` when the disk has no room for it.
     pub fn keep_reserve(&self) -> std::io::Result<bool> {
-        use std::os::fd::AsRawFd as _;
         let path = self.reserve();
         if std::fs::metadata(&path).is_ok_and(|m| m.len() == RESERVE_BYTES as u64) {
             return Ok(true);
         }
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(PRIVATE_FILE_MODE)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)?;
-        // SAFETY: fallocate on our own open descriptor.
-        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, RESERVE_BYTES) } != 0 {
-            let e = std::io::Error::last_os_error();
-            drop(file);
-            let _ = std::fs::remove_file(&path);
-            return if e.raw_os_error() == Some(libc::ENOSPC) { Ok(false) } else { Err(e) };
+        match allocated(&path, RESERVE_BYTES) {
+            Ok(_) => Ok(true),
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                if e.raw_os_error() == Some(libc::ENOSPC) { Ok(false) } else { Err(e) }
+            }
         }
-        Ok(true)
     }
 
     /// Gives the reserve up; whether there was one to give.
@@ -213,6 +204,12 @@ pub const EXIT_SLOT_BYTES: i64 = 4096;
 /// Creates `slot` with its blocks allocated (`fallocate`), so a later [`fill_slot`] needs no new
 /// space on the disk.
 pub fn allocate_slot(slot: &Path) -> std::io::Result<()> {
+    allocated(slot, EXIT_SLOT_BYTES)?.sync_all()
+}
+
+/// Creates (or empties) the private file `path`, never through a link, with `bytes` of its
+/// blocks allocated (`fallocate`).
+fn allocated(path: &Path, bytes: i64) -> std::io::Result<std::fs::File> {
     use std::os::fd::AsRawFd as _;
     let file = OpenOptions::new()
         .write(true)
@@ -220,12 +217,12 @@ pub fn allocate_slot(slot: &Path) -> std::io::Result<()> {
         .truncate(true)
         .mode(PRIVATE_FILE_MODE)
         .custom_flags(libc::O_NOFOLLOW)
-        .open(slot)?;
+        .open(path)?;
     // SAFETY: fallocate on our own open descriptor.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, EXIT_SLOT_BYTES) } != 0 {
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    file.sync_all()
+    Ok(file)
 }
 
 /// Writes `bytes` into the allocated `slot` (in place: no new blocks), cuts it to their length,

@@ -108,7 +108,7 @@ fn run(mut from: impl Read, mut file: File, log: &Log, dropped: &Dropped) {
     if lost > 0 {
         let note = format!(
             "\n[trainyard: {lost} bytes of this stream were dropped: over its {} cap (the oldest went first) or the disk was full]\n",
-            human(log.cap)
+            crate::preflight::checks::human_bytes(log.cap)
         );
         let _ = file.write_all(note.as_bytes());
     }
@@ -144,14 +144,6 @@ pub fn rotated(path: &Path) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(".1");
     PathBuf::from(name)
-}
-
-fn human(bytes: u64) -> String {
-    match bytes {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
-        b if b >= 1 << 20 => format!("{} MiB", b >> 20),
-        b => format!("{b} bytes"),
-    }
 }
 
 /// Waits for the copiers to reach the end of their pipes, at most `timeout` (a process that
