@@ -16,6 +16,11 @@ pub struct ControllerConfig {
     /// stepping (its own ranks evidently run: a dead agent, not a dead host), for the agent to
     /// come back and adopt them.
     pub agent_hold: Duration,
+    /// How long an attempt waits for a host of it that fell silent, when no other placement
+    /// can start now, before it restarts (a job's `restart.host_wait_s` overrides it). Counted
+    /// from the host's last word, like `agent_hold`, so the two never add up: a job waits for a
+    /// host at most the longer of the two. Below `agent_timeout` it has no effect.
+    pub host_wait: Duration,
     /// A waiting job whose priority exceeds a running job's by at least this may preempt it:
     /// the running job checkpoints (within `preempt_deadline`) and is requeued. 0: never.
     pub preempt_gap: i32,
@@ -89,6 +94,7 @@ impl Default for ControllerConfig {
             // inside the 10 s target for detecting a lost host (docs/faults.md).
             agent_timeout: Duration::from_secs(8),
             agent_hold: Duration::from_secs(120),
+            host_wait: Duration::from_secs(120),
             preempt_gap: 10,
             preempt_deadline: Duration::from_secs(120),
             age_every: Duration::from_secs(600),
@@ -130,6 +136,11 @@ impl ControllerConfig {
 
     pub fn with_agent_hold(mut self, hold: Duration) -> Self {
         self.agent_hold = hold;
+        self
+    }
+
+    pub fn with_host_wait(mut self, wait: Duration) -> Self {
+        self.host_wait = wait;
         self
     }
 

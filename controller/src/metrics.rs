@@ -10,6 +10,7 @@
 //! | `trainyard_agents_connected` | gauge | agents with an open stream |
 //! | `trainyard_agents_known` | gauge | agents ever seen |
 //! | `trainyard_agent_hellos_total` | counter | agent streams accepted (a hello stored): every connect and reconnect |
+//! | `trainyard_hosts_taken_back_total` | counter | silent hosts an attempt waited for that came back with its ranks alive (no restart) |
 //! | `trainyard_receipts_ingested_total` | counter | receipts stored (replays not counted) |
 //! | `trainyard_receipts_skipped_total` | counter | lines acknowledged but not stored (not JSON objects, replays) |
 //! | `trainyard_receipts_unknown_job_total` | counter | receipts of jobs this controller does not know: neither stored nor acknowledged (the agent keeps them) |
@@ -82,6 +83,7 @@ pub struct Metrics {
     pub agents_connected: Gauge,
     pub agents_known: Gauge,
     pub agent_hellos: Counter,
+    pub hosts_taken_back: Counter,
     pub receipts_ingested: Counter,
     pub receipts_skipped: Counter,
     pub receipts_unknown_job: Counter,
@@ -117,6 +119,7 @@ impl Metrics {
             agents_connected: Gauge::default(),
             agents_known: Gauge::default(),
             agent_hellos: Counter::default(),
+            hosts_taken_back: Counter::default(),
             receipts_ingested: Counter::default(),
             receipts_skipped: Counter::default(),
             receipts_unknown_job: Counter::default(),
@@ -158,6 +161,11 @@ impl Metrics {
             m.agent_hellos.clone(),
         );
         registry.register("agents_known", "Agents ever seen", m.agents_known.clone());
+        registry.register(
+            "hosts_taken_back",
+            "Silent hosts an attempt waited for that came back with its ranks alive (no restart)",
+            m.hosts_taken_back.clone(),
+        );
         m.register_receipts(&mut registry);
         trainyard_store::metrics::metrics().register(&mut registry);
         registry.register("schedule_pass_seconds", "One scheduling pass", m.schedule_pass.clone());

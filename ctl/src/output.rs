@@ -97,6 +97,8 @@ pub struct RestartJson {
     pub hang_factor: f64,
     pub checkpoint_signal: String,
     pub min_gpus: u32,
+    /// `None`: the controller's default.
+    pub host_wait_s: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -319,6 +321,7 @@ impl From<&JobSpec> for SpecJson {
             hang_factor: r.hang_factor,
             checkpoint_signal: r.checkpoint_signal.clone(),
             min_gpus: r.min_gpus,
+            host_wait_s: r.host_wait_s,
         });
         SpecJson {
             name: s.name.clone(),

@@ -133,6 +133,10 @@ pub struct RestartFile {
     /// A restart may run on fewer GPUs, down to this many (0: always the full size).
     #[serde(default)]
     pub min_gpus: u32,
+    /// Seconds an attempt waits for a silent host of it when no other placement can start now
+    /// (unset: the controller's default).
+    #[serde(default)]
+    pub host_wait_s: Option<f64>,
 }
 
 impl Default for RestartFile {
@@ -147,6 +151,7 @@ impl Default for RestartFile {
             hang_factor: 0.0,
             checkpoint_signal: String::new(),
             min_gpus: 0,
+            host_wait_s: None,
         }
     }
 }
@@ -278,6 +283,7 @@ impl SpecFile {
                 hang_factor: self.restart.hang_factor,
                 checkpoint_signal: self.restart.checkpoint_signal,
                 min_gpus: self.restart.min_gpus,
+                host_wait_s: self.restart.host_wait_s,
             }),
             priority: self.priority,
             disable_pinning: !self.pinning,

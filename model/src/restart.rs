@@ -132,6 +132,20 @@ pub fn validate(policy: &RestartPolicy) -> Result<(), RuleError> {
             ),
         ));
     }
+    if let Some(v) = policy.host_wait_s {
+        let field = "restart.host_wait_s";
+        if !v.is_finite() || v <= 0.0 {
+            return Err(bad(
+                field,
+                format!(
+                    "{v} is not a wait: give seconds above 0, or leave it out for the controller's default"
+                ),
+            ));
+        }
+        if v > MAX_SECONDS {
+            return Err(bad(field, format!("{v} s is more than {MAX_SECONDS} s (7 days)")));
+        }
+    }
     factor("restart.backoff_factor", policy.backoff_factor, 1.0, 100.0)?;
     factor("restart.hang_factor", policy.hang_factor, 2.0, 1000.0)?;
     let (b, _) = rules_of(policy);
@@ -146,6 +160,27 @@ pub fn validate(policy: &RestartPolicy) -> Result<(), RuleError> {
         ));
     }
     Ok(())
+}
+
+/// How a `host_silent` job event begins: a host of the attempt fell silent past the agent
+/// timeout, the attempt waited for it (`restart.host_wait_s`), and it came back with the
+/// attempt's ranks alive, which were taken back: no restart.
+pub const HOST_SILENT: &str = "host_silent: ";
+
+/// The reason of a `host_silent` event: `node` was silent for `gap_ms`.
+pub fn host_silent_reason(node: &str, gap_ms: i64, attempt: u32) -> String {
+    format!(
+        "{HOST_SILENT}{node} was silent for {:.1} s and came back with the ranks of attempt {attempt} alive; they were taken back (no restart, no step lost)",
+        gap_ms.max(0) as f64 / 1000.0
+    )
+}
+
+/// The length of the gap a `host_silent` event's reason records, in milliseconds.
+pub fn host_silent_ms(reason: &str) -> Option<f64> {
+    let rest = reason.strip_prefix(HOST_SILENT)?;
+    let (_, after) = rest.split_once(" was silent for ")?;
+    let (secs, _) = after.split_once(" s ")?;
+    secs.parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0).map(|s| s * 1000.0)
 }
 
 fn factor(field: &'static str, v: f64, min: f64, max: f64) -> Result<(), RuleError> {
@@ -206,7 +241,10 @@ mod tests {
     #[test]
     fn bad_numbers_name_their_field() {
         type Case = (fn(&mut RestartPolicy), &'static str, &'static str);
-        let cases: [Case; 8] = [
+        let cases: [Case; 11] = [
+            (|p| p.host_wait_s = Some(0.0), "restart.host_wait_s", "above 0"),
+            (|p| p.host_wait_s = Some(-5.0), "restart.host_wait_s", "above 0"),
+            (|p| p.host_wait_s = Some(1e9), "restart.host_wait_s", "7 days"),
             (|p| p.checkpoint_signal = "SIGKILL".into(), "restart.checkpoint_signal", "not one of"),
             (|p| p.backoff_initial_s = -1.0, "restart.backoff_initial_s", "negative"),
             (|p| p.backoff_cap_s = f64::NAN, "restart.backoff_cap_s", "not a number"),
@@ -231,5 +269,14 @@ mod tests {
             assert!(e.reason.contains(words), "{field}: {}", e.reason);
         }
         assert_eq!(validate(&policy()), Ok(()));
+        assert_eq!(validate(&RestartPolicy { host_wait_s: Some(300.0), ..policy() }), Ok(()));
+    }
+
+    #[test]
+    fn a_host_silent_reason_carries_its_gap() {
+        let reason = host_silent_reason("gpu-07", 30_240, 0);
+        assert!(reason.starts_with("host_silent: gpu-07 was silent for 30.2 s"), "{reason}");
+        assert_eq!(host_silent_ms(&reason), Some(30_200.0));
+        assert_eq!(host_silent_ms("host_lost: gpu-07 was silent for 3.0 s and"), None);
     }
 }

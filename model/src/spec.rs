@@ -35,6 +35,9 @@ pub struct JobSpec {
     pub checkpoint_signal: String,
     /// A restart may use fewer GPUs, down to this many (0: always `resources.gpus`).
     pub min_gpus: u32,
+    /// How long an attempt waits for a silent host when no other placement can start
+    /// (`None`: the controller's default).
+    pub host_wait: Option<std::time::Duration>,
     /// Higher runs first; ties go first-in first-out.
     pub priority: i32,
     /// Leave ranks unpinned.
@@ -134,6 +137,7 @@ impl JobSpec {
             hang: Default::default(),
             checkpoint_signal: String::new(),
             min_gpus: 0,
+            host_wait: None,
             priority: 0,
             disable_pinning: false,
             receipts: Default::default(),
@@ -216,6 +220,7 @@ impl TryFrom<WireSpec> for JobSpec {
             hang,
             checkpoint_signal: restart.checkpoint_signal.clone(),
             min_gpus: restart.min_gpus,
+            host_wait: restart.host_wait_s.map(std::time::Duration::from_secs_f64),
             priority: spec.priority,
             disable_pinning: spec.disable_pinning,
             receipts: ReceiptsPolicy {
@@ -262,6 +267,7 @@ impl From<&JobSpec> for WireSpec {
                     resume: spec.resume,
                     checkpoint_signal: spec.checkpoint_signal.clone(),
                     min_gpus: spec.min_gpus,
+                    host_wait_s: spec.host_wait.map(|d| d.as_secs_f64()),
                     ..Default::default()
                 };
                 crate::restart::write_rules(&mut p, &spec.backoff, &spec.hang);

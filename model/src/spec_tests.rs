@@ -17,6 +17,7 @@ fn parse_keeps_every_field_and_the_wire_form_round_trips() {
         hang_factor: 10.0,
         checkpoint_signal: "SIGUSR1".into(),
         min_gpus: 8,
+        host_wait_s: Some(240.0),
     });
     wire.resources.as_mut().unwrap().interconnect = "nvlink-pairs".into();
     let spec = parse(wire.clone()).unwrap();

@@ -740,6 +740,16 @@ impl Cluster {
         Ok(())
     }
 
+    /// Sends `signal` to agent `name` (SIGSTOP freezes it, SIGCONT thaws it); its ranks are
+    /// separate processes and go on.
+    pub fn signal_agent(&self, name: &str, signal: i32) -> Result<()> {
+        let child = self.agents.get(name).context("no such agent")?;
+        // SAFETY: kill has no memory preconditions; the pid is our own child's, not yet reaped.
+        let rc = unsafe { libc::kill(child.id() as i32, signal) };
+        anyhow::ensure!(rc == 0, "signal {signal} to agent {name}: {}", std::io::Error::last_os_error());
+        Ok(())
+    }
+
     /// Kills an agent with SIGKILL; its ranks keep running.
     pub fn kill_agent(&mut self, name: &str) {
         if let Some(mut child) = self.agents.remove(name) {

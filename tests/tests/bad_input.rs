@@ -71,6 +71,16 @@ fn bad_specs_are_rejected_naming_the_field() -> anyhow::Result<()> {
             "restart.hang_timeout_s: 2 s is below the floor of 5 s",
         ),
         (
+            "hostwait0",
+            spec("gpus = 1", "", "/tmp", "[restart]\nhost_wait_s = 0"),
+            "restart.host_wait_s: 0 is not a wait",
+        ),
+        (
+            "hostwaitneg",
+            spec("gpus = 1", "", "/tmp", "[restart]\nhost_wait_s = -30"),
+            "restart.host_wait_s: -30 is not a wait",
+        ),
+        (
             "signal",
             spec("gpus = 1", "", "/tmp", "[restart]\ncheckpoint_signal = \"SIGKILL\""),
             "restart.checkpoint_signal",

@@ -35,6 +35,9 @@ pub struct AttemptFacts {
     pub train_ms: f64,
     pub eval_ms: f64,
     pub checkpoint_ms: f64,
+    /// The gaps of its `host_silent` events: a host of it was silent and came back with its
+    /// ranks alive.
+    pub silent_ms: f64,
 }
 
 impl AttemptFacts {
@@ -61,6 +64,7 @@ impl AttemptFacts {
             .filter(|e| e.to_state == JobState::Restarting || e.to_state.is_terminal())
             .map(|e| e.at_ms)
             .next();
+        self.silent_ms = mine().filter_map(|e| trainyard_model::restart::host_silent_ms(&e.reason)).sum();
     }
 }
 
@@ -92,6 +96,10 @@ pub struct Goodput {
     pub restart_ms: f64,
     pub lost_ms: f64,
     pub other_ms: f64,
+    /// Of `other_ms`: host-silent gaps (`host_silent` events) the ranks did not spend in steps,
+    /// evals or checkpoints (steps taken during a gap are training: their receipts arrive when
+    /// the host speaks again).
+    pub silent_ms: f64,
     /// Step receipts of the reporting rank over all attempts.
     pub steps: u64,
     /// (training - lost) / wall; `None` before any wall time, and for a job with no step
@@ -111,9 +119,14 @@ impl Goodput {
             );
         }
         let share = self.goodput.map_or("-".to_string(), |g| format!("{:.0}%", g * 100.0));
+        let silent = if self.silent_ms > 0.0 {
+            format!(" (of which a host silent {})", s(self.silent_ms))
+        } else {
+            String::new()
+        };
         let redone: u64 = self.attempts.iter().map(|a| a.steps_redone).sum();
         format!(
-            "{share} of {} wall: startup {}, training {}, eval {}, checkpoint {}, restarts {}, lost {} ({redone} steps redone), other {}",
+            "{share} of {} wall: startup {}, training {}, eval {}, checkpoint {}, restarts {}, lost {} ({redone} steps redone), other {}{silent}",
             s(self.wall_ms),
             s(self.startup_ms),
             s(self.train_ms - self.lost_ms),
@@ -159,6 +172,7 @@ impl From<&Goodput> for pb::Goodput {
             steps_redone: g.attempts.iter().map(|a| a.steps_redone).sum(),
             goodput: g.goodput,
             steps: g.steps,
+            silent_ms: g.silent_ms,
             attempts: g.attempts.iter().map(pb::AttemptGoodput::from).collect(),
         }
     }
@@ -176,6 +190,7 @@ impl From<&pb::Goodput> for Goodput {
             restart_ms: g.restart_ms,
             lost_ms: g.lost_ms,
             other_ms: g.other_ms,
+            silent_ms: g.silent_ms,
             steps: g.steps,
             goodput: g.goodput,
         }
@@ -254,6 +269,7 @@ pub fn goodput(facts: &[AttemptFacts], now_ms: i64) -> Goodput {
         total.restart_ms += a.restart_ms;
         total.lost_ms += a.lost_ms;
         total.other_ms += a.other_ms;
+        total.silent_ms += f.silent_ms.min(a.other_ms);
         total.steps += f.steps;
         total.attempts.push(a);
         if let Some(last) = f.last_step {
@@ -288,6 +304,7 @@ mod tests {
                 train_ms: 100_000.0,
                 eval_ms: 0.0,
                 checkpoint_ms: 5_000.0,
+                silent_ms: 0.0,
             },
             AttemptFacts {
                 attempt: 1,
@@ -301,6 +318,7 @@ mod tests {
                 train_ms: 70_000.0,
                 eval_ms: 2_000.0,
                 checkpoint_ms: 0.0,
+                silent_ms: 0.0,
             },
         ];
         let g = goodput(&facts, 999_999);
@@ -316,6 +334,45 @@ mod tests {
             g.describe(),
             "70% of 3m35s wall: startup 21.0s, training 2m30s, eval 2.0s, checkpoint 5.0s, restarts 15.0s, lost 20.0s (20 steps redone), other 4.0s"
         );
+    }
+
+    #[test]
+    fn a_host_silent_gap_is_named_within_other_up_to_the_time_not_spent_stepping() {
+        use trainyard_model::domain::JobState;
+        use trainyard_model::records::JobEventRecord;
+        let event = |at_ms: i64, to_state: JobState, reason: String| JobEventRecord {
+            job_id: 1,
+            at_ms,
+            from_state: None,
+            to_state,
+            attempt: 0,
+            reason,
+        };
+        let events = [
+            event(0, JobState::Scheduled, "placed".into()),
+            event(50_000, JobState::Running, trainyard_model::restart::host_silent_reason("b", 30_000, 0)),
+        ];
+        // 60 s of wall, 2 s of start-up, 20 s of steps: the 30 s gap is charged (in other).
+        let mut f = AttemptFacts {
+            attempt: 0,
+            first_step_at_ms: Some(3_000),
+            first_step_ms: 1_000.0,
+            first_step: Some(0),
+            last_step: Some(19),
+            steps: 20,
+            train_ms: 20_000.0,
+            ended_at_ms: None,
+            ..Default::default()
+        };
+        f.place_in(&events);
+        assert_eq!((f.scheduled_at_ms, f.silent_ms), (Some(0), 30_000.0));
+        let g = goodput(&[f.clone()], 60_000);
+        assert_eq!((g.other_ms, g.silent_ms), (38_000.0, 30_000.0));
+        assert!(g.describe().ends_with("other 38.0s (of which a host silent 30.0s)"), "{}", g.describe());
+        // Ranks that stepped through the gap lost nothing: only what is left of it is named.
+        f.train_ms = 50_000.0;
+        let g = goodput(&[f], 60_000);
+        assert_eq!((g.other_ms, g.silent_ms), (8_000.0, 8_000.0));
     }
 
     #[test]

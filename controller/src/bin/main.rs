@@ -98,6 +98,11 @@ struct Cli {
     /// (its ranks outlive it), for it to come back and adopt them.
     #[arg(long, default_value_t = 120)]
     agent_hold_secs: u64,
+    /// Seconds an attempt waits for a silent host of it (counted from its last word, like the
+    /// hold above) when no other placement can start now, so that the host's ranks are taken
+    /// back if it returns; a job's `[restart] host_wait_s` overrides it.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    host_wait_secs: u64,
     /// Seconds an agent may stay silent (no heartbeat, stream still open) before it counts as
     /// unresponsive and gets no new work.
     #[arg(long, default_value_t = 5)]
@@ -165,6 +170,7 @@ impl From<&Cli> for ControllerConfig {
             .with_unresponsive_after(Duration::from_secs(cli.unresponsive_secs))
             .with_reconnect_grace(Duration::from_secs(cli.reconnect_grace_secs))
             .with_agent_hold(Duration::from_secs(cli.agent_hold_secs))
+            .with_host_wait(Duration::from_secs(cli.host_wait_secs))
             .with_preemption(
                 cli.preempt_gap,
                 Duration::from_secs(cli.preempt_deadline_secs),

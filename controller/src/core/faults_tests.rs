@@ -11,8 +11,11 @@ use crate::core::test_support::{Agent, connect, report, spec, store};
 use std::sync::Arc;
 use trainyard_store::FailureKind;
 
+/// No host wait: these tests are about the verdicts on a silent host (host_wait_tests has the
+/// wait for one that is the job's only place).
 fn config() -> ControllerConfig {
     ControllerConfig::default()
+        .with_host_wait(Duration::ZERO)
         .with_agent_timeout(Duration::from_secs(8))
         .with_unresponsive_after(Duration::from_secs(4))
         .with_reconnect_grace(Duration::ZERO)

@@ -82,8 +82,10 @@ async fn an_agent_that_returns_without_its_running_ranks_restarts_the_job_elsewh
 #[tokio::test]
 async fn ranks_on_an_agent_gone_past_the_timeout_are_lost() {
     let store = store().await;
+    // No host wait: the verdict itself is under test here (host_wait_tests has the wait).
     let config = ControllerConfig::default()
         .with_agent_timeout(Duration::from_millis(50))
+        .with_host_wait(Duration::ZERO)
         .with_reconnect_grace(Duration::ZERO);
     let c = Controller::start(store.clone(), config).await.expect("start");
     let agent = connect(&c, "a", 1, None).await;

@@ -70,6 +70,7 @@ mod faults;
 mod fleet;
 mod follow;
 mod heard;
+mod host_wait;
 mod jobs;
 mod keys;
 mod launch;
@@ -92,6 +93,8 @@ mod view;
 mod agent_message_props;
 #[cfg(test)]
 mod faults_tests;
+#[cfg(test)]
+mod host_wait_tests;
 #[cfg(test)]
 mod lifecycle_tests;
 #[cfg(test)]

@@ -310,6 +310,15 @@ impl Nodes<'_> {
                 lost.extend(unknown);
             }
         }
+        // An attempt that waited for this host gets no ranks back: the wait is over, and the
+        // ranks are recorded lost (a restart), not taken back.
+        for id in &lost {
+            if let Some(job) = core.jobs.get_mut(&id.job_id)
+                && job.host_wait.as_ref().is_some_and(|w| w.agent_id == agent_id)
+            {
+                job.host_wait = None;
+            }
+        }
         for job_id in relaunch {
             tracing::info!(job_id, agent_id, "agent missed a launch; sending it again");
             let sent = super::launch::send_launches(core, job_id, Some(agent_id));

@@ -138,6 +138,7 @@ fn apply_move(
         job.master_port = None;
         job.detected = None;
         job.eviction = None;
+        job.host_wait = None;
         job.resume_from = resume_from;
         let wait = job.record.spec.backoff.delay(job.streak.saturating_sub(1));
         job.not_before = Some(tokio::time::Instant::now() + wait);
@@ -145,6 +146,7 @@ fn apply_move(
     }
     if let Some(f) = failure {
         job.detected = None;
+        job.host_wait = None;
         job.charged += u32::from(f.charged);
         job.streak = super::faults::next_streak(job.streak, job.running_since);
     }
@@ -494,4 +496,4 @@ mod job;
 #[cfg(test)]
 mod tests;
 
-pub(super) use job::{ActiveJob, Eviction};
+pub(super) use job::{ActiveJob, Eviction, HostWait};

@@ -19,7 +19,11 @@ pub(super) async fn store() -> Arc<dyn Store> {
 }
 
 pub(super) async fn controller(store: &Arc<dyn Store>) -> Arc<Controller> {
-    Controller::start(store.clone(), ControllerConfig::default()).await.expect("start")
+    controller_with(store, ControllerConfig::default()).await
+}
+
+pub(super) async fn controller_with(store: &Arc<dyn Store>, config: ControllerConfig) -> Arc<Controller> {
+    Controller::start(store.clone(), config).await.expect("start")
 }
 
 /// The reaper's pass over vanished agents, as the running controller's loop takes it.

@@ -44,6 +44,8 @@ pub(in crate::core) struct ActiveJob {
     pub(in crate::core) running_since: Option<Instant>,
     /// The spec's encoded size: what the job holds of its user's spec budget while active.
     pub(in crate::core) spec_bytes: usize,
+    /// The attempt waits for a host of it that fell silent (`host_wait`).
+    pub(in crate::core) host_wait: Option<HostWait>,
 }
 
 impl ActiveJob {
@@ -69,6 +71,7 @@ impl ActiveJob {
             eviction: None,
             streak: 0,
             running_since: None,
+            host_wait: None,
         }
     }
 }
@@ -106,4 +109,12 @@ impl Eviction {
             charged: false,
         }
     }
+}
+
+/// An attempt waiting for a host of it that fell silent (`host_wait`).
+#[derive(Debug, Clone, PartialEq)]
+pub(in crate::core) struct HostWait {
+    pub agent_id: String,
+    /// The host's last word before the silence (wall-clock milliseconds).
+    pub since_ms: i64,
 }
