@@ -30,7 +30,7 @@ stall, or a hang).
 written to a temporary name, fsynced and renamed, then a `checkpoint` receipt); a restarted attempt
 continues after TRAINYARD_RESUME_STEP when the agent gives one. SIGUSR1, or the file named by
 TRAINYARD_CHECKPOINT_REQUEST appearing or changing, asks for a checkpoint at the end of the current step (a
-drain or a preemption notice).
+drain or a preemption notice); --signal-only heeds SIGUSR1 alone.
 
 --collective joins the ranks the way torch.distributed does, over TCP: rank 0 listens on
 MASTER_PORT, the others connect to MASTER_ADDR:MASTER_PORT (across hosts), and every step ends
@@ -129,6 +129,11 @@ def parse_args(argv):
         "--hang-attempt", type=int, default=None, metavar="A", help="hang only in attempt A (default: every attempt)"
     )
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="where checkpoints go")
+    p.add_argument(
+        "--signal-only",
+        action="store_true",
+        help="checkpoint when asked only on SIGUSR1, never on the request file (tests of checkpoint_signal)",
+    )
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
     p.add_argument("--collective", action="store_true", help="rendezvous over MASTER_ADDR and barrier every step")
     p.add_argument(
@@ -447,7 +452,7 @@ def main(argv=None):
         sleep_until(computed + optimizer_s, stop)
         if stop["signal"] is not None:
             break  # a step cut short is not a step
-        asked = stop["checkpoint"] or requested(request, stop)
+        asked = stop["checkpoint"] or (not args.signal_only and requested(request, stop))
         if collective is not None:
             try:
                 asked = collective.barrier(step, asked)

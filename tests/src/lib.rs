@@ -8,6 +8,8 @@
 //! - [`group`]: more controllers in a cluster's group on its PostgreSQL, followers that take over.
 //! - [`netlab`]: hosts in their own network namespaces on a private bridge ([`Cluster::start_lab`]).
 //! - [`raw_insert`]: the same rows through a plain sqlx loop, the ceiling ingest is read against.
+//! - [`chaos`]: what the chaos bench measured and whether it met its targets.
+//! - [`results`]: bench results as JSON-lines files in docs/results/.
 //! - Process hygiene: every process a cluster starts carries a marker in its environment, which
 //!   ranks inherit; dropping the cluster kills every process carrying it, so no test leaves a
 //!   rank behind even when it fails half-way.
@@ -25,10 +27,12 @@ use anyhow::{Context, Result, bail};
 use sqlx::Row;
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
+pub mod chaos;
 pub mod flood;
 pub mod group;
 pub mod netlab;
 pub mod raw_insert;
+pub mod results;
 
 pub use netlab::NetLab;
 

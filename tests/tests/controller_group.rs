@@ -84,6 +84,32 @@ fn finished_once_on_epoch_2(c: &Cluster, job: u64, expected: i64) -> Result<()> 
     Ok(())
 }
 
+/// The value of an unlabelled metric on a controller's `/metrics`.
+fn metric(http: &str, name: &str) -> Result<f64> {
+    let text = trainyard_tests::http(http, "GET", "/metrics")?.1;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .with_context(|| format!("{name} on {http}: {text}"))
+}
+
+/// gRPC health of `url`: the status of each of `services`.
+fn grpc_health(url: &str, services: &[&str]) -> Result<Vec<i32>> {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(url.to_string())?.connect().await?;
+        let mut health = HealthClient::new(channel);
+        let mut out = Vec::new();
+        for service in services {
+            out.push(
+                health.check(HealthCheckRequest { service: service.to_string() }).await?.into_inner().status,
+            );
+        }
+        Ok(out)
+    })
+}
+
 /// Two controllers on one PostgreSQL: the first leads, the second follows. The leader is
 /// killed mid-job: the follower takes over within the lease (5 s) plus its start, the agents
 /// (given both addresses) move to it and resend what was not acknowledged, and the job finishes
@@ -96,7 +122,10 @@ fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled(
     c.start_agent("node-b", 2)?;
     let job = c.submit(&c.job_file("through", 4, 2, &["--steps", "300", "--step-ms", "50"], ""))?;
     c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    // A job that waits for the GPUs the first one holds: the new leader must place it.
+    let waiting = c.submit(&c.job_file("waiting", 2, 2, &["--steps", "20", "--step-ms", "50"], ""))?;
     std::thread::sleep(Duration::from_secs(3));
+    ensure!(c.status(waiting)?["state"] == "pending", "{}", c.status(waiting)?);
     let killed = Instant::now();
     c.kill_controller();
     member.wait_log("leading the controller group", Duration::from_secs(20))?;
@@ -110,6 +139,15 @@ fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled(
     ensure!(out.status.success(), "ctl over both addresses: {}", String::from_utf8_lossy(&out.stderr));
     c.addr = member.url.trim_start_matches("http://").to_string();
     finished_once_on_epoch_2(&c, job, 4 * 300)?;
+    let placed = c.wait_state(waiting, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
+    ensure!(
+        placed["state"] == "succeeded" && placed["attempt"] == 0,
+        "pending across the takeover: {placed}"
+    );
+    // The new leader's lease on /metrics: it leads, under epoch 2, and has renewed.
+    ensure!(metric(&member.http, "trainyard_controller_is_leader")? == 1.0);
+    ensure!(metric(&member.http, "trainyard_controller_epoch")? == 2.0);
+    ensure!(metric(&member.http, "trainyard_lease_renewals_total")? > 0.0);
     Ok(())
 }
 
@@ -162,6 +200,27 @@ fn a_follower_serves_reads_and_sends_writers_and_agents_to_the_leader() -> Resul
     ensure!(code == 200 && body.contains("via-follower"), "web API on the follower: {code} {body}");
     let metrics = trainyard_tests::http(&member.http, "GET", "/metrics")?.1;
     ensure!(metrics.contains("trainyard_controller_is_leader 0"), "{metrics}");
+    // gRPC health on the follower: its jobs service serves (reads, and writers sent on), its
+    // agents service and the leader's entry do not.
+    let (serving, not) = (1, 2);
+    let health =
+        grpc_health(&member.url, &["trainyard.v1.Jobs", "trainyard.v1.Agents", "trainyard.v1.Leader"])?;
+    ensure!(health == [serving, not, not], "the follower's gRPC health: {health:?}");
+    // `ctl watch` on the follower streams the job's receipts from the store.
+    let mut watch = Command::new(bin("ctl")?)
+        .args(["--controller", &member.url, "watch", &job.to_string(), "-o", "json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    std::thread::sleep(Duration::from_secs(3));
+    let _ = watch.kill();
+    let out = watch.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        text.lines().filter(|l| l.contains("\"step\"")).count() > 5,
+        "ctl watch via the follower: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     follower_only(&["cancel", &job.to_string()])?;
     let status = c.wait_state(job, &["cancelled"], Duration::from_secs(30))?;
     ensure!(status["attempt"] == 0, "{status}");
@@ -260,6 +319,10 @@ fn a_leader_that_loses_postgres_steps_down_and_one_leads_when_it_is_back() -> Re
         std::thread::sleep(Duration::from_millis(100));
     };
     eprintln!("after the outage: {} / {}", first.trim(), second.trim());
+    ensure!(
+        metric(&c.http_addr, "trainyard_lease_failures_total")? > 0.0,
+        "the renewals that could not reach the database are counted"
+    );
     finished_once_on_epoch_2(&c, job, 4 * 500)?;
     Ok(())
 }

@@ -11,14 +11,21 @@ use trainyard_tests::{Cluster, host_file};
 
 /// A one-rank job of stand-in ranks that checkpoint only when asked, on `a`, with `b` idle.
 fn job_on_a(c: &mut Cluster, notice: Option<&str>) -> anyhow::Result<u64> {
+    job_on_a_with(c, notice, &[], "")
+}
+
+/// [`job_on_a`] with more rank arguments and `[restart]` lines.
+fn job_on_a_with(c: &mut Cluster, notice: Option<&str>, more: &[&str], restart: &str) -> anyhow::Result<u64> {
     let host = host_file(c.dir.path(), "a", 1);
     match notice {
         Some(source) => c.start_agent_env("a", &host, &[("TRAINYARD_PREEMPTION_NOTICE", source)])?,
         None => c.start_agent_with_host_file("a", &host)?,
     }
     let ckpt = c.path("ckpt").display().to_string();
-    let args = ["--steps", "100000", "--step-ms", "50", "--checkpoint-dir", &ckpt];
-    let job = c.submit(&c.job_file("movable", 1, 1, &args, "[restart]\nresume = true\n"))?;
+    let mut args = vec!["--steps", "100000", "--step-ms", "50", "--checkpoint-dir", &ckpt];
+    args.extend_from_slice(more);
+    let job =
+        c.submit(&c.job_file("movable", 1, 1, &args, &format!("[restart]\nresume = true\n{restart}")))?;
     c.wait_first_steps(job, 1, Duration::from_secs(60))?;
     c.start_agent("b", 1)?;
     Ok(job)
@@ -96,6 +103,21 @@ fn a_preemption_notice_moves_the_job_before_the_host_goes() -> anyhow::Result<()
     let reason = node["cordon_reason"].as_str().unwrap_or("");
     assert!(reason.contains("preemption notice on a") && !reason.contains("instance-action"), "{node}");
     assert!(c.logs("controller").contains("spot instance-action: terminate"));
+    c.ctl_ok(&["cancel", &job.to_string()])?;
+    Ok(())
+}
+
+/// A rank that asked for a signal (`checkpoint_signal = "SIGUSR1"`) gets one with the notice:
+/// these stand-in ranks checkpoint on SIGUSR1 alone, never on the request file, so the job moves
+/// without losing a step only if the signal was delivered.
+#[test]
+fn a_preemption_notice_is_delivered_as_sigusr1_to_a_rank_that_asked_for_it() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    let notice = c.path("notice-a");
+    let source = format!("file:{}", notice.display());
+    let job = job_on_a_with(&mut c, Some(&source), &["--signal-only"], "checkpoint_signal = \"SIGUSR1\"\n")?;
+    std::fs::write(&notice, "spot instance-action: terminate\n")?;
+    moved_without_losing_a_step(&c, job, "preemption")?;
     c.ctl_ok(&["cancel", &job.to_string()])?;
     Ok(())
 }

@@ -235,3 +235,33 @@ fn failing_node_gets_no_work_and_ctl_says_why() -> anyhow::Result<()> {
     assert_eq!(rows, vec![vec![2, 2]], "one report from the hello, one from the run");
     Ok(())
 }
+
+/// `ctl cordon` takes a node out of scheduling (a job waits, saying why), survives nothing but
+/// `ctl uncordon`, and after it the node takes work again.
+#[test]
+fn a_cordoned_node_gets_no_work_until_it_is_uncordoned() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    c.start_agent("node-a", 1)?;
+    let out = c.ctl_ok(&["cordon", "node-a", "--reason", "fan replaced, burn-in first"])?;
+    assert!(out.contains("node-a"), "{out}");
+    let node = c.node("node-a")?;
+    assert_eq!(
+        (node["cordon_by"].as_str(), node["cordon_reason"].as_str()),
+        (Some("operator"), Some("fan replaced, burn-in first")),
+        "{node}"
+    );
+    let job = c.submit(&c.job_file("waits", 1, 0, &["--steps", "3", "--step-ms", "50"], ""))?;
+    std::thread::sleep(Duration::from_secs(2));
+    let status = c.status(job)?;
+    assert_eq!(status["state"], "pending", "no work on a cordoned node: {status}");
+    let table = c.ctl_ok(&["nodes"])?;
+    assert!(table.lines().any(|l| l.starts_with("node-a") && l.contains("cordoned")), "{table}");
+    c.ctl_ok(&["uncordon", "node-a"])?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
+    assert_eq!(status["state"], "succeeded", "{status}");
+    assert!(c.node("node-a")?["cordon_by"].is_null() || c.node("node-a")?["cordon_by"] == "");
+    // Bad input: a node nobody knows.
+    let out = c.ctl(&["cordon", "nope", "--reason", "x"])?;
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no node nope"));
+    Ok(())
+}

@@ -505,3 +505,43 @@ async fn a_restart_may_run_smaller_when_the_spec_allows_and_the_full_size_does_n
         placed.reason
     );
 }
+
+#[tokio::test]
+async fn a_notice_during_a_restart_only_cordons_its_node_and_the_next_attempt_avoids_it() {
+    let store = store().await;
+    let c = Controller::start(store.clone(), config()).await.expect("start");
+    let (mut a, mut b, job) = running_job(&c, 1, with_restarts(1)).await;
+    let _spare = connect(&c, "spare", 1, None).await;
+    // Rank 0 fails: the attempt restarts, b's rank is being stopped.
+    c.jobs().rank_report("a", &report(job, 0, 0, "exited", 1)).await.expect("update");
+    tick(&c).await;
+    assert_eq!(state_of(&c, job).await.0, "restarting");
+    b.sent();
+    let notice =
+        trainyard_proto::v1::Notice { kind: "preemption".into(), deadline_ms: 0, detail: "spot".into() };
+    c.nodes().notice("b", &notice).await.expect("notice");
+    assert!(
+        !b.sent().iter().any(|m| matches!(m, Msg::CheckpointNow(_))),
+        "an attempt that is stopping is not asked to checkpoint"
+    );
+    c.jobs()
+        .rank_report("b", &RankReport { signal: 15, ..report(job, 0, 1, "exited", -1) })
+        .await
+        .expect("update");
+    pass(Duration::from_secs(2)).await;
+    heartbeat(&c, &["a", "b", "spare"]);
+    tick(&c).await;
+    let kinds: Vec<FailureKind> =
+        store.failures(job).await.expect("failures").iter().map(|f| f.kind).collect();
+    assert_eq!(kinds, [FailureKind::RankExit], "the notice adds no failure to a restarting job");
+    // Placed after the backoff (1 s).
+    pass(Duration::from_millis(1100)).await;
+    heartbeat(&c, &["a", "b", "spare"]);
+    tick(&c).await;
+    let view = c.jobs().get(job).await.expect("job");
+    assert_eq!(view.attempt, 1, "{view:?}");
+    let mut nodes: Vec<&str> = view.ranks.iter().map(|r| r.agent_id.as_str()).collect();
+    nodes.sort();
+    assert_eq!(nodes, ["a", "spare"], "the next attempt avoids the cordoned node: {view:?}");
+    assert!(a.launched_jobs().contains(&job), "attempt 1 launched on a first (rank 0's host)");
+}
