@@ -27,7 +27,8 @@ mid-run, in step with a scripted telemetry event);
 stall, or a hang).
 
 --checkpoint-dir DIR --checkpoint-every N writes a checkpoint every N steps (DIR/step_N/rankR.json,
-written to a temporary name, fsynced and renamed, then a `checkpoint` receipt); a restarted attempt
+written to a temporary name, fsynced and renamed, then a `checkpoint` receipt; rank 0 writes
+DIR/step_N/manifest.json last, once every rank's file is there); a restarted attempt
 continues after TRAINYARD_RESUME_STEP when the agent gives one. SIGUSR1, or the file named by
 TRAINYARD_CHECKPOINT_REQUEST appearing or changing, asks for a checkpoint at the end of the current step (a
 drain or a preemption notice); --signal-only heeds SIGUSR1 alone.
@@ -343,12 +344,37 @@ def write_checkpoint(directory, rank, step):
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, final)
-    fd = os.open(step_dir, os.O_RDONLY)
+    fsync_dir(step_dir)
+    return step_dir, len(data)
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return step_dir, len(data)
+
+
+def write_manifest(step_dir, world, wait_s=10.0):
+    """Rank 0, once every rank's file of the step is there: DIR/step_N/manifest.json, written
+    last (temporary name, fsync, rename), which is what makes the checkpoint complete for a
+    restart that finds it on disk before its receipts arrived. Gives up after `wait_s`."""
+    files = [f"rank{r}.json" for r in range(world)]
+    deadline = time.monotonic() + wait_s
+    while not all(os.path.exists(os.path.join(step_dir, f)) for f in files):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    final = os.path.join(step_dir, "manifest.json")
+    tmp = final + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, final)
+    fsync_dir(step_dir)
+    return True
 
 
 def requested(request, stop):
@@ -479,6 +505,10 @@ def main(argv=None):
             began = time.monotonic()
             try:
                 path, size = write_checkpoint(args.checkpoint_dir, rank, step)
+                if rank == 0:
+                    # Periodic checkpoints are taken by every rank at the same step; one asked
+                    # for may be taken at different steps, so rank 0 waits only briefly then.
+                    write_manifest(path, world, 10.0 if due else 0.5)
             except OSError as e:
                 receipts.emit("exit", code=1, step=step, reason=f"checkpoint failed: {e}")
                 print(f"rank {rank}: checkpoint at step {step} failed: {e}", file=sys.stderr)

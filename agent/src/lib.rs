@@ -56,6 +56,7 @@ pub mod preflight;
 pub mod printed;
 pub mod procfs;
 pub mod relay;
+pub mod resume;
 pub mod state;
 pub mod supervise;
 pub mod tail;

@@ -290,12 +290,14 @@ fn run_rank(args: &SuperviseArgs, copiers: &mut Copiers) -> Result<ExitStatus, S
 }
 
 /// Gives the rank the newest resume point whose path exists (`TRAINYARD_RESUME_STEP`, `_PATH`)
-/// from the candidates the agent passed (`TRAINYARD_RESUME_CANDIDATES`, removed here). Run with
+/// from the candidates the agent passed (`TRAINYARD_RESUME_CANDIDATES`, removed here) and the
+/// complete checkpoints newer than those found beside them ([`crate::resume`]). Run with
 /// the rank user's effective ids, so a path the user could not see is not chosen (and the
 /// user learns nothing of root-only directories).
 pub fn pick_resume_point(env: &mut BTreeMap<String, String>) {
     let Some(text) = env.remove(crate::env::RESUME_CANDIDATES) else { return };
-    let candidates: Vec<(i64, String)> = serde_json::from_str(&text).unwrap_or_default();
+    let reported: Vec<(i64, String)> = serde_json::from_str(&text).unwrap_or_default();
+    let candidates = crate::resume::candidates(&reported);
     if let Some((step, path)) = candidates.into_iter().find(|(_, p)| Path::new(p).exists()) {
         env.insert("TRAINYARD_RESUME_STEP".into(), step.to_string());
         env.insert("TRAINYARD_RESUME_PATH".into(), path);

@@ -24,6 +24,8 @@
 //! trainyard's own share beside the old proxy. The receipt check reads every rank's own receipts
 //! file: each of its lines (seq 0 to the last) must be stored once.
 //!
+//! After the last failure every host comes back and the bench waits (up to the longest verdict
+//! plus a minute) for the job to step again, so a slow recovery is measured, not called lost.
 //! Writes docs/results/chaos-<date>.jsonl (the run's facts, one line per failure, the summary).
 //! Run (root: namespace hosts): `cargo bench -p trainyard-tests --bench chaos -- [--quick]
 //! [--failures N] [--every S] [--checkpoint S] [--seed X] [--defaults]` (default 20 failures
@@ -306,6 +308,7 @@ fn main() -> Result<()> {
     }
     let ended_ms = now_ms();
     returns_due(&mut lab, &mut pending, true)?;
+    settle(&lab, job, ended_ms, &o)?;
     let facts = collect(&lab, job, injected, started_ms, ended_ms)?;
     let targets = Targets {
         agent_timeout_s: 8.0,
@@ -340,6 +343,27 @@ fn main() -> Result<()> {
     if !misses.is_empty() {
         bail!("chaos: {} target(s) missed:\n  {}", misses.len(), misses.join("\n  "));
     }
+    Ok(())
+}
+
+/// After the last failure, every host back: waits (up to the longest verdict a failure can take,
+/// the hang timeout or the hold of a dead agent's ranks, plus a minute) until every rank of the
+/// job steps again, so a failure that needs long to recover is measured, not called lost.
+fn settle(lab: &Lab, job: u64, after_ms: i64, o: &Options) -> Result<()> {
+    let longest = Duration::from_secs(if o.defaults { 300 } else { 120 }) + Duration::from_secs(60);
+    let deadline = Instant::now() + longest;
+    let sql = format!(
+        "SELECT COUNT(DISTINCT rank) FROM receipts WHERE job_id = {job} AND kind = 'step' \
+         AND CAST(json_extract(body, '$.at_ms') AS INTEGER) > {after_ms} \
+         AND attempt = (SELECT attempt FROM jobs WHERE id = {job})"
+    );
+    while Instant::now() < deadline {
+        if lab.c.query(&sql)?[0][0] == WORLD as i64 {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    println!("chaos: the job did not step again within {longest:?} of the last failure");
     Ok(())
 }
 

@@ -9,7 +9,8 @@
 //! Target (issue: no single point of failure): takeover under 10 s with the default lease (5 s).
 //!
 //! Run: `cargo bench -p trainyard-tests --bench failover [-- RECEIPTS_PER_RANK RATE_PER_RANK]`
-//! (default 100,000 receipts per rank at 1,000 a second: 16,000 a second for 100 s).
+//! (default 100,000 receipts per rank at 1,000 a second: 16,000 a second for 100 s). Writes
+//! docs/results/failover-<date>.jsonl: the run's facts, one line per failover, the summary.
 
 use std::time::{Duration, Instant};
 
@@ -75,7 +76,11 @@ fn measure(c: &Cluster, group: &[Controller], lost: usize, job: u64, agents: i64
     Ok(t)
 }
 
-fn report(what: &str, t: &Takeover) {
+fn report(results: &mut trainyard_tests::results::Results, what: &str, t: &Takeover) -> Result<()> {
+    results.line(&serde_json::json!({
+        "event": what, "by": t.by, "led_s": t.led_s, "first_receipt_s": t.first_receipt_s,
+        "agents_s": t.agents_s, "target_led_s": 10.0,
+    }))?;
     let s = |v: Option<f64>| v.map_or("never (60 s)".to_string(), |v| format!("{v:.2} s"));
     println!(
         "{what}: {} led after {} (target 10 s); its first receipt of the flood stored after {}; all agents on it after {}",
@@ -84,6 +89,7 @@ fn report(what: &str, t: &Takeover) {
         s(t.first_receipt_s),
         s(t.agents_s)
     );
+    Ok(())
 }
 
 fn signal(pid: u32, sig: i32) {
@@ -93,7 +99,13 @@ fn signal(pid: u32, sig: i32) {
 
 fn main() -> Result<()> {
     trainyard_tests::build_release_binaries()?;
-    let args: Vec<i64> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let raw: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let mut results = trainyard_tests::results::Results::create(
+        &trainyard_tests::results::results_dir(),
+        "failover",
+        &raw,
+    )?;
+    let args: Vec<i64> = raw.iter().filter_map(|a| a.parse().ok()).collect();
     let per_rank = args.first().copied().unwrap_or(100_000);
     let rate = args.get(1).copied().unwrap_or(1_000);
     let mut c = Cluster::start_on(Backend::Postgres)?;
@@ -123,7 +135,7 @@ fn main() -> Result<()> {
     // 1. The leader is killed.
     signal(group[0].pid, libc::SIGKILL);
     let killed = measure(&c, &group, 0, job, agents)?;
-    report("SIGKILL of the leader", &killed);
+    report(&mut results, "SIGKILL of the leader", &killed)?;
     std::thread::sleep(Duration::from_secs(10));
     // 2. The new leader freezes for 30 s, then thaws.
     let frozen_at = group.iter().position(|g| g.name == killed.by).context("a new leader")?;
@@ -132,7 +144,7 @@ fn main() -> Result<()> {
     signal(group[frozen_at].pid, libc::SIGSTOP);
     let froze = Instant::now();
     let frozen = measure(&c, &group, frozen_at, job, agents)?;
-    report("SIGSTOP of the leader", &frozen);
+    report(&mut results, "SIGSTOP of the leader", &frozen)?;
     std::thread::sleep(Duration::from_secs(30).saturating_sub(froze.elapsed()));
     signal(group[frozen_at].pid, libc::SIGCONT);
     let thawed = Instant::now();
@@ -141,7 +153,9 @@ fn main() -> Result<()> {
     while member.logs().matches("stepped down").count() == steps_before && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    match member.logs().matches("stepped down").count() > steps_before {
+    let stepped_down = member.logs().matches("stepped down").count() > steps_before;
+    let step_down_s = stepped_down.then(|| thawed.elapsed().as_secs_f64());
+    match stepped_down {
         true => println!(
             "thawed after {frozen_for:.1} s frozen, the old leader stepped down {:.2} s later",
             thawed.elapsed().as_secs_f64()
@@ -160,6 +174,13 @@ fn main() -> Result<()> {
         expected - rows[0][1],
         rows[0][0] - rows[0][1]
     );
+    results.line(&serde_json::json!({"summary": {
+        "job_state": state, "attempt": attempt, "receipts_expected": expected, "stored": rows[0][0],
+        "lost": expected - rows[0][1], "stored_twice": rows[0][0] - rows[0][1],
+        "frozen_s": frozen_for, "thawed_leader_stepped_down_after_s": step_down_s,
+        "sigkill_led_s": killed.led_s, "sigstop_led_s": frozen.led_s,
+    }}))?;
+    println!("results in {}", results.path().display());
     ensure!(state == "succeeded" && attempt == 0, "the job ended {state} on attempt {attempt}");
     ensure!(rows[0][0] == expected && rows[0][1] == expected, "receipts lost or doubled: {:?}", rows[0]);
     Ok(())

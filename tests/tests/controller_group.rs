@@ -110,6 +110,48 @@ fn grpc_health(url: &str, services: &[&str]) -> Result<Vec<i32>> {
     })
 }
 
+/// Each submit that was in flight when the leader died either succeeded, its job the one job
+/// of its key, or failed with an error and created at most one; sent again with the same key
+/// to the new leader, it answers that job (or creates the one), never a second.
+fn in_flight_submits_happened_once(
+    c: &Cluster,
+    keyed: Vec<(String, std::process::Child)>,
+    file: &std::path::Path,
+) -> Result<()> {
+    let jobs_of = |key: &str| -> Result<Vec<String>> {
+        Ok(c.query_text(&format!("SELECT CAST(id AS TEXT) FROM jobs WHERE submit_key = '{key}'"))?
+            .into_iter()
+            .map(|r| r[0].clone())
+            .collect())
+    };
+    for (key, child) in keyed {
+        let out = child.wait_with_output()?;
+        let printed = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let stored = jobs_of(&key)?;
+        if out.status.success() {
+            ensure!(stored == [printed.clone()], "{key}: ctl said job {printed}, the store holds {stored:?}");
+        } else {
+            ensure!(
+                !err.trim().is_empty() && stored.len() <= 1,
+                "{key}: failed silently or twice: {err} {stored:?}"
+            );
+        }
+        let again = c.ctl_ok(&["submit", file.to_str().expect("utf-8"), "--key", &key])?;
+        let stored_after = jobs_of(&key)?;
+        ensure!(
+            stored_after == [again.trim().to_string()],
+            "{key}: resent, {again} against {stored_after:?}"
+        );
+        ensure!(stored.is_empty() || stored == stored_after, "{key}: a second job for one key");
+        eprintln!(
+            "{key}: in flight across the takeover: {}",
+            if out.status.success() { "ok" } else { "failed, resent once" }
+        );
+    }
+    Ok(())
+}
+
 /// Two controllers on one PostgreSQL: the first leads, the second follows. The leader is
 /// killed mid-job: the follower takes over within the lease (5 s) plus its start, the agents
 /// (given both addresses) move to it and resend what was not acknowledged, and the job finishes
@@ -126,6 +168,19 @@ fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled(
     let waiting = c.submit(&c.job_file("waiting", 2, 2, &["--steps", "20", "--step-ms", "50"], ""))?;
     std::thread::sleep(Duration::from_secs(3));
     ensure!(c.status(waiting)?["state"] == "pending", "{}", c.status(waiting)?);
+    // Submits in flight across the takeover, each under its own key, given both addresses.
+    let both = format!("{},{}", c.url(), member.url);
+    let small = c.job_file("keyed", 1, 1, &["--steps", "5", "--step-ms", "20"], "");
+    let mut keyed = Vec::new();
+    for i in 0..4 {
+        let key = format!("takeover-{i}");
+        let child = Command::new(bin("ctl")?)
+            .args(["--controller", &both, "submit", small.to_str().expect("utf-8"), "--key", &key])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        keyed.push((key, child));
+    }
     let killed = Instant::now();
     c.kill_controller();
     member.wait_log("leading the controller group", Duration::from_secs(20))?;
@@ -138,6 +193,7 @@ fn a_follower_takes_over_when_the_leader_dies_and_no_receipt_is_lost_or_doubled(
     let out = Command::new(bin("ctl")?).args(["--controller", &both, "status", &job.to_string()]).output()?;
     ensure!(out.status.success(), "ctl over both addresses: {}", String::from_utf8_lossy(&out.stderr));
     c.addr = member.url.trim_start_matches("http://").to_string();
+    in_flight_submits_happened_once(&c, keyed, &small)?;
     finished_once_on_epoch_2(&c, job, 4 * 300)?;
     let placed = c.wait_state(waiting, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
     ensure!(
@@ -347,6 +403,30 @@ fn a_controller_with_another_tls_ca_refuses_to_join_the_group() -> Result<()> {
     );
     ensure!(c.http("GET", "/healthz")?.1.starts_with("ok: leads"), "the leader leads on");
     ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 1);
+    Ok(())
+}
+
+/// Two controllers that both serve TLS, under two different CAs, refuse to form a group: the
+/// second names both CAs by their fingerprints and exits; the leader leads on.
+#[test]
+fn two_controllers_under_two_tls_cas_refuse_to_form_a_group() -> Result<()> {
+    let Some(c) = Cluster::start_lab_tls(trainyard_tests::Backend::Postgres, 0, &[], &[])? else {
+        return Ok(());
+    };
+    let pki = c.path("other-pki");
+    let made = Command::new(bin("trainyard-controller")?).arg("init-pki").arg("--dir").arg(&pki).output()?;
+    ensure!(made.status.success(), "init-pki: {}", String::from_utf8_lossy(&made.stderr));
+    let db = c.db_url().expect("postgres").to_string();
+    let (code, err) =
+        second_controller(&["--db".as_ref(), db.as_ref(), "--tls-dir".as_ref(), pki.as_os_str()])?;
+    ensure!(code == Some(1), "exit code {code:?}: {err}");
+    let fingerprints: Vec<&str> = err.split("the TLS CA with SHA-256 ").skip(1).map(|r| &r[..16]).collect();
+    ensure!(
+        fingerprints.len() == 2 && fingerprints[0] != fingerprints[1] && !err.contains("plaintext"),
+        "both CAs named, and they differ: {err}"
+    );
+    ensure!(err.contains("Give every controller of the group the same --tls-dir"), "{err}");
+    ensure!(c.query("SELECT epoch FROM controller_lease")?[0][0] == 1, "the leader leads on");
     Ok(())
 }
 
