@@ -104,25 +104,6 @@ fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
-/// Pids of the python processes of `job`'s `attempt` with `RANK=rank`.
-fn rank_pids(job: u64, attempt: u64, rank: usize) -> Vec<i32> {
-    let wants = [
-        format!("TRAINYARD_JOB_ID={job}\0"),
-        format!("TRAINYARD_ATTEMPT={attempt}\0"),
-        format!("\0RANK={rank}\0"),
-    ];
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            comm.starts_with("python")
-                && wants.iter().all(|w| env.windows(w.len()).any(|x| x == w.as_bytes()))
-        })
-        .collect()
-}
-
 fn kill(pids: &[i32], signal: i32) {
     for pid in pids {
         // SAFETY: kill(2) on a rank process this bench's cluster started.
@@ -216,11 +197,11 @@ fn inject(
     let back = Instant::now() + o.away;
     let returns = match kind {
         "rank_kill" => {
-            kill(&rank_pids(job, attempt, rank), libc::SIGKILL);
+            kill(&trainyard_tests::rank_pids(job, attempt, Some(rank as u32)), libc::SIGKILL);
             None
         }
         "hang" => {
-            kill(&rank_pids(job, attempt, rank), libc::SIGSTOP);
+            kill(&trainyard_tests::rank_pids(job, attempt, Some(rank as u32)), libc::SIGSTOP);
             None
         }
         "agent_kill" => {
@@ -230,7 +211,7 @@ fn inject(
         "host_reboot" => {
             lab.c.kill_agent(&host);
             for r in on_host {
-                kill(&rank_pids(job, attempt, r), libc::SIGKILL);
+                kill(&trainyard_tests::rank_pids(job, attempt, Some(r as u32)), libc::SIGKILL);
             }
             Some((back, h))
         }

@@ -94,6 +94,23 @@ pub fn root_or_skip(why: &str) -> bool {
 pub const RANK_WRITTEN: &str =
     "(kind <> 'exit' OR body NOT LIKE '%\"producer\":\"trainyard agent (rank end)\"%')";
 
+/// Pids of the live Python rank processes of `job`'s `attempt` (with `RANK=rank` when given),
+/// on this machine, in any namespace.
+pub fn rank_pids(job: u64, attempt: u64, rank: Option<u32>) -> Vec<i32> {
+    let mut wants = vec![format!("TRAINYARD_JOB_ID={job}\0"), format!("TRAINYARD_ATTEMPT={attempt}\0")];
+    wants.extend(rank.map(|r| format!("\0RANK={r}\0")));
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            comm.starts_with("python")
+                && wants.iter().all(|w| env.windows(w.len()).any(|x| x == w.as_bytes()))
+        })
+        .collect()
+}
+
 /// Root of the repository (for `examples/rank.py`).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()

@@ -383,11 +383,9 @@ fn a_leader_that_loses_postgres_steps_down_and_one_leads_when_it_is_back() -> Re
     Ok(())
 }
 
-/// A controller whose TLS CA differs from the leader's (here: TLS against a plaintext leader)
-/// refuses to join the group, saying why, and the leader leads on.
-#[test]
-fn a_controller_with_another_tls_ca_refuses_to_join_the_group() -> Result<()> {
-    let c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
+/// Starts a second controller on `c`'s database serving under a CA of its own; returns what it
+/// said when it refused to join (it must exit 1).
+fn join_under_a_new_ca(c: &Cluster) -> Result<String> {
     let pki = c.path("other-pki");
     let made = Command::new(bin("trainyard-controller")?).arg("init-pki").arg("--dir").arg(&pki).output()?;
     ensure!(made.status.success(), "init-pki: {}", String::from_utf8_lossy(&made.stderr));
@@ -395,6 +393,15 @@ fn a_controller_with_another_tls_ca_refuses_to_join_the_group() -> Result<()> {
     let (code, err) =
         second_controller(&["--db".as_ref(), db.as_ref(), "--tls-dir".as_ref(), pki.as_os_str()])?;
     ensure!(code == Some(1), "exit code {code:?}: {err}");
+    Ok(err)
+}
+
+/// A controller whose TLS CA differs from the leader's (here: TLS against a plaintext leader)
+/// refuses to join the group, saying why, and the leader leads on.
+#[test]
+fn a_controller_with_another_tls_ca_refuses_to_join_the_group() -> Result<()> {
+    let c = Cluster::start_on(trainyard_tests::Backend::Postgres)?;
+    let err = join_under_a_new_ca(&c)?;
     ensure!(
         err.contains("serves under the TLS CA with SHA-256")
             && err.contains("serves under plaintext (no --tls-dir)")
@@ -413,13 +420,7 @@ fn two_controllers_under_two_tls_cas_refuse_to_form_a_group() -> Result<()> {
     let Some(c) = Cluster::start_lab_tls(trainyard_tests::Backend::Postgres, 0, &[], &[])? else {
         return Ok(());
     };
-    let pki = c.path("other-pki");
-    let made = Command::new(bin("trainyard-controller")?).arg("init-pki").arg("--dir").arg(&pki).output()?;
-    ensure!(made.status.success(), "init-pki: {}", String::from_utf8_lossy(&made.stderr));
-    let db = c.db_url().expect("postgres").to_string();
-    let (code, err) =
-        second_controller(&["--db".as_ref(), db.as_ref(), "--tls-dir".as_ref(), pki.as_os_str()])?;
-    ensure!(code == Some(1), "exit code {code:?}: {err}");
+    let err = join_under_a_new_ca(&c)?;
     let fingerprints: Vec<&str> = err.split("the TLS CA with SHA-256 ").skip(1).map(|r| &r[..16]).collect();
     ensure!(
         fingerprints.len() == 2 && fingerprints[0] != fingerprints[1] && !err.contains("plaintext"),

@@ -48,25 +48,6 @@ fn a_restarted_attempt_resumes_after_the_last_complete_checkpoint() -> anyhow::R
     Ok(())
 }
 
-/// Pids of the stand-in rank processes of `job`'s `attempt` with `RANK=rank`.
-fn rank_pid(job: u64, attempt: u32, rank: u32) -> Vec<i32> {
-    let wants = [
-        format!("TRAINYARD_JOB_ID={job}\0"),
-        format!("TRAINYARD_ATTEMPT={attempt}\0"),
-        format!("\0RANK={rank}\0"),
-    ];
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            comm.starts_with("python")
-                && wants.iter().all(|w| env.windows(w.len()).any(|x| x == w.as_bytes()))
-        })
-        .collect()
-}
-
 /// The newest checkpoint directory under `dir` whose manifest rank 0 wrote.
 fn newest_complete_on_disk(dir: &std::path::Path) -> Option<i64> {
     std::fs::read_dir(dir)
@@ -132,7 +113,7 @@ fn a_restart_resumes_from_the_newest_complete_checkpoint_whose_receipts_had_not_
         c.query(&format!("SELECT rank FROM allocations WHERE job_id = {job} AND agent_id = 'b'"))?[0][0];
     c.kill_agent("b");
     std::thread::sleep(Duration::from_secs(4));
-    for pid in rank_pid(job, 0, 1 - on_b as u32) {
+    for pid in trainyard_tests::rank_pids(job, 0, Some(1 - on_b as u32)) {
         // SAFETY: kill(2) on a rank process this test's cluster started.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
