@@ -15,22 +15,6 @@ fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
-/// Process ids of the ranks of `job`'s `attempt` alive on this machine (any namespace).
-fn rank_pids(job: u64, attempt: u32) -> Vec<u32> {
-    let (id, att) = (format!("TRAINYARD_JOB_ID={job}\0"), format!("TRAINYARD_ATTEMPT={attempt}\0"));
-    let has = |env: &[u8], needle: &str| env.windows(needle.len()).any(|w| w == needle.as_bytes());
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat.rsplit_once(") ").is_none_or(|(_, r)| r.starts_with('Z'));
-            has(&env, &id) && has(&env, &att) && !zombie
-        })
-        .collect()
-}
-
 fn wait_until(
     what: &str,
     timeout: Duration,
@@ -202,7 +186,7 @@ fn a_cut_host_is_lost_within_10_s_and_the_job_moves_to_the_spare() -> anyhow::Re
     restarted_on(&c, job, &["a", "s"])?;
     c.heal("b")?;
     wait_until("the old attempt's rank on b stopped", Duration::from_secs(60), || {
-        Ok(rank_pids(job, 0).is_empty())
+        Ok(trainyard_tests::rank_pids(job, 0, None).is_empty())
     })?;
     c.ctl_ok(&["cancel", &job.to_string()])?;
     Ok(())
@@ -219,10 +203,13 @@ fn a_returning_host_has_the_old_attempts_ranks_stopped() -> anyhow::Result<()> {
     c.cut("b")?;
     wait_until("the host loss", Duration::from_secs(20), || Ok(!failures(&c, job)?.is_empty()))?;
     restarted_on(&c, job, &["s"])?;
-    assert!(!rank_pids(job, 0).is_empty(), "b's rank of attempt 0 still runs behind the cut");
+    assert!(
+        !trainyard_tests::rank_pids(job, 0, None).is_empty(),
+        "b's rank of attempt 0 still runs behind the cut"
+    );
     c.heal("b")?;
     wait_until("the old attempt's rank on b stopped", Duration::from_secs(60), || {
-        Ok(rank_pids(job, 0).is_empty())
+        Ok(trainyard_tests::rank_pids(job, 0, None).is_empty())
     })
     .map_err(|e| e.context(format!("{}\n{}", c.logs("agent-b"), c.logs("controller"))))?;
     assert!(
