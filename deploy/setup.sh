@@ -72,6 +72,23 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v curl >/dev/null 2>&1; then
     fi
 fi
 
+# Slurm and munge: the Slurm tests (tests/tests/slurm.rs, tests/src/slurm.rs) start a real
+# cluster of their own (munged, slurmctld, one slurmd per network-namespace host) from Debian's
+# packages, configured by the test; nothing is started here, and the packages' own services stay
+# off. Running trainyard on a Slurm cluster needs only Slurm's client commands on the login node
+# (docs/slurm.md).
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1 \
+    || ! command -v sbatch >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Slurm and munge (apt-get install slurmctld slurmd slurm-client munge) for the Slurm tests"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            slurmctld slurmd slurm-client munge >/dev/null
+    else
+        echo "setup: Slurm is not installed; the Slurm tests will say skipped (as root: apt-get install slurmctld slurmd slurm-client munge)" >&2
+    fi
+fi
+
 # The built-in engine links libtorch from the PyPI torch==2.11.0 wheel (the version tch 0.24
 # is built against), installed into the virtual environment .venv of this checkout. The wheel
 # pulls the nvidia-* CUDA libraries (a few GB) that the GPU path needs. .cargo/config.toml points

@@ -63,6 +63,8 @@ pub struct AgentConfig {
     pub telemetry: TelemetrySource,
     pub telemetry_every: Duration,
     pub telemetry_window: Duration,
+    /// Inside a Slurm allocation (`--slurm-job`): the job it joined for and its token.
+    pub slurm: Option<crate::slurm::SlurmAgent>,
 }
 
 /// The GPU telemetry sampler.
@@ -122,6 +124,7 @@ impl AgentConfig {
             telemetry: TelemetrySource::Auto,
             telemetry_every: Duration::from_secs(1),
             telemetry_window: Duration::from_secs(10),
+            slurm: None,
         }
     }
 }

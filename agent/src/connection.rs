@@ -9,7 +9,7 @@
 //! receipts before it sees the exit. For the same reason `Hello` reports an ended rank whose
 //! receipts are not all acknowledged as `running`; its real end follows its receipts.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::pin::Pin;
 use std::time::Duration;
 use trainyard_proto::contract::LEADER_METADATA;
@@ -53,6 +53,8 @@ pub enum Ended {
     /// The controller follows another in its group and named the leader's address (host:port):
     /// dial it next.
     NotLeader { leader: String },
+    /// The job this agent joined for ended (an agent inside a Slurm allocation): it stops.
+    Dismissed(String),
 }
 
 /// Who this agent is, as `Hello` says it.
@@ -92,6 +94,7 @@ pub async fn serve<F: Future>(
         checked_tx,
         checked,
         logs: HashMap::new(),
+        dismissed: None,
     };
     let hello = session.hello(identity);
     if session.send(Out::Hello(hello)).await.is_err() {
@@ -171,6 +174,8 @@ struct Session<'a> {
     /// `ctl logs` readers by request id: the token a reader cancels when it is done (or the
     /// controller stops it), and the credit of pieces it may still send.
     logs: HashMap<u64, (tokio_util::sync::CancellationToken, std::sync::Arc<tokio::sync::Semaphore>)>,
+    /// Set when the controller dismissed this agent (its job ended): the session ends.
+    dismissed: Option<String>,
 }
 
 /// The stream is gone; the session ends.
@@ -204,6 +209,7 @@ impl Session<'_> {
             ranks,
             agent_version: env!("CARGO_PKG_VERSION").to_string(),
             preflight: self.preflight.latest(),
+            join_token: self.config.slurm.as_ref().map(|s| s.join_token.clone()).unwrap_or_default(),
         }
     }
 
@@ -242,14 +248,32 @@ impl Session<'_> {
             if step.is_err() {
                 return disconnected(anyhow!("request stream closed"), true);
             }
+            if let Some(reason) = self.dismissed.take() {
+                info!(reason, "dismissed by the controller: the job this agent joined for has ended");
+                self.stop_ranks("the job ended").await;
+                return Ended::Dismissed(reason);
+            }
         }
     }
 
     /// Sends `Leaving`, ends the request stream, and waits briefly for the controller to close
     /// its side, so `Leaving` is delivered rather than cut off by a reset.
-    async fn leave(self, mut inbound: Streaming<ControllerMessage>) -> Ended {
+    async fn leave(mut self, mut inbound: Streaming<ControllerMessage>) -> Ended {
         info!("leaving: announcing shutdown to the controller");
-        let _ = self.send(Out::Leaving(Leaving { reason: "agent shutting down".into() })).await;
+        let mut leaving = Leaving { reason: "agent shutting down".into(), slurm_state: String::new() };
+        if let Some(slurm) = self.config.slurm.clone() {
+            // Inside an allocation a stop is Slurm ending it: say how (a scancel is the user's
+            // cancel), and leave nothing running behind.
+            leaving.slurm_state = crate::slurm::ending_state(&slurm.slurm_job_id, false).await;
+            leaving.reason =
+                format!("Slurm is ending allocation {} ({})", slurm.slurm_job_id, leaving.slurm_state);
+            let _ = self.send(Out::Leaving(leaving.clone())).await;
+            self.stop_ranks(&leaving.reason).await;
+            self.launcher.poll_exits();
+            let _ = self.send_rank_updates().await;
+        } else {
+            let _ = self.send(Out::Leaving(leaving)).await;
+        }
         drop(self.tx);
         let _ = tokio::time::timeout(Duration::from_secs(1), async {
             while let Ok(Some(_)) = inbound.message().await {}
@@ -258,8 +282,27 @@ impl Session<'_> {
         Ended::Shutdown
     }
 
+    /// Stops every live rank (SIGTERM, SIGKILL after 5 s) and waits for them: an agent inside a
+    /// Slurm allocation leaves nothing running when its allocation or job ends.
+    async fn stop_ranks(&mut self, reason: &str) {
+        let attempts: BTreeSet<(u64, u32)> = self
+            .launcher
+            .ranks_mut()
+            .filter(|r| !r.record.phase.is_done())
+            .map(|r| (r.record.id.job_id, r.record.id.attempt))
+            .collect();
+        let mut stops = Vec::new();
+        for (job, attempt) in attempts {
+            stops.extend(self.launcher.cancel(job, attempt, Duration::from_secs(5), reason));
+        }
+        for stop in stops {
+            let _ = stop.await;
+        }
+    }
+
     async fn on_message(&mut self, message: ControllerMessage) -> Result<(), Closed> {
         match message.msg {
+            Some(In::Dismiss(dismiss)) => self.dismissed = Some(dismiss.reason),
             Some(In::Ack(ack)) => {
                 self.unacked_batches = self.unacked_batches.saturating_sub(1);
                 self.apply_acks(&ack.acks);

@@ -35,6 +35,7 @@
 //! - [`notice`]: preemption notices from a source the operator names (a file, a command, a
 //!   cloud's metadata endpoint), told to the controller.
 //! - [`metrics`]: the agent's Prometheus metrics and `/healthz`.
+//! - [`slurm`]: an agent started inside a Slurm allocation for one job (docs/slurm.md).
 //! - [`relay`]: [`run`], the daemon's entry point: dial, reconnect with backoff, shut down.
 
 pub mod account;
@@ -57,6 +58,7 @@ pub mod printed;
 pub mod procfs;
 pub mod relay;
 pub mod resume;
+pub mod slurm;
 pub mod state;
 pub mod supervise;
 pub mod tail;

@@ -78,6 +78,13 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     let host = probe(&config)?;
     let mut inventory = host.inventory()?;
     crate::pinning::reserve_cpus(&mut inventory, config.reserve_cpus);
+    if let Some(slurm) = &config.slurm {
+        match crate::slurm::allowed_cpus() {
+            Some(allowed) => crate::slurm::restrict_to(&mut inventory, &allowed),
+            None => warn!("cannot read this process's CPU affinity; pinning plans from the whole node"),
+        }
+        info!(job_id = slurm.job, slurm_job_id = %slurm.slurm_job_id, node = %slurm.node, "inside a Slurm allocation");
+    }
     let agent_id = config.agent_id.clone().unwrap_or_else(|| inventory.hostname.clone());
     let preflight = start_up_preflight(&agent_id, host).await;
     let (notice_tx, notices) = tokio::sync::watch::channel(None);
@@ -193,8 +200,16 @@ impl Dial {
         let at = self.at;
         let mut next = Some((at + 1) % self.urls.len());
         let delay = match ended {
+            Ended::Shutdown if config.slurm.is_some() => {
+                info!("agent stopped with its allocation");
+                return Ok(None);
+            }
             Ended::Shutdown => {
                 info!("agent stopped; ranks keep running");
+                return Ok(None);
+            }
+            Ended::Dismissed(reason) => {
+                info!(reason, "agent done: its job ended");
                 return Ok(None);
             }
             Ended::Refused(message) => {
@@ -415,12 +430,16 @@ fn endpoint(url: &str, config: &AgentConfig, name: Option<&str>) -> anyhow::Resu
 }
 
 /// tonic's client TLS from the agent's files: the controller must present a certificate of
-/// this CA for the URL's host name, and the agent presents its own.
+/// this CA for the URL's host name, and the agent presents its own (an agent inside a Slurm
+/// allocation has none: its job's join token stands for it).
 fn client_tls(files: &crate::config::TlsFiles) -> anyhow::Result<ClientTlsConfig> {
     let read = |p: &std::path::Path, what: &str| {
         std::fs::read(p).with_context(|| format!("read the {what} {}", p.display()))
     };
     let ca = Certificate::from_pem(read(&files.ca, "controller CA")?);
+    if files.cert.as_os_str().is_empty() {
+        return Ok(ClientTlsConfig::new().ca_certificate(ca));
+    }
     let identity =
         TlsIdentity::from_pem(read(&files.cert, "agent certificate")?, read(&files.key, "agent key")?);
     Ok(ClientTlsConfig::new().ca_certificate(ca).identity(identity))

@@ -83,13 +83,17 @@ pub async fn run(
     };
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, leads).await;
-    let jobs = JobsServer::new(JobsService::new(controller.clone(), auth, token.clone()))
+    let jobs = JobsServer::new(JobsService::new(controller.clone(), auth.clone(), token.clone()))
         .max_decoding_message_size(limits::MAX_REQUEST_BYTES)
         .max_encoding_message_size(limits::MAX_RESPONSE_BYTES);
-    let agents =
-        AgentsServer::new(AgentsService::new(controller, security.policy.require_agent_cert, token.clone()))
-            .max_decoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES)
-            .max_encoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES);
+    let agents = AgentsServer::new(AgentsService::new(
+        controller,
+        security.policy.require_agent_cert,
+        auth.clone(),
+        token.clone(),
+    ))
+    .max_decoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES)
+    .max_encoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES);
     let stop = token.clone();
     // Connections from an address the door has limited are closed here, before TLS.
     let incoming =

@@ -63,6 +63,20 @@ enum Command {
         /// reuses when it retries on its own.
         #[arg(long, value_name = "KEY")]
         key: Option<String>,
+        /// Run the job in an allocation of this Slurm cluster: `sbatch` (as you) asks for its
+        /// nodes, with the spec's [slurm] table; one agent per node joins for this job alone.
+        #[arg(long)]
+        slurm: bool,
+        /// The agent program on the compute nodes (default: trainyard-agent beside this ctl, else
+        /// on their PATH).
+        #[arg(long, requires = "slurm", value_name = "PATH")]
+        agent_program: Option<PathBuf>,
+        /// The controller URL the agents dial from the compute nodes (default: --controller).
+        #[arg(long, requires = "slurm", value_name = "URL")]
+        agent_controller: Option<String>,
+        /// A further flag for every agent (repeat it; e.g. --agent-arg=--reserve-cpus=2).
+        #[arg(long = "agent-arg", requires = "slurm", allow_hyphen_values = true, value_name = "ARG")]
+        agent_args: Vec<String>,
     },
     /// Show all jobs, or one job's events and ranks.
     Status {
@@ -218,9 +232,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         client::connect(&cli.controller, &credentials).await?
     };
     match cli.command {
-        Command::Submit { follow, key, .. } => {
+        Command::Submit { follow, key, slurm, agent_program, agent_controller, agent_args, .. } => {
             let spec = spec.unwrap_or_default();
-            commands::submit::run(&mut ctl, spec, key, follow).await
+            let slurm = slurm.then(|| commands::slurm::AgentLaunch {
+                program: agent_program.unwrap_or_else(commands::slurm::default_agent_program),
+                controller: agent_controller.unwrap_or_else(|| cli.controller.clone()),
+                ca: cli.ca.clone(),
+                args: agent_args,
+            });
+            commands::submit::run(&mut ctl, spec, key, follow, slurm).await
         }
         Command::Status { job, output } => commands::status::run(&mut ctl, job, output == Format::Json).await,
         Command::Cancel { job } => commands::cancel::run(&mut ctl, job).await,

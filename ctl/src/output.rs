@@ -38,6 +38,8 @@ pub struct JobJson {
     pub waiting_reason: String,
     /// Where the wall time went (single-job status only).
     pub goodput: Option<GoodputJson>,
+    /// A `[slurm]` job: the Slurm job holding its allocation (0: none yet; single-job status only).
+    pub slurm_job_id: u64,
 }
 
 /// The goodput record as the analysis crate defines it (one type end to end), with the line
@@ -295,6 +297,7 @@ impl From<&Job> for JobJson {
             measured_optimizer_ms: j.measured_optimizer_ms,
             warnings: j.warnings.clone(),
             waiting_reason: j.waiting_reason.clone(),
+            slurm_job_id: j.slurm_job_id,
             goodput: j.goodput.as_ref().map(GoodputJson::from),
         }
     }

@@ -37,6 +37,35 @@ pub struct SpecFile {
     pub pinning: bool,
     #[serde(default)]
     pub receipts: ReceiptsFile,
+    /// `[slurm]`: run in an allocation of a Slurm cluster (`ctl submit --slurm`).
+    pub slurm: Option<SlurmFile>,
+}
+
+/// `[slurm]`: what `sbatch` is asked for (docs/slurm.md).
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SlurmFile {
+    #[serde(default)]
+    pub partition: String,
+    #[serde(default)]
+    pub account: String,
+    #[serde(default)]
+    pub qos: String,
+    /// `sbatch --time` ("30", "4:00:00", "1-12:00:00").
+    #[serde(default)]
+    pub time_limit: String,
+    /// Further sbatch options, one argument each.
+    #[serde(default)]
+    pub options: Vec<String>,
+    /// Seconds before the time limit the agents are warned (SIGUSR1); default 120.
+    #[serde(default)]
+    pub warning_s: u32,
+    /// Requeue the Slurm job at the warning, after a checkpoint.
+    #[serde(default)]
+    pub requeue: bool,
+    /// Nodes beyond the job's own (the allocation then survives a lost node).
+    #[serde(default)]
+    pub spare_nodes: u32,
 }
 
 /// `[receipts]`: receipts of a script nobody changed.
@@ -293,6 +322,16 @@ impl SpecFile {
                     pattern: self.receipts.pattern,
                 },
             ),
+            slurm: self.slurm.map(|s| trainyard_proto::v1::SlurmSpec {
+                partition: s.partition,
+                account: s.account,
+                qos: s.qos,
+                time_limit: s.time_limit,
+                options: s.options,
+                warning_s: s.warning_s,
+                requeue: s.requeue,
+                spare_nodes: s.spare_nodes,
+            }),
         }
     }
 }
@@ -358,8 +397,27 @@ resume = false
             priority: 3,
             disable_pinning: false,
             receipts: None,
+            slurm: None,
         };
         assert_eq!(spec, expected);
+    }
+
+    #[test]
+    fn a_slurm_table_is_read_and_a_typo_in_it_is_named() {
+        let base = "name = \"s\"\n[resources]\ngpus = 16\ngpus_per_node = 8\n[engine]\nkind = \"exec\"\nargv = [\"python3\"]\nworkdir = \"/w\"\n";
+        let spec = parse(&format!(
+            "{base}[slurm]\npartition = \"gpu\"\naccount = \"lab\"\ntime_limit = \"4:00:00\"\noptions = [\"--constraint=h100\"]\nrequeue = true\nspare_nodes = 1\n"
+        ))
+        .unwrap();
+        let slurm = spec.slurm.expect("[slurm]");
+        assert_eq!(
+            (slurm.partition.as_str(), slurm.account.as_str(), slurm.time_limit.as_str()),
+            ("gpu", "lab", "4:00:00")
+        );
+        assert_eq!(slurm.options, vec!["--constraint=h100".to_string()]);
+        assert!(slurm.requeue && slurm.spare_nodes == 1);
+        let err = parse(&format!("{base}[slurm]\npartiton = \"gpu\"\n")).unwrap_err().to_string();
+        assert!(err.contains("partiton"), "{err}");
     }
 
     #[test]

@@ -9,10 +9,12 @@
 //! - [`receipts`]: receipt schema v1, checked at ingest.
 //! - [`records`]: jobs, their events, the allocation of every rank, agents and preflight
 //!   reports, as the core holds them and the store persists them.
+//! - [`slurm`]: `[slurm]` of a spec, the `sbatch` line built from it, the names of its agents.
 //! - [`text`]: user text made safe to print on a terminal.
 pub mod domain;
 pub mod receipts;
 pub mod records;
 pub mod restart;
+pub mod slurm;
 pub mod spec;
 pub mod text;

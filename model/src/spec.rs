@@ -44,6 +44,8 @@ pub struct JobSpec {
     pub disable_pinning: bool,
     /// How the steps of a script that does not write receipts itself are recorded.
     pub receipts: ReceiptsPolicy,
+    /// `[slurm]`: the job runs in a Slurm allocation, on the agents started inside it alone.
+    pub slurm: Option<crate::slurm::SlurmOptions>,
 }
 
 /// `[receipts]` of a job (docs/receipts.md, "Receipts without code changes").
@@ -141,6 +143,7 @@ impl JobSpec {
             priority: 0,
             disable_pinning: false,
             receipts: Default::default(),
+            slurm: None,
         }
     }
 
@@ -227,6 +230,7 @@ impl TryFrom<WireSpec> for JobSpec {
                 auto: spec.receipts.as_ref().is_none_or(|r| !r.disable_auto),
                 pattern: spec.receipts.as_ref().map(|r| r.pattern.clone()).filter(|p| !p.is_empty()),
             },
+            slurm: spec.slurm.as_ref().map(crate::slurm::SlurmOptions::from),
         })
     }
 }
@@ -279,6 +283,7 @@ impl From<&JobSpec> for WireSpec {
                 disable_auto: !spec.receipts.auto,
                 pattern: spec.receipts.pattern.clone().unwrap_or_default(),
             }),
+            slurm: spec.slurm.as_ref().map(pb::SlurmSpec::from),
         }
     }
 }
@@ -330,6 +335,9 @@ pub fn validate(spec: &WireSpec) -> Result<(), SpecError> {
     validate_resources(spec)?;
     validate_engine(spec.engine.as_ref())?;
     validate_env(spec)?;
+    if let Some(slurm) = &spec.slurm {
+        crate::slurm::validate(slurm, spec.resources.as_ref()).map_err(|e| bad(e.field, e.reason))?;
+    }
     if let Some(r) = spec.receipts.as_ref().filter(|r| !r.pattern.is_empty()) {
         receipts_pattern(&r.pattern).map_err(|e| bad("receipts.pattern", e))?;
     }

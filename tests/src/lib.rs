@@ -33,6 +33,7 @@ pub mod group;
 pub mod netlab;
 pub mod raw_insert;
 pub mod results;
+pub mod slurm;
 
 pub use netlab::NetLab;
 

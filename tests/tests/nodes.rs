@@ -92,6 +92,7 @@ fn start_scripted_agent(rt: &tokio::runtime::Runtime, url: String) -> anyhow::Re
         ranks: vec![],
         agent_version: "scripted".into(),
         preflight: Some(failing_report("quick", 1_000)),
+        join_token: String::new(),
     };
     tx.try_send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) })?;
     let mut inbound = rt.block_on(async {

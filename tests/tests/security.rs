@@ -275,6 +275,7 @@ async fn connect_as(
         ranks: vec![],
         agent_version: "impostor".into(),
         preflight: None,
+        join_token: String::new(),
     };
     tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await.expect("queue hello");
     for m in then {

@@ -96,6 +96,14 @@ struct Cli {
     /// Seconds of readings summarised into one window (min/mean/max, reasons OR-ed, counters as deltas).
     #[arg(long, env = "TRAINYARD_TELEMETRY_WINDOW_SECS", default_value_t = 10.0, global = true)]
     telemetry_window_secs: f64,
+    /// Run inside a Slurm allocation for this trainyard job (the batch script `ctl submit
+    /// --slurm` writes starts one agent per node so): join with the job's token
+    /// (TRAINYARD_JOIN_TOKEN), take its ranks alone, exit when it ends (docs/slurm.md).
+    #[arg(long, global = true)]
+    slurm_job: Option<u64>,
+    /// The join token of --slurm-job's job.
+    #[arg(long, env = "TRAINYARD_JOIN_TOKEN", hide_env_values = true, global = true)]
+    join_token: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -177,9 +185,20 @@ impl TryFrom<&Cli> for AgentConfig {
             .clone()
             .context("--controller (or TRAINYARD_CONTROLLER) is required, e.g. http://127.0.0.1:7070")?;
         let host_file = cli.host_file.clone();
-        let data_dir = cli.data_dir.clone().context("--data-dir is required")?;
+        let slurm = match cli.slurm_job {
+            Some(job) => Some(
+                trainyard_agent::slurm::SlurmAgent::from_env(job, cli.join_token.clone().unwrap_or_default())
+                    .map_err(anyhow::Error::msg)?,
+            ),
+            None => None,
+        };
+        let data_dir = cli
+            .data_dir
+            .clone()
+            .or_else(|| slurm.as_ref().map(|s| s.default_data_dir()))
+            .context("--data-dir is required")?;
         let mut config = AgentConfig::new(controller, host_file, data_dir);
-        config.agent_id = cli.agent_id.clone();
+        config.agent_id = cli.agent_id.clone().or_else(|| slurm.as_ref().map(|s| s.agent_id()));
         config.address = cli.address.clone();
         config.reserve_cpus = cli.reserve_cpus;
         if let Some(at) = cli.metrics_listen
@@ -195,7 +214,9 @@ impl TryFrom<&Cli> for AgentConfig {
         config.metrics_listen = cli.metrics_listen;
         config.metrics_addr_file = cli.metrics_addr_file.clone();
         config.allow_root_ranks = cli.allow_root_ranks;
-        config.subreaper_only = cli.process_tracking == ProcessTracking::Subreaper;
+        // An agent inside an allocation runs as its user, who cannot make cgroups there.
+        config.subreaper_only = cli.process_tracking == ProcessTracking::Subreaper
+            || (slurm.is_some() && trainyard_agent::account::effective_uid() != 0);
         config.rank_output_cap = cli.rank_output_cap_mib << 20;
         config.disk_floor = cli.disk_floor_mib << 20;
         if let Some(text) = &cli.preemption_notice {
@@ -218,25 +239,37 @@ impl TryFrom<&Cli> for AgentConfig {
                 "--telemetry-window-secs must be at least --telemetry-every-secs (a window holds readings)"
             );
         }
-        config.tls = match (&cli.tls_dir, &cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
-            (None, None, None, None) => None,
-            (dir, ca, cert, key) => {
-                let base = dir.as_deref().map(TlsFiles::in_dir);
-                let pick = |given: &Option<PathBuf>, from_dir: Option<PathBuf>, flag: &str| {
-                    given
-                        .clone()
-                        .or(from_dir)
-                        .with_context(|| format!("{flag} (or --tls-dir) is required for TLS"))
-                };
+        config.tls = tls_files(cli, slurm.is_some())?;
+        config.slurm = slurm;
+        Ok(config)
+    }
+}
+
+/// The agent's TLS files from its flags; `None`: plaintext. `joins` (an agent inside a Slurm
+/// allocation) needs only the CA: its job's join token stands for a certificate.
+fn tls_files(cli: &Cli, joins: bool) -> anyhow::Result<Option<TlsFiles>> {
+    Ok(match (&cli.tls_dir, &cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
+        (None, None, None, None) => None,
+        (dir, ca, cert, key) => {
+            let base = dir.as_deref().map(TlsFiles::in_dir);
+            let pick = |given: &Option<PathBuf>, from_dir: Option<PathBuf>, flag: &str| {
+                given
+                    .clone()
+                    .or(from_dir)
+                    .with_context(|| format!("{flag} (or --tls-dir) is required for TLS"))
+            };
+            let ca = pick(ca, base.as_ref().map(|b| b.ca.clone()), "--tls-ca")?;
+            if joins && cert.is_none() && dir.is_none() {
+                Some(TlsFiles { ca, cert: PathBuf::new(), key: PathBuf::new() })
+            } else {
                 Some(TlsFiles {
-                    ca: pick(ca, base.as_ref().map(|b| b.ca.clone()), "--tls-ca")?,
+                    ca,
                     cert: pick(cert, base.as_ref().map(|b| b.cert.clone()), "--tls-cert")?,
                     key: pick(key, base.as_ref().map(|b| b.key.clone()), "--tls-key")?,
                 })
             }
-        };
-        Ok(config)
-    }
+        }
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

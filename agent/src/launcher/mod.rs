@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
+use tokio::task::JoinHandle;
 
 use tracing::{info, warn};
 use trainyard_proto::v1::{HostInventory, Launch, RankAssignment};
@@ -219,7 +220,7 @@ impl Launcher {
             Err(e) => (format!("job-{}", launch.job_id), Some(e)),
         };
         if bad_name.is_none()
-            && let Err(e) = self.write_launch_json(&run, launch, owner(&run_as))
+            && let Err(e) = self.write_launch_json(&run, launch, rundir::owner(&run_as))
         {
             warn!(job_id = launch.job_id, attempt = launch.attempt, error = %e, "failed to write launch.json");
         }
@@ -356,7 +357,7 @@ impl Launcher {
             record.message = reason.to_string();
             return Ok(record);
         }
-        self.make_run_dirs(run, id.job_id, id.attempt, Some(id.rank), owner(run_as))?;
+        self.make_run_dirs(run, id.job_id, id.attempt, Some(id.rank), rundir::owner(run_as))?;
         // The exit status has its space, and the groups exist and are recorded, before
         // anything runs in them.
         let others = self.ranks.values().map(|r| &r.record);
@@ -372,10 +373,10 @@ impl Launcher {
             }
         }
         record.save(&self.layout)?;
-        failpoint("before-spawn");
+        shim::failpoint("before-spawn");
         let spawned = self.spawn_shim(&record, launch, assignment, run_as);
         if spawned.is_ok() {
-            failpoint("after-spawn");
+            shim::failpoint("after-spawn");
         }
         match spawned {
             Ok((pid, start_time)) => {
@@ -478,8 +479,15 @@ impl Launcher {
     }
 
     /// SIGTERM to the process group of every live rank of the attempt, SIGKILL after `grace`.
-    /// Runs in background tasks; exits are noticed by [`Launcher::poll_exits`].
-    pub fn cancel(&mut self, job_id: u64, attempt: u32, grace: Duration, reason: &str) {
+    /// Runs in background tasks (returned); exits are noticed by [`Launcher::poll_exits`].
+    pub fn cancel(
+        &mut self,
+        job_id: u64,
+        attempt: u32,
+        grace: Duration,
+        reason: &str,
+    ) -> Vec<JoinHandle<()>> {
+        let mut stops = Vec::new();
         for rank in self.ranks.values_mut() {
             let r = &mut rank.record;
             if r.id.job_id != job_id || r.id.attempt != attempt || r.phase.is_done() {
@@ -489,8 +497,9 @@ impl Launcher {
             if r.message.is_empty() {
                 r.message = format!("cancelled: {reason}");
             }
-            tokio::spawn(terminate(r.id, r.pid, r.files.pid.clone(), r.cgroup.clone(), grace));
+            stops.push(tokio::spawn(terminate(r.id, r.pid, r.files.pid.clone(), r.cgroup.clone(), grace)));
         }
+        stops
     }
 
     /// Asks the attempt's live ranks to checkpoint now: (re)writes each one's request file and
@@ -571,24 +580,5 @@ impl Launcher {
             }
         }
         done
-    }
-}
-
-/// The account a launch's run files are given to: the job's user when the agent switches.
-fn owner(run_as: &Result<RunAs, String>) -> Option<Owner> {
-    match run_as {
-        Ok(RunAs::Switch(user)) => Some(Owner { uid: user.uid, gid: user.gid }),
-        _ => None,
-    }
-}
-
-/// Test hook: with `TRAINYARD_AGENT_FAILPOINT=<name>` the agent dies (SIGKILL-like, no cleanup)
-/// when it reaches failpoint `name`. The end-to-end tests kill the agent at the exact moments
-/// between recording a rank and spawning it this way; unset in production, it costs one
-/// environment lookup per rank start.
-fn failpoint(name: &str) {
-    if std::env::var("TRAINYARD_AGENT_FAILPOINT").is_ok_and(|v| v == name) {
-        warn!(failpoint = name, "failpoint reached; the agent dies here");
-        std::process::abort();
     }
 }

@@ -3,6 +3,7 @@
 
 use tracing::warn;
 
+use crate::account::RunAs;
 use crate::layout::{Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankId, make_dir, write_durable};
 
 /// Makes `runs/<run>` this agent's: a directory of that name it did not make (no marker in
@@ -45,4 +46,12 @@ pub(super) fn make(
         make_dir(&layout.rank_dir(run, id), RUN_DIR_MODE, group)?;
     }
     Ok(())
+}
+
+/// The account a launch's run files are given to: the job's user when the agent switches.
+pub(super) fn owner(run_as: &Result<RunAs, String>) -> Option<Owner> {
+    match run_as {
+        Ok(RunAs::Switch(user)) => Some(Owner { uid: user.uid, gid: user.gid }),
+        _ => None,
+    }
 }

@@ -7,6 +7,7 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
 use tokio::process::Command;
+use tracing::warn;
 
 use crate::account::Account;
 use crate::cgroup::{RankGroup, Tracking};
@@ -110,4 +111,15 @@ pub(super) fn start(mut command: Command, program: &Path) -> Result<(u32, u64), 
         let _ = child.wait().await;
     });
     Ok((pid, start_time))
+}
+
+/// Test hook: with `TRAINYARD_AGENT_FAILPOINT=<name>` the agent dies (SIGKILL-like, no cleanup)
+/// when it reaches failpoint `name`. The end-to-end tests kill the agent at the exact moments
+/// between recording a rank and spawning it this way; unset in production, it costs one
+/// environment lookup per rank start.
+pub(super) fn failpoint(name: &str) {
+    if std::env::var("TRAINYARD_AGENT_FAILPOINT").is_ok_and(|v| v == name) {
+        warn!(failpoint = name, "failpoint reached; the agent dies here");
+        std::process::abort();
+    }
 }

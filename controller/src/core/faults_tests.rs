@@ -170,6 +170,7 @@ async fn a_returning_host_has_the_ranks_of_the_old_attempt_stopped() {
         ranks: vec![report(job, 0, 1, "running", -1)],
         agent_version: "test".into(),
         preflight: None,
+        join_token: String::new(),
     };
     c.nodes().hello(hello, tx).await.expect("hello");
     let sent: Vec<Msg> = std::iter::from_fn(|| rx.try_recv().ok()).filter_map(|m| m.msg).collect();

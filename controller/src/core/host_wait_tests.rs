@@ -152,6 +152,7 @@ fn hello(ranks: Vec<RankReport>) -> Hello {
         ranks,
         agent_version: "test".into(),
         preflight: None,
+        join_token: String::new(),
     }
 }
 

@@ -44,7 +44,10 @@ impl Jobs<'_> {
         }
         let request = request_of(0, &spec);
         self.within_user_caps(&spec, owner)?;
-        self.feasible(&request)?;
+        // A `[slurm]` job brings its own nodes (its allocation's agents): the fleet need not hold it.
+        if spec.slurm.is_none() {
+            self.feasible(&request)?;
+        }
         let record = match self.c.store.create_job_for(&spec, key, owner, "submitted", self.c.now_ms()).await
         {
             Err(StoreError::Duplicate(_)) if let Some(key) = key => {
@@ -211,6 +214,7 @@ impl Jobs<'_> {
                 reason: e.reason,
             })
             .collect();
+        job.slurm_job_id = super::slurm::slurm_job_of(&job.events);
         job.failures = self
             .c
             .store
@@ -260,6 +264,39 @@ impl Jobs<'_> {
         limit: u32,
     ) -> Result<Vec<JobRecord>> {
         Ok(self.c.store.list_jobs(active_only, submitted_by, limit).await?)
+    }
+
+    /// The token the agents of `[slurm]` job `job_id` join with (docs/slurm.md).
+    pub fn join_token_of(self, job_id: JobId) -> String {
+        self.c.keys.join_token(job_id)
+    }
+
+    /// A job's stored record, if it exists.
+    pub async fn get_record(self, job_id: JobId) -> Result<Option<JobRecord>> {
+        Ok(self.c.store.get_job(job_id).await?)
+    }
+
+    /// The job a join token was made for, if this group made it.
+    pub fn join_job(self, token: &str) -> Option<JobId> {
+        self.c.keys.join_job(token)
+    }
+
+    /// Records that Slurm job `slurm_job_id` holds the allocation of `[slurm]` job `job_id`.
+    pub async fn slurm_submitted(self, job_id: JobId, slurm_job_id: u64, detail: &str) -> Result<()> {
+        let record = self.c.store.get_job(job_id).await?.ok_or(ControllerError::JobNotFound(job_id))?;
+        if record.spec.slurm.is_none() {
+            return Err(ControllerError::BadRequest(format!(
+                "job {job_id} has no [slurm] table; it runs on the fleet"
+            )));
+        }
+        if slurm_job_id == 0 {
+            return Err(ControllerError::BadRequest("Slurm job id 0 is not a Slurm job".into()));
+        }
+        let reason = super::slurm::submitted_event(slurm_job_id, detail);
+        self.c.store.note_job_event(job_id, &reason, self.c.now_ms()).await?;
+        tracing::info!(job_id, slurm_job_id, "Slurm job recorded");
+        self.c.bump();
+        Ok(())
     }
 
     /// A job's events, oldest first.

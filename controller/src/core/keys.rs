@@ -6,7 +6,10 @@
 //!   files on a node;
 //! - the key of the keyed hash that launch receipts carry instead of `[env]` values, so two runs
 //!   still compare equal or not while nobody who reads receipts learns a value (a plain hash of
-//!   `1` is `1` to anyone who tries).
+//!   `1` is `1` to anyone who tries);
+//! - the key of the join tokens of `[slurm]` jobs: `tyj_<job>_<MAC>`, a keyed hash of the job id,
+//!   which the agents of that job's allocation join with (docs/slurm.md). A token names one job
+//!   and is good while that job has not ended; nothing is stored per token.
 
 use hmac::{Hmac, Mac as _};
 use sha2::Sha256;
@@ -17,10 +20,14 @@ use super::Result;
 /// The prefix of a hashed value in a stored launch receipt.
 pub const ENV_HASH_PREFIX: &str = "hmac-sha256:";
 
+/// The prefix of a `[slurm]` job's join token.
+pub const JOIN_TOKEN_PREFIX: &str = "tyj_";
+
 #[derive(Clone, Default)]
 pub(super) struct Keys {
     cluster_id: String,
     env_hash_key: Vec<u8>,
+    join_key: Vec<u8>,
 }
 
 impl std::fmt::Debug for Keys {
@@ -34,7 +41,8 @@ impl Keys {
     pub(super) async fn load(store: &dyn Store, now_ms: i64) -> Result<Keys> {
         let cluster_id = store.secret("cluster_id", &random_hex(4)?, now_ms).await?;
         let key = store.secret("env_hash_key", &random_hex(32)?, now_ms).await?;
-        Ok(Keys { cluster_id, env_hash_key: key.into_bytes() })
+        let join = store.secret("join_key", &random_hex(32)?, now_ms).await?;
+        Ok(Keys { cluster_id, env_hash_key: key.into_bytes(), join_key: join.into_bytes() })
     }
 
     pub(super) fn cluster_id(&self) -> &str {
@@ -44,6 +52,31 @@ impl Keys {
     /// The name of `job`'s run directory on its nodes ([`run_name`]).
     pub(super) fn run_name(&self, job: &JobRecord) -> String {
         run_name(&self.cluster_id, job)
+    }
+
+    /// The token the agents of `[slurm]` job `job` join with: `tyj_<job>_<64 hex digits>`.
+    pub(super) fn join_token(&self, job: u64) -> String {
+        format!("{JOIN_TOKEN_PREFIX}{job}_{}", self.join_mac(job))
+    }
+
+    /// The job a join token was made for; `None` for anything this group did not make.
+    pub(super) fn join_job(&self, token: &str) -> Option<u64> {
+        if self.join_key.is_empty() {
+            return None; // a follower's, or keys not loaded: nothing is made or taken here
+        }
+        let (job, mac) = token.strip_prefix(JOIN_TOKEN_PREFIX)?.split_once('_')?;
+        let job: u64 = job.parse().ok()?;
+        let want = self.join_mac(job);
+        // Compared in constant time: the MAC is the secret part.
+        let same =
+            want.len() == mac.len() && want.bytes().zip(mac.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
+        same.then_some(job)
+    }
+
+    fn join_mac(&self, job: u64) -> String {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.join_key).expect("HMAC takes a key of any size");
+        mac.update(format!("trainyard join {} {job}", self.cluster_id).as_bytes());
+        mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
     }
 
     /// `value` as launch receipts keep it: `hmac-sha256:` and 32 hex digits.
@@ -101,7 +134,30 @@ mod tests {
     use super::*;
 
     fn keys(key: &str) -> Keys {
-        Keys { cluster_id: "c0ffee00".into(), env_hash_key: key.as_bytes().to_vec() }
+        Keys {
+            cluster_id: "c0ffee00".into(),
+            env_hash_key: key.as_bytes().to_vec(),
+            join_key: key.as_bytes().to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_join_token_names_its_job_and_nothing_else_passes() {
+        let k = keys("one key");
+        let token = k.join_token(42);
+        assert!(token.starts_with("tyj_42_") && token.len() == "tyj_42_".len() + 64, "{token}");
+        assert_eq!(k.join_job(&token), Some(42));
+        // Another job's number with this MAC, another group's key, a cut or altered MAC: refused.
+        assert_eq!(k.join_job(&token.replacen("tyj_42_", "tyj_43_", 1)), None);
+        assert_eq!(keys("another key").join_job(&token), None);
+        assert_eq!(k.join_job(&token[..token.len() - 1]), None);
+        let mut altered = token.clone().into_bytes();
+        let last = altered.len() - 1;
+        altered[last] = if altered[last] == b'0' { b'1' } else { b'0' };
+        assert_eq!(k.join_job(&String::from_utf8(altered).unwrap()), None);
+        for junk in ["", "tyj_", "tyj_x_00", "tyt_42_00", "tyj_42"] {
+            assert_eq!(k.join_job(junk), None, "{junk:?}");
+        }
     }
 
     #[test]

@@ -77,8 +77,14 @@ pub(super) fn try_send(core: &Core, agent_id: &str, msg: Msg) {
 /// The fleet as the scheduler sees it. `all`: every known agent with every GPU free (for
 /// feasibility, failing nodes included: an operator can fix them); otherwise connected
 /// agents that are not leaving and whose newest preflight verdict is not `fail`, with busy
-/// GPUs marked.
+/// GPUs marked. Agents that joined for one `[slurm]` job are not the fleet's
+/// ([`super::slurm::allocation_views`]).
 pub(super) fn node_views(core: &Core, all: bool) -> Vec<NodeView> {
+    views_of(core, all, None)
+}
+
+/// [`node_views`] of the agents bound to `pool` (`None`: the fleet's own).
+pub(super) fn views_of(core: &Core, all: bool, pool: Option<JobId>) -> Vec<NodeView> {
     // Busy GPU indices per agent, as bits. An index of 128 or more counts as free here; no
     // such node is placed on (the scheduler leaves nodes of more than 64 GPUs out).
     // A job's allocations come in rank order, a node's ranks together: the map is touched
@@ -106,6 +112,7 @@ pub(super) fn node_views(core: &Core, all: bool) -> Vec<NodeView> {
     }
     core.agents
         .values()
+        .filter(|e| e.bound == pool)
         .filter(|e| {
             all || (e.link.is_some()
                 && !e.leaving

@@ -84,6 +84,7 @@ mod receipts;
 mod reconcile;
 mod resume;
 mod shared;
+mod slurm;
 mod state;
 mod steps;
 mod telemetry;

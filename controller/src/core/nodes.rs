@@ -179,6 +179,17 @@ impl Nodes<'_> {
     /// again whatever it missed while away (launches of placed jobs, cancels of ended ones).
     /// Sends the hello ack first; returns the connection id (for [`Nodes::disconnected`]).
     pub async fn hello(self, hello: Hello, tx: mpsc::Sender<ControllerMessage>) -> Result<u64> {
+        self.hello_for(hello, tx, None).await
+    }
+
+    /// [`Nodes::hello`] of an agent that joined for one `[slurm]` job (`bound`, checked by the
+    /// caller against its join token): it takes that job's ranks alone.
+    pub async fn hello_for(
+        self,
+        hello: Hello,
+        tx: mpsc::Sender<ControllerMessage>,
+        bound: Option<JobId>,
+    ) -> Result<u64> {
         let agent_id = hello.agent_id.clone();
         // Checked before anything is stored, and again under the lock below (a racing hello).
         if self.c.lock().agents.get(&agent_id).is_some_and(|e| e.link.is_some()) {
@@ -208,7 +219,7 @@ impl Nodes<'_> {
         if tx.try_send(ControllerMessage { msg: Some(Msg::HelloAck(ack)) }).is_err() {
             return Err(ControllerError::AgentGone(agent_id));
         }
-        let (conn_id, lost) = self.register(&agent_id, record, preflight, tx, &reported)?;
+        let (conn_id, lost) = self.register(&agent_id, (record, bound), preflight, tx, &reported)?;
         tracing::info!(agent_id, conn_id, ranks = hello.ranks.len(), "agent connected");
         for report in &hello.ranks {
             super::agents::observe(&super::reconcile::Reconciler(self.c), &agent_id, report).await?;
@@ -232,7 +243,7 @@ impl Nodes<'_> {
     fn register(
         self,
         agent_id: &str,
-        record: AgentRecord,
+        (record, bound): (AgentRecord, Option<JobId>),
         preflight: Option<PreflightRecord>,
         tx: mpsc::Sender<ControllerMessage>,
         reported: &BTreeSet<RankId>,
@@ -264,6 +275,8 @@ impl Nodes<'_> {
             preflight,
             unresponsive: false,
             seen_since_start: true,
+            bound,
+            dismissed: false,
         };
         self.seen(agent_id);
         let report = entry.preflight.clone();
@@ -437,6 +450,21 @@ impl Nodes<'_> {
         Ok(())
     }
 
+    /// An agent of a `[slurm]` job says Slurm is ending its allocation, the Slurm job now in
+    /// `state` (as Slurm says it): a `scancel` cancels the job. Not waited for: the ranks' ends
+    /// come on the stream this is called from.
+    pub fn slurm_ending(self, agent_id: &str, state: &str) {
+        let cancelled = {
+            let mut core = self.c.lock();
+            let job = core.agents.get(agent_id).and_then(|e| e.bound);
+            job.is_some_and(|job| super::slurm::cancel_for(&mut core, agent_id, job, state))
+        };
+        if cancelled {
+            self.c.bump();
+            self.c.wake();
+        }
+    }
+
     /// The stream `conn_id` of an agent ended. A newer stream of the same agent is left alone.
     pub async fn disconnected(self, agent_id: &str, conn_id: u64) -> Result<()> {
         let now = self.c.now_ms();
@@ -457,6 +485,12 @@ impl Nodes<'_> {
         tracing::info!(agent_id, conn_id, %state, "agent stream ended");
         self.c.logs.fail_agent(agent_id);
         self.c.store.set_agent_state(agent_id, state, now).await?;
+        // An agent of a Slurm allocation that Slurm ended: what it still ran is gone with it.
+        let gone = super::slurm::ended_with_allocation(&self.c.lock(), agent_id);
+        for id in gone {
+            let report = lost_report(id, "its Slurm allocation ended");
+            super::agents::observe(&super::reconcile::Reconciler(self.c), agent_id, &report).await?;
+        }
         Ok(())
     }
 

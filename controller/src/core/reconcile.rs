@@ -225,6 +225,7 @@ impl Reconciler<'_> {
         for job_id in dirty {
             self.settle_logged(job_id).await;
         }
+        super::slurm::dismiss_ended(&mut self.lock());
     }
 
     /// A scheduling pass; whether it ran the scheduler (something was pending), which a failed
@@ -349,7 +350,11 @@ impl Reconciler<'_> {
             if queue.is_empty() {
                 return Ok(false);
             }
-            let views = super::launch::node_views(&core, false);
+            // A `[slurm]` job goes only on the agents of its own allocation, and they take no other.
+            let (own, queue): (Vec<_>, Vec<_>) = queue
+                .into_iter()
+                .partition(|r| core.jobs.get(&r.job_id).is_some_and(|j| j.record.spec.slurm.is_some()));
+            let mut views = super::launch::node_views(&core, false);
             let started = std::time::Instant::now();
             let outcome = scheduler::schedule(&queue, &views);
             crate::metrics::metrics().schedule_pass.observe(started.elapsed().as_secs_f64());
@@ -360,6 +365,7 @@ impl Reconciler<'_> {
                 core.waiting.remove(&p.job_id);
             }
             super::evict::preempt(&mut core, &self.config, &queue, &views);
+            super::slurm::place_in_allocations(&mut core, &own, &mut views, &mut placements);
             let now = self.now_ms();
             placements.into_iter().filter_map(|p| plan(&core, p, &views, now)).collect::<Vec<_>>()
         };

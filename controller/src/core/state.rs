@@ -59,6 +59,11 @@ pub(super) struct AgentEntry {
     pub(super) seen_since_start: bool,
     /// Its inventory's link matrix, parsed once: every scheduling pass shares it.
     pub(super) links: Arc<trainyard_placement::scheduler::LinkMatrix>,
+    /// The `[slurm]` job it joined for, with that job's join token (docs/slurm.md): it takes
+    /// that job's ranks alone, and that job goes on no other agent.
+    pub(super) bound: Option<JobId>,
+    /// It was told its job ended (`Dismiss`), so it stops and its allocation is freed.
+    pub(super) dismissed: bool,
 }
 
 /// The send side of an agent's stream.
@@ -97,6 +102,8 @@ impl Core {
                 unresponsive: false,
                 seen_since_start: false,
                 links,
+                bound: None,
+                dismissed: false,
             };
             core.agents.insert(entry.record.agent_id.clone(), entry);
         }

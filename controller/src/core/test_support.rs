@@ -92,6 +92,7 @@ pub(super) async fn connect(
         ranks: vec![],
         agent_version: "test".into(),
         preflight,
+        join_token: String::new(),
     };
     let conn_id = c.nodes().hello(hello, tx).await.expect("hello");
     assert!(matches!(rx.recv().await, Some(ControllerMessage { msg: Some(Msg::HelloAck(_)) })));

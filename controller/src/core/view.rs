@@ -89,6 +89,7 @@ pub(super) async fn summary(
         failures: Vec::new(),
         user: record.owner.user,
         run_as: record.owner.run_as,
+        slurm_job_id: 0,
     })
 }
 

@@ -9,6 +9,11 @@
 //! a hello naming another agent is refused. On any stream, a second stream of a connected agent
 //! is refused, and a receipt batch or rank report about a rank another agent runs ends the
 //! stream with `PermissionDenied`; nothing of it is stored.
+//!
+//! An agent started inside a Slurm allocation has no certificate: it joins with its job's join
+//! token instead ([`AgentsService::joined_for`]), is bound to that job, and is refused (and
+//! audited) with a token this group did not make, under a name not of that job, or once the
+//! job has ended.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -34,12 +39,58 @@ pub struct AgentsService {
     controller: Arc<Controller>,
     /// Streams must come with a client certificate naming the agent (TLS).
     require_cert: bool,
+    /// Writes the audit rows of refused joins.
+    auth: crate::auth::Authenticator,
     shutdown: CancellationToken,
 }
 
 impl AgentsService {
-    pub fn new(controller: Arc<Controller>, require_cert: bool, shutdown: CancellationToken) -> Self {
-        AgentsService { controller, require_cert, shutdown }
+    pub fn new(
+        controller: Arc<Controller>,
+        require_cert: bool,
+        auth: crate::auth::Authenticator,
+        shutdown: CancellationToken,
+    ) -> Self {
+        AgentsService { controller, require_cert, auth, shutdown }
+    }
+
+    /// The `[slurm]` job a hello with a join token joined for, or the refusal (audited).
+    async fn joined_for(
+        &self,
+        hello: &trainyard_proto::v1::Hello,
+        peer: Option<std::net::SocketAddr>,
+    ) -> Result<u64, Status> {
+        let now = self.controller.now_ms();
+        let target = format!("node:{}", crate::auth::clip(&hello.agent_id));
+        let jobs = self.controller.jobs();
+        let refuse = async |why: String, status: fn(String) -> Status| {
+            tracing::warn!(agent_id = %hello.agent_id, ?peer, reason = %why, "agent join refused");
+            self.auth.audit_refusal("agent.join", &target, &why, peer, now).await;
+            Err(status(why))
+        };
+        let Some(job) = jobs.join_job(&hello.join_token) else {
+            return refuse(
+                "the join token was not made by this controller group".into(),
+                Status::unauthenticated,
+            )
+            .await;
+        };
+        if !trainyard_model::slurm::is_agent_of(&hello.agent_id, job) {
+            let want = trainyard_model::slurm::agent_id(job, "NODE");
+            let why =
+                format!("the join token is job {job}'s, but agent {:?} is not named {want}", hello.agent_id);
+            return refuse(why, Status::permission_denied).await;
+        }
+        match jobs.get_record(job).await {
+            Ok(Some(record)) if !record.state.is_terminal() => Ok(job),
+            Ok(Some(record)) => {
+                let why =
+                    format!("job {job} has ended ({}); its allocation's agents are not taken", record.state);
+                refuse(why, Status::permission_denied).await
+            }
+            Ok(None) => refuse(format!("job {job} does not exist"), Status::permission_denied).await,
+            Err(e) => Err(super::to_status(e)),
+        }
     }
 
     /// The agent id the stream's client certificate names; `None` when none is required.
@@ -77,7 +128,8 @@ impl Agents for AgentsService {
     ) -> Result<Response<ConnectStream>, Status> {
         // Only the leader holds agents' streams: a follower names it, and the agent dials it.
         self.controller.role().writable().map_err(crate::service::to_status)?;
-        let certified = self.certified_id(&request)?;
+        // Checked once the hello says whether the agent joins with a certificate or a job's token.
+        let certified = self.certified_id(&request);
         let peer = request.remote_addr();
         let mut inbound = request.into_inner();
         let first =
@@ -95,6 +147,11 @@ impl Agents for AgentsService {
         if hello.agent_id.is_empty() {
             return Err(Status::invalid_argument("hello carries an empty agent_id"));
         }
+        let (certified, bound) = if hello.join_token.is_empty() {
+            (certified?, None)
+        } else {
+            (certified.ok().flatten(), Some(self.joined_for(&hello, peer).await?))
+        };
         if let Some(name) = certified
             && name != hello.agent_id
         {
@@ -106,7 +163,7 @@ impl Agents for AgentsService {
         }
         let agent_id = hello.agent_id.clone();
         let (tx, rx) = mpsc::channel(OUTBOX);
-        let conn_id = match self.controller.nodes().hello(hello, tx.clone()).await {
+        let conn_id = match self.controller.nodes().hello_for(hello, tx.clone(), bound).await {
             Ok(id) => id,
             Err(e) => {
                 tracing::warn!(agent_id, ?peer, error = %e, "agent stream refused");
@@ -247,6 +304,9 @@ async fn handle(
         agent_message::Msg::Leaving(leaving) => {
             if let Err(e) = controller.nodes().leaving(agent_id, &leaving.reason).await {
                 tracing::error!(agent_id, error = %e, "failed to record that an agent is leaving");
+            }
+            if !leaving.slurm_state.is_empty() {
+                controller.nodes().slurm_ending(agent_id, &leaving.slurm_state);
             }
         }
         // Every message counts as a sign of life (the stream's loop notes it).

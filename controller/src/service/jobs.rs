@@ -15,8 +15,8 @@ use trainyard_proto::v1::{
     CancelRequest, CancelResponse, CompareRequest, Comparison, CordonRequest, CordonResponse,
     DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, GetJobRequest, Job, JobStateChange, LeaderReply,
     LeaderRequest, ListJobsRequest, ListJobsResponse, LiveFindingsRequest, LiveFindingsResponse, LogChunk,
-    LogsRequest, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, StoredReceipt,
-    SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    LogsRequest, NodesRequest, NodesResponse, PreflightReport, PreflightRequest, SlurmSubmittedRequest,
+    StoredReceipt, SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use trainyard_proto::limits;
@@ -182,14 +182,18 @@ impl Jobs for JobsService {
         }
         let key = Some(request.idempotency_key).filter(|k| !k.is_empty());
         let now = self.controller.now_ms();
+        let slurm = spec.slurm.is_some();
         match self.controller.jobs().submit_as(spec, key.as_deref(), &owner).await {
             Ok(job_id) => {
+                // The submitter alone learns it: the agents of the job's allocation join with it.
+                let join_token =
+                    if slurm { self.controller.jobs().join_token_of(job_id) } else { String::new() };
                 let detail = format!(
                     "run as {}",
                     if owner.run_as.is_empty() { "the agent's account" } else { &owner.run_as }
                 );
                 self.auth.audit(&caller.name, "job.submit", &format!("job:{job_id}"), Ok(&detail), now).await;
-                Ok(Response::new(SubmitResponse { job_id }))
+                Ok(Response::new(SubmitResponse { job_id, join_token }))
             }
             Err(e) => {
                 let status = to_status(e);
@@ -232,6 +236,29 @@ impl Jobs for JobsService {
         self.auth.audit(&caller.name, "job.cancel", &target, Ok(&req.reason), now).await;
         let job = self.controller.jobs().get(req.job_id).await.map_err(to_status)?;
         Ok(Response::new(CancelResponse { job: Some(job) }))
+    }
+
+    async fn slurm_submitted(
+        &self,
+        request: Request<SlurmSubmittedRequest>,
+    ) -> Result<Response<Job>, Status> {
+        self.controller.role().writable().map_err(to_status)?;
+        let req = request.get_ref().clone();
+        let caller = self.job_caller(&request, "job.slurm", req.job_id).await?;
+        let target = format!("job:{}", req.job_id);
+        let now = self.controller.now_ms();
+        let done = self.controller.jobs().slurm_submitted(req.job_id, req.slurm_job_id, &req.detail).await;
+        let detail = format!("Slurm job {}", req.slurm_job_id);
+        match done {
+            Ok(()) => self.auth.audit(&caller.name, "job.slurm", &target, Ok(&detail), now).await,
+            Err(e) => {
+                let status = to_status(e);
+                self.auth.audit(&caller.name, "job.slurm", &target, Err(status.message()), now).await;
+                return Err(status);
+            }
+        }
+        let job = self.controller.jobs().get(req.job_id).await.map_err(to_status)?;
+        Ok(Response::new(job))
     }
 
     /// Answers anyone, as gRPC health does: who leads is no secret, and `ctl` asks it before

@@ -19,6 +19,13 @@ pub async fn run(ctl: &mut Controller, job_id: u64) -> anyhow::Result<()> {
         Err(status) => return Err(ctl.error(status, Some(job_id))),
     };
     ctl.words(&job)?;
+    if job.slurm_job_id != 0 {
+        // The allocation is freed whether or not it started (its agents exit with the job too).
+        match super::slurm::scancel(job.slurm_job_id) {
+            Ok(()) => eprintln!("job {job_id}: Slurm job {} cancelled (scancel)", job.slurm_job_id),
+            Err(e) => eprintln!("ctl: warning: {e:#}"),
+        }
+    }
     let deadline = Instant::now() + GIVE_UP_AFTER;
     loop {
         let alive = alive_ranks(&job);

@@ -6,6 +6,7 @@ pub mod diagnose;
 pub mod logs;
 pub mod nodes;
 pub mod preflight;
+pub mod slurm;
 pub mod status;
 pub mod submit;
 pub mod watch;

@@ -22,7 +22,12 @@ async fn one(ctl: &mut Controller, job_id: u64, json: bool) -> anyhow::Result<()
     if json {
         print_out(&to_json(&JobJson::from(&job))?)
     } else {
-        print_out(&render::job_details(&job, render::now_ms()))
+        let mut text = render::job_details(&job, render::now_ms());
+        if job.slurm_job_id != 0 && !super::is_terminal(job.state()) {
+            let slurm = super::slurm::queue_state(job.slurm_job_id);
+            text.push_str(&format!("slurm: job {} {slurm}\n", job.slurm_job_id));
+        }
+        print_out(&text)
     }
 }
 

@@ -28,15 +28,35 @@ pub async fn run(
     spec: JobSpec,
     key: Option<String>,
     follow: bool,
+    slurm: Option<super::slurm::AgentLaunch>,
 ) -> anyhow::Result<()> {
+    if let Some(agent) = &slurm {
+        if spec.slurm.is_none() {
+            bail!(
+                "--slurm: the spec has no [slurm] table (at least `[slurm]`, with partition, time_limit, ...)"
+            );
+        }
+        super::slurm::need_slurm("sbatch")?;
+        if agent.controller.contains("://127.") || agent.controller.contains("://localhost") {
+            eprintln!(
+                "ctl: warning: the agents will dial {} from the compute nodes, which is this machine's loopback;                  give --agent-controller a URL they reach",
+                agent.controller
+            );
+        }
+    } else if spec.slurm.is_some() {
+        bail!("the spec has a [slurm] table: submit it with `ctl submit --slurm` from a Slurm login node");
+    }
     let key = key.unwrap_or_else(new_key);
     let mut pause = FIRST_RETRY_PAUSE;
     let mut tries = 0;
-    let job_id = loop {
+    let (job_id, token) = loop {
         tries += 1;
         let request = SubmitRequest { spec: Some(spec.clone()), idempotency_key: key.clone() };
         match ctl.jobs.submit(request).await {
-            Ok(r) => break r.into_inner().job_id,
+            Ok(r) => {
+                let r = r.into_inner();
+                break (r.job_id, r.join_token);
+            }
             Err(status) if status.code() == tonic::Code::Unavailable && tries < SUBMIT_TRIES => {
                 eprintln!(
                     "ctl: the controller did not answer ({}); submitting again with the same key",
@@ -48,6 +68,14 @@ pub async fn run(
             Err(status) => return Err(ctl.error(status, None)),
         }
     };
+    if let Some(agent) = &slurm {
+        if token.is_empty() {
+            bail!(
+                "job {job_id}: the controller gave no join token for its agents; is it older than this ctl?"
+            );
+        }
+        super::slurm::allocate(ctl, job_id, &spec, &token, agent).await?;
+    }
     println!("{job_id}");
     if follow {
         follow_job(ctl, job_id).await?;

@@ -10,8 +10,8 @@ use trainyard_proto::v1::{
     DiagnoseRequest, Diagnosis, DrainRequest, DrainResponse, Finding, GetJobRequest, Job, JobSpec,
     JobStateChange, LeaderReply, LeaderRequest, ListJobsRequest, ListJobsResponse, LiveFinding,
     LiveFindingsRequest, LiveFindingsResponse, LogChunk, LogsRequest, Measure, NodeInfo, NodesRequest,
-    NodesResponse, PreflightReport, PreflightRequest, RankStatus, StoredReceipt, SubmitRequest,
-    SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
+    NodesResponse, PreflightReport, PreflightRequest, RankStatus, SlurmSubmittedRequest, StoredReceipt,
+    SubmitRequest, SubmitResponse, WatchEvent, WatchRequest, watch_event::Event,
 };
 
 use crate::client::{Controller, connect};
@@ -71,7 +71,11 @@ impl Jobs for Fake {
 
     async fn submit(&self, _: Request<SubmitRequest>) -> Result<Response<SubmitResponse>, Status> {
         let job_id = self.job.lock().expect("lock").id;
-        Ok(Response::new(SubmitResponse { job_id }))
+        Ok(Response::new(SubmitResponse { job_id, join_token: String::new() }))
+    }
+
+    async fn slurm_submitted(&self, _: Request<SlurmSubmittedRequest>) -> Result<Response<Job>, Status> {
+        Err(Status::unimplemented("no Slurm here"))
     }
 
     async fn get(&self, r: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
@@ -215,12 +219,13 @@ async fn follow_exits_by_the_final_state() {
     let events = vec![state("running"), receipt(0, 1), receipt(1, 1), state("succeeded")];
     let fake = Fake { job: Mutex::new(done), gets_until_stopped: Mutex::new(0), events };
     let mut ctl = serve(fake).await;
-    super::submit::run(&mut ctl, JobSpec::default(), None, true).await.expect("job succeeded");
+    super::submit::run(&mut ctl, JobSpec::default(), None, true, None).await.expect("job succeeded");
 
     let events = vec![state("running"), state("failed")];
     let fake = Fake { job: Mutex::new(job("failed", 2)), gets_until_stopped: Mutex::new(0), events };
     let mut ctl = serve(fake).await;
-    let err = super::submit::run(&mut ctl, JobSpec::default(), None, true).await.expect_err("job failed");
+    let err =
+        super::submit::run(&mut ctl, JobSpec::default(), None, true, None).await.expect_err("job failed");
     assert!(err.to_string().starts_with("job 7 failed"), "{err}");
 }
 

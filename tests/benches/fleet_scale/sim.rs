@@ -152,6 +152,7 @@ fn hello(id: &str, ranks: &BTreeMap<(u64, u32, u32), Rank>) -> Hello {
         ranks: ranks.values().map(Rank::report).collect(),
         agent_version: "sim".into(),
         preflight: None,
+        join_token: String::new(),
     }
 }
 

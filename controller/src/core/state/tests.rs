@@ -126,6 +126,8 @@ fn entry_of(e: &AgentEntry) -> AgentEntry {
         unresponsive: false,
         seen_since_start: false,
         links: Arc::clone(&e.links),
+        bound: None,
+        dismissed: false,
     }
 }
 

@@ -1,0 +1,199 @@
+//! trainyard jobs on a real Slurm cluster (tests/src/slurm.rs: munged, slurmctld, one slurmd per
+//! network-namespace host): `ctl submit --slurm` as an unprivileged user asks Slurm for the
+//! nodes, one agent per node joins for that job alone, the ranks meet across the hosts, every
+//! rank's receipts are stored, and the allocation ends with the job. Cancelling either way
+//! (`ctl cancel`, `scancel`) ends the job as cancelled. Needs root (namespaces, slurmd): elsewhere
+//! each test prints `skipped: ...`; under `CI` it fails instead.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use trainyard_tests::slurm::{SlurmLab, text};
+use trainyard_tests::{Cluster, bin, host_file, run_account};
+
+/// A lab of `hosts` namespace hosts with a controller and a Slurm cluster of one fake GPU each.
+fn start(hosts: usize) -> Result<Option<(Cluster, SlurmLab)>> {
+    if !trainyard_tests::slurm::installed() {
+        return Ok(None);
+    }
+    let Some(c) = Cluster::start_lab(hosts, &[])? else { return Ok(None) };
+    let slurm = SlurmLab::start(c.lab(), c.dir.path(), 1, "KillWait=5")?;
+    // The user's home: where ctl keeps the batch scripts; and a host description the agents read.
+    let home = c.path("home");
+    std::fs::create_dir_all(&home)?;
+    chown(&home)?;
+    host_file(c.dir.path(), "slurm-node", 1);
+    Ok(Some((c, slurm)))
+}
+
+fn chown(path: &Path) -> Result<()> {
+    let status = Command::new("chown").arg(run_account()).arg(path).status()?;
+    ensure!(status.success(), "chown {}", path.display());
+    Ok(())
+}
+
+/// `ctl ARGS` as the job's user, with the cluster's token and Slurm's configuration.
+fn ctl_as_user(c: &Cluster, slurm: &SlurmLab, args: &[&str]) -> Result<Output> {
+    let mut command = Command::new("runuser");
+    command.args(["-u", &run_account(), "--", "env"]);
+    command.arg(format!("SLURM_CONF={}", slurm.conf().display()));
+    command.arg(format!("HOME={}", c.path("home").display()));
+    command.arg(format!("TRAINYARD_TOKEN={}", c.token.clone().unwrap_or_default()));
+    command.arg(format!("PATH={}", std::env::var("PATH").unwrap_or_default()));
+    command.arg(bin("ctl")?).arg("--controller").arg(c.url()).args(args);
+    Ok(command.output()?)
+}
+
+/// Submits `file` with `ctl submit --slurm`; returns the trainyard job and the Slurm job.
+fn submit(c: &Cluster, slurm: &SlurmLab, file: &Path) -> Result<(u64, u64)> {
+    let host_file = format!("--agent-arg=--host-file={}", c.path("slurm-node.json").display());
+    let file = file.display().to_string();
+    let out =
+        ctl_as_user(c, slurm, &["submit", &file, "--slurm", &host_file, "--agent-arg=--telemetry=off"])?;
+    ensure!(out.status.success(), "ctl submit --slurm failed: {}\n{}", text(&out), slurm.logs());
+    let job: u64 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+    let status = c.status(job)?;
+    let slurm_id = status["slurm_job_id"].as_u64().unwrap_or(0);
+    ensure!(slurm_id > 0, "the job records its Slurm job: {status}");
+    Ok((job, slurm_id))
+}
+
+/// A job file of `gpus` ranks, one per node, running the stand-in rank with `args`, and `[slurm]`.
+fn job_file(c: &Cluster, name: &str, gpus: u32, args: &[&str], slurm: &str) -> PathBuf {
+    c.job_file(name, gpus, 1, args, &format!("[slurm]\npartition = \"debug\"\n{slurm}\n"))
+}
+
+/// What the batch script of `job` (Slurm job `slurm_id`) printed: the agents' logs.
+fn batch_output(c: &Cluster, job: u64, slurm_id: u64) -> String {
+    let path = c.path(&format!("home/.trainyard/slurm/job-{job}-slurm-{slurm_id}.out"));
+    std::fs::read_to_string(path).unwrap_or_else(|e| format!("(no batch output: {e})"))
+}
+
+/// Waits until `job` runs; the error carries what Slurm says of its allocation.
+fn running(c: &Cluster, slurm: &SlurmLab, job: u64, slurm_id: u64) -> Result<()> {
+    c.wait_state(job, &["running"], Duration::from_secs(60)).map(|_| ()).map_err(|e| {
+        let queue = slurm.run("squeue", &["-o", "%i %T %r %N"]).unwrap_or_default();
+        e.context(format!(
+            "squeue:\n{queue}\nbatch output:\n{}\n{}",
+            batch_output(c, job, slurm_id),
+            slurm.logs()
+        ))
+    })
+}
+
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !done()? {
+        ensure!(Instant::now() < deadline, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
+
+#[test]
+fn a_two_node_allocation_runs_the_job_stores_every_ranks_receipts_and_ends_with_it() -> Result<()> {
+    let Some((c, slurm)) = start(2)? else { return Ok(()) };
+    let file = job_file(
+        &c,
+        "on-slurm",
+        2,
+        &["--steps", "20", "--step-ms", "20", "--collective"],
+        "time_limit = \"10\"",
+    );
+    let (job, slurm_id) = submit(&c, &slurm, &file)?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(90))?;
+    ensure!(status["state"] == "succeeded", "{status}\n{}", slurm.logs());
+    // Each rank ran on its own node's agent, which joined for this job alone.
+    let mut agents: Vec<String> = status["ranks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| r["agent_id"].as_str().unwrap_or("").to_string())
+        .collect();
+    agents.sort();
+    assert_eq!(agents, vec![format!("j{job}-n0"), format!("j{job}-n1")], "{status}");
+    let steps = c.query(&format!(
+        "SELECT rank, COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'step' GROUP BY rank"
+    ))?;
+    assert_eq!(steps, vec![vec![0, 20], vec![1, 20]], "every step of both ranks is stored");
+    // The agents were dismissed when the job ended: their step ended, and so did the allocation.
+    let line = slurm.wait_completed(slurm_id, Duration::from_secs(30))?;
+    assert!(line.contains("JobState=COMPLETED"), "{line}");
+    assert!(line.contains(&format!("UserId={}", run_account())), "the Slurm job is the user's: {line}");
+    assert!(line.contains("NodeCnt=2"), "{line}");
+    Ok(())
+}
+
+#[test]
+fn ctl_cancel_and_scancel_each_end_the_job_as_cancelled() -> Result<()> {
+    let Some((c, slurm)) = start(2)? else { return Ok(()) };
+    let long = ["--steps", "100000", "--step-ms", "50"];
+    // `ctl cancel`: the trainyard job is cancelled and the Slurm job with it.
+    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "cancel-ctl", 2, &long, ""))?;
+    running(&c, &slurm, job, slurm_id)?;
+    let out = ctl_as_user(&c, &slurm, &["cancel", &job.to_string()])?;
+    ensure!(out.status.success(), "{}", text(&out));
+    let status = c.wait_state(job, &["cancelled", "failed", "succeeded"], Duration::from_secs(30))?;
+    assert_eq!(status["state"], "cancelled", "{status}");
+    let line = slurm.wait_completed(slurm_id, Duration::from_secs(30))?;
+    assert!(line.contains("JobState=CANCELLED") || line.contains("JobState=COMPLETED"), "{line}");
+    // `scancel` by the user: the agents see Slurm cancel the job and say so.
+    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "cancel-slurm", 2, &long, ""))?;
+    running(&c, &slurm, job, slurm_id)?;
+    let mut scancel = Command::new("runuser");
+    scancel.args(["-u", &run_account(), "--", "env", &format!("SLURM_CONF={}", slurm.conf().display())]);
+    let out = scancel.args(["scancel", &slurm_id.to_string()]).output()?;
+    ensure!(out.status.success(), "scancel: {}", text(&out));
+    let status =
+        c.wait_state(job, &["cancelled", "failed", "succeeded", "pending"], Duration::from_secs(30))?;
+    assert_eq!(status["state"], "cancelled", "{status}\n{}", batch_output(&c, job, slurm_id));
+    assert!(status["reason"].as_str().unwrap_or("").contains("scancel"), "{status}");
+    let failures = c.query(&format!("SELECT COUNT(*) FROM failures WHERE job_id = {job}"))?;
+    assert_eq!(failures[0][0], 0, "a cancel blames no node");
+    slurm.wait_completed(slurm_id, Duration::from_secs(30))?;
+    Ok(())
+}
+
+#[test]
+fn what_slurm_refuses_and_waits_for_is_said_in_slurms_words() -> Result<()> {
+    let Some((c, slurm)) = start(2)? else { return Ok(()) };
+    // A partition Slurm does not have: the submit fails with sbatch's own message, the job is cancelled.
+    let file = c.job_file("no-partition", 2, 1, &["--steps", "2"], "[slurm]\npartition = \"nosuch\"\n");
+    let host_file = format!("--agent-arg=--host-file={}", c.path("slurm-node.json").display());
+    let out = ctl_as_user(&c, &slurm, &["submit", &file.display().to_string(), "--slurm", &host_file])?;
+    assert!(!out.status.success());
+    let said = text(&out);
+    assert!(said.contains("sbatch refused the allocation") && said.contains("invalid partition"), "{said}");
+    // A machine without sbatch: named.
+    let mut bare = Command::new(bin("ctl")?);
+    bare.env("PATH", "/nonexistent").env("TRAINYARD_TOKEN", c.token.clone().unwrap_or_default());
+    let out =
+        bare.args(["--controller", &c.url(), "submit", &file.display().to_string(), "--slurm"]).output()?;
+    assert!(text(&out).contains("sbatch is not on PATH"), "{}", text(&out));
+    // Nodes held by another Slurm job: the job waits, and `ctl status` gives Slurm's reason.
+    let blocker = slurm
+        .run("sbatch", &["--parsable", "-N2", "--exclusive", "--wrap", "sleep 300", "-o", "/dev/null"])?;
+    let blocker = blocker.trim().to_string();
+    wait_until("the blocker runs", Duration::from_secs(30), || {
+        Ok(slurm.state(blocker.parse()?).as_deref() == Some("RUNNING"))
+    })?;
+    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "waits", 2, &["--steps", "2"], ""))?;
+    let mut said = String::new();
+    let want = format!("slurm: job {slurm_id} PENDING (Resources)");
+    wait_until("Slurm's reason in ctl status", Duration::from_secs(30), || {
+        said = text(&ctl_as_user(&c, &slurm, &["status", &job.to_string()])?);
+        Ok(said.contains(&want))
+    })
+    .map_err(|e| e.context(said.clone()))?;
+    let status = c.status(job)?;
+    assert!(
+        status["waiting_reason"].as_str().unwrap_or("").contains("waiting for its Slurm allocation"),
+        "{status}"
+    );
+    slurm.run("scancel", &[&blocker])?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(90))?;
+    ensure!(status["state"] == "succeeded", "{status}\n{}", slurm.logs());
+    Ok(())
+}
