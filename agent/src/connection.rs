@@ -174,8 +174,9 @@ struct Session<'a> {
     /// `ctl logs` readers by request id: the token a reader cancels when it is done (or the
     /// controller stops it), and the credit of pieces it may still send.
     logs: HashMap<u64, (tokio_util::sync::CancellationToken, std::sync::Arc<tokio::sync::Semaphore>)>,
-    /// Set when the controller dismissed this agent (its job ended): the session ends.
-    dismissed: Option<String>,
+    /// Set when the controller dismissed this agent (its job ended, or its allocation's time
+    /// limit is near): the session ends.
+    dismissed: Option<trainyard_proto::v1::Dismiss>,
 }
 
 /// The stream is gone; the session ends.
@@ -248,10 +249,13 @@ impl Session<'_> {
             if step.is_err() {
                 return disconnected(anyhow!("request stream closed"), true);
             }
-            if let Some(reason) = self.dismissed.take() {
-                info!(reason, "dismissed by the controller: the job this agent joined for has ended");
-                self.stop_ranks("the job ended").await;
-                return Ended::Dismissed(reason);
+            if let Some(dismiss) = self.dismissed.take() {
+                info!(reason = %dismiss.reason, requeue = dismiss.requeue, "dismissed by the controller");
+                self.stop_ranks(&dismiss.reason).await;
+                if let (true, Some(slurm)) = (dismiss.requeue, &self.config.slurm) {
+                    crate::slurm::requeue(&slurm.slurm_job_id).await;
+                }
+                return Ended::Dismissed(dismiss.reason);
             }
         }
     }
@@ -302,7 +306,7 @@ impl Session<'_> {
 
     async fn on_message(&mut self, message: ControllerMessage) -> Result<(), Closed> {
         match message.msg {
-            Some(In::Dismiss(dismiss)) => self.dismissed = Some(dismiss.reason),
+            Some(In::Dismiss(dismiss)) => self.dismissed = Some(dismiss),
             Some(In::Ack(ack)) => {
                 self.unacked_batches = self.unacked_batches.saturating_sub(1);
                 self.apply_acks(&ack.acks);

@@ -25,6 +25,8 @@ pub struct SlurmAgent {
     pub slurm_job_id: String,
     /// `SLURMD_NODENAME`: the node's name in Slurm (the hostname where it is not set).
     pub node: String,
+    /// `SLURM_RESTART_COUNT`: how often the Slurm job was requeued (0 at first).
+    pub restart: u32,
 }
 
 impl std::fmt::Debug for SlurmAgent {
@@ -59,12 +61,13 @@ impl SlurmAgent {
             .ok()
             .filter(|n| !n.is_empty())
             .unwrap_or_else(crate::preflight::host::hostname);
-        Ok(SlurmAgent { job, join_token: join_token.trim().to_string(), slurm_job_id, node })
+        let restart = std::env::var("SLURM_RESTART_COUNT").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+        Ok(SlurmAgent { job, join_token: join_token.trim().to_string(), slurm_job_id, node, restart })
     }
 
     /// `j<job>-<node>`: the id the controller takes from this job's agents alone.
     pub fn agent_id(&self) -> String {
-        trainyard_model::slurm::agent_id(self.job, &self.node)
+        trainyard_model::slurm::agent_id(self.job, &self.node, self.restart)
     }
 
     /// The data directory when none is given: the node's temporary directory (Slurm's `TMPDIR`
@@ -76,7 +79,10 @@ impl SlurmAgent {
         let tmp = std::env::var_os("TMPDIR").filter(|t| !t.is_empty()).unwrap_or_else(|| "/tmp".into());
         let digest = sha2::Sha256::digest(self.join_token.as_bytes());
         let tag: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
-        let name = format!("trainyard-j{}-{tag}-slurm{}-{}", self.job, self.slurm_job_id, self.node);
+        let name = format!(
+            "trainyard-j{}-{tag}-slurm{}.{}-{}",
+            self.job, self.slurm_job_id, self.restart, self.node
+        );
         PathBuf::from(tmp).join(name)
     }
 }
@@ -116,6 +122,43 @@ pub fn classify(text: &str, warned: bool) -> String {
         _ => false,
     };
     if warned || over { "TIMEOUT".into() } else { "CANCELLED".into() }
+}
+
+/// Makes the directory of a `file:` notice source (the time-limit warning the batch script
+/// writes on its node) on this node, private to this agent's user, when it is not there yet:
+/// every agent of the allocation watches the same path, and only the batch host's sees it
+/// appear. Its name carries a random part `ctl` chose, so no other user can make it first.
+pub fn prepare_warning_dir(source: &str) -> Result<(), String> {
+    let Some(path) = source.strip_prefix("file:") else { return Ok(()) };
+    let Some(dir) = std::path::Path::new(path).parent().filter(|d| !d.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    if dir.exists() {
+        return Ok(());
+    }
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(dir)
+        .or_else(|e| if e.kind() == std::io::ErrorKind::AlreadyExists { Ok(()) } else { Err(e) })
+        .map_err(|e| format!("cannot make the warning directory {}: {e}", dir.display()))
+}
+
+/// Asks Slurm to requeue the Slurm job (`scontrol requeue`): the job goes on in a new
+/// allocation. Logged, never fatal (another agent of the allocation may have asked first).
+pub async fn requeue(slurm_job_id: &str) {
+    let out =
+        tokio::process::Command::new("scontrol").args(["requeue", slurm_job_id]).kill_on_drop(true).output();
+    match tokio::time::timeout(std::time::Duration::from_secs(10), out).await {
+        Ok(Ok(out)) if out.status.success() => tracing::info!(slurm_job_id, "Slurm job requeued"),
+        Ok(Ok(out)) => tracing::warn!(
+            slurm_job_id,
+            said = %String::from_utf8_lossy(&out.stderr).trim(),
+            "scontrol requeue refused (another agent of the allocation may have asked first)"
+        ),
+        Ok(Err(e)) => tracing::warn!(slurm_job_id, error = %e, "cannot run scontrol requeue"),
+        Err(_) => tracing::warn!(slurm_job_id, "scontrol requeue did not answer within 10 s"),
+    }
 }
 
 /// The CPUs this process may run on (its affinity, which a Slurm step's cpuset bounds), from
@@ -189,11 +232,21 @@ mod tests {
     fn the_environment_names_what_is_missing() {
         assert!(SlurmAgent::from_env(0, "tyj_1_x".into()).unwrap_err().contains("positive"));
         assert!(SlurmAgent::from_env(3, " ".into()).unwrap_err().contains("TRAINYARD_JOIN_TOKEN"));
-        let agent =
-            SlurmAgent { job: 3, join_token: "tyj_3_x".into(), slurm_job_id: "41".into(), node: "n0".into() };
+        let agent = SlurmAgent {
+            job: 3,
+            join_token: "tyj_3_x".into(),
+            slurm_job_id: "41".into(),
+            node: "n0".into(),
+            restart: 0,
+        };
         assert_eq!(agent.agent_id(), "j3-n0");
+        assert_eq!(
+            SlurmAgent { restart: 1, ..agent.clone() }.agent_id(),
+            "j3-n0-r1",
+            "a requeued allocation's"
+        );
         let dir = agent.default_data_dir().file_name().unwrap().to_string_lossy().into_owned();
-        assert!(dir.starts_with("trainyard-j3-") && dir.ends_with("-slurm41-n0"), "{dir}");
+        assert!(dir.starts_with("trainyard-j3-") && dir.ends_with("-slurm41.0-n0"), "{dir}");
         let other = SlurmAgent { join_token: "tyj_3_y".into(), ..agent.clone() };
         assert_ne!(other.default_data_dir(), agent.default_data_dir(), "another controller's job 3");
         assert!(!format!("{agent:?}").contains("tyj_"), "the token is never logged");

@@ -208,7 +208,9 @@ pub fn sbatch_args(job: u64, res: &pb::Resources, slurm: &SlurmOptions, output: 
         format!("--nodes={}", nodes(res, slurm)),
         "--ntasks-per-node=1".into(),
         format!("--gres=gpu:{}", res.gpus_per_node),
-        format!("--signal=USR1@{}", slurm.warning.as_secs()),
+        // To the batch shell only (`B:`): a signal to the steps would reach every rank too, and
+        // a script that does not handle SIGUSR1 dies of it.
+        format!("--signal=B:USR1@{}", slurm.warning.as_secs()),
         format!("--output={output}"),
     ];
     args.push(if slurm.requeue { "--requeue" } else { "--no-requeue" }.into());
@@ -229,9 +231,11 @@ pub fn sbatch_args(job: u64, res: &pb::Resources, slurm: &SlurmOptions, output: 
     args
 }
 
-/// The id an agent started for job `job` on Slurm node `node` joins with: `j<job>-<node>`.
-pub fn agent_id(job: u64, node: &str) -> String {
-    format!("j{job}-{node}")
+/// The id an agent started for job `job` on Slurm node `node` joins with: `j<job>-<node>`, and
+/// `-r<n>` after it in the `n`th requeued allocation (`SLURM_RESTART_COUNT`), so an agent of a
+/// new allocation is never taken for one of the old.
+pub fn agent_id(job: u64, node: &str, restart: u32) -> String {
+    if restart == 0 { format!("j{job}-{node}") } else { format!("j{job}-{node}-r{restart}") }
 }
 
 /// Whether `agent_id` is a name [`agent_id`] gives the agents of job `job`.
@@ -282,7 +286,7 @@ mod tests {
             "--nodes=2",
             "--ntasks-per-node=1",
             "--gres=gpu:8",
-            "--signal=USR1@120",
+            "--signal=B:USR1@120",
             "--no-requeue",
             "--partition=gpu",
             "--time=4:00:00",
@@ -297,7 +301,7 @@ mod tests {
     fn spares_ask_for_more_nodes_and_no_kill_and_requeue_is_passed() {
         let s = pb::SlurmSpec { spare_nodes: 1, requeue: true, warning_s: 30, ..spec() };
         let args = sbatch_args(3, &res(2, 1), &SlurmOptions::from(&s), "o");
-        for want in ["--nodes=3", "--no-kill", "--requeue", "--signal=USR1@30"] {
+        for want in ["--nodes=3", "--no-kill", "--requeue", "--signal=B:USR1@30"] {
             assert!(args.iter().any(|a| a == want), "{want} missing from {args:?}");
         }
         let round = pb::SlurmSpec::from(&SlurmOptions::from(&s));
@@ -339,8 +343,10 @@ mod tests {
 
     #[test]
     fn agent_ids_belong_to_one_job() {
-        let id = agent_id(12, "gpu-node-3");
+        let id = agent_id(12, "gpu-node-3", 0);
         assert_eq!(id, "j12-gpu-node-3");
+        assert_eq!(agent_id(12, "gpu-node-3", 2), "j12-gpu-node-3-r2");
+        assert!(is_agent_of(&agent_id(12, "n0", 1), 12));
         assert!(is_agent_of(&id, 12));
         assert!(!is_agent_of(&id, 1), "job 1's prefix j1- is not j12-");
         assert!(!is_agent_of("j12-", 12) && !is_agent_of("node-a", 12));

@@ -8,6 +8,8 @@
 //!   backed by device files (copies of `/dev/null`); jobs run as the unprivileged
 //!   [`crate::run_account`]. `proctrack/linuxproc` and `task/none`: Slurm's cgroup v2 plugin
 //!   does not run on these machines (cgroup v1 only), and nothing here needs the v1 one.
+//! - `cred_expire=10`: a requeued job waits that long (120 s by default) before Slurm starts it
+//!   again, as the nodes refuse its old, revoked credential until then.
 //! - No accounting database: states come from `squeue`, `scontrol show job` and the
 //!   job-completion log ([`SlurmLab::completed`]).
 //!
@@ -279,7 +281,7 @@ fn slurm_conf(lab: &NetLab, dir: &Path, gpus: u32, extra: &str) -> Result<String
     let d = dir.display();
     let mut text = format!(
         "ClusterName=tylab{pid}\nSlurmctldHost={host}({gateway})\nSlurmctldPort={ctld}\nSlurmdPort={slurmd}\n\
-         AuthType=auth/munge\nAuthInfo=socket={d}/munge/sock\nCredType=cred/munge\nSlurmUser=root\nSlurmdUser=root\n\
+         AuthType=auth/munge\nAuthInfo=socket={d}/munge/sock,cred_expire=10\nCredType=cred/munge\nSlurmUser=root\nSlurmdUser=root\n\
          StateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool/%n\nSlurmctldPidFile={d}/slurmctld.pid\n\
          SlurmdPidFile={d}/slurmd-%n.pid\nSlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd-%n.log\n\
          ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nSchedulerType=sched/backfill\n\

@@ -197,3 +197,74 @@ fn what_slurm_refuses_and_waits_for_is_said_in_slurms_words() -> Result<()> {
     ensure!(status["state"] == "succeeded", "{status}\n{}", slurm.logs());
     Ok(())
 }
+
+#[test]
+fn the_time_limit_warning_checkpoints_and_the_requeued_allocation_resumes_from_it() -> Result<()> {
+    let Some((c, slurm)) = start(2)? else { return Ok(()) };
+    let ckpt = c.path("ckpt");
+    std::fs::create_dir_all(&ckpt)?;
+    chown(&ckpt)?;
+    let ckpt = ckpt.display().to_string();
+    // The ranks meet every step (across the two hosts), so a checkpoint asked of both is taken
+    // at one step; they would run for hours, longer than any allocation.
+    let args = ["--steps", "100000", "--step-ms", "50", "--collective", "--checkpoint-dir", &ckpt];
+    // A one-minute limit, warned 30 s ahead (Slurm checks limits every few tens of seconds and may
+    // warn early): the warning comes within the first allocation.
+    let table = "time_limit = \"1\"\nwarning_s = 30\nrequeue = true\n";
+    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "requeued", 2, &args, table))?;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let resumed = loop {
+        let resumed = c.query(&format!(
+            "SELECT CAST(json_extract(body, '$.env.TRAINYARD_RESUME_STEP') AS INTEGER) FROM receipts \
+             WHERE job_id = {job} AND attempt = 1 AND kind = 'launch'"
+        ))?;
+        let steps = c.query(&format!(
+            "SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND attempt = 1 AND kind = 'step'"
+        ))?;
+        if resumed.len() == 2 && steps[0][0] > 0 {
+            break resumed;
+        }
+        if Instant::now() >= deadline {
+            let status = c.status(job)?;
+            let job_line =
+                slurm.run("scontrol", &["show", "job", "-o", &slurm_id.to_string()]).unwrap_or_default();
+            anyhow::bail!(
+                "attempt 1 of job {job} not running in a requeued allocation: {status}\nSlurm: {job_line}\n{}\n{}",
+                batch_output(&c, job, slurm_id),
+                slurm.logs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    // The move was the time limit's: not charged against max_restarts (0), blamed on no node.
+    let failures = c.query_text(&format!("SELECT kind, CAST(charged AS TEXT), CAST(blamed AS TEXT) FROM failures WHERE job_id = {job} AND attempt = 0"))?;
+    assert_eq!(failures, vec![vec!["preemption".to_string(), "0".into(), "0".into()]], "{failures:?}");
+    // Both ranks checkpointed at one step before the first allocation ended, and attempt 1, in
+    // the requeued allocation's agents, resumed from it.
+    let checkpoints = c.query(&format!(
+        "SELECT step FROM receipts WHERE job_id = {job} AND attempt = 0 AND kind = 'checkpoint' \
+         GROUP BY step HAVING COUNT(*) = 2 ORDER BY step DESC LIMIT 1"
+    ))?;
+    assert_eq!(checkpoints.len(), 1, "both ranks checkpointed before the first allocation ended");
+    assert!(
+        resumed.iter().all(|r| r[0] == checkpoints[0][0]),
+        "resumed {resumed:?}, checkpointed {checkpoints:?}"
+    );
+    let agents = c.query_text(&format!(
+        "SELECT DISTINCT agent_id FROM allocations WHERE job_id = {job} AND attempt = 1 ORDER BY agent_id"
+    ))?;
+    assert_eq!(
+        agents,
+        vec![vec![format!("j{job}-n0-r1")], vec![format!("j{job}-n1-r1")]],
+        "the requeued allocation's agents"
+    );
+    let line = slurm.run("scontrol", &["show", "job", "-o", &slurm_id.to_string()])?;
+    assert!(
+        line.contains("Restarts=1 ") && line.contains("JobState=RUNNING"),
+        "Slurm requeued the job once: {line}"
+    );
+    let out = ctl_as_user(&c, &slurm, &["cancel", &job.to_string()])?;
+    ensure!(out.status.success(), "{}", text(&out));
+    slurm.wait_completed(slurm_id, Duration::from_secs(30))?;
+    Ok(())
+}

@@ -220,6 +220,9 @@ impl TryFrom<&Cli> for AgentConfig {
         config.rank_output_cap = cli.rank_output_cap_mib << 20;
         config.disk_floor = cli.disk_floor_mib << 20;
         if let Some(text) = &cli.preemption_notice {
+            if slurm.is_some() {
+                trainyard_agent::slurm::prepare_warning_dir(text).map_err(anyhow::Error::msg)?;
+            }
             config.preemption_notice =
                 Some(trainyard_agent::notice::NoticeSource::parse(text).map_err(anyhow::Error::msg)?);
         }

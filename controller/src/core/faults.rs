@@ -55,9 +55,11 @@ pub(super) const BY_FAILURES: &str = "failures";
 /// Cordons a passing preflight lifts: those set after failures, and after a preemption notice
 /// (a host that comes back from one is a fresh machine). An operator's and a drain's stay
 /// until `ctl uncordon`.
-const LIFTED_BY_PREFLIGHT: [&str; 2] = [BY_FAILURES, "preemption"];
+const LIFTED_BY_PREFLIGHT: [&str; 2] = [BY_FAILURES, BY_PREEMPTION];
 /// `cordon_by` of a cordon set by `ctl cordon`.
 pub(super) const BY_OPERATOR: &str = "operator";
+/// A cordon a preemption notice (or a Slurm allocation's time-limit warning) put on a node.
+pub(super) const BY_PREEMPTION: &str = "preemption";
 
 /// What the ranks of an attempt say.
 #[derive(Debug, Clone, PartialEq)]

@@ -425,12 +425,19 @@ impl Nodes<'_> {
         // into a reason every user sees (`ctl nodes`, job events).
         let detail: String = notice.detail.chars().take(200).collect();
         let why = format!("preemption notice on {agent_id} (its detail is in the controller's log)");
-        let cordon = Cordon { by: "preemption".into(), reason: why.clone(), at_ms: now_ms };
-        self.c.store.set_cordon(agent_id, Some(&cordon)).await?;
+        let cordon = Cordon { by: super::faults::BY_PREEMPTION.into(), reason: why.clone(), at_ms: now_ms };
+        // The time-limit warning of a Slurm allocation comes to one agent but ends them all.
+        let mut nodes = super::slurm::allocation_of(&self.c.lock(), agent_id);
+        nodes.push(agent_id.to_string());
+        for node in &nodes {
+            self.c.store.set_cordon(node, Some(&cordon)).await?;
+        }
         let jobs = {
             let mut core = self.c.lock();
-            if let Some(entry) = core.agents.get_mut(agent_id) {
-                entry.record.cordon = Some(cordon);
+            for node in &nodes {
+                if let Some(entry) = core.agents.get_mut(node) {
+                    entry.record.cordon = Some(cordon.clone());
+                }
             }
             super::evict::evict(&mut core, agent_id, FailureKind::Preemption, deadline, &why)
         };

@@ -75,30 +75,62 @@ pub(super) fn place_in_allocations(
     }
 }
 
-/// Tells each connected agent whose job has ended (or is unknown to this controller) that its
-/// work is done, once.
+/// Tells each connected agent of an allocation that its work is done, once: its job ended (or
+/// is unknown to this controller), or its allocation nears its time limit (a Slurm warning, a
+/// preemption notice to the controller) and the job was moved off it, when the agent requeues
+/// the Slurm job if the job asks for that; a job that does not is cancelled, its newest
+/// checkpoint kept.
 pub(super) fn dismiss_ended(core: &mut Core) {
-    let ended: Vec<(String, JobId, String)> = core
-        .agents
-        .values()
-        .filter(|e| e.link.is_some() && !e.dismissed)
-        .filter_map(|e| {
-            let job = e.bound?;
-            let reason = match core.jobs.get(&job) {
-                Some(j) if !j.record().state.is_terminal() => return None,
-                Some(j) => format!("job {job} {}: {}", j.record().state, j.record().reason),
-                None => format!("job {job} is not active on this controller"),
-            };
-            Some((e.record.agent_id.clone(), job, reason))
-        })
-        .collect();
-    for (agent_id, job, reason) in ended {
-        tracing::info!(agent_id, job_id = job, reason, "dismissing the agent of an ended Slurm job");
-        super::launch::try_send(core, &agent_id, Msg::Dismiss(Dismiss { reason }));
+    let mut ending: Vec<(String, JobId, Dismiss)> = Vec::new();
+    for e in core.agents.values().filter(|e| e.link.is_some() && !e.dismissed) {
+        let Some(job) = e.bound else { continue };
+        let dismiss = match core.jobs.get(&job) {
+            None => Dismiss { reason: format!("job {job} is not active on this controller"), requeue: false },
+            Some(j) if j.record().state.is_terminal() => Dismiss {
+                reason: format!("job {job} {}: {}", j.record().state, j.record().reason),
+                requeue: false,
+            },
+            Some(j) => {
+                // Once every rank of the attempt stopped: the allocation ends as one.
+                let warned = e.record.cordon.as_ref().is_some_and(|c| c.by == super::faults::BY_PREEMPTION);
+                if !warned || !j.allocations.iter().all(super::state::rank_done) {
+                    continue;
+                }
+                let requeue = j.record().spec.slurm.as_ref().is_some_and(|s| s.requeue);
+                let reason = if requeue {
+                    "the allocation nears its time limit: the Slurm job is requeued, and the job goes on in the                      new allocation from its newest checkpoint"
+                } else {
+                    "the Slurm allocation nears its time limit and the job asks for no requeue ([slurm] requeue =                      false): it ends here, its newest checkpoint kept"
+                };
+                Dismiss { reason: reason.to_string(), requeue }
+            }
+        };
+        ending.push((e.record.agent_id.clone(), job, dismiss));
+    }
+    for (agent_id, job, dismiss) in ending {
+        tracing::info!(agent_id, job_id = job, reason = %dismiss.reason, requeue = dismiss.requeue, "dismissing an agent of a Slurm allocation");
+        if let Some(j) = core.jobs.get_mut(&job).filter(|j| !j.record().state.is_terminal())
+            && !dismiss.requeue
+        {
+            j.cancel.get_or_insert_with(|| dismiss.reason.clone());
+            core.dirty.insert(job);
+        }
+        super::launch::try_send(core, &agent_id, Msg::Dismiss(dismiss));
         if let Some(e) = core.agents.get_mut(&agent_id) {
             e.dismissed = true;
         }
     }
+}
+
+/// A preemption notice (the time-limit warning) from an agent of an allocation is the whole
+/// allocation's: the other agents bound to the same job, to be cordoned with it.
+pub(super) fn allocation_of(core: &Core, agent_id: &str) -> Vec<String> {
+    let Some(job) = core.agents.get(agent_id).and_then(|e| e.bound) else { return Vec::new() };
+    core.agents
+        .values()
+        .filter(|e| e.bound == Some(job) && e.record.agent_id != agent_id && e.record.cordon.is_none())
+        .map(|e| e.record.agent_id.clone())
+        .collect()
 }
 
 /// The unfinished ranks of a disconnected agent that left because Slurm ended its allocation:
@@ -119,6 +151,11 @@ pub(super) fn ended_with_allocation(core: &Core, agent_id: &str) -> Vec<trainyar
 /// An agent of `[slurm]` job `job` says Slurm is ending its allocation with `state`: when the
 /// user cancelled the Slurm job, the job is marked to be cancelled (true).
 pub(super) fn cancel_for(core: &mut Core, agent_id: &str, job: JobId, state: &str) -> bool {
+    // An allocation trainyard ends itself (a dismissed agent of it: the job moved on, ended, or
+    // is requeued) is no user's cancel.
+    if core.agents.values().any(|e| e.bound == Some(job) && e.dismissed) {
+        return false;
+    }
     let Some(reason) = ending(agent_id, job, state) else { return false };
     let Some(active) = core.jobs.get_mut(&job).filter(|j| !j.record().state.is_terminal()) else {
         return false;

@@ -76,7 +76,7 @@ impl AgentsService {
             .await;
         };
         if !trainyard_model::slurm::is_agent_of(&hello.agent_id, job) {
-            let want = trainyard_model::slurm::agent_id(job, "NODE");
+            let want = trainyard_model::slurm::agent_id(job, "NODE", 0);
             let why =
                 format!("the join token is job {job}'s, but agent {:?} is not named {want}", hello.agent_id);
             return refuse(why, Status::permission_denied).await;

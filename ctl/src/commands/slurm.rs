@@ -60,8 +60,13 @@ fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-/// The batch script: one agent per node of the allocation, run as you.
-pub fn batch_script(job_id: u64, name: &str, token: &str, agent: &AgentLaunch) -> String {
+/// The batch script: one agent per node of the allocation, run as you. Slurm warns the script
+/// (`--signal=B:USR1@N`) before the time limit; it writes a file the agent on its node watches as
+/// a preemption notice, so the controller checkpoints the job and moves it (docs/slurm.md).
+pub fn batch_script(job_id: u64, name: &str, token: &str, agent: &AgentLaunch, warning_s: u64) -> String {
+    // A name no other user can guess and make first (the agents refuse a notice directory
+    // someone else owns).
+    let private = &super::submit::new_key()[..12];
     let mut argv = vec![
         "srun".to_string(),
         "--ntasks-per-node=1".into(),
@@ -70,6 +75,10 @@ pub fn batch_script(job_id: u64, name: &str, token: &str, agent: &AgentLaunch) -
         quote(&agent.program.display().to_string()),
         "--slurm-job".into(),
         job_id.to_string(),
+        "--preemption-notice".into(),
+        "\"file:$warning\"".into(),
+        "--preemption-deadline-secs".into(),
+        warning_s.to_string(),
     ];
     if let Some(ca) = &agent.ca {
         argv.extend(["--tls-ca".into(), quote(&ca.display().to_string())]);
@@ -82,7 +91,15 @@ pub fn batch_script(job_id: u64, name: &str, token: &str, agent: &AgentLaunch) -
          # Written by `ctl submit --slurm`. It holds the job's join token: keep it private.\n\
          export TRAINYARD_CONTROLLER={}\n\
          export TRAINYARD_JOIN_TOKEN={}\n\
-         exec {}\n",
+         # Slurm's warning before the time limit comes here; the agent on this node watches the file.\n\
+         warning=\"${{TMPDIR:-/tmp}}/trainyard-{private}-$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}/warning\"\n\
+         mkdir -p -m 700 \"${{warning%/warning}}\" && rm -f \"$warning\"\n\
+         trap 'date +%s > \"$warning\"' USR1\n\
+         {} &\n\
+         agents=$!\n\
+         while :; do wait \"$agents\"; status=$?; kill -0 \"$agents\" 2>/dev/null || break; done\n\
+         rm -f \"$warning\"\n\
+         exit $status\n",
         quote(&agent.controller),
         quote(token),
         argv.join(" ")
@@ -108,7 +125,7 @@ pub async fn allocate(
     let res = spec.resources.clone().unwrap_or_default();
     let dir = spool_dir()?;
     let script = dir.join(format!("job-{job_id}.sh"));
-    write_private(&script, &batch_script(job_id, &spec.name, token, agent))?;
+    write_private(&script, &batch_script(job_id, &spec.name, token, agent, slurm.warning.as_secs()))?;
     let output = dir.join(format!("job-{job_id}-slurm-%j.out"));
     let args = sbatch_args(job_id, &res, &slurm, &output.display().to_string());
     let out = Command::new("sbatch").args(&args).arg(&script).output().context("run sbatch")?;
@@ -187,17 +204,24 @@ mod tests {
             ca: Some("/home/u/ca.pem".into()),
             args: vec!["--host-file".into(), "/it's here.json".into()],
         };
-        let script = batch_script(7, "nano\nchat", "tyj_7_abc", &agent);
+        let script = batch_script(7, "nano\nchat", "tyj_7_abc", &agent, 120);
         assert!(script.starts_with("#!/bin/sh\n"), "{script}");
         assert!(script.contains("export TRAINYARD_JOIN_TOKEN='tyj_7_abc'\n"), "{script}");
         assert!(script.contains("export TRAINYARD_CONTROLLER='https://ctl.example:7070'\n"), "{script}");
         assert!(script.contains("(nano chat)"), "no newline from the name reaches the script: {script}");
-        let exec = script.lines().last().unwrap();
-        assert!(exec.starts_with("exec srun --ntasks-per-node=1 --whole"), "{exec}");
+        let srun = script.lines().find(|l| l.starts_with("srun ")).expect("the srun line");
+        assert!(srun.starts_with("srun --ntasks-per-node=1 --whole"), "{srun}");
         assert!(
-            exec.contains("--slurm-job 7 --tls-ca '/home/u/ca.pem' '--host-file' '/it'\\''s here.json'"),
-            "{exec}"
+            srun.contains(
+                "--slurm-job 7 --preemption-notice \"file:$warning\" --preemption-deadline-secs 120"
+            ),
+            "{srun}"
         );
+        assert!(srun.contains("--tls-ca '/home/u/ca.pem' '--host-file' '/it'\\''s here.json' &"), "{srun}");
+        assert!(script.contains("trap 'date +%s > \"$warning\"' USR1\n"), "{script}");
+        // The script is valid sh.
+        let checked = std::process::Command::new("sh").args(["-n", "-c", &script]).status().unwrap();
+        assert!(checked.success(), "{script}");
         assert_eq!(parse_sbatch("4242\n"), Some(4242));
         assert_eq!(parse_sbatch("4242;cluster-a\n"), Some(4242));
         assert_eq!(parse_sbatch("Submitted batch job 4242"), None);

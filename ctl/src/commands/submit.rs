@@ -85,7 +85,7 @@ pub async fn run(
 
 /// A fresh idempotency key: 128 bits from the kernel's random source, or, if that cannot be
 /// read, the time and process id (unique enough for one host's submits).
-fn new_key() -> String {
+pub(super) fn new_key() -> String {
     use std::io::Read;
     let mut bytes = [0u8; 16];
     let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
