@@ -66,7 +66,7 @@ fn quote(s: &str) -> String {
 pub fn batch_script(job_id: u64, name: &str, token: &str, agent: &AgentLaunch, warning_s: u64) -> String {
     // A name no other user can guess and make first (the agents refuse a notice directory
     // someone else owns).
-    let private = &super::submit::new_key()[..12];
+    let private = &super::new_key()[..12];
     let mut argv = vec![
         "srun".to_string(),
         "--ntasks-per-node=1".into(),

@@ -46,7 +46,7 @@ pub async fn run(
     } else if spec.slurm.is_some() {
         bail!("the spec has a [slurm] table: submit it with `ctl submit --slurm` from a Slurm login node");
     }
-    let key = key.unwrap_or_else(new_key);
+    let key = key.unwrap_or_else(super::new_key);
     let mut pause = FIRST_RETRY_PAUSE;
     let mut tries = 0;
     let (job_id, token) = loop {
@@ -81,20 +81,6 @@ pub async fn run(
         follow_job(ctl, job_id).await?;
     }
     Ok(())
-}
-
-/// A fresh idempotency key: 128 bits from the kernel's random source, or, if that cannot be
-/// read, the time and process id (unique enough for one host's submits).
-pub(super) fn new_key() -> String {
-    use std::io::Read;
-    let mut bytes = [0u8; 16];
-    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
-    if random.is_err() {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        bytes[..8].copy_from_slice(&(nanos.as_nanos() as u64).to_le_bytes());
-        bytes[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-    }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Prints state changes and progress lines (stderr, so stdout stays the job id) until the
