@@ -90,8 +90,9 @@ impl SlurmAgent {
 /// How Slurm is ending the allocation, as a Slurm job state (`CANCELLED`, `TIMEOUT`, ...), when
 /// the agent is told to stop. While the allocation's processes are being killed `scontrol`
 /// says only `COMPLETING` (the final state appears once the last step, this agent's, ended), so
-/// the cause is read from what is known: past the time limit (or after the warning) it is
-/// `TIMEOUT`, otherwise someone ended it (`scancel`, or preemption): `CANCELLED`.
+/// the cause is read from what is known: a node of it down (`Reason=NodeDown`) is `NODE_FAIL`;
+/// past the time limit (or after the warning) it is `TIMEOUT`; otherwise someone ended it
+/// (`scancel`, or preemption): `CANCELLED`.
 pub async fn ending_state(slurm_job_id: &str, warned: bool) -> String {
     let out = tokio::process::Command::new("scontrol")
         .args(["show", "job", "-o", slurm_job_id])
@@ -110,6 +111,9 @@ pub fn classify(text: &str, warned: bool) -> String {
     match field("JobState=") {
         Some(state) if state != "COMPLETING" && state != "RUNNING" => return state.to_string(),
         _ => {}
+    }
+    if matches!(field("Reason="), Some("NodeDown" | "NodeFail")) {
+        return "NODE_FAIL".into();
     }
     let secs = |t: &str| -> Option<u64> {
         let (days, rest) = t.split_once('-').map_or((0, t), |(d, r)| (d.parse().unwrap_or(0), r));
@@ -209,6 +213,8 @@ mod tests {
             "a final state is said"
         );
         assert_eq!(classify("", false), "CANCELLED", "scontrol did not answer");
+        let down = "JobId=7 JobState=COMPLETING Reason=NodeDown RunTime=00:00:30 TimeLimit=00:10:00";
+        assert_eq!(classify(down, false), "NODE_FAIL", "a node of the allocation went down");
     }
 
     #[test]

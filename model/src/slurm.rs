@@ -244,7 +244,9 @@ pub fn is_agent_of(agent_id: &str, job: u64) -> bool {
 }
 
 /// The state Slurm gives a job whose allocation trainyard's agents saw end, as a cause: the
-/// user cancelled it (`scancel`), or Slurm ended it (time limit, preemption, node failure).
+/// user cancelled it (`scancel`), or Slurm ended it (time limit, preemption, node failure): a
+/// job that asks for requeue then goes on in the allocation Slurm requeues, one that does not
+/// ends there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
     /// `scancel` by the user (or an admin): the trainyard job ends as cancelled.

@@ -205,11 +205,13 @@ impl SlurmLab {
         out
     }
 
-    /// Kills `slurmd` of node `i` (and nothing else on its host).
-    pub fn kill_slurmd(&mut self, i: usize) -> Result<()> {
+    /// Host `i` dies: its `slurmd` and everything else running in its namespace (the agent, its
+    /// ranks, Slurm's step daemons) are killed at once.
+    pub fn kill_host(&mut self, i: usize) -> Result<()> {
         let child = self.daemons.get_mut(2 + i).context("no such node")?;
         child.kill()?;
         child.wait()?;
+        kill_in_namespace(&self.namespaces[i]);
         Ok(())
     }
 

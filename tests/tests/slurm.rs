@@ -268,3 +268,158 @@ fn the_time_limit_warning_checkpoints_and_the_requeued_allocation_resumes_from_i
     slurm.wait_completed(slurm_id, Duration::from_secs(30))?;
     Ok(())
 }
+
+/// Kills the processes it holds when dropped (a test's agents that are refused and keep trying).
+struct Killed(Vec<std::process::Child>);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Where agents are refused the controller needs no Slurm: `ctl submit --slurm` runs a stand-in
+/// `sbatch` that answers a Slurm job id and starts nothing, and the agents are started by hand
+/// with the environment an allocation would give them. A made-up token, another job's token and
+/// a token of an ended job are each refused and audited; the job's own token is taken.
+#[test]
+fn an_agent_is_refused_and_audited_with_a_token_not_its_jobs_or_after_its_job_ended() -> Result<()> {
+    let c = Cluster::start()?;
+    let fake = c.path("fake-slurm");
+    std::fs::create_dir_all(&fake)?;
+    for (name, body) in [("sbatch", "echo 4242"), ("scancel", "exit 0"), ("squeue", "exit 0")] {
+        let path = fake.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n"))?;
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let path = format!("{}:{}", fake.display(), std::env::var("PATH").unwrap_or_default());
+    let submit = |name: &str| -> Result<(u64, String)> {
+        let file = job_file(&c, name, 2, &["--steps", "2"], "");
+        let mut ctl = Command::new(bin("ctl")?);
+        ctl.env("PATH", &path).env("HOME", c.path("home")).env_remove("TRAINYARD_TOKEN");
+        if let Some(token) = &c.token {
+            ctl.env("TRAINYARD_TOKEN", token);
+        }
+        let out = ctl
+            .args(["--controller", &c.url(), "submit", &file.display().to_string(), "--slurm"])
+            .output()?;
+        ensure!(out.status.success(), "{}", text(&out));
+        let job: u64 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+        let script = std::fs::read_to_string(c.path(&format!("home/.trainyard/slurm/job-{job}.sh")))?;
+        let token = script
+            .lines()
+            .find_map(|l| l.strip_prefix("export TRAINYARD_JOIN_TOKEN='"))
+            .and_then(|t| t.strip_suffix('\''))
+            .expect("the script holds the token")
+            .to_string();
+        Ok((job, token))
+    };
+    let (a, token_a) = submit("job-a")?;
+    let (b, _) = submit("job-b")?;
+    assert_eq!(c.status(a)?["slurm_job_id"], 4242, "ctl recorded the Slurm job sbatch answered");
+    let host = host_file(c.dir.path(), "allocation-node", 1);
+    let mut agents = Killed(Vec::new());
+    let mut join = |job: u64, token: &str, node: &str| -> Result<()> {
+        let child = Command::new(bin("trainyard-agent")?)
+            .args(["--controller", &c.url(), "--slurm-job", &job.to_string(), "--telemetry", "off"])
+            .arg("--host-file")
+            .arg(&host)
+            .arg("--data-dir")
+            .arg(c.path(&format!("agent-{node}")))
+            .env("TRAINYARD_JOIN_TOKEN", token)
+            .env("SLURM_JOB_ID", "4242")
+            .env("SLURMD_NODENAME", node)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(c.path(&format!("{node}.log")))?)
+            .spawn()?;
+        agents.0.push(child);
+        Ok(())
+    };
+    let refusals = || -> Result<Vec<String>> {
+        let rows = c.query_text(
+            "SELECT target, detail FROM audit_log WHERE action = 'agent.join' AND outcome = 'refused'",
+        )?;
+        Ok(rows.into_iter().map(|r| format!("{}: {}", r[0], r[1])).collect())
+    };
+    // Job A's token for an agent that says it is job B's: refused, audited.
+    join(b, &token_a, "n0")?;
+    // A token nobody made.
+    join(a, &format!("tyj_{a}_{}", "0".repeat(64)), "n1")?;
+    // Job A's own token: taken (bound to job A).
+    join(a, &token_a, "n2")?;
+    wait_until("two refusals audited", Duration::from_secs(20), || Ok(refusals()?.len() >= 2))?;
+    let seen = refusals()?;
+    assert!(
+        seen.iter().any(|r| r.contains(&format!("node:j{b}-n0")) && r.contains(&format!("job {a}'s"))),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter()
+            .any(|r| r.contains(&format!("node:j{a}-n1")) && r.contains("not made by this controller")),
+        "{seen:?}"
+    );
+    wait_until("job A's agent joins", Duration::from_secs(20), || {
+        Ok(c.ctl_ok(&["nodes", "-o", "json"])?.contains(&format!("j{a}-n2")))
+    })?;
+    // Job A ends; an agent that joins with its token afterwards is refused.
+    c.ctl_ok(&["cancel", &a.to_string()])?;
+    join(a, &token_a, "n3")?;
+    wait_until("the late join audited", Duration::from_secs(20), || {
+        Ok(refusals()?.iter().any(|r| r.contains(&format!("node:j{a}-n3")) && r.contains("has ended")))
+    })?;
+    Ok(())
+}
+
+#[test]
+fn a_killed_host_of_the_allocation_is_a_lost_host_and_the_job_moves_to_its_spare() -> Result<()> {
+    if !trainyard_tests::slurm::installed() {
+        return Ok(());
+    }
+    let flags = [("--agent-timeout-secs", "8"), ("--cancel-grace-secs", "2")];
+    let Some(c) = Cluster::start_lab(3, &flags)? else { return Ok(()) };
+    let mut slurm = SlurmLab::start(c.lab(), c.dir.path(), 1, "KillWait=5")?;
+    let home = c.path("home");
+    std::fs::create_dir_all(&home)?;
+    chown(&home)?;
+    host_file(c.dir.path(), "slurm-node", 1);
+    // Two ranks on two of three nodes: one spare, so the allocation outlives a node (--no-kill).
+    // They meet every step, so the survivor stalls when its peer's host dies, as training does.
+    let args = ["--steps", "100000", "--step-ms", "50", "--collective"];
+    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "spare", 2, &args, "spare_nodes = 1\n"))?;
+    running(&c, &slurm, job, slurm_id)?;
+    let status = c.status(job)?;
+    let victim = status["ranks"][1]["agent_id"].as_str().unwrap_or("").to_string();
+    let host: usize = victim.rsplit('n').next().unwrap_or("").parse()?;
+    slurm.kill_host(host)?;
+    let started = Instant::now();
+    wait_until("attempt 1 runs on the spare", Duration::from_secs(60), || {
+        let s = c.status(job)?;
+        Ok(s["attempt"] == 1 && s["state"] == "running")
+    })
+    .map_err(|e| {
+        let status = c.status(job).map(|s| s.to_string()).unwrap_or_default();
+        let line = slurm.run("scontrol", &["show", "job", "-o", &slurm_id.to_string()]).unwrap_or_default();
+        let log = c.logs("controller");
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        e.context(format!(
+            "{status}\nSlurm: {line}\n{}\ncontroller: {tail:#?}",
+            batch_output(&c, job, slurm_id)
+        ))
+    })?;
+    let status = c.status(job)?;
+    let agents: Vec<&str> =
+        status["ranks"].as_array().into_iter().flatten().filter_map(|r| r["agent_id"].as_str()).collect();
+    assert!(!agents.contains(&victim.as_str()) && agents.len() == 2, "{status}");
+    let failure = &status["failures"][0];
+    assert_eq!(failure["kind"], "host_lost", "{status}");
+    assert_eq!(failure["charged"], false, "{status}");
+    eprintln!("moved to the spare {:.1} s after the host died", started.elapsed().as_secs_f64());
+    assert_eq!(slurm.state(slurm_id).as_deref(), Some("RUNNING"), "the allocation outlived its node");
+    let out = ctl_as_user(&c, &slurm, &["cancel", &job.to_string()])?;
+    ensure!(out.status.success(), "{}", text(&out));
+    Ok(())
+}

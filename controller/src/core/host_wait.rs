@@ -72,9 +72,11 @@ pub(super) fn decide(
 
 /// Whether the job could be placed now without `gone`: on the nodes that take new work, with
 /// its own GPUs on them counted free (a restart frees them), avoiding the nodes it avoids; at a
-/// smaller size too when its `restart.min_gpus` allows. The error says why not.
+/// smaller size too when its `restart.min_gpus` allows; a `[slurm]` job on its own allocation's
+/// agents (a spare of it). The error says why not.
 fn placement_now(core: &Core, job: &ActiveJob, gone: &str) -> Result<(), String> {
-    let mut views = super::launch::node_views(core, false);
+    let pool = job.record().spec.slurm.is_some().then_some(job.record().id);
+    let mut views = super::launch::views_of(core, false, pool);
     views.retain(|v| v.agent_id != gone);
     for a in &job.allocations {
         if let Some(view) = views.iter_mut().find(|v| v.agent_id == a.agent_id) {

@@ -156,27 +156,38 @@ pub(super) fn cancel_for(core: &mut Core, agent_id: &str, job: JobId, state: &st
     if core.agents.values().any(|e| e.bound == Some(job) && e.dismissed) {
         return false;
     }
-    let Some(reason) = ending(agent_id, job, state) else { return false };
     let Some(active) = core.jobs.get_mut(&job).filter(|j| !j.record().state.is_terminal()) else {
         return false;
     };
-    tracing::info!(job_id = job, agent_id, state, "the Slurm job was cancelled; cancelling the job");
+    let requeue = active.record().spec.slurm.as_ref().is_some_and(|s| s.requeue);
+    let Some(reason) = ending(agent_id, job, state, requeue) else { return false };
+    tracing::info!(job_id = job, agent_id, state, "Slurm ended the allocation; the job ends with it");
     active.cancel.get_or_insert(reason);
     core.dirty.insert(job);
     true
 }
 
 /// The reason a job is cancelled for when its allocation's agent saw Slurm end it with
-/// `state`; `None` when Slurm, not the user, ended it.
-fn ending(agent_id: &str, job: JobId, state: &str) -> Option<String> {
+/// `state`; `None` when Slurm ended it and requeues the job (`requeue`): its agents join again
+/// from the new allocation.
+fn ending(agent_id: &str, job: JobId, state: &str, requeue: bool) -> Option<String> {
     match Ending::of(state) {
         Ending::Cancelled => Some(format!(
             "cancelled in Slurm (scancel): the allocation's agent {agent_id} saw Slurm job state {state}"
         )),
-        Ending::BySlurm => {
-            tracing::warn!(agent_id, job_id = job, state, "Slurm is ending the allocation");
+        Ending::BySlurm if requeue => {
+            tracing::warn!(
+                agent_id,
+                job_id = job,
+                state,
+                "Slurm is ending the allocation; it requeues the job"
+            );
             None
         }
+        Ending::BySlurm => Some(format!(
+            "Slurm ended the allocation ({state}, seen by its agent {agent_id}) and the job asks for no requeue \
+             ([slurm] requeue = false): it ends here, its newest checkpoint kept"
+        )),
     }
 }
 
@@ -196,7 +207,8 @@ mod tests {
         ];
         assert_eq!(slurm_job_of(&events), 52);
         assert_eq!(submitted_event(7, "a\nb"), "allocation asked of Slurm as Slurm job 7 (a b)");
-        assert!(ending("j1-n0", 1, "CANCELLED by 65534").is_some_and(|r| r.contains("scancel")));
-        assert_eq!(ending("j1-n0", 1, "TIMEOUT"), None);
+        assert!(ending("j1-n0", 1, "CANCELLED by 65534", true).is_some_and(|r| r.contains("scancel")));
+        assert_eq!(ending("j1-n0", 1, "NODE_FAIL", true), None, "Slurm requeues it");
+        assert!(ending("j1-n0", 1, "TIMEOUT", false).is_some_and(|r| r.contains("requeue = false")));
     }
 }

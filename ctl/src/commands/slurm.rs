@@ -71,6 +71,9 @@ pub fn batch_script(job_id: u64, name: &str, token: &str, agent: &AgentLaunch, w
         "srun".to_string(),
         "--ntasks-per-node=1".into(),
         "--whole".into(),
+        // A node of the allocation lost ends only its agent, not the step: with a spare node the
+        // job goes on there (sbatch --no-kill keeps the allocation).
+        "--no-kill".into(),
         "--kill-on-bad-exit=0".into(),
         quote(&agent.program.display().to_string()),
         "--slurm-job".into(),
@@ -210,7 +213,7 @@ mod tests {
         assert!(script.contains("export TRAINYARD_CONTROLLER='https://ctl.example:7070'\n"), "{script}");
         assert!(script.contains("(nano chat)"), "no newline from the name reaches the script: {script}");
         let srun = script.lines().find(|l| l.starts_with("srun ")).expect("the srun line");
-        assert!(srun.starts_with("srun --ntasks-per-node=1 --whole"), "{srun}");
+        assert!(srun.starts_with("srun --ntasks-per-node=1 --whole --no-kill"), "{srun}");
         assert!(
             srun.contains(
                 "--slurm-job 7 --preemption-notice \"file:$warning\" --preemption-deadline-secs 120"
