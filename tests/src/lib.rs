@@ -191,6 +191,37 @@ pub fn venv_python() -> PathBuf {
     repo_root().join(".venv/bin/python")
 }
 
+/// An interpreter with `.venv`'s torch that the account ranks run as can use, and the
+/// `PYTHONPATH` it needs: `.venv`'s own python when that account can run it, else a system
+/// `python3` of the same version reading `.venv`'s site-packages (a venv whose interpreter links
+/// into a home directory that account cannot enter); `None` when neither imports torch.
+pub fn torch_for_ranks() -> Option<(String, String)> {
+    let runs = |python: &str, path: &str| {
+        std::process::Command::new("runuser")
+            .args(["-u", &run_account(), "--", "env"])
+            .arg(format!("PYTHONPATH={path}"))
+            .args([python, "-c", "import torch.distributed"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let venv = venv_python().display().to_string();
+    if runs(&venv, "") {
+        return Some((venv, String::new()));
+    }
+    let out = std::process::Command::new(&venv)
+        .args([
+            "-c",
+            "import site, sys; print(site.getsitepackages()[0]); print('python%d.%d' % sys.version_info[:2])",
+        ])
+        .output()
+        .ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    let mut lines = text.lines();
+    let (site, version) = (lines.next()?.to_string(), lines.next()?.to_string());
+    let system = format!("/usr/bin/{version}");
+    runs(&system, &site).then_some((system, site))
+}
+
 /// Real training scripts the tests run as jobs (tests/fixtures/scripts).
 pub fn fixture_scripts() -> PathBuf {
     repo_root().join("tests/fixtures/scripts")

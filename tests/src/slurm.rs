@@ -190,6 +190,21 @@ impl SlurmLab {
         }
     }
 
+    /// The pid of this cluster's `munged`, `slurmctld` or `slurmd-n<i>`.
+    pub fn pid_of(&self, daemon: &str) -> Result<i32> {
+        let at = match daemon {
+            "munged" => 0,
+            "slurmctld" => 1,
+            other => {
+                2 + other
+                    .strip_prefix("slurmd-n")
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .context("no such daemon")?
+            }
+        };
+        Ok(self.daemons.get(at).context("no such daemon")?.id() as i32)
+    }
+
     /// The daemons' logs, for a failing test's message.
     pub fn logs(&self) -> String {
         let mut out = String::new();

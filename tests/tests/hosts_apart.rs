@@ -53,40 +53,9 @@ fn ranks_rendezvous_across_namespace_hosts_through_master_addr() -> anyhow::Resu
     Ok(())
 }
 
-/// An interpreter with `.venv`'s torch that the account ranks run as can use, and the
-/// `PYTHONPATH` it needs: `.venv`'s own python when that account can run it, else a system
-/// `python3` of the same version reading `.venv`'s site-packages (a venv whose interpreter links
-/// into a home directory that account cannot enter); `None` when neither imports torch.
-fn torch_for_ranks() -> Option<(String, String)> {
-    let runs = |python: &str, path: &str| {
-        std::process::Command::new("runuser")
-            .args(["-u", &trainyard_tests::run_account(), "--", "env"])
-            .arg(format!("PYTHONPATH={path}"))
-            .args([python, "-c", "import torch.distributed"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    let venv = trainyard_tests::venv_python().display().to_string();
-    if runs(&venv, "") {
-        return Some((venv, String::new()));
-    }
-    let out = std::process::Command::new(&venv)
-        .args([
-            "-c",
-            "import site, sys; print(site.getsitepackages()[0]); print('python%d.%d' % sys.version_info[:2])",
-        ])
-        .output()
-        .ok()?;
-    let text = String::from_utf8(out.stdout).ok()?;
-    let mut lines = text.lines();
-    let (site, version) = (lines.next()?.to_string(), lines.next()?.to_string());
-    let system = format!("/usr/bin/{version}");
-    runs(&system, &site).then_some((system, site))
-}
-
 #[test]
 fn pytorch_ranks_rendezvous_with_gloo_across_namespace_hosts() -> anyhow::Result<()> {
-    let Some((python, site)) = torch_for_ranks() else {
+    let Some((python, site)) = trainyard_tests::torch_for_ranks() else {
         eprintln!(
             "skipped: no python with .venv's torch can be run by {} (ranks never run as root on a \
              network controller), so gloo across namespace hosts is not checked here; the stand-in \

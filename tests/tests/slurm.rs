@@ -423,3 +423,49 @@ fn a_killed_host_of_the_allocation_is_a_lost_host_and_the_job_moves_to_its_spare
     ensure!(out.status.success(), "{}", text(&out));
     Ok(())
 }
+
+/// The same allocation with a real PyTorch script nobody changed for trainyard (plain_ddp.py:
+/// DDP over gloo, as written for torchrun): the two ranks meet across the hosts through the
+/// MASTER_ADDR the agents give them, and every step of each rank is recorded without code
+/// changes (docs/receipts.md). With `slurmctld` frozen for the whole run, nothing already
+/// written is lost: the agents need Slurm only to start and to end.
+#[test]
+fn an_unchanged_ddp_script_trains_over_gloo_across_the_allocation_with_slurmctld_frozen() -> Result<()> {
+    let Some((python, site)) = trainyard_tests::torch_for_ranks() else {
+        println!("skipped: no python with .venv's torch can be run by {}", run_account());
+        return Ok(());
+    };
+    let Some((c, slurm)) = start(2)? else { return Ok(()) };
+    let work = c.path("ddp");
+    std::fs::create_dir_all(&work)?;
+    chown(&work)?;
+    let script = trainyard_tests::fixture_scripts().join("plain_ddp.py").display().to_string();
+    let out = work.display().to_string();
+    let text = format!(
+        "name = \"ddp-on-slurm\"\n\n[resources]\ngpus = 2\ngpus_per_node = 1\n\n[engine]\nkind = \"exec\"\n\
+         argv = [{python:?}, {script:?}, \"--steps\", \"12\", \"--out\", {out:?}]\nworkdir = {out:?}\n\n\
+         [env]\nPYTHONPATH = {site:?}\nGLOO_SOCKET_IFNAME = \"eth0\"\n\n[slurm]\npartition = \"debug\"\n"
+    );
+    let file = c.path("ddp-on-slurm.toml");
+    std::fs::write(&file, text)?;
+    let (job, slurm_id) = submit(&c, &slurm, &file)?;
+    running(&c, &slurm, job, slurm_id)?;
+    let ctld = slurm.pid_of("slurmctld")?;
+    // SAFETY: kill(2) on the test cluster's own slurmctld.
+    unsafe { libc::kill(ctld, libc::SIGSTOP) };
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(180));
+    // SAFETY: as above.
+    unsafe { libc::kill(ctld, libc::SIGCONT) };
+    let status = status?;
+    ensure!(status["state"] == "succeeded", "{status}\n{}", batch_output(&c, job, slurm_id));
+    let steps = c.query(&format!(
+        "SELECT rank, COUNT(DISTINCT step) FROM receipts WHERE job_id = {job} AND kind = 'step' GROUP BY rank"
+    ))?;
+    assert_eq!(steps, vec![vec![0, 12], vec![1, 12]], "every step of both ranks, from an unchanged script");
+    // DDP of world size 2 steps only once both ranks met, one on each host.
+    let hosts =
+        c.query_text(&format!("SELECT agent_id FROM allocations WHERE job_id = {job} ORDER BY rank"))?;
+    assert_eq!(hosts, vec![vec![format!("j{job}-n0")], vec![format!("j{job}-n1")]]);
+    slurm.wait_completed(slurm_id, Duration::from_secs(60))?;
+    Ok(())
+}
