@@ -403,6 +403,12 @@ resume = false
     }
 
     #[test]
+    fn the_sample_slurm_job_passes_the_controllers_checks() {
+        let spec = parse(include_str!("../../deploy/slurm/job.toml")).expect("deploy/slurm/job.toml parses");
+        trainyard_model::spec::parse(spec).expect("and the controller takes it");
+    }
+
+    #[test]
     fn a_slurm_table_is_read_and_a_typo_in_it_is_named() {
         let base = "name = \"s\"\n[resources]\ngpus = 16\ngpus_per_node = 8\n[engine]\nkind = \"exec\"\nargv = [\"python3\"]\nworkdir = \"/w\"\n";
         let spec = parse(&format!(

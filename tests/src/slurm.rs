@@ -148,6 +148,20 @@ impl SlurmLab {
         c
     }
 
+    /// `program` run as the unprivileged job user ([`crate::run_account`]) for this cluster, with
+    /// `env` (and `PATH` kept): how a user on a login node runs `ctl`, `sbatch` or `scancel`.
+    pub fn as_user(&self, program: &Path, env: &[(&str, String)]) -> Command {
+        let mut c = Command::new("runuser");
+        c.args(["-u", &crate::run_account(), "--", "env"]);
+        c.arg(format!("SLURM_CONF={}", self.conf.display()));
+        c.arg(format!("PATH={}", std::env::var("PATH").unwrap_or_default()));
+        for (name, value) in env {
+            c.arg(format!("{name}={value}"));
+        }
+        c.arg(program);
+        c
+    }
+
     /// `program ARGS` as root; fails with its stderr.
     pub fn run(&self, program: &str, args: &[&str]) -> Result<String> {
         let out = self.client(program).args(args).output().with_context(|| format!("run {program}"))?;

@@ -36,14 +36,12 @@ fn chown(path: &Path) -> Result<()> {
 
 /// `ctl ARGS` as the job's user, with the cluster's token and Slurm's configuration.
 fn ctl_as_user(c: &Cluster, slurm: &SlurmLab, args: &[&str]) -> Result<Output> {
-    let mut command = Command::new("runuser");
-    command.args(["-u", &run_account(), "--", "env"]);
-    command.arg(format!("SLURM_CONF={}", slurm.conf().display()));
-    command.arg(format!("HOME={}", c.path("home").display()));
-    command.arg(format!("TRAINYARD_TOKEN={}", c.token.clone().unwrap_or_default()));
-    command.arg(format!("PATH={}", std::env::var("PATH").unwrap_or_default()));
-    command.arg(bin("ctl")?).arg("--controller").arg(c.url()).args(args);
-    Ok(command.output()?)
+    let env = [
+        ("HOME", c.path("home").display().to_string()),
+        ("TRAINYARD_TOKEN", c.token.clone().unwrap_or_default()),
+    ];
+    let mut command = slurm.as_user(&bin("ctl")?, &env);
+    Ok(command.arg("--controller").arg(c.url()).args(args).output()?)
 }
 
 /// Submits `file` with `ctl submit --slurm`; returns the trainyard job and the Slurm job.
@@ -142,9 +140,7 @@ fn ctl_cancel_and_scancel_each_end_the_job_as_cancelled() -> Result<()> {
     // `scancel` by the user: the agents see Slurm cancel the job and say so.
     let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "cancel-slurm", 2, &long, ""))?;
     running(&c, &slurm, job, slurm_id)?;
-    let mut scancel = Command::new("runuser");
-    scancel.args(["-u", &run_account(), "--", "env", &format!("SLURM_CONF={}", slurm.conf().display())]);
-    let out = scancel.args(["scancel", &slurm_id.to_string()]).output()?;
+    let out = slurm.as_user(Path::new("scancel"), &[]).arg(slurm_id.to_string()).output()?;
     ensure!(out.status.success(), "scancel: {}", text(&out));
     let status =
         c.wait_state(job, &["cancelled", "failed", "succeeded", "pending"], Duration::from_secs(30))?;
