@@ -268,7 +268,7 @@ impl Session<'_> {
         if let Some(slurm) = self.config.slurm.clone() {
             // Inside an allocation a stop is Slurm ending it: say how (a scancel is the user's
             // cancel), and leave nothing running behind.
-            leaving.slurm_state = crate::slurm::ending_state(&slurm.slurm_job_id, false).await;
+            leaving.slurm_state = crate::slurm::ending_state(&slurm.slurm_job_id, false, slurm.restart).await;
             leaving.reason =
                 format!("Slurm is ending allocation {} ({})", slurm.slurm_job_id, leaving.slurm_state);
             let _ = self.send(Out::Leaving(leaving.clone())).await;

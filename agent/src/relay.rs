@@ -212,6 +212,15 @@ impl Dial {
                 info!(reason, "agent done: its job ended");
                 return Ok(None);
             }
+            // An allocation's agent is refused for good (a token of another job, or of one that
+            // ended): it stops, which ends its Slurm step and frees the node.
+            Ended::Refused(message) if config.slurm.is_some() => {
+                error!(reason = %message, "the controller refused this agent of a Slurm allocation; stopping");
+                anyhow::bail!(
+                    "the controller refused this agent of a Slurm allocation (its token is good for one job, \
+                     while that job runs): {message}"
+                );
+            }
             Ended::Refused(message) => {
                 error!(reason = %message, retry_in_s = REFUSED_RETRY.as_secs(),
                     "controller refused this agent (a protocol mismatch or a credential it does not accept)");

@@ -93,7 +93,7 @@ impl SlurmAgent {
 /// the cause is read from what is known: a node of it down (`Reason=NodeDown`) is `NODE_FAIL`;
 /// past the time limit (or after the warning) it is `TIMEOUT`; otherwise someone ended it
 /// (`scancel`, or preemption): `CANCELLED`.
-pub async fn ending_state(slurm_job_id: &str, warned: bool) -> String {
+pub async fn ending_state(slurm_job_id: &str, warned: bool, restart: u32) -> String {
     let out = tokio::process::Command::new("scontrol")
         .args(["show", "job", "-o", slurm_job_id])
         .kill_on_drop(true)
@@ -102,15 +102,20 @@ pub async fn ending_state(slurm_job_id: &str, warned: bool) -> String {
         Ok(Ok(out)) => String::from_utf8_lossy(&out.stdout).into_owned(),
         _ => String::new(),
     };
-    classify(&text, warned)
+    tracing::info!(slurm_job_id, said = %text.trim(), "how Slurm is ending the allocation");
+    classify(&text, warned, restart)
 }
 
 /// [`ending_state`] from one line of `scontrol show job -o` (empty: `scontrol` did not answer).
-pub fn classify(text: &str, warned: bool) -> String {
+pub fn classify(text: &str, warned: bool, restart: u32) -> String {
     let field = |name: &str| text.split_whitespace().find_map(|f| f.strip_prefix(name));
     match field("JobState=") {
         Some(state) if state != "COMPLETING" && state != "RUNNING" => return state.to_string(),
         _ => {}
+    }
+    // Slurm requeued the job already (a node failure, a preemption): it goes on elsewhere.
+    if field("Restarts=").and_then(|r| r.parse::<u32>().ok()).is_some_and(|r| r > restart) {
+        return "REQUEUED".into();
     }
     if matches!(field("Reason="), Some("NodeDown" | "NodeFail")) {
         return "NODE_FAIL".into();
@@ -165,21 +170,25 @@ pub async fn requeue(slurm_job_id: &str) {
     }
 }
 
-/// The CPUs this process may run on (its affinity, which a Slurm step's cpuset bounds), from
-/// `Cpus_allowed_list` of `/proc/self/status`.
-pub fn allowed_cpus() -> Option<BTreeSet<u32>> {
+/// The CPUs and the memory nodes this process may use (the bounds a Slurm step's cpuset sets),
+/// from `Cpus_allowed_list` and `Mems_allowed_list` of `/proc/self/status`.
+pub fn allowed_cpus() -> Option<(BTreeSet<u32>, BTreeSet<u32>)> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?.trim();
-    cpulist::parse(list).ok().map(|cpus| cpus.into_iter().collect())
+    let list = |field: &str| -> Option<BTreeSet<u32>> {
+        let text = status.lines().find_map(|l| l.strip_prefix(field))?.trim();
+        cpulist::parse(text).ok().map(|ids| ids.into_iter().collect())
+    };
+    Some((list("Cpus_allowed_list:")?, list("Mems_allowed_list:")?))
 }
 
-/// Keeps only `allowed` CPUs in the NUMA nodes (and cores) the controller plans pinning from.
-pub fn restrict_to(inventory: &mut HostInventory, allowed: &BTreeSet<u32>) {
+/// Keeps only the allowed CPUs, of NUMA nodes whose memory is allowed (`mems`), in the NUMA
+/// nodes (and cores) the controller plans pinning from.
+pub fn restrict_to(inventory: &mut HostInventory, (allowed, mems): &(BTreeSet<u32>, BTreeSet<u32>)) {
     for node in &mut inventory.numa_nodes {
         let cpus: Vec<u32> = cpulist::parse(&node.cpus)
             .unwrap_or_default()
             .into_iter()
-            .filter(|c| allowed.contains(c))
+            .filter(|c| allowed.contains(c) && mems.contains(&node.id))
             .collect();
         node.cpus = cpulist::format(&cpus);
     }
@@ -199,22 +208,26 @@ mod tests {
             )
         };
         // While the allocation is killed, only the clock tells a time limit from a scancel.
-        assert_eq!(classify(&line("COMPLETING", "00:00:03", "UNLIMITED"), false), "CANCELLED");
-        assert_eq!(classify(&line("COMPLETING", "00:01:00", "00:01:00"), false), "TIMEOUT");
-        assert_eq!(classify(&line("COMPLETING", "1-00:00:00", "1-00:00:00"), false), "TIMEOUT");
+        assert_eq!(classify(&line("COMPLETING", "00:00:03", "UNLIMITED"), false, 0), "CANCELLED");
+        assert_eq!(classify(&line("COMPLETING", "00:01:00", "00:01:00"), false, 0), "TIMEOUT");
+        assert_eq!(classify(&line("COMPLETING", "1-00:00:00", "1-00:00:00"), false, 0), "TIMEOUT");
         assert_eq!(
-            classify(&line("COMPLETING", "00:00:30", "00:10:00"), true),
+            classify(&line("COMPLETING", "00:00:30", "00:10:00"), true, 0),
             "TIMEOUT",
             "after the warning"
         );
         assert_eq!(
-            classify(&line("PREEMPTED", "00:00:30", "00:10:00"), false),
+            classify(&line("PREEMPTED", "00:00:30", "00:10:00"), false, 0),
             "PREEMPTED",
             "a final state is said"
         );
-        assert_eq!(classify("", false), "CANCELLED", "scontrol did not answer");
+        assert_eq!(classify("", false, 0), "CANCELLED", "scontrol did not answer");
         let down = "JobId=7 JobState=COMPLETING Reason=NodeDown RunTime=00:00:30 TimeLimit=00:10:00";
-        assert_eq!(classify(down, false), "NODE_FAIL", "a node of the allocation went down");
+        assert_eq!(classify(down, false, 0), "NODE_FAIL", "a node of the allocation went down");
+        let requeued =
+            "JobId=7 JobState=COMPLETING Reason=None Restarts=1 RunTime=00:00:30 TimeLimit=UNLIMITED";
+        assert_eq!(classify(requeued, false, 0), "REQUEUED", "Slurm requeued the job already");
+        assert_eq!(classify(requeued, false, 1), "CANCELLED", "the requeued allocation's own count");
     }
 
     #[test]
@@ -224,7 +237,8 @@ mod tests {
             cores: vec!["0,4".into(), "1".into(), "2".into(), "5".into()],
             ..Default::default()
         };
-        restrict_to(&mut inv, &BTreeSet::from([1, 2, 5]));
+        let mut both = inv.clone();
+        restrict_to(&mut inv, &(BTreeSet::from([1, 2, 5]), BTreeSet::from([0, 1])));
         assert_eq!(inv.numa_nodes[0].cpus, "1-2");
         assert_eq!(inv.numa_nodes[1].cpus, "5");
         assert_eq!(
@@ -232,6 +246,9 @@ mod tests {
             vec!["1".to_string(), "2".into(), "5".into()],
             "a core half outside is dropped"
         );
+        // A NUMA node whose memory the step may not use gets no rank pinned to it.
+        restrict_to(&mut both, &(BTreeSet::from([1, 2, 5]), BTreeSet::from([0])));
+        assert_eq!((both.numa_nodes[0].cpus.as_str(), both.numa_nodes[1].cpus.as_str()), ("1-2", ""));
     }
 
     #[test]

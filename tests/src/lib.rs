@@ -508,6 +508,11 @@ impl Cluster {
         Ok(Some(cluster))
     }
 
+    /// The CA of a TLS cluster's certificates, what `ctl` and agents trust (`None`: plaintext).
+    pub fn ca(&self) -> Option<PathBuf> {
+        self.pki.as_ref().map(|p| p.join("ca.pem"))
+    }
+
     /// The lab of a [`Cluster::start_lab`] cluster.
     pub fn lab(&self) -> &NetLab {
         self.lab.as_ref().expect("a cluster started with start_lab")

@@ -19,13 +19,22 @@ fn start(hosts: usize) -> Result<Option<(Cluster, SlurmLab)>> {
         return Ok(None);
     }
     let Some(c) = Cluster::start_lab(hosts, &[])? else { return Ok(None) };
+    let slurm = prepare(&c)?;
+    Ok(Some((c, slurm)))
+}
+
+/// The Slurm cluster on `c`'s lab; the user's home (where ctl keeps the batch scripts, and the
+/// controller's CA on a TLS cluster) and a host description the agents read.
+fn prepare(c: &Cluster) -> Result<SlurmLab> {
     let slurm = SlurmLab::start(c.lab(), c.dir.path(), 1, "KillWait=5")?;
-    // The user's home: where ctl keeps the batch scripts; and a host description the agents read.
     let home = c.path("home");
     std::fs::create_dir_all(&home)?;
     chown(&home)?;
+    if let Some(ca) = c.ca() {
+        std::fs::copy(ca, home.join("ca.pem"))?;
+    }
     host_file(c.dir.path(), "slurm-node", 1);
-    Ok(Some((c, slurm)))
+    Ok(slurm)
 }
 
 fn chown(path: &Path) -> Result<()> {
@@ -36,10 +45,13 @@ fn chown(path: &Path) -> Result<()> {
 
 /// `ctl ARGS` as the job's user, with the cluster's token and Slurm's configuration.
 fn ctl_as_user(c: &Cluster, slurm: &SlurmLab, args: &[&str]) -> Result<Output> {
-    let env = [
+    let mut env = vec![
         ("HOME", c.path("home").display().to_string()),
         ("TRAINYARD_TOKEN", c.token.clone().unwrap_or_default()),
     ];
+    if c.ca().is_some() {
+        env.push(("TRAINYARD_CA", c.path("home/ca.pem").display().to_string()));
+    }
     let mut command = slurm.as_user(&bin("ctl")?, &env);
     Ok(command.arg("--controller").arg(c.url()).args(args).output()?)
 }
@@ -367,6 +379,11 @@ fn an_agent_is_refused_and_audited_with_a_token_not_its_jobs_or_after_its_job_en
     wait_until("the late join audited", Duration::from_secs(20), || {
         Ok(refusals()?.iter().any(|r| r.contains(&format!("node:j{a}-n3")) && r.contains("has ended")))
     })?;
+    // A refused agent of an allocation stops (so its Slurm step ends and the node is freed);
+    // the agent that joined for job A was dismissed when A ended, and stopped too.
+    wait_until("every agent stopped", Duration::from_secs(20), || {
+        Ok(agents.0.iter_mut().all(|a| a.try_wait().is_ok_and(|s| s.is_some())))
+    })?;
     Ok(())
 }
 
@@ -377,11 +394,7 @@ fn a_killed_host_of_the_allocation_is_a_lost_host_and_the_job_moves_to_its_spare
     }
     let flags = [("--agent-timeout-secs", "8"), ("--cancel-grace-secs", "2")];
     let Some(c) = Cluster::start_lab(3, &flags)? else { return Ok(()) };
-    let mut slurm = SlurmLab::start(c.lab(), c.dir.path(), 1, "KillWait=5")?;
-    let home = c.path("home");
-    std::fs::create_dir_all(&home)?;
-    chown(&home)?;
-    host_file(c.dir.path(), "slurm-node", 1);
+    let mut slurm = prepare(&c)?;
     // Two ranks on two of three nodes: one spare, so the allocation outlives a node (--no-kill).
     // They meet every step, so the survivor stalls when its peer's host dies, as training does.
     let args = ["--steps", "100000", "--step-ms", "50", "--collective"];
@@ -463,5 +476,69 @@ fn an_unchanged_ddp_script_trains_over_gloo_across_the_allocation_with_slurmctld
         c.query_text(&format!("SELECT agent_id FROM allocations WHERE job_id = {job} ORDER BY rank"))?;
     assert_eq!(hosts, vec![vec![format!("j{job}-n0")], vec![format!("j{job}-n1")]]);
     slurm.wait_completed(slurm_id, Duration::from_secs(60))?;
+    Ok(())
+}
+
+/// On a TLS controller that wants client certificates of its fleet's agents, the agents of an
+/// allocation join with the job's token and the controller's CA alone (`ctl` passes its `--ca`
+/// on), and the job runs as on plaintext.
+#[test]
+fn over_tls_an_allocations_agents_join_with_the_token_and_the_ca_alone() -> Result<()> {
+    if !trainyard_tests::slurm::installed() {
+        return Ok(());
+    }
+    let Some(c) = Cluster::start_lab_tls(trainyard_tests::Backend::Sqlite, 2, &[], &[])? else {
+        return Ok(());
+    };
+    let slurm = prepare(&c)?;
+    assert!(c.url().starts_with("https://"), "{}", c.url());
+    let file = job_file(&c, "tls", 2, &["--steps", "10", "--step-ms", "20", "--collective"], "");
+    let (job, slurm_id) = submit(&c, &slurm, &file)?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(90))?;
+    ensure!(status["state"] == "succeeded", "{status}\n{}", batch_output(&c, job, slurm_id));
+    let script = std::fs::read_to_string(c.path(&format!("home/.trainyard/slurm/job-{job}.sh")))?;
+    assert!(script.contains("--tls-ca"), "the agents trust the controller's CA: {script}");
+    let steps = c.query(&format!("SELECT COUNT(*) FROM receipts WHERE job_id = {job} AND kind = 'step'"))?;
+    assert_eq!(steps[0][0], 20);
+    Ok(())
+}
+
+/// Without a spare a lost node ends the whole allocation (Slurm's NODE_FAIL); a job that asks for
+/// requeue is requeued by Slurm and goes on in the new allocation's nodes as a new attempt, not
+/// charged, from its newest checkpoint.
+#[test]
+fn a_killed_host_without_a_spare_ends_the_allocation_and_the_requeued_one_takes_the_job() -> Result<()> {
+    if !trainyard_tests::slurm::installed() {
+        return Ok(());
+    }
+    let flags = [("--agent-timeout-secs", "8"), ("--cancel-grace-secs", "2")];
+    let Some(c) = Cluster::start_lab(3, &flags)? else { return Ok(()) };
+    let mut slurm = prepare(&c)?;
+    let args = ["--steps", "100000", "--step-ms", "50", "--collective"];
+    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "no-spare", 2, &args, "requeue = true\n"))?;
+    running(&c, &slurm, job, slurm_id)?;
+    let status = c.status(job)?;
+    let victim = status["ranks"][1]["agent_id"].as_str().unwrap_or("").to_string();
+    let host: usize = victim.rsplit('n').next().unwrap_or("").parse()?;
+    slurm.kill_host(host)?;
+    wait_until("attempt 1 runs in the requeued allocation", Duration::from_secs(120), || {
+        let s = c.status(job)?;
+        Ok(s["attempt"].as_u64().unwrap_or(0) >= 1 && s["state"] == "running")
+    })
+    .map_err(|e| {
+        let status = c.status(job).map(|s| s.to_string()).unwrap_or_default();
+        let line = slurm.run("scontrol", &["show", "job", "-o", &slurm_id.to_string()]).unwrap_or_default();
+        e.context(format!("{status}\nSlurm: {line}\n{}", batch_output(&c, job, slurm_id)))
+    })?;
+    let status = c.status(job)?;
+    let agents: Vec<&str> =
+        status["ranks"].as_array().into_iter().flatten().filter_map(|r| r["agent_id"].as_str()).collect();
+    assert!(agents.iter().all(|a| a.ends_with("-r1")), "the requeued allocation's agents: {status}");
+    let failures = status["failures"].as_array().cloned().unwrap_or_default();
+    assert!(!failures.is_empty() && failures.iter().all(|f| f["charged"] == false), "{status}");
+    let line = slurm.run("scontrol", &["show", "job", "-o", &slurm_id.to_string()])?;
+    assert!(line.contains("Restarts=1 "), "Slurm requeued the job after the node failure: {line}");
+    let out = ctl_as_user(&c, &slurm, &["cancel", &job.to_string()])?;
+    ensure!(out.status.success(), "{}", text(&out));
     Ok(())
 }

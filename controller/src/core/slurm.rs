@@ -151,9 +151,10 @@ pub(super) fn ended_with_allocation(core: &Core, agent_id: &str) -> Vec<trainyar
 /// An agent of `[slurm]` job `job` says Slurm is ending its allocation with `state`: when the
 /// user cancelled the Slurm job, the job is marked to be cancelled (true).
 pub(super) fn cancel_for(core: &mut Core, agent_id: &str, job: JobId, state: &str) -> bool {
-    // An allocation trainyard ends itself (a dismissed agent of it: the job moved on, ended, or
-    // is requeued) is no user's cancel.
-    if core.agents.values().any(|e| e.bound == Some(job) && e.dismissed) {
+    // An allocation trainyard ends itself (a dismissed agent of it still connected: the job
+    // moved on, ended, or is requeued) is no user's cancel; the agents of an allocation that
+    // ended before (requeued) are gone, and a scancel of the new one counts.
+    if core.agents.values().any(|e| e.bound == Some(job) && e.dismissed && e.link.is_some()) {
         return false;
     }
     let Some(active) = core.jobs.get_mut(&job).filter(|j| !j.record().state.is_terminal()) else {
