@@ -77,6 +77,20 @@ enum Command {
         /// A further flag for every agent (repeat it; e.g. --agent-arg=--reserve-cpus=2).
         #[arg(long = "agent-arg", requires = "slurm", allow_hyphen_values = true, value_name = "ARG")]
         agent_args: Vec<String>,
+        /// sbatch's partition, account, QOS and time limit for this submit, over the spec's
+        /// [slurm] table.
+        #[arg(long, requires = "slurm")]
+        partition: Option<String>,
+        #[arg(long, requires = "slurm")]
+        account: Option<String>,
+        #[arg(long, requires = "slurm")]
+        qos: Option<String>,
+        #[arg(long, requires = "slurm", value_name = "TIME")]
+        time_limit: Option<String>,
+        /// A further sbatch option for this submit, after the table's (repeat it; e.g.
+        /// --sbatch-arg=--constraint=h100).
+        #[arg(long = "sbatch-arg", requires = "slurm", allow_hyphen_values = true, value_name = "OPTION")]
+        sbatch_args: Vec<String>,
     },
     /// Show all jobs, or one job's events and ranks.
     Status {
@@ -232,8 +246,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         client::connect(&cli.controller, &credentials).await?
     };
     match cli.command {
-        Command::Submit { follow, key, slurm, agent_program, agent_controller, agent_args, .. } => {
-            let spec = spec.unwrap_or_default();
+        Command::Submit {
+            follow,
+            key,
+            slurm,
+            agent_program,
+            agent_controller,
+            agent_args,
+            partition,
+            account,
+            qos,
+            time_limit,
+            sbatch_args,
+            ..
+        } => {
+            let mut spec = spec.unwrap_or_default();
+            let flags =
+                commands::slurm::SbatchFlags { partition, account, qos, time_limit, options: sbatch_args };
+            flags.apply(&mut spec);
             let slurm = slurm.then(|| commands::slurm::AgentLaunch {
                 program: agent_program.unwrap_or_else(commands::slurm::default_agent_program),
                 controller: agent_controller.unwrap_or_else(|| cli.controller.clone()),

@@ -167,10 +167,12 @@ fn ctl_cancel_and_scancel_each_end_the_job_as_cancelled() -> Result<()> {
 #[test]
 fn what_slurm_refuses_and_waits_for_is_said_in_slurms_words() -> Result<()> {
     let Some((c, slurm)) = start(2)? else { return Ok(()) };
-    // A partition Slurm does not have: the submit fails with sbatch's own message, the job is cancelled.
-    let file = c.job_file("no-partition", 2, 1, &["--steps", "2"], "[slurm]\npartition = \"nosuch\"\n");
+    // A partition Slurm does not have (given on the command line, over the table's): the submit
+    // fails with sbatch's own message, the job is cancelled.
+    let file = c.job_file("no-partition", 2, 1, &["--steps", "2"], "[slurm]\npartition = \"debug\"\n");
     let host_file = format!("--agent-arg=--host-file={}", c.path("slurm-node.json").display());
-    let out = ctl_as_user(&c, &slurm, &["submit", &file.display().to_string(), "--slurm", &host_file])?;
+    let args = ["submit", &file.display().to_string(), "--slurm", &host_file, "--partition", "nosuch"];
+    let out = ctl_as_user(&c, &slurm, &args)?;
     assert!(!out.status.success());
     let said = text(&out);
     assert!(said.contains("sbatch refused the allocation") && said.contains("invalid partition"), "{said}");

@@ -21,6 +21,37 @@ pub struct AgentLaunch {
     pub args: Vec<String>,
 }
 
+/// sbatch options given to `ctl submit --slurm` itself, over the spec's `[slurm]` table (the
+/// controller checks them as it checks the table).
+#[derive(Debug, Clone, Default)]
+pub struct SbatchFlags {
+    pub partition: Option<String>,
+    pub account: Option<String>,
+    pub qos: Option<String>,
+    pub time_limit: Option<String>,
+    /// Appended to the table's options.
+    pub options: Vec<String>,
+}
+
+impl SbatchFlags {
+    /// Writes the flags into `spec`'s `[slurm]` table (nothing when it has none: the submit
+    /// then says the table is missing).
+    pub fn apply(self, spec: &mut JobSpec) {
+        let Some(table) = spec.slurm.as_mut() else { return };
+        for (flag, field) in [
+            (self.partition, &mut table.partition),
+            (self.account, &mut table.account),
+            (self.qos, &mut table.qos),
+            (self.time_limit, &mut table.time_limit),
+        ] {
+            if let Some(value) = flag {
+                *field = value;
+            }
+        }
+        table.options.extend(self.options);
+    }
+}
+
 /// `trainyard-agent` beside this `ctl` when it is there (an install on a shared file system),
 /// else the name, found on the compute nodes' PATH.
 pub fn default_agent_program() -> PathBuf {
@@ -228,6 +259,29 @@ mod tests {
         assert_eq!(parse_sbatch("4242\n"), Some(4242));
         assert_eq!(parse_sbatch("4242;cluster-a\n"), Some(4242));
         assert_eq!(parse_sbatch("Submitted batch job 4242"), None);
+    }
+
+    #[test]
+    fn flags_override_the_table_and_add_options() {
+        let mut spec = JobSpec {
+            slurm: Some(trainyard_proto::v1::SlurmSpec {
+                partition: "gpu".into(),
+                time_limit: "1:00:00".into(),
+                options: vec!["--exclusive".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let flags = SbatchFlags {
+            partition: Some("debug".into()),
+            time_limit: None,
+            options: vec!["--constraint=h100".into()],
+            ..Default::default()
+        };
+        flags.apply(&mut spec);
+        let table = spec.slurm.unwrap();
+        assert_eq!((table.partition.as_str(), table.time_limit.as_str()), ("debug", "1:00:00"));
+        assert_eq!(table.options, vec!["--exclusive".to_string(), "--constraint=h100".into()]);
     }
 
     #[test]
