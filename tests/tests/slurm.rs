@@ -389,27 +389,41 @@ fn an_agent_is_refused_and_audited_with_a_token_not_its_jobs_or_after_its_job_en
     Ok(())
 }
 
-#[test]
-fn a_killed_host_of_the_allocation_is_a_lost_host_and_the_job_moves_to_its_spare() -> Result<()> {
+/// A cluster, its Slurm lab, the job, its Slurm job, and the agent whose host died.
+type KilledHost = (Cluster, SlurmLab, u64, u64, String);
+
+/// A 3-host lab whose 2-rank job (ranks meeting every step, `table` in its `[slurm]`) runs,
+/// then the host of rank 1 dies. `None` where the test cannot run here (it says skipped).
+fn job_on_a_killed_host(name: &str, table: &str) -> Result<Option<KilledHost>> {
     if !trainyard_tests::slurm::installed() {
-        return Ok(());
+        return Ok(None);
     }
     let flags = [("--agent-timeout-secs", "8"), ("--cancel-grace-secs", "2")];
-    let Some(c) = Cluster::start_lab(3, &flags)? else { return Ok(()) };
+    let Some(c) = Cluster::start_lab(3, &flags)? else { return Ok(None) };
     let mut slurm = prepare(&c)?;
-    // Two ranks on two of three nodes: one spare, so the allocation outlives a node (--no-kill).
-    // They meet every step, so the survivor stalls when its peer's host dies, as training does.
+    // The survivor stalls when its peer's host dies, as training does.
     let args = ["--steps", "100000", "--step-ms", "50", "--collective"];
-    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "spare", 2, &args, "spare_nodes = 1\n"))?;
+    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, name, 2, &args, table))?;
     running(&c, &slurm, job, slurm_id)?;
     let status = c.status(job)?;
     let victim = status["ranks"][1]["agent_id"].as_str().unwrap_or("").to_string();
     let host: usize = victim.rsplit('n').next().unwrap_or("").parse()?;
     slurm.kill_host(host)?;
-    let started = Instant::now();
-    wait_until("attempt 1 runs on the spare", Duration::from_secs(60), || {
+    Ok(Some((c, slurm, job, slurm_id, victim)))
+}
+
+/// Waits until a later attempt of `job` runs; the error carries the job, Slurm's word and the
+/// agents' output.
+fn later_attempt_runs(
+    c: &Cluster,
+    slurm: &SlurmLab,
+    (job, slurm_id): (u64, u64),
+    what: &str,
+    timeout: Duration,
+) -> Result<()> {
+    wait_until(what, timeout, || {
         let s = c.status(job)?;
-        Ok(s["attempt"] == 1 && s["state"] == "running")
+        Ok(s["attempt"].as_u64().unwrap_or(0) >= 1 && s["state"] == "running")
     })
     .map_err(|e| {
         let status = c.status(job).map(|s| s.to_string()).unwrap_or_default();
@@ -418,9 +432,19 @@ fn a_killed_host_of_the_allocation_is_a_lost_host_and_the_job_moves_to_its_spare
         let tail: Vec<&str> = log.lines().rev().take(40).collect();
         e.context(format!(
             "{status}\nSlurm: {line}\n{}\ncontroller: {tail:#?}",
-            batch_output(&c, job, slurm_id)
+            batch_output(c, job, slurm_id)
         ))
-    })?;
+    })
+}
+
+#[test]
+fn a_killed_host_of_the_allocation_is_a_lost_host_and_the_job_moves_to_its_spare() -> Result<()> {
+    // Two ranks on two of three nodes: one spare, so the allocation outlives a node (--no-kill).
+    let Some((c, slurm, job, slurm_id, victim)) = job_on_a_killed_host("spare", "spare_nodes = 1\n")? else {
+        return Ok(());
+    };
+    let started = Instant::now();
+    later_attempt_runs(&c, &slurm, (job, slurm_id), "attempt 1 runs on the spare", Duration::from_secs(60))?;
     let status = c.status(job)?;
     let agents: Vec<&str> =
         status["ranks"].as_array().into_iter().flatten().filter_map(|r| r["agent_id"].as_str()).collect();
@@ -510,28 +534,11 @@ fn over_tls_an_allocations_agents_join_with_the_token_and_the_ca_alone() -> Resu
 /// charged, from its newest checkpoint.
 #[test]
 fn a_killed_host_without_a_spare_ends_the_allocation_and_the_requeued_one_takes_the_job() -> Result<()> {
-    if !trainyard_tests::slurm::installed() {
+    let Some((c, slurm, job, slurm_id, _)) = job_on_a_killed_host("no-spare", "requeue = true\n")? else {
         return Ok(());
-    }
-    let flags = [("--agent-timeout-secs", "8"), ("--cancel-grace-secs", "2")];
-    let Some(c) = Cluster::start_lab(3, &flags)? else { return Ok(()) };
-    let mut slurm = prepare(&c)?;
-    let args = ["--steps", "100000", "--step-ms", "50", "--collective"];
-    let (job, slurm_id) = submit(&c, &slurm, &job_file(&c, "no-spare", 2, &args, "requeue = true\n"))?;
-    running(&c, &slurm, job, slurm_id)?;
-    let status = c.status(job)?;
-    let victim = status["ranks"][1]["agent_id"].as_str().unwrap_or("").to_string();
-    let host: usize = victim.rsplit('n').next().unwrap_or("").parse()?;
-    slurm.kill_host(host)?;
-    wait_until("attempt 1 runs in the requeued allocation", Duration::from_secs(120), || {
-        let s = c.status(job)?;
-        Ok(s["attempt"].as_u64().unwrap_or(0) >= 1 && s["state"] == "running")
-    })
-    .map_err(|e| {
-        let status = c.status(job).map(|s| s.to_string()).unwrap_or_default();
-        let line = slurm.run("scontrol", &["show", "job", "-o", &slurm_id.to_string()]).unwrap_or_default();
-        e.context(format!("{status}\nSlurm: {line}\n{}", batch_output(&c, job, slurm_id)))
-    })?;
+    };
+    let what = "attempt 1 runs in the requeued allocation";
+    later_attempt_runs(&c, &slurm, (job, slurm_id), what, Duration::from_secs(120))?;
     let status = c.status(job)?;
     let agents: Vec<&str> =
         status["ranks"].as_array().into_iter().flatten().filter_map(|r| r["agent_id"].as_str()).collect();
