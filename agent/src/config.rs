@@ -50,9 +50,9 @@ pub struct AgentConfig {
     pub subreaper_only: bool,
     /// What is kept of each of a rank's streams, in bytes (`--rank-output-cap-mib`).
     pub rank_output_cap: u64,
-    /// No launch while the data directory has less free than the larger of this and 5 % of its
-    /// file system (`--disk-floor-mib`).
-    pub disk_floor: u64,
+    /// No launch and no rank output while the data directory is under this
+    /// (`--disk-floor-mib`, `--disk-floor-percent`).
+    pub disk_floor: crate::layout::DiskFloor,
     /// Where preemption notices come from (`crate::notice`), how often it is polled, and how
     /// long the host has once one comes (30 s, GCP's; AWS gives 120 s).
     pub preemption_notice: Option<crate::notice::NoticeSource>,
@@ -117,7 +117,7 @@ impl AgentConfig {
             allow_root_ranks: false,
             subreaper_only: false,
             rank_output_cap: crate::output::DEFAULT_CAP_BYTES,
-            disk_floor: crate::launcher::DEFAULT_DISK_FLOOR_BYTES,
+            disk_floor: crate::layout::DiskFloor::default(),
             preemption_notice: None,
             notice_poll: Duration::from_secs(1),
             notice_deadline: Duration::from_secs(30),

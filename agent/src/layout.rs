@@ -257,6 +257,37 @@ pub fn disk_space(dir: &Path) -> std::io::Result<(u64, u64)> {
     Ok((s.f_bavail as u64 * unit, s.f_blocks as u64 * unit))
 }
 
+/// The free space a node's data directory keeps: no launch starts and no rank output is
+/// written below it, so the agent's records and exit statuses always find room. It is the
+/// larger of `bytes` (`--disk-floor-mib`, 1 GiB by default) and `percent` of the file system
+/// (`--disk-floor-percent`, 5 by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskFloor {
+    pub bytes: u64,
+    pub percent: u8,
+}
+
+impl Default for DiskFloor {
+    fn default() -> Self {
+        Self { bytes: 1 << 30, percent: 5 }
+    }
+}
+
+impl DiskFloor {
+    /// The floor on a file system of `size` bytes.
+    pub fn of(&self, size: u64) -> u64 {
+        self.bytes.max(size / 100 * u64::from(self.percent))
+    }
+
+    /// `Some((free, floor))` when the file system holding `dir` has less free than its floor;
+    /// `Err` when its free space cannot be read.
+    pub fn short(&self, dir: &Path) -> std::io::Result<Option<(u64, u64)>> {
+        let (free, size) = disk_space(dir)?;
+        let floor = self.of(size);
+        Ok((free < floor).then_some((free, floor)))
+    }
+}
+
 /// Mode of the run directories of a job (owner the agent, group the job's user's primary
 /// group: pass through, never list; the files inside are private).
 pub const RUN_DIR_MODE: u32 = 0o710;
@@ -334,4 +365,23 @@ pub fn write_private(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
     std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_floor_is_the_larger_of_its_two_parts() {
+        let floor = DiskFloor::default();
+        assert_eq!(floor.of(10 << 30), 1 << 30, "1 GiB over 5 % of 10 GiB");
+        assert_eq!(floor.of(100 << 30), 5 << 30, "5 % of 100 GiB over 1 GiB");
+        assert_eq!(DiskFloor { bytes: 1 << 20, percent: 0 }.of(1 << 40), 1 << 20, "0 %: the bytes alone");
+        let dir = tempfile::tempdir().unwrap();
+        let none = DiskFloor { bytes: 0, percent: 0 };
+        assert_eq!(none.short(dir.path()).unwrap(), None, "a floor of nothing is never short");
+        let all = DiskFloor { bytes: u64::MAX, percent: 0 };
+        let (free, floor) = all.short(dir.path()).unwrap().expect("a floor of everything is short");
+        assert!(free < floor);
+    }
 }

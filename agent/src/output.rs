@@ -28,10 +28,9 @@ pub struct Log {
     pub cap: u64,
     /// uid and gid of the job's user, for a rotated file (`None`: the shim's own).
     pub owner: Option<(u32, u32)>,
-    /// The disk floor's absolute part: output stops being written (and is counted as
-    /// dropped) while the log's file system has less free than the larger of this and 5 % of
-    /// its size, so the agent's records and exit statuses always find room.
-    pub keep_free: u64,
+    /// Output stops being written (and is counted as dropped) while the log's file system
+    /// is under this floor, so the agent's records and exit statuses always find room.
+    pub floor: crate::layout::DiskFloor,
 }
 
 /// Bytes of a stream dropped so far, readable while its copier runs.
@@ -114,10 +113,10 @@ fn run(mut from: impl Read, mut file: File, log: &Log, dropped: &Dropped) {
     }
 }
 
-/// Whether the log's file system is under its floor (see [`Log::keep_free`]).
+/// Whether the log's file system is under its floor (see [`Log::floor`]).
 fn below_floor(log: &Log) -> bool {
     let dir = log.path.parent().unwrap_or(Path::new("/"));
-    crate::layout::disk_space(dir).is_ok_and(|(free, size)| free < log.keep_free.max(size / 20))
+    log.floor.short(dir).is_ok_and(|short| short.is_some())
 }
 
 /// Moves the log to `<name>.1` (dropping the previous `.1`, whose size is returned) and opens
@@ -164,6 +163,9 @@ pub fn join(handles: Vec<std::thread::JoinHandle<()>>, timeout: Duration) {
 mod tests {
     use super::*;
 
+    /// The test machine's disk is not ours: how full it is must not decide what these see.
+    const NO_FLOOR: crate::layout::DiskFloor = crate::layout::DiskFloor { bytes: 0, percent: 0 };
+
     #[test]
     fn a_stream_past_its_cap_keeps_the_newest_and_counts_the_rest() {
         let dir = tempfile::tempdir().unwrap();
@@ -174,7 +176,7 @@ mod tests {
         let (h, dropped) = copy(
             std::io::Cursor::new(input),
             file,
-            Log { path: path.clone(), cap: 20_000, owner: None, keep_free: 0 },
+            Log { path: path.clone(), cap: 20_000, owner: None, floor: NO_FLOOR },
         );
         h.join().unwrap();
         let now = std::fs::read_to_string(&path).unwrap();
@@ -191,13 +193,30 @@ mod tests {
     }
 
     #[test]
+    fn under_the_floor_nothing_is_written_and_everything_is_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stdout.log");
+        let file = OpenOptions::new().create(true).append(true).open(&path).unwrap();
+        let everything = crate::layout::DiskFloor { bytes: u64::MAX, percent: 0 };
+        let (h, dropped) = copy(
+            std::io::Cursor::new(vec![b'x'; 100_000]),
+            file,
+            Log { path: path.clone(), cap: 1 << 30, owner: None, floor: everything },
+        );
+        h.join().unwrap();
+        assert_eq!(dropped.get(), 100_000);
+        let now = std::fs::read_to_string(&path).unwrap();
+        assert!(now.starts_with("\n[trainyard: 100000 bytes of this stream were dropped"), "{now}");
+    }
+
+    #[test]
     fn a_write_that_fails_drops_the_bytes_and_the_copier_goes_on() {
         // /dev/full fails every write with ENOSPC, as a full disk does.
         let full = OpenOptions::new().append(true).open("/dev/full").unwrap();
         let (h, dropped) = copy(
             std::io::Cursor::new(vec![b'x'; 300_000]),
             full,
-            Log { path: "/dev/full".into(), cap: 1 << 30, owner: None, keep_free: 0 },
+            Log { path: "/dev/full".into(), cap: 1 << 30, owner: None, floor: NO_FLOOR },
         );
         h.join().unwrap();
         assert_eq!(dropped.get(), 300_000, "every byte counted as dropped, none blocked");

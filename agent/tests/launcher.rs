@@ -5,13 +5,16 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use trainyard_agent::launcher::Launcher;
-use trainyard_agent::layout::{Layout, RankId};
+use trainyard_agent::layout::{DiskFloor, Layout, RankId};
 use trainyard_agent::procfs;
 use trainyard_agent::supervise::ExitFile;
 use trainyard_proto::v1::{
     ExecEngine, Gpu, HostInventory, JobSpec, Launch, NumaNode, RankAssignment, job_spec,
 };
 use trainyard_proto::words::RankState;
+
+/// No disk floor: the test machine's disk is not ours to keep free.
+const NO_FLOOR: DiskFloor = DiskFloor { bytes: 0, percent: 0 };
 
 fn inventory() -> HostInventory {
     let gpu = |index: u32| Gpu { index, uuid: format!("GPU-{index}"), numa_node: 0, ..Default::default() };
@@ -70,7 +73,11 @@ impl Harness {
 
     fn launcher_over(data: &Path) -> Launcher {
         let shim = PathBuf::from(env!("CARGO_BIN_EXE_trainyard-agent"));
-        Launcher::new(Layout::new(data.join("data")), shim, inventory()).unwrap().allow_root_ranks(true)
+        // The test machine's disk is not ours: how full it is must not refuse these launches.
+        Launcher::new(Layout::new(data.join("data")), shim, inventory())
+            .unwrap()
+            .allow_root_ranks(true)
+            .with_limits(trainyard_agent::output::DEFAULT_CAP_BYTES, NO_FLOOR)
     }
 
     fn workdir(&self) -> PathBuf {
@@ -443,7 +450,7 @@ async fn the_resume_point_is_chosen_as_the_jobs_user() {
 #[tokio::test]
 async fn output_past_its_cap_is_dropped_and_counted_and_a_full_disk_refuses_launches() {
     let mut h = Harness::new();
-    h.launcher = Harness::launcher_over(h.dir.path()).with_limits(1 << 20, 0);
+    h.launcher = Harness::launcher_over(h.dir.path()).with_limits(1 << 20, NO_FLOOR);
     let script = "head -c 5000000 /dev/zero | tr '\\0' x; echo; echo last-line";
     h.launcher.launch(&launch(60, 1, &h.workdir(), &["sh", "-c", script], &[]));
     h.wait_for(id(60, 0), "exited", |p, _| p == RankState::Exited).await;
@@ -461,7 +468,8 @@ async fn output_past_its_cap_is_dropped_and_counted_and_a_full_disk_refuses_laun
         &log[log.len().saturating_sub(300)..]
     );
 
-    h.launcher = Harness::launcher_over(h.dir.path()).with_limits(1 << 20, u64::MAX);
+    h.launcher =
+        Harness::launcher_over(h.dir.path()).with_limits(1 << 20, DiskFloor { bytes: u64::MAX, percent: 0 });
     h.launcher.launch(&launch(61, 1, &h.workdir(), &["true"], &[]));
     let r = &h.launcher.get(id(61, 0)).unwrap().record;
     assert_eq!(r.phase, RankState::Lost);

@@ -90,6 +90,11 @@ pub fn root_or_skip(why: &str) -> bool {
     root
 }
 
+/// The agents' `--disk-floor-percent` as an environment variable. The harness's agents run with
+/// 0 (their 1 GiB floor stays): this machine's disk is shared, and how full it is must not
+/// refuse a test's launches. The test of the floor sets it back.
+pub const DISK_FLOOR_PERCENT: &str = "TRAINYARD_DISK_FLOOR_PERCENT";
+
 /// A SQL condition (SQLite and PostgreSQL) that holds for the receipts a rank wrote, leaving out
 /// the exit receipt the agent appends for every rank that ran (its usage: docs/receipts.md).
 pub const RANK_WRITTEN: &str =
@@ -711,6 +716,7 @@ impl Cluster {
             None => command.arg("--allow-root-ranks"),
         };
         let child = command
+            .env(DISK_FLOOR_PERCENT, "0")
             .envs(env.iter().copied())
             .arg("--controller")
             .arg(self.agent_controllers.clone().unwrap_or_else(|| self.url()))

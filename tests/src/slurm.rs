@@ -155,6 +155,8 @@ impl SlurmLab {
         c.args(["-u", &crate::run_account(), "--", "env"]);
         c.arg(format!("SLURM_CONF={}", self.conf.display()));
         c.arg(format!("PATH={}", std::env::var("PATH").unwrap_or_default()));
+        // sbatch passes the submitter's environment down to the agents it starts.
+        c.arg(format!("{}=0", crate::DISK_FLOOR_PERCENT));
         for (name, value) in env {
             c.arg(format!("{name}={value}"));
         }

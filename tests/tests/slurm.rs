@@ -341,6 +341,7 @@ fn an_agent_is_refused_and_audited_with_a_token_not_its_jobs_or_after_its_job_en
             .arg("--data-dir")
             .arg(c.path(&format!("agent-{node}")))
             .env("TRAINYARD_JOIN_TOKEN", token)
+            .env(trainyard_tests::DISK_FLOOR_PERCENT, "0")
             .env("SLURM_JOB_ID", "4242")
             .env("SLURMD_NODENAME", node)
             .stdout(std::process::Stdio::null())

@@ -285,7 +285,11 @@ fn a_rank_that_fills_the_disk_harms_no_other_job() -> Result<()> {
     let mut c = Cluster::start()?;
     std::os::unix::fs::symlink(small.path(), c.path("agent-node-a"))?;
     let host = host_file(&c.path(""), "node-a", 2);
-    c.start_agent_env("node-a", &host, &[("TRAINYARD_DISK_FLOOR_MIB", "1")])?;
+    c.start_agent_env(
+        "node-a",
+        &host,
+        &[("TRAINYARD_DISK_FLOOR_MIB", "1"), (trainyard_tests::DISK_FLOOR_PERCENT, "5")],
+    )?;
 
     let other = c.submit(&sh_job(&c, "other", "sleep 4; echo other-done", ""))?;
     c.wait_state(other, &["running"], Duration::from_secs(30))?;

@@ -74,10 +74,14 @@ struct Cli {
     /// to `<name>.1`, the oldest output dropped and counted.
     #[arg(long, env = "TRAINYARD_RANK_OUTPUT_CAP_MIB", default_value_t = 512, global = true, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     rank_output_cap_mib: u64,
-    /// No launch while the data directory's file system has less free than the larger of this
-    /// many MiB and 5 % of its size.
+    /// No launch and no rank output while the data directory's file system has less free than
+    /// the larger of this many MiB and --disk-floor-percent of its size.
     #[arg(long, env = "TRAINYARD_DISK_FLOOR_MIB", default_value_t = 1024, global = true)]
     disk_floor_mib: u64,
+    /// The disk floor's share of the data directory's file system, in percent (0 to 50).
+    #[arg(long, env = "TRAINYARD_DISK_FLOOR_PERCENT", default_value_t = 5, global = true,
+          value_parser = clap::value_parser!(u8).range(0..=50))]
+    disk_floor_percent: u8,
     /// Where this host's preemption notice appears: file:PATH (a file a cloud metadata handler
     /// writes), http://HOST:PORT/PATH (a local endpoint, polled) or cmd:PROGRAM ARGS (run at
     /// every poll; output means a notice). The jobs here then checkpoint and move.
@@ -218,7 +222,10 @@ impl TryFrom<&Cli> for AgentConfig {
         config.subreaper_only = cli.process_tracking == ProcessTracking::Subreaper
             || (slurm.is_some() && trainyard_agent::account::effective_uid() != 0);
         config.rank_output_cap = cli.rank_output_cap_mib << 20;
-        config.disk_floor = cli.disk_floor_mib << 20;
+        config.disk_floor = trainyard_agent::layout::DiskFloor {
+            bytes: cli.disk_floor_mib << 20,
+            percent: cli.disk_floor_percent,
+        };
         if let Some(text) = &cli.preemption_notice {
             if slurm.is_some() {
                 trainyard_agent::slurm::prepare_warning_dir(text).map_err(anyhow::Error::msg)?;

@@ -51,10 +51,12 @@ pub struct ShimCli {
     stderr_log: Option<PathBuf>,
     #[arg(long, default_value_t = trainyard_agent::output::DEFAULT_CAP_BYTES)]
     output_cap: u64,
-    /// The disk floor's absolute part in bytes: no output is written while the logs' file
-    /// system has less free than the larger of this and 5 % of its size.
+    /// No output is written while the logs' file system has less free than the larger of
+    /// --keep-free bytes and --keep-free-percent of its size.
     #[arg(long, default_value_t = 0)]
     keep_free: u64,
+    #[arg(long, default_value_t = 0)]
+    keep_free_percent: u8,
     /// The rank's program and arguments.
     #[arg(last = true, required = true)]
     argv: Vec<String>,
@@ -79,6 +81,7 @@ pub fn run(shim: ShimCli) -> ExitCode {
         stderr_log,
         output_cap,
         keep_free,
+        keep_free_percent,
         argv,
     } = shim;
     // A binding that cannot even be parsed leaves the rank unpinned; the read-back and
@@ -89,7 +92,8 @@ pub fn run(shim: ShimCli) -> ExitCode {
     });
     let user = uid.zip(gid).map(|(uid, gid)| SwitchUser { uid, gid, groups });
     let owner = user.as_ref().map(|u| (u.uid, u.gid));
-    let log = |path: PathBuf| trainyard_agent::output::Log { path, cap: output_cap, owner, keep_free };
+    let floor = trainyard_agent::layout::DiskFloor { bytes: keep_free, percent: keep_free_percent };
+    let log = |path: PathBuf| trainyard_agent::output::Log { path, cap: output_cap, owner, floor };
     let logs = stdout_log.zip(stderr_log).map(|(out, err)| [log(out), log(err)]);
     let v1 = cgroup1
         .iter()

@@ -4,30 +4,30 @@ use tracing::warn;
 use trainyard_proto::v1::Launch;
 
 use crate::cgroup::{RankGroup, Tracking};
-use crate::layout::{Layout, RankId};
+use crate::layout::{DiskFloor, Layout, RankId};
 use crate::state::RankRecord;
 
-/// Why no launch may start now, when the data directory's file system has less free than its
-/// floor (the larger of `disk_floor` and 5 % of its size): a job's output would fill it for
-/// everyone. Once there is room again, the agent's reserve is made again too.
-pub(super) fn short_of_disk(layout: &Layout, disk_floor: u64) -> Option<String> {
+/// Why no launch may start now, when the data directory's file system is under its floor: a
+/// job's output would fill it for everyone. Once there is room again, the agent's reserve is
+/// made again too.
+pub(super) fn short_of_disk(layout: &Layout, disk_floor: DiskFloor) -> Option<String> {
     let dir = layout.data_dir();
-    let (free, size) = match crate::layout::disk_space(dir) {
-        Ok(space) => space,
+    match disk_floor.short(dir) {
+        Ok(None) => {}
+        Ok(Some((free, floor))) => {
+            return Some(format!(
+                "launch refused: the agent's data directory {} has {} free, under its floor of {} (the larger of \
+                 --disk-floor-mib and --disk-floor-percent of the file system); free space there or give the \
+                 agent another --data-dir",
+                dir.display(),
+                crate::preflight::checks::human_bytes(free),
+                crate::preflight::checks::human_bytes(floor)
+            ));
+        }
         Err(e) => {
             warn!(dir = %dir.display(), error = %e, "cannot read the data directory's free space");
             return None;
         }
-    };
-    let floor = disk_floor.max(size / 20);
-    if free < floor {
-        return Some(format!(
-            "launch refused: the agent's data directory {} has {} free, under its floor of {} (the larger of \
-             --disk-floor-mib and 5 % of the file system); free space there or give the agent another --data-dir",
-            dir.display(),
-            crate::preflight::checks::human_bytes(free),
-            crate::preflight::checks::human_bytes(floor)
-        ));
     }
     if let Err(e) = layout.keep_reserve() {
         warn!(error = %e, "cannot allocate the agent's reserve");

@@ -44,7 +44,8 @@ use crate::bootstrap::Bootstrap;
 use crate::cgroup::{RankGroup, Tracking};
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::layout::{
-    Layout, Owner, PRIVATE_FILE_MODE, RankId, STATE_DIR_MODE, make_dir, write_durable, write_private,
+    DiskFloor, Layout, Owner, PRIVATE_FILE_MODE, RankId, STATE_DIR_MODE, make_dir, write_durable,
+    write_private,
 };
 use crate::state::{self, RankRecord};
 use crate::supervise::{SHIM_PATH, SPAWN_FAILED_EXIT_CODE};
@@ -79,13 +80,9 @@ pub struct Launcher {
     tracking: Tracking,
     /// What is kept of each of a rank's streams ([`crate::output`]).
     output_cap: u64,
-    /// No launch while the data directory's file system has less free than the larger of this
-    /// and 5 % of its size.
-    disk_floor: u64,
+    /// No launch, and no rank output, while the data directory's file system is under this.
+    disk_floor: DiskFloor,
 }
-
-/// The default of the disk floor's absolute part (`--disk-floor-mib`).
-pub const DEFAULT_DISK_FLOOR_BYTES: u64 = 1 << 30;
 
 /// How often acknowledged positions reach the state files (each write is fsynced): a crash
 /// loses at most this much of them, which only resends receipts the store deduplicates.
@@ -122,13 +119,13 @@ impl Launcher {
             acks_persisted_at: std::time::Instant::now(),
             tracking,
             output_cap: crate::output::DEFAULT_CAP_BYTES,
-            disk_floor: DEFAULT_DISK_FLOOR_BYTES,
+            disk_floor: DiskFloor::default(),
         })
     }
 
-    /// Keeps at most `cap` bytes of each of a rank's streams, and starts no launch while the
-    /// data directory has less free than the larger of `disk_floor` and 5 % of its size.
-    pub fn with_limits(mut self, cap: u64, disk_floor: u64) -> Self {
+    /// Keeps at most `cap` bytes of each of a rank's streams, and starts no launch (and writes
+    /// no rank output) while the data directory is under `disk_floor`.
+    pub fn with_limits(mut self, cap: u64, disk_floor: DiskFloor) -> Self {
         self.output_cap = cap;
         self.disk_floor = disk_floor;
         self

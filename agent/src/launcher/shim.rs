@@ -11,7 +11,7 @@ use tracing::warn;
 
 use crate::account::Account;
 use crate::cgroup::{RankGroup, Tracking};
-use crate::layout::{RUN_FILE_MODE, RankFiles};
+use crate::layout::{DiskFloor, RUN_FILE_MODE, RankFiles};
 use crate::procfs;
 use trainyard_proto::v1::RankAssignment;
 
@@ -81,9 +81,11 @@ pub(super) fn track(command: &mut Command, group: &RankGroup, tracking: &Trackin
 
 /// The rank's log files and the cap on each: the shim copies the rank's output there
 /// ([`crate::output`]).
-pub(super) fn logs(command: &mut Command, files: &RankFiles, cap: u64, keep_free: u64) {
+pub(super) fn logs(command: &mut Command, files: &RankFiles, cap: u64, floor: DiskFloor) {
     command.arg("--stdout-log").arg(&files.stdout).arg("--stderr-log").arg(&files.stderr);
-    command.arg("--output-cap").arg(cap.to_string()).arg("--keep-free").arg(keep_free.to_string());
+    command.arg("--output-cap").arg(cap.to_string());
+    command.arg("--keep-free").arg(floor.bytes.to_string());
+    command.arg("--keep-free-percent").arg(floor.percent.to_string());
 }
 
 /// Starts the shim in a session of its own; returns its pid and start time. The shim is
