@@ -577,6 +577,13 @@ impl Cluster {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
     }
 
+    /// A fresh, empty database on the cluster's PostgreSQL server ([`Backend::Postgres`] only):
+    /// the raw loop's, beside the controller's, so both write to the same server and disk.
+    pub fn create_postgres_database(&self) -> Result<String> {
+        let (server, _) = self.postgres.as_ref().context("this cluster runs on SQLite")?;
+        server.create_database().map_err(anyhow::Error::msg)
+    }
+
     pub fn backend(&self) -> Backend {
         if self.postgres.is_some() { Backend::Postgres } else { Backend::Sqlite }
     }
