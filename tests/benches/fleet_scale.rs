@@ -24,6 +24,12 @@
 //! 900 s, 1,000 agents). The quiet rate of one run to the next varies by a fifth on a shared
 //! machine, and the soak's target with it: to compare two builds at one load, give the target
 //! in receipts/s with `FLEET_SOAK_TARGET` (the quiet rate is still measured and printed).
+//!
+//! Every run writes its figures to `docs/results/fleet_scale-<date>.jsonl`
+//! ([`trainyard_tests::results`]): one line for the quiet ingest, one for the fleet's connect,
+//! one per 30 s soak sample, one for the failover, then the summary (the quiet rate, the soak
+//! target and the soak's median stored rate, the leader's peak CPU and RSS, the percentiles
+//! above, the failover, and the error lines counted).
 
 #[path = "fleet_scale/sim.rs"]
 mod sim;
@@ -33,9 +39,11 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
+use serde_json::{Value, json};
 use trainyard_proto::v1::jobs_client::JobsClient;
 use trainyard_proto::v1::{ExecEngine, JobSpec, Resources, SubmitRequest, job_spec};
 use trainyard_tests::group::Member;
+use trainyard_tests::results::{Results, results_dir};
 use trainyard_tests::{Backend, Cluster, http, proc_status_field};
 
 const GPUS_PER_HOST: u32 = 8;
@@ -92,6 +100,14 @@ fn histogram_quantile_ms(text: &str, name: &str, q: f64) -> Option<f64> {
         .collect();
     let total = buckets.last()?.1;
     buckets.iter().find(|(_, c)| *c >= q * total).map(|(le, _)| le * 1e3)
+}
+
+fn round1(v: f64) -> f64 {
+    (v * 10.0).round() / 10.0
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
 }
 
 fn raise_open_files() {
@@ -164,8 +180,9 @@ fn wait_connected(http_addr: &str, n: u64, timeout: Duration) -> Option<f64> {
 fn main() -> Result<()> {
     trainyard_tests::build_release_binaries()?;
     raise_open_files();
-    let args: Vec<u64> =
-        std::env::args().skip(1).filter(|a| !a.starts_with('-')).filter_map(|a| a.parse().ok()).collect();
+    let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let mut out = Results::create(&results_dir(), "fleet_scale", &named)?;
+    let args: Vec<u64> = named.iter().filter_map(|a| a.parse().ok()).collect();
     let seconds = args.first().copied().unwrap_or(900);
     let agents = args.get(1).copied().unwrap_or(1000).max(8);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -198,6 +215,14 @@ fn main() -> Result<()> {
         "quiet ingest: {} receipts of 64 flooding ranks in {} ms: {quiet:.0}/s (job {state}); soak target {target:.0}/s ({whence})",
         q[0][0], q[0][1]
     );
+    out.line(&json!({
+        "phase": "quiet", "ranks": 64, "receipts": q[0][0], "span_ms": q[0][1], "rate": quiet.round(),
+        "job_state": state, "soak_target": target.round(), "soak_target_given": given.is_some(),
+    }))?;
+    let mut head = json!({
+        "seconds": seconds, "agents": agents, "quiet_rate": quiet.round(), "soak_target": target.round(),
+        "soak_target_given": given.is_some(),
+    });
 
     // 2. The fleet connects.
     let t = Instant::now();
@@ -208,14 +233,17 @@ fn main() -> Result<()> {
         }
     }
     let joined = wait_connected(&c.http_addr, agents, Duration::from_secs(300));
-    println!(
-        "{agents} agents connected to the leader {:.1} s after the first dial",
-        t.elapsed().as_secs_f64()
-    );
+    let connect_s = t.elapsed().as_secs_f64();
+    println!("{agents} agents connected to the leader {connect_s:.1} s after the first dial");
+    out.line(&json!({
+        "phase": "connect", "agents": agents, "connected_s": round1(connect_s),
+        "all_connected": joined.is_some(),
+    }))?;
+    head["connect_s"] = json!(round1(connect_s));
     ensure!(joined.is_some(), "not every agent connected");
 
     // 3. Soak.
-    let report = soak(&c, &b, &rt, &fleet, (seconds, agents), target)?;
+    let report = soak(&c, &b, &rt, &fleet, (seconds, agents), target, &mut out)?;
 
     // 4. Failover: the leader is killed, the other member takes over.
     let (_, leader_http, leader_pid) = leader(&c, &b);
@@ -240,8 +268,15 @@ fn main() -> Result<()> {
         s(led),
         s(all)
     );
+    out.line(&json!({
+        "phase": "failover", "by": name, "led_s": led.map(round1), "all_connected_s": all.map(round1),
+        "target_s": 30,
+    }))?;
+    head["failover_led_s"] = json!(led.map(round1));
+    head["failover_all_connected_s"] = json!(all.map(round1));
 
-    summary(&c, &b, &before, &report, job)?;
+    summary(&c, &b, &before, &report, job, &mut out, head)?;
+    println!("results: {}", out.path().display());
     drop(rt);
     Ok(())
 }
@@ -250,8 +285,18 @@ fn main() -> Result<()> {
 struct Soak {
     started_ms: i64,
     samples: Vec<String>,
+    leader: Vec<Sample>,
     submitted: u64,
     outcomes: Vec<Outcome>,
+}
+
+/// The figures of one 30 s sample the summary reads back.
+struct Sample {
+    t_s: u64,
+    /// The leader's CPU since the last sample, % of one core.
+    cpu_pct: f64,
+    rss_mib: f64,
+    stored_per_s: f64,
 }
 
 /// One submit call: how long it took (ms), and its error if it failed.
@@ -264,6 +309,7 @@ fn soak(
     fleet: &Arc<sim::Fleet>,
     (seconds, agents): (u64, u64),
     target: f64,
+    out: &mut Results,
 ) -> Result<Soak> {
     let (mut url, mut http_addr, mut leader) = self::leader(c, b);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -272,7 +318,7 @@ fn soak(
     let mut seen_failures = 0;
     let started = Instant::now();
     let started_ms = now_ms();
-    let mut samples = Vec::new();
+    let (mut samples, mut leader_figures) = (Vec::new(), Vec::new());
     let (mut submitted, mut next_sample) = (0u64, Duration::ZERO);
     let scrape = |addr: &str| http(addr, "GET", "/metrics").map(|r| r.1).unwrap_or_default();
     let ingested = metric(&scrape(&http_addr), "trainyard_receipts_ingested_total").unwrap_or(0.0);
@@ -309,33 +355,47 @@ fn soak(
             let text = scrape(&http_addr);
             let ingested = metric(&text, "trainyard_receipts_ingested_total").unwrap_or(0.0);
             let (cpu, dt, own_cpu) = (cpu_s(leader), at_before.elapsed().as_secs_f64(), cpu_s(own));
+            let t_s = started.elapsed().as_secs();
+            let connected = metric(&text, "trainyard_agents_connected").unwrap_or(0.0);
+            let fleet_gpus = agents * GPUS_PER_HOST as u64;
+            let written_per_s = (written - written_before) as f64 / dt;
+            let stored_per_s = (ingested - ingested_before) / dt;
+            let (cpu_pct, rss) = ((cpu - cpu_before) * 100.0 / dt, rss_mib(leader));
+            let fleet_cpu_pct = (own_cpu - own_before) * 100.0 / dt;
             let line = format!(
-                "  t={:>4} s  agents {:>4}  running ranks {:>5} of {}  written {:>6.0}/s  stored {:>6.0}/s  waiting in agents {:>8}  leader CPU {:>5.1} %  RSS {:>6.1} MiB  jobs submitted {}  (simulated fleet CPU {:.0} %)",
-                started.elapsed().as_secs(),
-                metric(&text, "trainyard_agents_connected").unwrap_or(0.0),
-                running,
-                agents * GPUS_PER_HOST as u64,
-                (written - written_before) as f64 / dt,
-                (ingested - ingested_before) / dt,
-                waiting,
-                (cpu - cpu_before) * 100.0 / dt,
-                rss_mib(leader),
-                submitted,
-                (own_cpu - own_before) * 100.0 / dt,
+                "  t={t_s:>4} s  agents {connected:>4}  running ranks {running:>5} of {fleet_gpus}  written {written_per_s:>6.0}/s  stored {stored_per_s:>6.0}/s  waiting in agents {waiting:>8}  leader CPU {cpu_pct:>5.1} %  RSS {rss:>6.1} MiB  jobs submitted {submitted}  (simulated fleet CPU {fleet_cpu_pct:.0} %)"
             );
             (own_before, written_before) = (own_cpu, written);
             println!("{line}");
             samples.push(line);
+            out.line(&json!({
+                "phase": "soak", "t_s": t_s, "agents_connected": connected, "running_ranks": running,
+                "gpus": fleet_gpus, "written_per_s": written_per_s.round(),
+                "stored_per_s": stored_per_s.round(), "waiting_in_agents": waiting,
+                "leader_cpu_pct": round1(cpu_pct), "leader_rss_mib": round1(rss),
+                "jobs_submitted": submitted, "simulated_fleet_cpu_pct": fleet_cpu_pct.round(),
+            }))?;
+            leader_figures.push(Sample { t_s, cpu_pct, rss_mib: rss, stored_per_s });
             (cpu_before, at_before, ingested_before) = (cpu, Instant::now(), ingested);
             next_sample += Duration::from_secs(30);
         }
         std::thread::sleep(SUBMIT_EVERY);
     }
     let outcomes = outcomes.lock().expect("not poisoned").clone();
-    Ok(Soak { started_ms, samples, submitted, outcomes })
+    Ok(Soak { started_ms, samples, leader: leader_figures, submitted, outcomes })
 }
 
-fn summary(c: &Cluster, b: &Member, metrics: &str, soak: &Soak, quiet_job: u64) -> Result<()> {
+/// Prints the run's percentiles and error lines, and writes the summary: `head` (the figures
+/// measured before) completed.
+fn summary(
+    c: &Cluster,
+    b: &Member,
+    metrics: &str,
+    soak: &Soak,
+    quiet_job: u64,
+    out: &mut Results,
+    mut head: Value,
+) -> Result<()> {
     let pass = |q| histogram_quantile_ms(metrics, "trainyard_schedule_pass_seconds", q);
     println!(
         "scheduling pass (leader's histogram, bucket upper bounds): p50 <= {:.2} ms, p99 <= {:.2} ms",
@@ -387,12 +447,41 @@ fn summary(c: &Cluster, b: &Member, metrics: &str, soak: &Soak, quiet_job: u64) 
     for s in &soak.samples {
         println!("{s}");
     }
+    let mut error_lines = serde_json::Map::new();
     for (name, log) in [("ctl-a", c.logs("controller")), ("ctl-b", b.logs())] {
         let errors: Vec<&str> = log.lines().filter(|l| l.contains(" ERROR ")).collect();
         println!("error lines in {name}'s log: {}", errors.len());
         for line in errors.iter().take(10) {
             println!("  {line}");
         }
+        error_lines.insert(name.to_string(), json!(errors.len()));
     }
-    Ok(())
+    // The leader over the soak; the first sample (at 0 s) spans too short a time for its rates.
+    let later: Vec<&Sample> = soak.leader.iter().filter(|l| l.t_s > 0).collect();
+    let cpu_max = later.iter().map(|l| l.cpu_pct).reduce(f64::max);
+    let rss_max = soak.leader.iter().map(|l| l.rss_mib).reduce(f64::max);
+    let mut stored: Vec<f64> = later.iter().map(|l| l.stored_per_s).collect();
+    stored.sort_by(f64::total_cmp);
+    let stored_median = stored.get(stored.len() / 2).copied();
+    let figures = json!({
+        "stored_per_s_median": stored_median.map(f64::round),
+        "leader_cpu_pct_max": cpu_max.map(round1), "leader_rss_mib_max": rss_max.map(round1),
+        "leader_rss_mib_first": soak.leader.first().map(|l| round1(l.rss_mib)),
+        "leader_rss_mib_last": soak.leader.last().map(|l| round1(l.rss_mib)),
+        "schedule_pass_p50_ms": pass(0.5).map(round2), "schedule_pass_p99_ms": pass(0.99).map(round2),
+        "jobs_submitted": soak.submitted, "jobs_ran": waits.len(),
+        "submit_to_running_p50_ms": (!waits.is_empty()).then(|| pick(&waits, 0.5)),
+        "submit_to_running_p99_ms": (!waits.is_empty()).then(|| pick(&waits, 0.99)),
+        "submit_calls_answered": submit_ms.len(), "submit_calls_failed": failures.len(),
+        "submit_call_p50_ms": at(0.5).round(), "submit_call_p99_ms": at(0.99).round(),
+        "first_submit_failure": failures.first().map(|e| e.chars().take(500).collect::<String>()),
+        "rank_to_row_sampled": lat.len(),
+        "rank_to_row_p50_ms": (!lat.is_empty()).then(|| pick(&lat, 0.5)),
+        "rank_to_row_p99_ms": (!lat.is_empty()).then(|| pick(&lat, 0.99)),
+        "receipts_stored": total[0][0], "error_lines": error_lines,
+    });
+    if let (Some(head), Value::Object(figures)) = (head.as_object_mut(), figures) {
+        head.extend(figures);
+    }
+    out.line(&json!({ "summary": head }))
 }

@@ -9,11 +9,16 @@
 //! SQLite's worker thread included) and wall time. Prints the median and p99 round, the total
 //! CPU, its share of one core over the 600 s the run lasted, and the findings opened/closed.
 //!
+//! Every run writes its figures to `docs/results/live_diagnosis-<date>.jsonl`
+//! ([`trainyard_tests::results`]): one line per finding opened, then the summary (rounds, their
+//! median, p99 and max, the CPU and its share of one core, findings opened and closed).
+//!
 //! Run: `cargo bench -p trainyard-tests --bench live_diagnosis` (`-- --minutes N`).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use serde_json::json;
 use trainyard_analysis::diagnose::live::{Rolling, Tracker};
 use trainyard_analysis::diagnose::{Input, NodeFacts};
 use trainyard_model::domain::{GpuInfo, Inventory};
@@ -22,6 +27,7 @@ use trainyard_model::records::{Allocation, GpuWindowRecord, RankObserved};
 use trainyard_model::spec::{JobSpec, Resources};
 use trainyard_store::{DiagnosisStore, JobStore, NewReceipt, RankId, ReceiptStore, SqlStore, TelemetryStore};
 use trainyard_testkit::noise::Noise;
+use trainyard_tests::results::{Results, results_dir};
 
 const RANKS: u32 = 64;
 const STEP_MS: i64 = 500;
@@ -100,11 +106,20 @@ fn main() -> anyhow::Result<()> {
         .and_then(|i| args.get(i + 1))
         .and_then(|m| m.parse().ok())
         .unwrap_or(10);
+    let named: Vec<String> = args.iter().skip(1).filter(|a| *a != "--bench").cloned().collect();
+    let mut out = Results::create(&results_dir(), "live_diagnosis", &named)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(run(minutes))
+    runtime.block_on(run(&mut out, minutes))?;
+    println!("results: {}", out.path().display());
+    Ok(())
 }
 
-async fn run(minutes: i64) -> anyhow::Result<()> {
+fn round_to(v: f64, decimals: i32) -> f64 {
+    let scale = 10f64.powi(decimals);
+    (v * scale).round() / scale
+}
+
+async fn run(out: &mut Results, minutes: i64) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let store = SqlStore::open_sqlite_file(&dir.path().join("live.db")).await?;
     let spec = JobSpec {
@@ -190,18 +205,26 @@ async fn run(minutes: i64) -> anyhow::Result<()> {
         round_ms.push(wall.elapsed().as_secs_f64() * 1000.0);
         for f in &changes.opened {
             opened.push(format!("{} [{}] at {} s", f.cause, f.subject, to / 1000));
+            out.line(&json!({
+                "event": "finding opened", "cause": f.cause.to_string(), "subject": f.subject,
+                "at_s": to / 1000,
+            }))?;
         }
         closed += changes.closed.len();
     }
     round_ms.sort_by(f64::total_cmp);
     let p = |q: f64| round_ms[((round_ms.len() - 1) as f64 * q) as usize];
     let run_s = (rounds * ROUND_MS) as f64 / 1000.0;
+    let share_pct = round_cpu / run_s * 100.0;
     println!("live diagnosis, {RANKS} ranks, {rounds} rounds over {run_s:.0} s of run");
     println!("  round wall: median {:.2} ms, p99 {:.2} ms, max {:.2} ms", p(0.5), p(0.99), p(1.0));
-    println!(
-        "  CPU: {round_cpu:.2} s in total, {:.3} % of one core over the run (target < 2 %)",
-        round_cpu / run_s * 100.0
-    );
+    println!("  CPU: {round_cpu:.2} s in total, {share_pct:.3} % of one core over the run (target < 2 %)");
     println!("  findings opened: {opened:?}; closed: {closed}");
-    Ok(())
+    out.line(&json!({"summary": {
+        "ranks": RANKS, "rounds": rounds, "run_s": run_s.round(),
+        "round_p50_ms": round_to(p(0.5), 2), "round_p99_ms": round_to(p(0.99), 2),
+        "round_max_ms": round_to(p(1.0), 2), "cpu_s": round_to(round_cpu, 2),
+        "core_share_pct": round_to(share_pct, 3), "target_pct": 2.0,
+        "findings_opened": opened.len(), "findings_closed": closed,
+    }}))
 }

@@ -9,14 +9,21 @@
 //! Two clusters: the loopback demo (plaintext, no credentials) and a secure one (TLS with agent
 //! certificates, ctl with a token, ranks run as the user's account: `nobody` under root).
 //!
+//! Every run writes its figures to `docs/results/submit_latency-<date>.jsonl`
+//! ([`trainyard_tests::results`]): one line per cluster and rank count (medians and p90s), then
+//! the summary.
+//!
 //! Run: `cargo bench -p trainyard-tests --bench submit_latency
 //! [-- demo|secure]` (it builds and runs the release binaries).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use serde_json::json;
 use trainyard_tests::Cluster;
+use trainyard_tests::results::{Results, results_dir};
 
 const JOBS: usize = 25;
+const TARGET_MEDIAN_MS: i64 = 300;
 
 fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or_default()
@@ -26,7 +33,8 @@ fn percentile(sorted: &[i64], p: f64) -> i64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-fn measure(c: &Cluster, label: &str, ranks: u32) -> anyhow::Result<()> {
+/// One cluster and rank count: its line in the results, and the medians for the summary.
+fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::Result<serde_json::Value> {
     let file = c.job_file(&format!("trivial-{ranks}"), ranks, 0, &[], "");
     // A trivial rank: a shell that sleeps a little so "all ranks running" is observable.
     let text = std::fs::read_to_string(&file)?
@@ -47,28 +55,44 @@ fn measure(c: &Cluster, label: &str, ranks: u32) -> anyhow::Result<()> {
     }
     in_controller.sort_unstable();
     end_to_end.sort_unstable();
+    let (in_p50, in_p90) = (percentile(&in_controller, 0.5), percentile(&in_controller, 0.9));
+    let (end_p50, end_p90) = (percentile(&end_to_end, 0.5), percentile(&end_to_end, 0.9));
     println!(
-        "{label}: {ranks} rank(s), {JOBS} jobs: submitted→running median {} ms (p90 {} ms); \
-         ctl start→running median {} ms (p90 {} ms); target median < 300 ms",
-        percentile(&in_controller, 0.5),
-        percentile(&in_controller, 0.9),
-        percentile(&end_to_end, 0.5),
-        percentile(&end_to_end, 0.9),
+        "{label}: {ranks} rank(s), {JOBS} jobs: submitted→running median {in_p50} ms (p90 {in_p90} ms); \
+         ctl start→running median {end_p50} ms (p90 {end_p90} ms); target median < {TARGET_MEDIAN_MS} ms"
     );
-    Ok(())
+    out.line(&json!({
+        "cluster": label, "ranks": ranks, "jobs": JOBS,
+        "submitted_to_running_p50_ms": in_p50, "submitted_to_running_p90_ms": in_p90,
+        "ctl_start_to_running_p50_ms": end_p50, "ctl_start_to_running_p90_ms": end_p90,
+        "target_median_ms": TARGET_MEDIAN_MS,
+    }))?;
+    Ok(json!({
+        "cluster": label, "ranks": ranks,
+        "submitted_to_running_p50_ms": in_p50, "ctl_start_to_running_p50_ms": end_p50,
+    }))
 }
 
 fn main() -> anyhow::Result<()> {
     trainyard_tests::build_release_binaries()?;
     let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let mut out = Results::create(&results_dir(), "submit_latency", &named)?;
+    let mut medians = Vec::new();
     for label in ["demo", "secure"] {
         if !named.is_empty() && !named.iter().any(|n| n == label) {
             continue;
         }
         let mut c = if label == "secure" { Cluster::start_secure()? } else { Cluster::start()? };
         c.start_agent("node-a", 8)?;
-        measure(&c, label, 1)?;
-        measure(&c, label, 8)?;
+        medians.push(measure(&mut out, &c, label, 1)?);
+        medians.push(measure(&mut out, &c, label, 8)?);
     }
+    // The headline: the slowest median from `ctl submit` to every rank running, against 300 ms.
+    let worst = medians.iter().filter_map(|m| m["ctl_start_to_running_p50_ms"].as_i64()).max();
+    out.line(&json!({"summary": {
+        "jobs_per_measurement": JOBS, "target_median_ms": TARGET_MEDIAN_MS,
+        "worst_ctl_start_to_running_p50_ms": worst, "medians": medians,
+    }}))?;
+    println!("results: {}", out.path().display());
     Ok(())
 }

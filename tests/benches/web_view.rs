@@ -9,6 +9,10 @@
 //! - the job page in headless Chromium, in real time (`controller/web/dev/probe.py`: until the
 //!   page's `data-ready`), median of 5 loads.
 //!
+//! Every run writes its figures to `docs/results/web_view-<date>.jsonl`
+//! ([`trainyard_tests::results`]): one line for building the store, one per request measured,
+//! one for the page render, then the summary.
+//!
 //! Run: `cargo bench -p trainyard-tests --bench web_view`
 //! (`-- --steps N` for a smaller job).
 
@@ -16,9 +20,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use serde_json::{Value, json};
 use trainyard_model::receipts;
 use trainyard_model::spec::{JobSpec, Resources};
 use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SeriesStore, SqlStore};
+use trainyard_tests::results::{Results, results_dir};
 use trainyard_tests::{bin, chromium, http_with, repo_root};
 
 const RANKS: u32 = 64;
@@ -58,7 +64,15 @@ fn step_receipt(rank: u32, step: i64) -> NewReceipt {
     }
 }
 
-async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
+/// What building the store took.
+struct Built {
+    stored: u64,
+    store_s: f64,
+    folded: u64,
+    fold_s: f64,
+}
+
+async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<Built> {
     std::fs::create_dir_all(dir)?;
     let store = SqlStore::open_sqlite_file(&dir.join("trainyard.db")).await?;
     let spec = JobSpec {
@@ -79,7 +93,8 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
             eprintln!("stored {stored} receipts ({:.0} s)", started.elapsed().as_secs_f64());
         }
     }
-    eprintln!("stored {stored} receipts in {:.0} s", started.elapsed().as_secs_f64());
+    let store_s = started.elapsed().as_secs_f64();
+    eprintln!("stored {stored} receipts in {store_s:.0} s");
     let folding = Instant::now();
     let mut folded = 0;
     loop {
@@ -94,7 +109,7 @@ async fn build_store(dir: &std::path::Path, steps: i64) -> anyhow::Result<()> {
         "folded {folded} receipts into plot rollups in {secs:.1} s ({:.0} receipts/s)",
         folded as f64 / secs
     );
-    Ok(())
+    Ok(Built { stored, store_s, folded, fold_s: secs })
 }
 
 fn main() -> anyhow::Result<()> {
@@ -105,9 +120,18 @@ fn main() -> anyhow::Result<()> {
         .position(|a| a == "--steps")
         .and_then(|i| args.get(i + 1)?.parse().ok())
         .unwrap_or(100_000);
+    let named: Vec<String> = args.iter().skip(1).filter(|a| *a != "--bench").cloned().collect();
+    let mut out = Results::create(&results_dir(), "web_view", &named)?;
     let dir = tempfile::Builder::new().prefix("trainyard-web-bench-").tempdir()?;
     let data = dir.path().join("controller");
-    tokio::runtime::Runtime::new()?.block_on(build_store(&data, steps))?;
+    let built = tokio::runtime::Runtime::new()?.block_on(build_store(&data, steps))?;
+    let fold_rate = (built.folded as f64 / built.fold_s).round();
+    out.line(&json!({
+        "phase": "build", "steps": steps, "ranks": RANKS, "receipts": built.stored,
+        "store_s": built.store_s.round(), "folded": built.folded,
+        "fold_s": round1(built.fold_s), "fold_rate": fold_rate,
+    }))?;
+    let summary = json!({"steps": steps, "ranks": RANKS, "receipts": built.stored, "fold_rate": fold_rate});
 
     let http_file = dir.path().join("http.addr");
     let mut controller = Command::new(bin("trainyard-controller")?)
@@ -118,13 +142,23 @@ fn main() -> anyhow::Result<()> {
         .stderr(std::fs::File::create(dir.path().join("controller.log"))?)
         .stdout(Stdio::null())
         .spawn()?;
-    let result = measure(&http_file, steps);
+    let result = measure(&mut out, summary, &http_file, steps);
     let _ = controller.kill();
     let _ = controller.wait();
     result
 }
 
-fn measure(http_file: &std::path::Path, steps: i64) -> anyhow::Result<()> {
+fn round1(v: f64) -> f64 {
+    (v * 10.0).round() / 10.0
+}
+
+/// The requests and the page render, each a line; then the summary, `summary` completed.
+fn measure(
+    out: &mut Results,
+    mut summary: Value,
+    http_file: &std::path::Path,
+    steps: i64,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let addr = loop {
         if let Ok(a) = std::fs::read_to_string(http_file) {
@@ -139,9 +173,14 @@ fn measure(http_file: &std::path::Path, steps: i64) -> anyhow::Result<()> {
         anyhow::ensure!(status == 200, "{path}: {status} {body}");
         Ok((t.elapsed().as_secs_f64() * 1000.0, body.len()))
     };
-    for (label, path) in [
-        ("full range, 800 points per rank", "/api/jobs/1/series?metric=step_ms&buckets=800".to_string()),
+    for (key, label, path) in [
         (
+            "series_full",
+            "full range, 800 points per rank",
+            "/api/jobs/1/series?metric=step_ms&buckets=800".to_string(),
+        ),
+        (
+            "series_zoomed",
             "zoomed to 10,000 steps",
             format!(
                 "/api/jobs/1/series?metric=step_ms&buckets=800&from={}&to={}",
@@ -149,8 +188,8 @@ fn measure(http_file: &std::path::Path, steps: i64) -> anyhow::Result<()> {
                 steps / 2 + 9_999
             ),
         ),
-        ("loss, full range", "/api/jobs/1/series?metric=loss&buckets=800".to_string()),
-        ("the job itself", "/api/jobs/1".to_string()),
+        ("series_loss", "loss, full range", "/api/jobs/1/series?metric=loss&buckets=800".to_string()),
+        ("job", "the job itself", "/api/jobs/1".to_string()),
     ] {
         time(&path)?; // warm the page cache, as a second viewer would find it
         let mut ms = Vec::new();
@@ -162,23 +201,39 @@ fn measure(http_file: &std::path::Path, steps: i64) -> anyhow::Result<()> {
         }
         let (p50, p90) = median(ms);
         println!("{label}: median {p50:.0} ms, p90 {p90:.0} ms ({} KiB; target < 300 ms)", bytes / 1024);
+        out.line(&json!({
+            "request": key, "path": path, "requests": 15, "p50_ms": p50.round(), "p90_ms": p90.round(),
+            "kib": bytes / 1024, "target_ms": 300,
+        }))?;
+        summary[format!("{key}_p50_ms")] = json!(p50.round());
     }
+    summary["request_target_ms"] = json!(300);
     if chromium().is_none() {
         println!("page render: skipped (chromium is not installed)");
-        return Ok(());
+        out.line(&json!({"render": "skipped", "why": "chromium is not installed"}))?;
+    } else {
+        let probe = repo_root().join("controller/web/dev/probe.py");
+        let mut renders = Vec::new();
+        for _ in 0..5 {
+            let probed = Command::new("python3").arg(&probe).arg(format!("http://{addr}/jobs/1")).output()?;
+            let report: Value = serde_json::from_slice(&probed.stdout)
+                .with_context(|| format!("probe output: {}", String::from_utf8_lossy(&probed.stderr)))?;
+            anyhow::ensure!(report["ready"] == "1", "the page did not get ready: {report}");
+            renders.push(report["render_ms"].as_f64().context("render_ms")?);
+        }
+        let (p50, p90) = median(renders);
+        println!(
+            "job page, {steps} steps x {RANKS} ranks, to data-ready in Chromium: median {p50:.0} ms, p90 {p90:.0} ms (target < 2000 ms)"
+        );
+        out.line(&json!({
+            "render": "job page to data-ready in Chromium", "loads": 5, "p50_ms": p50.round(),
+            "p90_ms": p90.round(), "target_ms": 2000,
+        }))?;
+        summary["page_render_p50_ms"] = json!(p50.round());
+        summary["page_render_p90_ms"] = json!(p90.round());
     }
-    let probe = repo_root().join("controller/web/dev/probe.py");
-    let mut renders = Vec::new();
-    for _ in 0..5 {
-        let out = Command::new("python3").arg(&probe).arg(format!("http://{addr}/jobs/1")).output()?;
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .with_context(|| format!("probe output: {}", String::from_utf8_lossy(&out.stderr)))?;
-        anyhow::ensure!(report["ready"] == "1", "the page did not get ready: {report}");
-        renders.push(report["render_ms"].as_f64().context("render_ms")?);
-    }
-    let (p50, p90) = median(renders);
-    println!(
-        "job page, {steps} steps x {RANKS} ranks, to data-ready in Chromium: median {p50:.0} ms, p90 {p90:.0} ms (target < 2000 ms)"
-    );
+    summary["page_target_ms"] = json!(2000);
+    out.line(&json!({ "summary": summary }))?;
+    println!("results: {}", out.path().display());
     Ok(())
 }
