@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # The trainyard demo on one machine, no GPU needed:
-#   a controller on embedded SQLite, two agents standing in for 8xH100 SXM nodes,
-#   a 16-rank job of examples/rank.py, its status, and its receipts read straight from SQL.
-# Everything it starts is stopped when it exits. Each run keeps its files in demo-data/<time>/.
+#   a controller on embedded SQLite, two agents standing in for 8xH100 SXM nodes (GPU telemetry
+#   replayed from deploy/hosts/demo-telemetry.json in 2-s windows), a 16-rank job of
+#   examples/rank.py (deploy/demo-job.toml: 480 steps of 75 ms, about 40 s, with loss, tokens/s
+#   and MFU), its status, and its receipts read straight from SQL.
+# Everything it starts is stopped when it exits (Ctrl-C included). Each run keeps its files in
+# demo-data/<time>/.
+#
+# After the job, in a terminal (stdin a terminal), the controller and its web view stay up
+# until you press Enter; run without a terminal (CI, a pipe), it stops everything when the job
+# ends and does not invite you to open the web view, saying only where the database is.
 #
 #   ./deploy/demo.sh          the 16-rank job of examples/rank.py
 #   ./deploy/demo.sh gpt      a built-in engine job instead: a d4 GPT trained on the corpus
 #                             shipped in engine/corpus, one CPU rank on each node (ZeRO-2 over TCP)
 #   ./deploy/demo.sh --keep   (with either) leaves the cluster running after the job until
-#                             Ctrl-C, to open the web view, `ctl diagnose` and the tables
+#                             Ctrl-C, terminal or not, to open the web view, `ctl diagnose` and
+#                             the tables, and to submit more jobs
 #   ./deploy/demo.sh --run-ranks-as-root
 #                             as root only: run the demo's ranks as root (without it, the demo
 #                             refuses to start as root). Its controller answers calls without a
@@ -46,12 +54,27 @@ say() { printf '\n==> %s\n' "$*"; }
 
 PIDS=()
 JOB=""
+JOB_FILE=""
 URL=""
 CTL="$ROOT/target/debug/ctl"
+
+# What happens after the job: "keep" (--keep: until Ctrl-C), "enter" (stdin is a terminal: until
+# the user presses Enter) or "stop" (no terminal: everything stops when the job ends).
+if ((KEEP == 1)); then
+    AFTER=keep
+elif [[ -t 0 ]]; then
+    AFTER=enter
+else
+    AFTER=stop
+fi
 
 cleanup() {
     local rc=$?
     set +e
+    # Interrupted while `ctl submit --follow` ran: the job id it printed first is in its file.
+    if [[ -z "$JOB" && -n "$JOB_FILE" && -s "$JOB_FILE" ]]; then
+        JOB="$(head -n 1 "$JOB_FILE")"
+    fi
     if [[ -n "$JOB" && -n "$URL" ]]; then
         state="$("$CTL" --controller "$URL" status "$JOB" -o json 2>/dev/null |
             python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' 2>/dev/null)"
@@ -118,7 +141,11 @@ if [[ ! -s "$DATA/controller.http" ]]; then
 fi
 WEB="http://$(cat "$DATA/controller.http")/"
 echo "controller listening at $URL; database $DATA/controller/trainyard.db"
-echo "web view at $WEB (jobs, plots, diagnosis, nodes)"
+case "$AFTER" in
+    keep) echo "web view at $WEB (jobs, plots, diagnosis, nodes): it stays up after the job until Ctrl-C (--keep)" ;;
+    enter) echo "web view at $WEB (jobs, plots, diagnosis, nodes): watch the job live; it stays up after the job until you press Enter" ;;
+    *) echo "web view at $WEB only while the job runs: stdin is not a terminal, so the demo stops everything when the job ends (run it in a terminal, or with --keep, to keep it up)" ;;
+esac
 
 # The demo's jobs belong to the local admin, who has no Unix account mapping: an agent running
 # as root refuses such launches unless told to run them as root, which the operator asked for
@@ -197,14 +224,18 @@ checkpoint_every = "30"
 checkpoint_dir = "$DATA/checkpoints"
 SPEC
 else
-    say "Submitting deploy/demo-job.toml: 16 ranks, 8 per node, 30 steps of examples/rank.py"
+    say "Submitting deploy/demo-job.toml: 16 ranks, 8 per node, 480 steps of 75 ms of examples/rank.py (about 40 s)"
     # The workdir must be absolute: write this checkout's path into a copy of the spec.
     sed "s|^workdir = .*|workdir = \"$ROOT\"|" deploy/demo-job.toml >"$DATA/demo-job.toml"
 fi
+# ctl prints the job id on stdout first, then follows the job on stderr: the id goes to a file,
+# so a Ctrl-C while the job runs still finds the job to cancel (cleanup).
+JOB_FILE="$DATA/job.id"
 set +e
-JOB="$("$CTL" submit --follow "$DATA/demo-job.toml")"
+"$CTL" submit --follow "$DATA/demo-job.toml" >"$JOB_FILE"
 follow_rc=$?
 set -e
+JOB="$(head -n 1 "$JOB_FILE")"
 if [[ -z "$JOB" ]]; then
     echo "the job was not submitted (see the message above)" >&2
     exit 1
@@ -249,19 +280,36 @@ echo "    \"SELECT step, json_extract(body,'\$.loss') FROM receipts WHERE job_id
 
 if ((follow_rc != 0)); then
     echo "job $JOB did not succeed; logs: $DATA/*.log, rank output: $DATA/node-*/runs/job-$JOB/" >&2
-    if ((KEEP == 0)); then
-        exit "$follow_rc"
-    fi
-fi
-if ((follow_rc == 0)); then
+else
     say "Demo done: job $JOB succeeded"
 fi
-say "Open the web view: $WEB (job $JOB: ${WEB}jobs/$JOB)"
-echo "  ctl diagnose $JOB, ctl status $JOB, ctl nodes, ctl logs $JOB --rank 0 (TRAINYARD_CONTROLLER=$URL)"
-if ((KEEP == 1)); then
-    say "The cluster keeps running (--keep); press Ctrl-C to stop it"
-    # Submit more jobs meanwhile: "$CTL" submit "$DATA/demo-job.toml".
-    while true; do
-        sleep 1
-    done
-fi
+
+case "$AFTER" in
+    stop)
+        # No terminal to wait on: everything stops now (cleanup), so no address to open.
+        say "The run is over: the agents and the controller stop now"
+        echo "  its database stays at $DB, its logs and rank output in $DATA"
+        echo "  (run ./deploy/demo.sh in a terminal, or with --keep, to browse the web view after the job)"
+        exit "$follow_rc"
+        ;;
+    enter)
+        say "The web view stays up at $WEB until you press Enter (job $JOB: ${WEB}jobs/$JOB)"
+        echo "  meanwhile, in another shell: export TRAINYARD_CONTROLLER=$URL (ctl is $CTL)"
+        echo "  ctl diagnose $JOB, ctl status $JOB, ctl nodes, ctl logs $JOB --rank 0"
+        # Forget what was typed while the job ran: only an Enter pressed from now on stops it.
+        while read -r -t 0.05 _; do :; done
+        read -r _ || true # Enter, or end of input (Ctrl-D); Ctrl-C stops it too (trap)
+        exit "$follow_rc"
+        ;;
+    keep)
+        say "The web view stays up at $WEB until you press Ctrl-C (--keep; job $JOB: ${WEB}jobs/$JOB)"
+        echo "  meanwhile, in another shell: export TRAINYARD_CONTROLLER=$URL (ctl is $CTL)"
+        echo "  ctl diagnose $JOB, ctl status $JOB, ctl nodes, ctl logs $JOB --rank 0"
+        if [[ "$MODE" == ranks ]]; then
+            echo "  ctl submit $DATA/demo-job.toml submits the job again"
+        fi
+        while true; do
+            sleep 1
+        done
+        ;;
+esac

@@ -10,7 +10,9 @@ writes:
              to the binding the agent planned (TRAINYARD_CPUS, TRAINYARD_MEMS)
     step     per step: step, loss (a plausible decaying curve), lr, tokens, step_time_ms,
              fwd_bwd_ms and optimizer_ms (each step sleeps a compute phase, then an optimizer
-             phase of the share nanochat's optimizer takes; both are timed), tokens_per_s
+             phase of the share nanochat's optimizer takes; both are timed), tokens_per_s, and
+             with --mfu F an mfu: F for a step that took --step-ms, less for a slower one (the
+             same work in more time), so a slowed rank's MFU drops as its step time rises
     exit     at the end: code, or signal 15 when stopped with SIGTERM (then it exits 143)
 
 Each receipt is one `write` of a whole line followed by a flush, on a file opened in append
@@ -101,10 +103,28 @@ def device_gpu(local_rank):
     return int(entries[local_rank]) if local_rank < len(entries) else None
 
 
+def mfu_fraction(text):
+    """--mfu's value: a fraction above 0 and at most 1 (receipt schema v1: 0.4, not 40)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction above 0 and at most 1 (0.4, not 40)")
+    return value
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50, help="number of steps (default 50)")
     p.add_argument("--step-ms", type=float, default=50.0, help="sleep per step in ms (default 50)")
+    p.add_argument(
+        "--mfu",
+        type=mfu_fraction,
+        default=None,
+        metavar="F",
+        help="also report mfu: F (0 to 1) at --step-ms, scaled down as a step takes longer (default: no mfu)",
+    )
     p.add_argument("--fail-at-step", type=int, default=None, metavar="K", help="exit 1 at step K")
     p.add_argument(
         "--fail-rank", type=int, default=None, metavar="R", help="only rank R fails (default: every rank)"
@@ -488,6 +508,10 @@ def main(argv=None):
                 return 1
         finished = time.monotonic()
         elapsed = max(finished - started, 1e-6)
+        metrics = {}
+        if args.mfu is not None:
+            # The same work in more time: a step slower than --step-ms uses less of the GPU.
+            metrics["mfu"] = round(min(args.mfu * (args.step_ms / 1000.0) / elapsed, 1.0), 4)
         receipts.emit(
             "step",
             step=step,
@@ -498,6 +522,7 @@ def main(argv=None):
             fwd_bwd_ms=round((computed - started) * 1000.0, 3),
             optimizer_ms=round((finished - computed) * 1000.0, 3),
             tokens_per_s=round(TOKENS_PER_STEP * world / elapsed, 1),
+            **metrics,
             at_ms=int(time.time() * 1000),
         )
         due = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0

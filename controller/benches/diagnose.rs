@@ -2,11 +2,13 @@
 //! diagnose [-- sqlite|postgres]`. A job of 64 ranks on 8 nodes with 1,000 step receipts per
 //! rank (64,000 rows, one rank 30 % slower), stored as ingest stores them; then the
 //! controller's `diagnose` (what the RPC runs: the store reads and the analysis) `RUNS` times
-//! on each backend, printing the median. Target: under 1 s on SQLite and PostgreSQL.
+//! on each backend, printing the median. Target: under 1 s on SQLite and PostgreSQL. Writes its
+//! figures to `docs/results/diagnose-<date>.jsonl` ([`trainyard_testkit::results`]).
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use serde_json::json;
 use trainyard_controller::config::ControllerConfig;
 use trainyard_controller::core::Controller;
 use trainyard_model::domain::{AgentState, GpuInfo, Inventory, NumaNodeInfo};
@@ -15,6 +17,7 @@ use trainyard_store::{
     AgentRecord, Allocation, NewReceipt, RankId, RankObserved, RankState, SqlStore, Store,
 };
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
+use trainyard_testkit::results::{Results, results_dir};
 
 const NODES: u32 = 8;
 const GPUS: u32 = 8;
@@ -24,23 +27,26 @@ const SLOW_RANK: u32 = 37;
 
 fn main() -> anyhow::Result<()> {
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let mut out = Results::create(&results_dir(), "diagnose", only.as_slice())?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let dir = tempfile::tempdir()?;
         if only.as_deref().is_none_or(|b| b == "sqlite") {
             let store = Arc::new(SqlStore::open_sqlite_file(&dir.path().join("bench.db")).await?);
-            bench("sqlite", store).await?;
+            bench(&mut out, "sqlite", store).await?;
         }
         if only.as_deref().is_none_or(|b| b == "postgres") {
             let server = TempPostgres::start(Durability::Relaxed).map_err(anyhow::Error::msg)?;
             let url = server.create_database().map_err(anyhow::Error::msg)?;
-            bench("postgres", trainyard_store::open(&url).await?).await?;
+            bench(&mut out, "postgres", trainyard_store::open(&url).await?).await?;
         }
-        Ok(())
-    })
+        anyhow::Ok(())
+    })?;
+    println!("results: {}", out.path().display());
+    Ok(())
 }
 
-async fn bench(backend: &str, store: Arc<dyn Store>) -> anyhow::Result<()> {
+async fn bench(out: &mut Results, backend: &str, store: Arc<dyn Store>) -> anyhow::Result<()> {
     let job = fill(store.as_ref()).await?;
     let controller = Controller::start(store, ControllerConfig::default()).await?;
     let mut times = Vec::with_capacity(RUNS);
@@ -60,7 +66,12 @@ async fn bench(backend: &str, store: Arc<dyn Store>) -> anyhow::Result<()> {
         times[0],
         times[RUNS - 1]
     );
-    Ok(())
+    let ms = |v: f64| (v * 10.0).round() / 10.0;
+    out.line(&json!({"summary": {
+        "backend": backend, "ranks": NODES * GPUS, "steps": STEPS, "runs": RUNS,
+        "median_ms": ms(times[RUNS / 2]), "min_ms": ms(times[0]), "max_ms": ms(times[RUNS - 1]),
+        "target_ms": 1000, "verdict": verdict,
+    }}))
 }
 
 /// Nodes, a placed job and its receipts, as a controller would have stored them.

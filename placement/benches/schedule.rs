@@ -3,11 +3,15 @@
 //! queued jobs of 1 to 16 GPUs with mixed priorities and class constraints. A decision is one
 //! `scheduler::schedule` pass: every queued job placed, backfilled or given its waiting reason.
 //! Prints the median time per decision; the target (docs/architecture.md) is under 10 ms.
+//! Writes its figures to `docs/results/schedule-<date>.jsonl` ([`trainyard_testkit::results`]).
 //!
 //! Run: `cargo bench -p trainyard-placement --bench schedule` (add `--profile dev` for a
 //! quicker build).
 
 use std::time::{Duration, Instant};
+
+use serde_json::json;
+use trainyard_testkit::results::{Results, results_dir};
 
 use trainyard_model::domain::InterconnectClass;
 use trainyard_placement::scheduler::{GpuView, LinkMatrix, NodeView, Request, schedule};
@@ -106,7 +110,8 @@ fn queue(rng: &mut Lcg) -> Vec<Request> {
         .collect()
 }
 
-fn main() {
+fn main() -> anyhow::Result<()> {
+    let mut out = Results::create(&results_dir(), "schedule", &[])?;
     let mut rng = Lcg(42);
     let nodes = fleet(&mut rng);
     let jobs = queue(&mut rng);
@@ -138,4 +143,12 @@ fn main() {
         times[times.len() - 1].as_secs_f64() * 1e3,
         times.len()
     );
+    let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
+    out.line(&json!({"summary": {
+        "hosts": nodes.len(), "gpus": nodes.len() * 8, "free_gpus": free, "queued": jobs.len(),
+        "placed": first.placements.len(), "waiting": first.waiting.len(), "runs": times.len(),
+        "median_ms": ms(median), "min_ms": ms(times[0]), "max_ms": ms(times[times.len() - 1]), "target_ms": 10,
+    }}))?;
+    println!("results: {}", out.path().display());
+    Ok(())
 }

@@ -2,9 +2,12 @@
 //! receipts_insert`. Inserts `TOTAL` receipts of about 300 bytes in batches of `BATCH` (one
 //! transaction each, as the agent stream does) into a store on a temporary file, `REPEATS`
 //! times (a new job each time, so the tables grow as they would in service), and prints the
-//! median rate. Optional arguments: total, batch, repeats.
+//! median rate. Optional arguments: total, batch, repeats. Writes its figures to
+//! `docs/results/receipts_insert-<date>.jsonl` ([`trainyard_testkit::results`]).
 
+use serde_json::json;
 use std::time::Instant;
+use trainyard_testkit::results::{Results, results_dir};
 
 use trainyard_model::spec::JobSpec;
 use trainyard_store::{JobStore, NewReceipt, RankId, ReceiptStore, SqlStore};
@@ -23,11 +26,15 @@ fn main() -> anyhow::Result<()> {
             .map_or(Ok(default), |a| Ok(a.parse()?))
     };
     let (total, batch, repeats) = (arg(0, TOTAL)?, arg(1, BATCH)?, arg(2, REPEATS)?);
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let mut out = Results::create(&results_dir(), "receipts_insert", &args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(run(total, batch, repeats))
+    runtime.block_on(run(&mut out, total, batch, repeats))?;
+    println!("results: {}", out.path().display());
+    Ok(())
 }
 
-async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
+async fn run(out: &mut Results, total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let store = SqlStore::open_sqlite_file(&dir.path().join("bench.db")).await?;
     let mut rates = Vec::with_capacity(repeats);
@@ -44,15 +51,18 @@ async fn run(total: usize, batch: usize, repeats: usize) -> anyhow::Result<()> {
         anyhow::ensure!(inserted == total as u64, "inserted {inserted} of {total}");
         let rate = total as f64 / secs;
         println!("run {repeat}: {total} receipts in batches of {batch}: {secs:.3} s, {rate:.0} receipts/s");
+        out.line(
+            &json!({"run": repeat, "receipts": total, "batch": batch, "s": secs, "rate": rate.round()}),
+        )?;
         rates.push(rate);
     }
     rates.sort_by(f64::total_cmp);
     let bytes = receipts(0, 1)[0].body.len();
+    let median = rates[rates.len() / 2];
     println!(
-        "median: {:.0} receipts/s ({repeats} runs, {total} receipts of ~{bytes} bytes, batches of {batch})",
-        rates[rates.len() / 2]
+        "median: {median:.0} receipts/s ({repeats} runs, {total} receipts of ~{bytes} bytes, batches of {batch})"
     );
-    Ok(())
+    out.line(&json!({"summary": {"rate": median.round(), "runs": repeats, "receipts": total, "receipt_bytes": bytes, "batch": batch}}))
 }
 
 /// Step receipts as the engine writes them, round-robin over the ranks.

@@ -7,14 +7,17 @@
 //! wall clock of this process (same machine, same clock). Prints medians and p90s.
 //!
 //! Two clusters: the loopback demo (plaintext, no credentials) and a secure one (TLS with agent
-//! certificates, ctl with a token, ranks run as the user's account: `nobody` under root).
+//! certificates, ctl with a token, ranks run as the user's account: `nobody` under root). Named
+//! only, `demo-subreaper`: the demo with its agent's ranks held by their shims as subreapers
+//! instead of a cgroup each (`--process-tracking subreaper`), what a launch cost before
+//! per-rank cgroups.
 //!
 //! Every run writes its figures to `docs/results/submit_latency-<date>.jsonl`
 //! ([`trainyard_tests::results`]): one line per cluster and rank count (medians and p90s), then
 //! the summary.
 //!
 //! Run: `cargo bench -p trainyard-tests --bench submit_latency
-//! [-- demo|secure]` (it builds and runs the release binaries).
+//! [-- demo|secure|demo-subreaper]` (it builds and runs the release binaries).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -41,30 +44,43 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
         .replace(r#"argv = ["python3", "examples/rank.py"]"#, r#"argv = ["sh", "-c", "sleep 0.3"]"#);
     std::fs::write(&file, text)?;
     let (mut in_controller, mut end_to_end) = (Vec::new(), Vec::new());
+    // Where the time goes: ctl's start to the job stored, stored to placed, placed to running.
+    let (mut ctl_part, mut placing, mut launching) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..JOBS {
         let t0 = now_ms();
         let job = c.submit(&file)?;
         c.wait_state(job, &["succeeded"], Duration::from_secs(30))?;
         let rows = c.query(&format!(
             "SELECT MIN(CASE WHEN to_state = 'pending' THEN at_ms END), \
+                    MIN(CASE WHEN to_state = 'scheduled' THEN at_ms END), \
                     MIN(CASE WHEN to_state = 'running' THEN at_ms END) FROM job_events WHERE job_id = {job}"
         ))?;
-        let (submitted, running) = (rows[0][0], rows[0][1]);
+        let (submitted, scheduled, running) = (rows[0][0], rows[0][1], rows[0][2]);
         in_controller.push(running - submitted);
         end_to_end.push(running - t0);
+        ctl_part.push(submitted - t0);
+        placing.push(scheduled - submitted);
+        launching.push(running - scheduled);
     }
-    in_controller.sort_unstable();
-    end_to_end.sort_unstable();
+    for v in [&mut in_controller, &mut end_to_end, &mut ctl_part, &mut placing, &mut launching] {
+        v.sort_unstable();
+    }
     let (in_p50, in_p90) = (percentile(&in_controller, 0.5), percentile(&in_controller, 0.9));
     let (end_p50, end_p90) = (percentile(&end_to_end, 0.5), percentile(&end_to_end, 0.9));
+    let (ctl_p50, placing_p50, launching_p50) =
+        (percentile(&ctl_part, 0.5), percentile(&placing, 0.5), percentile(&launching, 0.5));
     println!(
         "{label}: {ranks} rank(s), {JOBS} jobs: submitted→running median {in_p50} ms (p90 {in_p90} ms); \
-         ctl start→running median {end_p50} ms (p90 {end_p90} ms); target median < {TARGET_MEDIAN_MS} ms"
+         ctl start→running median {end_p50} ms (p90 {end_p90} ms); target median < {TARGET_MEDIAN_MS} ms; \
+         medians of the parts: ctl start→stored {ctl_p50} ms, stored→placed {placing_p50} ms, \
+         placed→running {launching_p50} ms"
     );
     out.line(&json!({
         "cluster": label, "ranks": ranks, "jobs": JOBS,
         "submitted_to_running_p50_ms": in_p50, "submitted_to_running_p90_ms": in_p90,
         "ctl_start_to_running_p50_ms": end_p50, "ctl_start_to_running_p90_ms": end_p90,
+        "ctl_start_to_stored_p50_ms": ctl_p50, "stored_to_placed_p50_ms": placing_p50,
+        "placed_to_running_p50_ms": launching_p50,
         "target_median_ms": TARGET_MEDIAN_MS,
     }))?;
     Ok(json!({
@@ -78,12 +94,16 @@ fn main() -> anyhow::Result<()> {
     let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let mut out = Results::create(&results_dir(), "submit_latency", &named)?;
     let mut medians = Vec::new();
-    for label in ["demo", "secure"] {
-        if !named.is_empty() && !named.iter().any(|n| n == label) {
+    for label in ["demo", "secure", "demo-subreaper"] {
+        let by_default = label != "demo-subreaper";
+        if !(named.is_empty() && by_default || named.iter().any(|n| n == label)) {
             continue;
         }
         let mut c = if label == "secure" { Cluster::start_secure()? } else { Cluster::start()? };
-        c.start_agent("node-a", 8)?;
+        let host = trainyard_tests::host_file(c.dir.path(), "node-a", 8);
+        let tracking: &[(&str, &str)] =
+            if label == "demo-subreaper" { &[("TRAINYARD_PROCESS_TRACKING", "subreaper")] } else { &[] };
+        c.start_agent_env("node-a", &host, tracking)?;
         medians.push(measure(&mut out, &c, label, 1)?);
         medians.push(measure(&mut out, &c, label, 8)?);
     }

@@ -32,10 +32,10 @@ pub mod flood;
 pub mod group;
 pub mod netlab;
 pub mod raw_insert;
-pub mod results;
 pub mod slurm;
 
 pub use netlab::NetLab;
+pub use trainyard_testkit::results;
 
 /// Environment variable that marks every process of one test cluster.
 const MARKER: &str = "TRAINYARD_TEST_CLUSTER";

@@ -1,9 +1,9 @@
 //! Guard on receipt ingest: trainyard keeps a fair share of what a plain sqlx loop stores on the
 //! same machine and disk. A short form of `tests/benches/receipt_throughput.rs` (whose figures
-//! the README quotes): three floods of 8 x 15,000 receipts into SQLite, each followed by the raw
-//! loop on the same rows ([`trainyard_tests::raw_insert`]), and the median ratio held against a
-//! generous floor. These are debug builds of our own code (dependencies optimised); they measure
-//! about 0.4 on a 2-core machine where the bench, with release binaries, measures about 0.5. A
+//! docs/status.md quotes): five floods of 8 x 15,000 receipts into SQLite, each followed by the
+//! raw loop on the same rows ([`trainyard_tests::raw_insert`]), and the median ratio held against
+//! a floor. These are debug builds of our own code (dependencies optimised); they measure about
+//! 0.4 on a 2-core machine where the bench, with release binaries, measures about 0.6: a
 //! regression of the kind that once halved ingest unnoticed fails it.
 //!
 //! The only test in its binary, so no other test of this suite shares the cores while it runs
@@ -15,7 +15,7 @@ use trainyard_tests::raw_insert::raw_insert_rate;
 use trainyard_tests::{Backend, Cluster};
 
 /// Lowest median `trainyard / raw` accepted.
-const FLOOR: f64 = 0.2;
+const FLOOR: f64 = 0.3;
 const PER_RANK: i64 = 15_000;
 
 #[test]
@@ -24,7 +24,7 @@ fn ingest_keeps_a_fair_share_of_a_raw_insert_loop() -> Result<()> {
     c.start_agent("node-a", 4)?;
     c.start_agent("node-b", 4)?;
     let mut ratios = Vec::new();
-    for run in 0..3 {
+    for run in 0..5 {
         let f = flood(&c, &format!("guard-{run}"), PER_RANK, 0)?;
         let raw = raw_insert_rate(&c, f.job, c.dir.path())?;
         println!(

@@ -62,7 +62,12 @@ impl Results {
 
 /// The repository's results folder.
 pub fn results_dir() -> PathBuf {
-    crate::repo_root().join("docs/results")
+    repo_root().join("docs/results")
+}
+
+/// The repository's root (this crate's parent folder).
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
 }
 
 /// `2026-11-27T0402Z`, from the system clock.
@@ -76,7 +81,7 @@ fn checkout() -> (String, bool) {
     let git = |args: &[&str]| {
         Command::new("git")
             .args(args)
-            .current_dir(crate::repo_root())
+            .current_dir(repo_root())
             .output()
             .ok()
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
@@ -106,7 +111,7 @@ pub fn machine() -> Value {
         "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
         "cpu_model": model,
         "memory_gib": (mem_kib / 1048576.0 * 10.0).round() / 10.0,
-        "disk_gib": disk_gib(&crate::repo_root()),
+        "disk_gib": disk_gib(&repo_root()),
         "kernel": kernel.trim(),
     })
 }
