@@ -101,9 +101,30 @@ async fn loopback_doors(
 #[derive(Debug, Clone, Copy)]
 pub struct Peer(pub SocketAddr);
 
-impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TcpListener>> for Peer {
-    fn connect_info(stream: axum::serve::IncomingStream<'_, TcpListener>) -> Peer {
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, NoDelay>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, NoDelay>) -> Peer {
         Peer(*stream.remote_addr())
+    }
+}
+
+/// The plain HTTP listener, whose connections send small answers at once (TCP_NODELAY), not
+/// after the peer's delayed ACK.
+pub struct NoDelay(pub TcpListener);
+
+impl axum::serve::Listener for NoDelay {
+    type Io = TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (TcpStream, SocketAddr) {
+        let (tcp, peer) = axum::serve::Listener::accept(&mut self.0).await;
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
+        }
+        (tcp, peer)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.0.local_addr()
     }
 }
 
@@ -255,6 +276,8 @@ impl TlsListener {
                 if !admit(peer.ip()) {
                     continue;
                 }
+                // Small answers go out at once, not after the peer's delayed ACK.
+                let _ = tcp.set_nodelay(true);
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
                     let _permit = permit;

@@ -95,14 +95,24 @@ pub async fn run(
     .max_decoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES)
     .max_encoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES);
     let stop = token.clone();
-    // Connections from an address the door has limited are closed here, before TLS.
+    // Connections from an address the door has limited are closed here, before TLS. The rest
+    // get TCP_NODELAY here: a server fed its connections (`serve_with_incoming`) never applies
+    // the builder's `tcp_nodelay`, and without it a small reply (a submit's answer, a launch to
+    // an agent) waited on Nagle's algorithm for the peer's delayed ACK, 40 ms a time.
     let incoming =
-        tokio_stream::StreamExt::filter(TcpListenerStream::new(listener), move |conn| match conn {
-            Ok(stream) => stream.peer_addr().map_or(true, |peer| door.admit(peer.ip(), clock.now_ms())),
-            Err(_) => true,
+        tokio_stream::StreamExt::filter_map(TcpListenerStream::new(listener), move |conn| match conn {
+            Ok(stream) => {
+                let admitted = stream.peer_addr().map_or(true, |peer| door.admit(peer.ip(), clock.now_ms()));
+                admitted.then(|| {
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
+                    }
+                    Ok(stream)
+                })
+            }
+            Err(e) => Some(Err(e)),
         });
     let result = builder
-        .tcp_nodelay(true)
         .concurrency_limit_per_connection(MAX_CONCURRENT_REQUESTS_PER_CONNECTION)
         .max_concurrent_streams(Some(MAX_CONCURRENT_REQUESTS_PER_CONNECTION as u32))
         .http2_max_header_list_size(Some(MAX_HEADER_BYTES))
@@ -179,7 +189,9 @@ fn serve_http(
         }
         None => tokio::spawn(async move {
             let routes = routes.into_make_service_with_connect_info::<Peer>();
-            if let Err(e) = axum::serve(listener, routes).with_graceful_shutdown(stopped).await {
+            if let Err(e) =
+                axum::serve(crate::http::NoDelay(listener), routes).with_graceful_shutdown(stopped).await
+            {
                 tracing::error!(error = %e, "the HTTP listener failed");
             }
         }),
