@@ -24,6 +24,7 @@
 //! | `trainyard_job_finding{job,cause,node}` | gauge | 1 while the live diagnosis holds a finding open (alert on it: `deploy/prometheus/trainyard-alerts.yml`) |
 //! | `trainyard_alerts_total{outcome}` | counter | webhook alert deliveries: `delivered`, `failed` (retried later) |
 //! | `trainyard_live_diagnosis_seconds` | histogram | one round of the live diagnosis over every running job |
+//! | `trainyard_live_diagnosis_cpu_seconds_total` | counter | CPU time the live diagnosis's task took on the controller's threads (its finding writes and alerts included; a query's execution on SQLite's worker thread or in PostgreSQL not) |
 //! | `trainyard_controller_is_leader` | gauge | 1 while this controller leads its group (on SQLite: 1) |
 //! | `trainyard_controller_epoch` | gauge | the epoch of the lease it leads under |
 //! | `trainyard_lease_renewals_total`, `trainyard_lease_failures_total` | counter | lease renewals that succeeded, and that could not reach the database |
@@ -96,6 +97,7 @@ pub struct Metrics {
     pub job_finding: Family<FindingLabel, Gauge>,
     pub alerts: Family<OutcomeLabel, Counter>,
     pub live_diagnosis: Histogram,
+    pub live_diagnosis_cpu: Counter<f64, std::sync::atomic::AtomicU64>,
     pub is_leader: Gauge,
     pub epoch: Gauge,
     pub lease_renewals: Counter,
@@ -132,6 +134,7 @@ impl Metrics {
             job_finding: Family::default(),
             alerts: Family::default(),
             live_diagnosis: latency(),
+            live_diagnosis_cpu: Counter::default(),
             is_leader: Gauge::default(),
             epoch: Gauge::default(),
             lease_renewals: Counter::default(),
@@ -219,6 +222,11 @@ impl Metrics {
             "live_diagnosis_seconds",
             "One round of the live diagnosis over every running job",
             m.live_diagnosis.clone(),
+        );
+        registry.register(
+            "live_diagnosis_cpu_seconds",
+            "CPU time the live diagnosis's task took on the controller's threads",
+            m.live_diagnosis_cpu.clone(),
         );
         registry.register(
             "controller_is_leader",

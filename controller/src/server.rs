@@ -95,23 +95,7 @@ pub async fn run(
     .max_decoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES)
     .max_encoding_message_size(limits::MAX_AGENT_MESSAGE_BYTES);
     let stop = token.clone();
-    // Connections from an address the door has limited are closed here, before TLS. The rest
-    // get TCP_NODELAY here: a server fed its connections (`serve_with_incoming`) never applies
-    // the builder's `tcp_nodelay`, and without it a small reply (a submit's answer, a launch to
-    // an agent) waited on Nagle's algorithm for the peer's delayed ACK, 40 ms a time.
-    let incoming =
-        tokio_stream::StreamExt::filter_map(TcpListenerStream::new(listener), move |conn| match conn {
-            Ok(stream) => {
-                let admitted = stream.peer_addr().map_or(true, |peer| door.admit(peer.ip(), clock.now_ms()));
-                admitted.then(|| {
-                    if let Err(e) = stream.set_nodelay(true) {
-                        tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
-                    }
-                    Ok(stream)
-                })
-            }
-            Err(e) => Some(Err(e)),
-        });
+    let incoming = admitted(listener, door, clock);
     let result = builder
         .concurrency_limit_per_connection(MAX_CONCURRENT_REQUESTS_PER_CONNECTION)
         .max_concurrent_streams(Some(MAX_CONCURRENT_REQUESTS_PER_CONNECTION as u32))
@@ -153,6 +137,30 @@ async fn set_health(health: &tonic_health::server::HealthReporter, leads: bool) 
         health.set_not_serving::<AgentsServer<AgentsService>>().await;
         health.set_service_status(LEADER_HEALTH_SERVICE, tonic_health::ServingStatus::NotServing).await;
     }
+}
+
+/// The gRPC listener's connections: those from an address the door has limited are closed
+/// here, before TLS; the rest get TCP_NODELAY here, since a server fed its connections
+/// (`serve_with_incoming`) never applies the builder's `tcp_nodelay`, and without it a small
+/// reply (a submit's answer, a launch to an agent) waited on Nagle's algorithm for the peer's
+/// delayed ACK, 40 ms a time.
+fn admitted(
+    listener: TcpListener,
+    door: Arc<crate::auth::door::Door>,
+    clock: Arc<Controller>,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    tokio_stream::StreamExt::filter_map(TcpListenerStream::new(listener), move |conn| match conn {
+        Ok(stream) => {
+            let admitted = stream.peer_addr().map_or(true, |peer| door.admit(peer.ip(), clock.now_ms()));
+            admitted.then(|| {
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
+                }
+                Ok(stream)
+            })
+        }
+        Err(e) => Some(Err(e)),
+    })
 }
 
 /// Starts the HTTP listener's server. Off loopback the demo's tokenless admin never applies

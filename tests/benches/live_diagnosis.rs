@@ -13,7 +13,16 @@
 //! ([`trainyard_tests::results`]): one line per finding opened, then the summary (rounds, their
 //! median, p99 and max, the CPU and its share of one core, findings opened and closed).
 //!
-//! Run: `cargo bench -p trainyard-tests --bench live_diagnosis` (`-- --minutes N`).
+//! `-- real [SECONDS]` measures the controller's own task instead, during a real run: a
+//! controller (release binaries, SQLite, a round every 10 s) and 8 agents of 8 GPUs run a
+//! 64-rank job of `examples/rank.py` (a step every 0.5 s) for SECONDS (default 600). The
+//! controller counts the CPU time of its live-diagnosis task's polls in
+//! `trainyard_live_diagnosis_cpu_seconds_total` (its finding writes and alerts included; a
+//! query's execution on SQLite's worker thread not), read from `/metrics` when the job ends,
+//! over the job's running time. Its summary has `"mode": "real"`.
+//!
+//! Run: `cargo bench -p trainyard-tests --bench live_diagnosis` (`-- --minutes N`, or
+//! `-- real [SECONDS]`).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -108,6 +117,12 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or(10);
     let named: Vec<String> = args.iter().skip(1).filter(|a| *a != "--bench").cloned().collect();
     let mut out = Results::create(&results_dir(), "live_diagnosis", &named)?;
+    if let Some(at) = args.iter().position(|a| a == "real") {
+        let seconds = args.get(at + 1).and_then(|s| s.parse().ok()).unwrap_or(600);
+        real(&mut out, seconds)?;
+        println!("results: {}", out.path().display());
+        return Ok(());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(run(&mut out, minutes))?;
     println!("results: {}", out.path().display());
@@ -227,4 +242,50 @@ async fn run(out: &mut Results, minutes: i64) -> anyhow::Result<()> {
         "core_share_pct": round_to(share_pct, 3), "target_pct": 2.0,
         "findings_opened": opened.len(), "findings_closed": closed,
     }}))
+}
+
+/// A counter or gauge's value in a `/metrics` text, by its full name.
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// `-- real`: the live diagnosis's cost on the controller's own task, during a real 64-rank run.
+fn real(out: &mut Results, seconds: u64) -> anyhow::Result<()> {
+    trainyard_tests::build_release_binaries()?;
+    let mut c = trainyard_tests::Cluster::start_with(&[("--live-diagnosis-secs", "10")])?;
+    for n in 0..8 {
+        c.start_agent(&format!("node-{n}"), 8)?;
+    }
+    let steps = (seconds * 1000 / STEP_MS as u64).to_string();
+    let file = c.job_file("live-real", RANKS, 8, &["--steps", &steps, "--step-ms", "500"], "");
+    let job = c.submit(&file)?;
+    c.wait_state(job, &["running"], std::time::Duration::from_secs(120))?;
+    let (started, cpu_at_start) = (Instant::now(), controller_cpu(&c));
+    println!("job {job}: {RANKS} ranks running; {seconds} s of steps");
+    let end = c.wait_state(job, &["succeeded", "failed"], std::time::Duration::from_secs(seconds + 300))?;
+    let wall = started.elapsed().as_secs_f64();
+    let controller = controller_cpu(&c) - cpu_at_start;
+    let (_, text) = c.http("GET", "/metrics")?;
+    let cpu = metric(&text, "trainyard_live_diagnosis_cpu_seconds_total").unwrap_or(f64::NAN);
+    let rounds = metric(&text, "trainyard_live_diagnosis_seconds_count").unwrap_or(f64::NAN);
+    let round_s = metric(&text, "trainyard_live_diagnosis_seconds_sum").unwrap_or(f64::NAN);
+    let share = 100.0 * cpu / wall;
+    println!(
+        "job {job} {}: live diagnosis {rounds} rounds over {wall:.0} s, its task {cpu:.3} s of CPU: {share:.3} % of one \
+         core (target < 2 %); mean round {:.1} ms of wall; the whole controller {controller:.1} s of CPU ({:.1} %)",
+        end["state"],
+        1000.0 * round_s / rounds,
+        100.0 * controller / wall
+    );
+    out.line(&json!({"summary": {
+        "mode": "real", "ranks": RANKS, "run_s": round_to(wall, 1), "rounds": rounds,
+        "cpu_s": round_to(cpu, 3), "core_share_pct": round_to(share, 3), "target_pct": 2.0,
+        "round_mean_ms": round_to(1000.0 * round_s / rounds, 1),
+        "controller_cpu_s": round_to(controller, 1), "controller_share_pct": round_to(100.0 * controller / wall, 1),
+        "job_state": end["state"],
+    }}))
+}
+
+fn controller_cpu(c: &trainyard_tests::Cluster) -> f64 {
+    c.controller_pid().map_or(0.0, trainyard_tests::flood::process_cpu_s)
 }

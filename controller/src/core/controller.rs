@@ -185,7 +185,7 @@ impl Controller {
         let (store, clock, every) = (self.s.store.clone(), self.s.clock, config.live_every);
         let me = self.clone();
         let running = move || live::running_contexts(&me.s.lock());
-        Ok(tokio::spawn(live::run(store, clock, every, running, webhooks, shutdown)))
+        Ok(tokio::spawn(live::cpu_counted(live::run(store, clock, every, running, webhooks, shutdown))))
     }
 
     /// The reconciler: runs a pass whenever a request wakes it, and every 500 ms (the reaper

@@ -308,3 +308,28 @@ fn set_gauge(f: &LiveFinding, open: bool) {
         }
     }
 }
+
+/// `future` with the CPU time of each of its polls (the polling thread's own,
+/// `CLOCK_THREAD_CPUTIME_ID`) added to `trainyard_live_diagnosis_cpu_seconds_total`: what the
+/// live diagnosis costs the controller, measured where it runs, its finding writes and alerts
+/// included. Work it hands to another thread (a query's execution on SQLite's worker thread) or
+/// process (PostgreSQL) is not in it.
+pub(super) async fn cpu_counted<F: Future>(future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        let started = thread_cpu_seconds();
+        let polled = future.as_mut().poll(cx);
+        let spent = (thread_cpu_seconds() - started).max(0.0);
+        crate::metrics::metrics().live_diagnosis_cpu.inc_by(spent);
+        polled
+    })
+    .await
+}
+
+/// CPU seconds this thread has used.
+fn thread_cpu_seconds() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}

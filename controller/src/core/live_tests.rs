@@ -143,3 +143,23 @@ async fn a_bad_webhook_is_refused_with_its_url() {
     let err = c.spawn_live(tokio_util::sync::CancellationToken::new()).unwrap_err();
     assert!(err.contains("smtp://x") && err.contains("http:// or https://"), "{err}");
 }
+
+/// The live diagnosis's own CPU is counted where it runs: a future that computes shows up in
+/// `trainyard_live_diagnosis_cpu_seconds_total` (the metric is process-wide: other tests may
+/// add to it too, so only the lower bound is held).
+#[tokio::test]
+async fn the_cpu_the_live_diagnosis_takes_is_counted() {
+    let counter = &crate::metrics::metrics().live_diagnosis_cpu;
+    let before = counter.get();
+    super::live::cpu_counted(async {
+        let mut x = 0u64;
+        for i in 0..30_000_000u64 {
+            x = std::hint::black_box(x.wrapping_add(i.wrapping_mul(i)));
+        }
+        tokio::task::yield_now().await;
+        std::hint::black_box(x)
+    })
+    .await;
+    let spent = counter.get() - before;
+    assert!(spent > 0.005, "a loop of 30 M steps counted {spent} s of CPU");
+}
