@@ -94,7 +94,7 @@ async function pageJob(id) {
     renderFindings(findingsBox, j.findings || []);
     const stepPlot = jobPlots.find((p) => p.el.id === "plot-step_ms");
     if (stepPlot) stepPlot.setBands(findingBands(j));
-    renderRanks(ranksBody, j.ranks || [], new Set((j.diagnosis && j.diagnosis.stragglers) || []));
+    renderRanks(ranksBody, j.ranks || [], new Set(stragglersOf(j.diagnosis)));
     renderEvents(eventsBody, j.events || []);
     const atBottom = logs.scrollHeight - logs.scrollTop - logs.clientHeight < 8;
     logsHead.textContent = j.logs ? `Logs (rank ${j.logs.rank}, last lines)` : "Logs";
@@ -200,13 +200,18 @@ function renderFinding(f) {
       row("remedy", f.remedy)));
 }
 
+/** The ranks the diagnosis names as stragglers (its ranks carry the flag). */
+function stragglersOf(d) {
+  return ((d && d.ranks) || []).filter((r) => r.straggler).map((r) => r.rank);
+}
+
 function renderDiagnosis(box, d) {
   const head = h("h2", null, "Diagnosis");
   if (!d) {
     fill(box, head, muted("no diagnosis yet"));
     return;
   }
-  const stragglers = d.stragglers || [];
+  const stragglers = stragglersOf(d);
   fill(box,
     head,
     h("p", { class: d.healthy ? "verdict healthy" : "verdict unhealthy" }, d.verdict),

@@ -70,6 +70,9 @@ fn every_page_renders_in_a_real_browser_with_the_stores_numbers() -> anyhow::Res
         assert!(drawn.contains("<canvas"), "plot {metric} has no canvas: {drawn}");
     }
     assert!(page.contains(r#"id="diagnosis""#), "diagnosis section");
+    // The diagnosis is the record `ctl diagnose -o json` prints; its stragglers come from its ranks.
+    let diagnosis = element(&page, r#"id="diagnosis""#, "section");
+    assert!(diagnosis.contains(r#"class="stragglers""#) && diagnosis.contains("healthy"), "{diagnosis}");
 
     let live = browse(&format!("{base}/jobs/{running}"), budget, None)?;
     if !live.contains(r#"data-ready="1""#) {

@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Diagnosis, median};
 use trainyard_model::domain::{InterconnectClass, Verdict};
+use trainyard_proto::v1 as pb;
 
 /// Step times within this ratio are the same pace (machines are noisy).
 pub const SAME_PACE: f64 = 1.05;
@@ -106,6 +107,56 @@ pub struct Comparison {
     /// Every difference found, the most likely explanation first.
     pub differences: Vec<String>,
     pub verdict: String,
+}
+
+/// The record on the wire, which `ctl -o json` and the web view serialise as it is.
+impl From<&Comparison> for pb::Comparison {
+    fn from(c: &Comparison) -> pb::Comparison {
+        let diffs = |d: &[Diff]| -> Vec<pb::Difference> {
+            d.iter()
+                .map(|d| pb::Difference { name: d.name.clone(), a: d.a.clone(), b: d.b.clone() })
+                .collect()
+        };
+        pb::Comparison {
+            a: Some(pb::JobSide::from(&c.a)),
+            b: Some(pb::JobSide::from(&c.b)),
+            env: diffs(&c.env),
+            provenance: diffs(&c.provenance),
+            step_time_ratio: c.step_time_ratio,
+            differences: c.differences.clone(),
+            verdict: c.verdict.clone(),
+        }
+    }
+}
+
+impl From<&Side> for pb::JobSide {
+    fn from(s: &Side) -> pb::JobSide {
+        let dist = |d: &Option<Distribution>| {
+            d.map(|d| pb::Distribution { n: d.n as u64, p10: d.p10, p50: d.p50, p90: d.p90 })
+        };
+        pb::JobSide {
+            job_id: s.job_id,
+            name: s.name.clone(),
+            state: s.state.clone(),
+            attempt: s.attempt,
+            provenance: s.provenance.clone(),
+            nodes: s
+                .nodes
+                .iter()
+                .map(|n| pb::PlacedNode {
+                    agent_id: n.agent_id.clone(),
+                    ranks: n.ranks,
+                    numa_layout: n.numa_layout.clone(),
+                    interconnect_class: n.class.map(|c| c.to_string()).unwrap_or_default(),
+                    verdict: n.verdict.map(|v| v.to_string()).unwrap_or_default(),
+                    problems: n.problems.clone(),
+                })
+                .collect(),
+            step_time_ms: dist(&s.step_time_ms),
+            tokens_per_s: dist(&s.tokens_per_s),
+            diagnosis: Some(s.diagnosis.message(s.job_id)),
+        }
+    }
 }
 
 fn diffs(a: &BTreeMap<String, String>, b: &BTreeMap<String, String>) -> Vec<Diff> {
@@ -292,5 +343,49 @@ mod tests {
         let d = Distribution::of((1..=100).map(f64::from)).unwrap();
         assert_eq!((d.n, d.p10, d.p50, d.p90), (100, 11.0, 50.5, 90.0));
         assert_eq!(Distribution::of([f64::NAN]), None);
+    }
+
+    /// `ctl compare -o json` and the web view's `/api/compare` print the wire record as it is:
+    /// its field names are the documented interface (docs/diagnosis.md), down to the diagnosis.
+    #[test]
+    fn the_record_crosses_the_wire_whole_and_keeps_its_field_names() {
+        let mut b = side(2, 1295.0);
+        b.env.insert("NCCL_ALGO".into(), "Ring".into());
+        b.diagnosis.findings.push(Finding {
+            cause: Cause::NumaSplit,
+            summary: "slow".into(),
+            subject: "sxm-a".into(),
+            steps: None,
+            nodes: vec!["sxm-a".into()],
+            ranks: vec![3],
+            evidence: vec![Measure { name: "slowdown".into(), value: 1.84, unit: "x" }],
+            expected_cost: "",
+            remedy: String::new(),
+        });
+        let c = compare(side(1, 702.0), b);
+        let json = serde_json::to_value(pb::Comparison::from(&c)).expect("serialises");
+        let keys = |v: &serde_json::Value| -> Vec<String> {
+            let mut k: Vec<String> = v.as_object().expect("an object").keys().cloned().collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys(&json), ["a", "b", "differences", "env", "provenance", "step_time_ratio", "verdict"]);
+        assert_eq!(
+            keys(&json["b"]),
+            ["attempt", "diagnosis", "job_id", "name", "nodes", "provenance", "state", "step_time_ms", "tokens_per_s"]
+        );
+        assert_eq!(json["b"]["nodes"][0]["interconnect_class"], "nvswitch");
+        assert_eq!(json["b"]["provenance"]["torch"], "2.11.0");
+        assert_eq!(json["b"]["step_time_ms"]["p50"], 1295.0);
+        let d = &json["b"]["diagnosis"];
+        assert_eq!((d["job_id"].as_u64(), d["healthy"].as_bool()), (Some(2), Some(false)));
+        assert_eq!(d["findings"][0]["cause"], "numa.split");
+        assert_eq!(d["findings"][0]["evidence"][0]["unit"], "x");
+        assert_eq!(json["verdict"], c.verdict.as_str());
+        assert_eq!(
+            (&json["env"][0]["name"], &json["env"][0]["a"], &json["env"][0]["b"]),
+            (&serde_json::json!("NCCL_ALGO"), &serde_json::Value::Null, &serde_json::json!("Ring")),
+            "{json:#}"
+        );
     }
 }

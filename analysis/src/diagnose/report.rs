@@ -1,6 +1,7 @@
 //! What a diagnosis answers: findings with their evidence, each node's pace, the verdict.
 
 use trainyard_model::domain::Cause;
+use trainyard_proto::v1 as pb;
 
 use super::stragglers::RankScore;
 
@@ -87,6 +88,79 @@ impl Diagnosis {
                 self.samples_used,
                 self.ranks.len()
             ),
+        }
+    }
+
+    /// The record on the wire, which `ctl -o json` and the web view serialise as it is: the
+    /// verdict spelled out, and each rank with the node it ran on.
+    pub fn message(&self, job_id: u64) -> pb::Diagnosis {
+        let agent_of = |rank: u32| {
+            self.nodes
+                .iter()
+                .find(|n| n.ranks.contains(&rank))
+                .map(|n| n.agent_id.clone())
+                .unwrap_or_default()
+        };
+        pb::Diagnosis {
+            job_id,
+            attempt: self.attempt,
+            verdict: self.verdict(),
+            healthy: self.findings.is_empty(),
+            findings: self.findings.iter().map(pb::Finding::from).collect(),
+            notes: self.notes.clone(),
+            ranks: self
+                .ranks
+                .iter()
+                .map(|r| pb::RankScore {
+                    rank: r.rank,
+                    agent_id: agent_of(r.rank),
+                    steps: r.steps as u64,
+                    median_ms: r.median_ms,
+                    relative: r.relative,
+                    individual: r.individual,
+                    windows: r.windows as u32,
+                    slow_windows: r.slow_windows as u32,
+                    straggler: r.straggler,
+                })
+                .collect(),
+            nodes: self
+                .nodes
+                .iter()
+                .map(|n| pb::NodePace {
+                    agent_id: n.agent_id.clone(),
+                    ranks: n.ranks.clone(),
+                    median_ms: n.median_ms,
+                    vs_fastest: n.vs_fastest,
+                    numa_layout: n.numa_layout.clone(),
+                })
+                .collect(),
+            unusable: self.unusable.clone(),
+            metric: self.metric.to_string(),
+            warmup_steps: self.warmup_steps,
+            samples_used: self.samples_used as u64,
+            predicted_comm_ms: self.predicted_comm_ms,
+            measured_optimizer_ms: self.measured_optimizer_ms,
+            median_step_ms: self.median_step_ms,
+            median_tokens_per_s: self.median_tokens_per_s,
+        }
+    }
+}
+
+impl From<&Finding> for pb::Finding {
+    fn from(f: &Finding) -> pb::Finding {
+        pb::Finding {
+            cause: f.cause.to_string(),
+            summary: f.summary.clone(),
+            nodes: f.nodes.clone(),
+            ranks: f.ranks.clone(),
+            evidence: f
+                .evidence
+                .iter()
+                .map(|m| pb::Measure { name: m.name.clone(), value: m.value, unit: m.unit.to_string() })
+                .collect(),
+            expected_cost: f.expected_cost.to_string(),
+            remedy: f.remedy.clone(),
+            subject: f.subject.clone(),
         }
     }
 }

@@ -21,7 +21,7 @@ use trainyard_proto::v1::{
 
 use trainyard_proto::limits;
 
-use super::wire::{comparison_message, diagnosis_message, live_finding_message};
+use super::wire::live_finding_message;
 use super::{auth_status, to_status};
 use crate::auth::{self, Authenticator, Caller};
 use crate::core::{Controller, ControllerError, LogEvent, PREFLIGHT_RUN_TIMEOUT};
@@ -387,7 +387,7 @@ impl Jobs for JobsService {
         self.job_caller(&request, "job.diagnose", request.get_ref().job_id).await?;
         let req = request.into_inner();
         let d = self.controller.diagnoses().diagnose(req.job_id, req.attempt).await.map_err(to_status)?;
-        Ok(Response::new(diagnosis_message(req.job_id, &d)))
+        Ok(Response::new(d.message(req.job_id)))
     }
 
     async fn compare(&self, request: Request<CompareRequest>) -> Result<Response<Comparison>, Status> {
@@ -395,7 +395,7 @@ impl Jobs for JobsService {
         self.check_job(&caller, "job.compare", request.get_ref().b).await?;
         let req = request.into_inner();
         let c = self.controller.diagnoses().compare(req.a, req.b).await.map_err(to_status)?;
-        Ok(Response::new(comparison_message(&c)))
+        Ok(Response::new(trainyard_proto::v1::Comparison::from(&c)))
     }
 
     async fn live_findings(

@@ -10,8 +10,6 @@ use serde_json::{Value, json};
 
 use super::request::{Query, Web, WebState, error, int_param, query_pairs, store_error};
 use crate::core::LogEvent;
-use trainyard_analysis::diagnose::Diagnosis;
-use trainyard_analysis::diagnose::compare::{Comparison, Distribution, Side};
 use trainyard_analysis::diagnose::goodput::Goodput;
 use trainyard_analysis::series::{self, Metric};
 use trainyard_model::spec::Engine;
@@ -172,11 +170,11 @@ async fn live_diagnosis(web: &Web, id: u64, steps_stored: u64) -> Value {
     if steps_stored > LIVE_DIAGNOSIS_MAX_RECEIPTS {
         return json!({
             "verdict": format!("about {steps_stored} step receipts: too many to diagnose on a page load; run `ctl diagnose {id}`"),
-            "healthy": Value::Null, "stragglers": [], "findings": [],
+            "healthy": Value::Null, "ranks": [], "findings": [],
         });
     }
     match web.controller.diagnoses().diagnose(id, None).await {
-        Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => diagnosis_json(&d),
+        Ok(d) if d.samples_used > 0 || !d.findings.is_empty() => json_of(&d.message(id)),
         _ => Value::Null,
     }
 }
@@ -259,23 +257,9 @@ async fn log_tail(web: &Web, job: u64) -> Value {
     }
 }
 
-fn diagnosis_json(d: &Diagnosis) -> Value {
-    json!({
-        "verdict": d.verdict(),
-        "healthy": d.findings.is_empty(),
-        "stragglers": d.ranks.iter().filter(|r| r.straggler).map(|r| r.rank).collect::<Vec<_>>(),
-        "findings": d.findings.iter().map(|f| json!({
-            "cause": f.cause.to_string(),
-            "summary": f.summary,
-            "nodes": f.nodes,
-            "ranks": f.ranks,
-            "expected_cost": f.expected_cost,
-            "remedy": f.remedy,
-            "evidence": f.evidence.iter().map(|m| json!({"name": m.name, "value": m.value, "unit": m.unit})).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-        "median_step_ms": d.median_step_ms,
-        "median_tokens_per_s": d.median_tokens_per_s,
-    })
+/// A wire record as the page reads it: the same fields `ctl -o json` prints.
+fn json_of(record: &impl serde::Serialize) -> Value {
+    serde_json::to_value(record).unwrap_or(Value::Null)
 }
 
 /// `GET /api/jobs/{id}/series?metric=M[&buckets=N&from=S&to=S&attempt=A]`: per rank, at most
@@ -423,40 +407,5 @@ pub(super) async fn compare(state: WebState, headers: HeaderMap, query: Query) -
     let a = tri!(web.job_for(&caller, &a).await).id;
     let b = tri!(web.job_for(&caller, &b).await).id;
     let c = tri!(web.controller.diagnoses().compare(a, b).await.map_err(store_error));
-    ok(comparison_json(&c))
-}
-
-fn comparison_json(c: &Comparison) -> Value {
-    let dist =
-        |d: &Option<Distribution>| d.map(|d| json!({"n": d.n, "p10": d.p10, "p50": d.p50, "p90": d.p90}));
-    let side = |s: &Side| {
-        json!({
-            "job_id": s.job_id,
-            "name": s.name,
-            "state": s.state,
-            "attempt": s.attempt,
-            "nodes": s.nodes.iter().map(|n| json!({
-                "agent_id": n.agent_id,
-                "ranks": n.ranks,
-                "numa_layout": n.numa_layout,
-                "interconnect_class": n.class.map(|c| c.to_string()),
-                "verdict": n.verdict.map(|v| v.to_string()),
-            })).collect::<Vec<_>>(),
-            "step_time_ms": dist(&s.step_time_ms),
-            "tokens_per_s": dist(&s.tokens_per_s),
-            "diagnosis": diagnosis_json(&s.diagnosis),
-        })
-    };
-    let diffs = |d: &[trainyard_analysis::diagnose::compare::Diff]| {
-        d.iter().map(|d| json!({"name": d.name, "a": d.a, "b": d.b})).collect::<Vec<_>>()
-    };
-    json!({
-        "a": side(&c.a),
-        "b": side(&c.b),
-        "env": diffs(&c.env),
-        "provenance": diffs(&c.provenance),
-        "step_time_ratio": c.step_time_ratio,
-        "differences": c.differences,
-        "verdict": c.verdict,
-    })
+    ok(json_of(&trainyard_proto::v1::Comparison::from(&c)))
 }

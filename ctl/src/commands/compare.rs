@@ -1,12 +1,9 @@
 //! `ctl compare A B [-o json]`: two jobs side by side and what most likely explains their
 //! difference.
 
-use std::collections::BTreeMap;
+use trainyard_proto::v1::{CompareRequest, Comparison, Distribution, JobSide};
 
-use serde::Serialize;
-use trainyard_proto::v1::{CompareRequest, Comparison, Difference, Distribution, JobSide};
-
-use super::diagnose::{DiagnosisJson, with_unit};
+use super::diagnose::with_unit;
 use crate::client::Controller;
 use crate::output::{print_out, to_json};
 use crate::render::Table;
@@ -17,106 +14,7 @@ pub async fn run(ctl: &mut Controller, a: u64, b: u64, json: bool) -> anyhow::Re
         Err(status) => return Err(ctl.error(status, None)),
     };
     ctl.words(&c)?;
-    if json { print_out(&to_json(&ComparisonJson::from(&c))?) } else { print_out(&text(&c)) }
-}
-
-/// The stable JSON of a comparison.
-#[derive(Debug, Serialize)]
-pub struct ComparisonJson {
-    pub verdict: String,
-    pub differences: Vec<String>,
-    pub step_time_ratio: Option<f64>,
-    pub env: Vec<DifferenceJson>,
-    pub provenance: Vec<DifferenceJson>,
-    pub a: Option<SideJson>,
-    pub b: Option<SideJson>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct DifferenceJson {
-    pub name: String,
-    pub a: Option<String>,
-    pub b: Option<String>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct SideJson {
-    pub job_id: u64,
-    pub name: String,
-    pub state: String,
-    pub attempt: u32,
-    pub provenance: BTreeMap<String, String>,
-    pub nodes: Vec<NodeJson>,
-    pub step_time_ms: Option<DistributionJson>,
-    pub tokens_per_s: Option<DistributionJson>,
-    pub diagnosis: Option<DiagnosisJson>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct NodeJson {
-    pub agent_id: String,
-    pub ranks: u32,
-    pub numa_layout: String,
-    pub interconnect_class: String,
-    pub verdict: String,
-    pub problems: Vec<String>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct DistributionJson {
-    pub n: u64,
-    pub p10: f64,
-    pub p50: f64,
-    pub p90: f64,
-}
-
-fn distribution(d: &Option<Distribution>) -> Option<DistributionJson> {
-    d.as_ref().map(|d| DistributionJson { n: d.n, p10: d.p10, p50: d.p50, p90: d.p90 })
-}
-
-fn differences(d: &[Difference]) -> Vec<DifferenceJson> {
-    d.iter().map(|d| DifferenceJson { name: d.name.clone(), a: d.a.clone(), b: d.b.clone() }).collect()
-}
-
-impl From<&JobSide> for SideJson {
-    fn from(s: &JobSide) -> Self {
-        SideJson {
-            job_id: s.job_id,
-            name: s.name.clone(),
-            state: s.state.clone(),
-            attempt: s.attempt,
-            provenance: s.provenance.clone().into_iter().collect(),
-            nodes: s
-                .nodes
-                .iter()
-                .map(|n| NodeJson {
-                    agent_id: n.agent_id.clone(),
-                    ranks: n.ranks,
-                    numa_layout: n.numa_layout.clone(),
-                    interconnect_class: n.interconnect_class.clone(),
-                    verdict: n.verdict.clone(),
-                    problems: n.problems.clone(),
-                })
-                .collect(),
-            step_time_ms: distribution(&s.step_time_ms),
-            tokens_per_s: distribution(&s.tokens_per_s),
-            diagnosis: s.diagnosis.as_ref().map(DiagnosisJson::from),
-        }
-    }
-}
-
-impl From<&Comparison> for ComparisonJson {
-    fn from(c: &Comparison) -> Self {
-        ComparisonJson {
-            verdict: c.verdict.clone(),
-            differences: c.differences.clone(),
-            step_time_ratio: c.step_time_ratio,
-            env: differences(&c.env),
-            provenance: differences(&c.provenance),
-            a: c.a.as_ref().map(SideJson::from),
-            b: c.b.as_ref().map(SideJson::from),
-        }
-    }
+    if json { print_out(&to_json(&c)?) } else { print_out(&text(&c)) }
 }
 
 /// The comparison for people: the verdict, then one row per aspect with A and B side by side.

@@ -1,10 +1,7 @@
 //! `ctl diagnose JOB [--attempt N] [-o json]`: the likely cause of a slow or uneven run.
 //! `ctl diagnose JOB --follow`: the live diagnosis's findings as they open, change and close.
 
-use serde::Serialize;
-use trainyard_proto::v1::{
-    DiagnoseRequest, Diagnosis, Finding, GetJobRequest, LiveFinding, LiveFindingsRequest,
-};
+use trainyard_proto::v1::{DiagnoseRequest, Diagnosis, GetJobRequest, LiveFinding, LiveFindingsRequest};
 
 use crate::client::Controller;
 use crate::output::{print_out, to_json};
@@ -16,7 +13,7 @@ pub async fn run(ctl: &mut Controller, job_id: u64, attempt: Option<u32>, json: 
         Err(status) => return Err(ctl.error(status, Some(job_id))),
     };
     ctl.words(&d)?;
-    if json { print_out(&to_json(&DiagnosisJson::from(&d))?) } else { print_out(&text(&d)) }
+    if json { print_out(&to_json(&d)?) } else { print_out(&text(&d)) }
 }
 
 /// How often `--follow` asks for the findings (the live diagnosis runs every 10 s).
@@ -92,134 +89,6 @@ fn follow_line(event: &str, f: &LiveFinding, json: bool) -> anyhow::Result<Strin
         line += &format!("        remedy: {}\n", f.remedy);
     }
     Ok(line)
-}
-
-/// The stable JSON of a diagnosis (field names are part of the interface).
-#[derive(Debug, Serialize)]
-pub struct DiagnosisJson {
-    pub job_id: u64,
-    pub attempt: u32,
-    pub healthy: bool,
-    pub verdict: String,
-    pub findings: Vec<FindingJson>,
-    pub nodes: Vec<NodeJson>,
-    pub ranks: Vec<RankJson>,
-    pub unusable: Vec<String>,
-    pub notes: Vec<String>,
-    pub metric: String,
-    pub warmup_steps: i64,
-    pub samples_used: u64,
-    pub predicted_comm_ms: f64,
-    pub measured_optimizer_ms: Option<f64>,
-    pub median_step_ms: Option<f64>,
-    pub median_tokens_per_s: Option<f64>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct FindingJson {
-    pub cause: String,
-    pub summary: String,
-    pub subject: String,
-    pub nodes: Vec<String>,
-    pub ranks: Vec<u32>,
-    pub evidence: Vec<MeasureJson>,
-    pub expected_cost: String,
-    pub remedy: String,
-}
-
-#[derive(Debug, Serialize)]
-pub struct MeasureJson {
-    pub name: String,
-    pub value: f64,
-    pub unit: String,
-}
-
-#[derive(Debug, Serialize)]
-pub struct NodeJson {
-    pub agent_id: String,
-    pub ranks: Vec<u32>,
-    pub median_ms: Option<f64>,
-    pub vs_fastest: Option<f64>,
-    pub numa_layout: String,
-}
-
-#[derive(Debug, Serialize)]
-pub struct RankJson {
-    pub rank: u32,
-    pub agent_id: String,
-    pub steps: u64,
-    pub median_ms: f64,
-    pub relative: f64,
-    pub individual: f64,
-    pub windows: u32,
-    pub slow_windows: u32,
-    pub straggler: bool,
-}
-
-impl From<&Finding> for FindingJson {
-    fn from(f: &Finding) -> Self {
-        FindingJson {
-            cause: f.cause.clone(),
-            summary: f.summary.clone(),
-            subject: f.subject.clone(),
-            nodes: f.nodes.clone(),
-            ranks: f.ranks.clone(),
-            evidence: f
-                .evidence
-                .iter()
-                .map(|m| MeasureJson { name: m.name.clone(), value: m.value, unit: m.unit.clone() })
-                .collect(),
-            expected_cost: f.expected_cost.clone(),
-            remedy: f.remedy.clone(),
-        }
-    }
-}
-
-impl From<&Diagnosis> for DiagnosisJson {
-    fn from(d: &Diagnosis) -> Self {
-        DiagnosisJson {
-            job_id: d.job_id,
-            attempt: d.attempt,
-            healthy: d.healthy,
-            verdict: d.verdict.clone(),
-            findings: d.findings.iter().map(FindingJson::from).collect(),
-            nodes: d
-                .nodes
-                .iter()
-                .map(|n| NodeJson {
-                    agent_id: n.agent_id.clone(),
-                    ranks: n.ranks.clone(),
-                    median_ms: n.median_ms,
-                    vs_fastest: n.vs_fastest,
-                    numa_layout: n.numa_layout.clone(),
-                })
-                .collect(),
-            ranks: d
-                .ranks
-                .iter()
-                .map(|r| RankJson {
-                    rank: r.rank,
-                    agent_id: r.agent_id.clone(),
-                    steps: r.steps,
-                    median_ms: r.median_ms,
-                    relative: r.relative,
-                    individual: r.individual,
-                    windows: r.windows,
-                    slow_windows: r.slow_windows,
-                    straggler: r.straggler,
-                })
-                .collect(),
-            unusable: d.unusable.clone(),
-            notes: d.notes.clone(),
-            metric: d.metric.clone(),
-            warmup_steps: d.warmup_steps,
-            samples_used: d.samples_used,
-            predicted_comm_ms: d.predicted_comm_ms,
-            measured_optimizer_ms: d.measured_optimizer_ms,
-            median_step_ms: d.median_step_ms,
-            median_tokens_per_s: d.median_tokens_per_s,
-        }
-    }
 }
 
 /// A number with its unit as people read it: "1295.0 ms", "1.84x", "0.082".

@@ -291,7 +291,7 @@ async fn diagnose_prints_the_finding_with_its_evidence_or_names_the_unknown_job(
     ] {
         assert!(text.contains(needle), "{needle:?} not in:\n{text}");
     }
-    let json = crate::output::to_json(&super::diagnose::DiagnosisJson::from(&diagnosis())).unwrap();
+    let json = crate::output::to_json(&diagnosis()).unwrap();
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(
         (v["findings"][0]["cause"].as_str(), v["findings"][0]["ranks"][8].as_u64()),
