@@ -166,6 +166,27 @@ for step in range(6):
         self.assertEqual(r.of("exit")[0]["status"], "ok")
         self.assertEqual(r.of("exit")[0]["steps_written"], 6)
 
+    def test_a_script_that_ends_while_the_receipts_are_opening_loses_nothing(self) -> None:
+        # The bootstrap opens its receipts in its own thread at the first step it writes, reading
+        # the code's revision with git meanwhile; on a loaded machine that takes a while. A
+        # script ending then once lost every receipt without a word (an exit handler of the
+        # receipts closed them before the bootstrap's own). A slow git makes the window certain.
+        slow = self.b.tmp / "slow-git"
+        slow.mkdir(exist_ok=True)
+        git = slow / "git"
+        git.write_text("#!/bin/sh\nsleep 0.5\nexit 128\n")
+        git.chmod(0o755)
+        r = self.b.run(LOOP + """
+import time
+for step in range(4):
+    batch().backward(); opt.step(); opt.zero_grad()
+    if step == 1:
+        time.sleep(0.25)  # the bootstrap's tick writes step 0 and starts opening the receipts
+""", env={"PATH": f"{slow}{os.pathsep}{os.environ.get('PATH', '')}"})
+        self.assertEqual([x["kind"] for x in r.receipts], ["launch"] + ["step"] * 4 + ["exit"], r.stderr)
+        self.assertEqual(r.steps, list(range(4)))
+        self.assertEqual(r.of("exit")[0]["steps_written"], 4)
+
     def test_two_optimizers_accumulation_and_nesting_are_one_step_each_iteration(self) -> None:
         r = self.b.run(LOOP + """
 head = torch.nn.Linear(8, 1)

@@ -83,8 +83,11 @@ class Receipts:
         cuda_device: Optional[int] = None,
         torch: Optional[ModuleType] = None,
         capacity: int = DEFAULT_CAPACITY,
+        _close_at_exit: bool = True,
     ) -> None:
-        """Prefer `start()`. `path` None disables writing; see `start()` for the others."""
+        """Prefer `start()`. `path` None disables writing; see `start()` for the others.
+        `_close_at_exit=False` is the bootstrap's: it closes its receipts itself at exit, after
+        its last step and exit receipts, and an exit handler of their own would run first."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, not {world_size}")
         if tokens_per_step is not None and tokens_per_step < 0:
@@ -108,7 +111,7 @@ class Receipts:
         # modification time of the last one answered.
         self._request = os.environ.get("TRAINYARD_CHECKPOINT_REQUEST") or None
         self._answered_ns = 0
-        if self._writer is not None:
+        if self._writer is not None and _close_at_exit:
             atexit.register(self.close)
 
     @property
@@ -446,7 +449,9 @@ def start(
     fields: more fields for the launch receipt (a config, a run name, ...).
     """
     global _started_pid
-    if not _opening_for_bootstrap:
+    # Read once: the bootstrap opens its receipts from its own thread.
+    for_bootstrap = _opening_for_bootstrap
+    if not for_bootstrap:
         _started_pid = os.getpid()
     environ = os.environ
     rank = _provenance.env_int(environ, "RANK", 0)
@@ -492,6 +497,11 @@ def start(
         cuda_device=cuda_device,
         torch=torch,
         capacity=capacity,
+        # The bootstrap's are closed by its own exit handler: one of theirs, registered later,
+        # would run first and close them before the bootstrap's last receipts (or, while this
+        # call is still reading the code's revision in the bootstrap's thread, before the launch
+        # receipt), losing them without a word.
+        _close_at_exit=not for_bootstrap,
     )
     rev, dirty = _provenance.git_source(_provenance.source_dir(environ))
     launch: Dict[str, Any] = {

@@ -217,8 +217,8 @@ class Worker:
         if self.dropped_steps:
             fields["dropped_steps"], self.dropped_steps = self.dropped_steps, 0
         assert self.receipts is not None
-        self.receipts.step(it.step, **fields)
-        self.written += 1
+        if self.receipts.step(it.step, **fields):
+            self.written += 1
 
     def _open_receipts(self) -> bool:
         """The launch receipt, written before the first step receipt: unless the script
@@ -246,8 +246,7 @@ class Worker:
             )
         finally:
             _receipts._opening_for_bootstrap = False
-        atexit.unregister(receipts.close)  # closed by `finish`, after the last receipts
-        self.receipts = receipts
+        self.receipts = receipts  # closed by `finish`, after the last receipts
         return True
 
     def finish(self) -> None:
