@@ -82,7 +82,17 @@ pub struct Launcher {
     output_cap: u64,
     /// No launch, and no rank output, while the data directory's file system is under this.
     disk_floor: DiskFloor,
+    /// Until when the ranks of the newest launch are watched closely for their start.
+    starting_until: Option<std::time::Instant>,
 }
+
+/// How long after a launch its ranks' starts are watched every [`STARTING_TICK`]: a shim that
+/// has not started its rank by then is seen at the ordinary tick.
+pub const STARTING_WATCH: Duration = Duration::from_secs(2);
+
+/// How often ranks just launched are looked at (their pid files: a rank is `running` once its
+/// shim has exec'd it), so a submit is not answered a whole tick late.
+pub const STARTING_TICK: Duration = Duration::from_millis(5);
 
 /// How often acknowledged positions reach the state files (each write is fsynced): a crash
 /// loses at most this much of them, which only resends receipts the store deduplicates.
@@ -120,6 +130,7 @@ impl Launcher {
             tracking,
             output_cap: crate::output::DEFAULT_CAP_BYTES,
             disk_floor: DiskFloor::default(),
+            starting_until: None,
         })
     }
 
@@ -225,14 +236,51 @@ impl Launcher {
             if refusal.is_none() { admit::short_of_disk(&self.layout, self.disk_floor) } else { None };
         let refusal = refusal.or(bad_name.as_deref()).or(low_disk.as_deref());
         let mut ids = Vec::new();
+        let mut new = Vec::new();
         for assignment in &launch.ranks {
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
             ids.push(id);
             if self.ranks.contains_key(&id) {
                 info!(rank_id = %id, "rank already known; launch is idempotent");
-                continue;
+            } else {
+                new.push((id, assignment));
             }
-            let record = match self.start_rank(&run, id, launch, assignment, &run_as, refusal) {
+        }
+        let start = |(id, assignment): (RankId, &RankAssignment)| {
+            let record = self.start_rank(&run, id, launch, assignment, &run_as, refusal);
+            if let Ok(record) = &record
+                && let Err(e) = record.save(&self.layout)
+            {
+                warn!(rank_id = %id, error = %e, "failed to write rank state file");
+            }
+            (id, record)
+        };
+        // A launch's ranks start side by side: each is its own files, cgroups and shim, and
+        // most of a start is waiting on the file system and on fork and exec.
+        let started: Vec<(RankId, std::io::Result<RankRecord>)> = if new.len() < 2 {
+            new.into_iter().map(start).collect()
+        } else {
+            let runtime = tokio::runtime::Handle::try_current().ok();
+            std::thread::scope(|scope| {
+                let threads: Vec<_> = new
+                    .into_iter()
+                    .map(|rank| {
+                        let (runtime, start) = (runtime.clone(), &start);
+                        scope.spawn(move || {
+                            // The shim's spawn and its reaper need the agent's runtime.
+                            let _entered = runtime.as_ref().map(|r| r.enter());
+                            start(rank)
+                        })
+                    })
+                    .collect();
+                threads
+                    .into_iter()
+                    .map(|t| t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+                    .collect()
+            })
+        };
+        for (id, record) in started {
+            let record = match record {
                 Ok(record) => record,
                 Err(e) => {
                     // Not recorded, so not started: the controller sees no report for it.
@@ -240,12 +288,23 @@ impl Launcher {
                     continue;
                 }
             };
-            if let Err(e) = record.save(&self.layout) {
-                warn!(rank_id = %id, error = %e, "failed to write rank state file");
+            if record.phase == RankState::Launching {
+                self.starting_until = Some(std::time::Instant::now() + STARTING_WATCH);
             }
             self.ranks.insert(id, Rank::open(record));
         }
         ids
+    }
+
+    /// Whether ranks launched in the last [`STARTING_WATCH`] are still starting: until they
+    /// are, [`Launcher::poll_exits`] runs every [`STARTING_TICK`].
+    pub fn starting(&mut self) -> bool {
+        let watching = self.starting_until.is_some_and(|until| std::time::Instant::now() < until)
+            && self.ranks.values().any(|r| r.record.phase == RankState::Launching);
+        if !watching {
+            self.starting_until = None;
+        }
+        watching
     }
 
     /// `MASTER_PORT` for a launch that came without one (this host holds rank 0): the port its
