@@ -204,7 +204,9 @@ pub const EXIT_SLOT_BYTES: i64 = 4096;
 /// Creates `slot` with its blocks allocated (`fallocate`), so a later [`fill_slot`] needs no new
 /// space on the disk.
 pub fn allocate_slot(slot: &Path) -> std::io::Result<()> {
-    allocated(slot, EXIT_SLOT_BYTES)?.sync_all()
+    // Not synced: its blocks are set aside once allocated, and it matters only while the
+    // host is up (after a power cut the rank is gone too).
+    allocated(slot, EXIT_SLOT_BYTES).map(drop)
 }
 
 /// Creates (or empties) the private file `path`, never through a link, with `bytes` of its
@@ -324,6 +326,24 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// [`write_atomic`] with the file's `mode` and, when given, its owner.
 pub fn write_durable(path: &Path, bytes: &[u8], mode: u32, owner: Option<Owner>) -> std::io::Result<()> {
+    write_whole(path, bytes, mode, owner, true)
+}
+
+/// Replaces `path` whole (a fresh temporary file renamed over it), without the fsyncs of
+/// [`write_atomic`]: readers, and an agent restarted while the host stayed up, see the old
+/// content or the new; a power cut may leave the old. For what a restarted agent can also
+/// find out by itself.
+pub fn write_replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_whole(path, bytes, PRIVATE_FILE_MODE, None, false)
+}
+
+fn write_whole(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+    owner: Option<Owner>,
+    sync: bool,
+) -> std::io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -342,9 +362,11 @@ pub fn write_durable(path: &Path, bytes: &[u8], mode: u32, owner: Option<Owner>)
         std::os::unix::fs::fchown(&file, Some(o.uid), Some(o.gid))?;
     }
     file.write_all(bytes)?;
-    file.sync_all()?;
+    if sync {
+        file.sync_all()?;
+    }
     std::fs::rename(&tmp, path)?;
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+    if sync { sync_dir(path.parent().unwrap_or(Path::new("."))) } else { Ok(()) }
 }
 
 /// Writes a small private file (`mode`, created or truncated, never through a link) without

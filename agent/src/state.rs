@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use trainyard_proto::v1::RankReport;
 use trainyard_proto::words::RankState;
 
-use crate::layout::{Layout, RankFiles, RankId, write_atomic};
+use crate::layout::{Layout, RankFiles, RankId, write_atomic, write_replace};
 use crate::tail::Position;
 
 /// The durable state of one rank.
@@ -81,16 +81,31 @@ impl RankRecord {
     /// agent's reserve ([`Layout::reserve`]) is given up and the write tried again: the agent's
     /// records never share the fate of ranks' output.
     pub fn save(&self, layout: &Layout) -> std::io::Result<()> {
+        self.write_with(layout, write_atomic)
+    }
+
+    /// [`RankRecord::save`] without waiting for the disk ([`write_replace`]): for what a
+    /// restarted agent also finds by itself (a shim just spawned: [`crate::launcher::Launcher::adopt`]
+    /// finds it by its command line).
+    pub fn note(&self, layout: &Layout) -> std::io::Result<()> {
+        self.write_with(layout, write_replace)
+    }
+
+    fn write_with(
+        &self,
+        layout: &Layout,
+        write: fn(&Path, &[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
         let bytes = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
         let path = layout.state_file(self.id);
-        match write_atomic(&path, &bytes) {
+        match write(&path, &bytes) {
             Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && layout.release_reserve() => {
                 tracing::warn!(
                     rank_id = %self.id,
                     "the data directory's file system is full: gave up the agent's reserve to keep its records; \
                      no launch until there is room again"
                 );
-                write_atomic(&path, &bytes)
+                write(&path, &bytes)
             }
             other => other,
         }

@@ -236,50 +236,14 @@ impl Launcher {
             if refusal.is_none() { admit::short_of_disk(&self.layout, self.disk_floor) } else { None };
         let refusal = refusal.or(bad_name.as_deref()).or(low_disk.as_deref());
         let mut ids = Vec::new();
-        let mut new = Vec::new();
         for assignment in &launch.ranks {
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
             ids.push(id);
             if self.ranks.contains_key(&id) {
                 info!(rank_id = %id, "rank already known; launch is idempotent");
-            } else {
-                new.push((id, assignment));
+                continue;
             }
-        }
-        let start = |(id, assignment): (RankId, &RankAssignment)| {
             let record = self.start_rank(&run, id, launch, assignment, &run_as, refusal);
-            if let Ok(record) = &record
-                && let Err(e) = record.save(&self.layout)
-            {
-                warn!(rank_id = %id, error = %e, "failed to write rank state file");
-            }
-            (id, record)
-        };
-        // A launch's ranks start side by side: each is its own files, cgroups and shim, and
-        // most of a start is waiting on the file system and on fork and exec.
-        let started: Vec<(RankId, std::io::Result<RankRecord>)> = if new.len() < 2 {
-            new.into_iter().map(start).collect()
-        } else {
-            let runtime = tokio::runtime::Handle::try_current().ok();
-            std::thread::scope(|scope| {
-                let threads: Vec<_> = new
-                    .into_iter()
-                    .map(|rank| {
-                        let (runtime, start) = (runtime.clone(), &start);
-                        scope.spawn(move || {
-                            // The shim's spawn and its reaper need the agent's runtime.
-                            let _entered = runtime.as_ref().map(|r| r.enter());
-                            start(rank)
-                        })
-                    })
-                    .collect();
-                threads
-                    .into_iter()
-                    .map(|t| t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
-                    .collect()
-            })
-        };
-        for (id, record) in started {
             let record = match record {
                 Ok(record) => record,
                 Err(e) => {
@@ -288,6 +252,11 @@ impl Launcher {
                     continue;
                 }
             };
+            // Its shim's pid, written whole but not synced: an agent that dies before the disk
+            // has it finds the shim by its command line, as when it dies before this write.
+            if let Err(e) = record.note(&self.layout) {
+                warn!(rank_id = %id, error = %e, "failed to write rank state file");
+            }
             if record.phase == RankState::Launching {
                 self.starting_until = Some(std::time::Instant::now() + STARTING_WATCH);
             }
