@@ -396,21 +396,23 @@ impl Cluster {
         Cluster::start_on(Backend::Sqlite)
     }
 
-    /// [`Cluster::start`] with controller `flags` replacing the harness's defaults
-    /// (`--live-diagnosis-secs 2`).
+    /// [`Cluster::start`] with controller `flags` added, or replacing the harness's defaults
+    /// (`--cancel-grace-secs 3`, `--agent-timeout-secs 30`) of the same name.
     pub fn start_with(flags: &[(&str, &str)]) -> Result<Cluster> {
-        let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
-        let mut cluster = Cluster::unstarted(dir, None, None);
-        cluster.controller_flags = flags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        cluster.start_controller()?;
-        Ok(cluster)
+        Cluster::start_on_with(Backend::Sqlite, flags)
     }
 
     /// Starts a controller on port 0 with its store on `backend`.
     pub fn start_on(backend: Backend) -> Result<Cluster> {
+        Cluster::start_on_with(backend, &[])
+    }
+
+    /// [`Cluster::start_on`] with controller `flags` as in [`Cluster::start_with`].
+    pub fn start_on_with(backend: Backend, flags: &[(&str, &str)]) -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("trainyard-e2e-").tempdir()?;
         let postgres = postgres_for(backend)?;
         let mut cluster = Cluster::unstarted(dir, postgres, None);
+        cluster.controller_flags = flags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         cluster.start_controller()?;
         Ok(cluster)
     }

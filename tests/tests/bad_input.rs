@@ -146,3 +146,62 @@ fn requests_over_the_message_limit_are_refused_by_the_transport() -> anyhow::Res
     assert_eq!(c.query("SELECT COUNT(*) FROM jobs")?[0][0], 0);
     Ok(())
 }
+
+/// The older limits at their value and one past it: an idempotency key of 256 bytes is taken
+/// and one of 257 refused naming it; `--tail` of 1,000,000 lines passes the check and one more
+/// is refused naming it; request headers of 15 KiB are served and of 17 KiB refused by the
+/// transport (16 KiB). The controller serves on after each.
+#[test]
+fn the_older_limits_hold_at_their_value_and_refuse_one_past() -> anyhow::Result<()> {
+    use trainyard_proto::limits::{MAX_SHORT_STRING_BYTES, MAX_TAIL_LINES};
+    use trainyard_proto::v1::jobs_client::JobsClient;
+    use trainyard_proto::v1::{GetJobRequest, JobSpec, LogsRequest, SubmitRequest};
+    let mut c = Cluster::start()?;
+    c.start_agent("a", 1)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let client = || async {
+        let channel = tonic::transport::Endpoint::from_shared(c.url())?.connect().await?;
+        anyhow::Ok(JobsClient::new(channel))
+    };
+    let spec = JobSpec::from(&trainyard_model::spec::JobSpec::exec("keyed", 1, &["true"]));
+    let submit = |key_bytes: usize| {
+        let request = SubmitRequest { spec: Some(spec.clone()), idempotency_key: "k".repeat(key_bytes) };
+        rt.block_on(async { anyhow::Ok(client().await?.submit(request).await) })
+    };
+    let job = submit(MAX_SHORT_STRING_BYTES)?.map_err(|s| anyhow::anyhow!("a 256-byte key: {s:?}"))?;
+    let job = job.into_inner().job_id;
+    let over = submit(MAX_SHORT_STRING_BYTES + 1)?.expect_err("a 257-byte key is refused");
+    assert_eq!(over.code(), tonic::Code::InvalidArgument, "{over:?}");
+    assert!(over.message().contains("idempotency key is 257 bytes long, at most 256"), "{}", over.message());
+
+    let logs = |tail_lines: u32| {
+        let request = LogsRequest { job_id: job, rank: 0, tail_lines, follow: false };
+        rt.block_on(async {
+            let mut client = client().await?;
+            let call = tokio::time::timeout(std::time::Duration::from_secs(10), client.logs(request));
+            anyhow::Ok(call.await.map(|r| r.err()))
+        })
+    };
+    // At the limit the request gets past the check to the rank's output.
+    let at = logs(MAX_TAIL_LINES)?;
+    assert!(
+        !matches!(&at, Ok(Some(s)) if s.message().contains("lines")),
+        "--tail at the limit refused: {at:?}"
+    );
+    let past = logs(MAX_TAIL_LINES + 1)?.expect("answered").expect("refused");
+    assert_eq!(past.code(), tonic::Code::InvalidArgument, "{past:?}");
+    assert!(past.message().contains("--tail 1000001 is more than 1000000 lines"), "{}", past.message());
+
+    let get_with_header = |bytes: usize| {
+        let mut request = tonic::Request::new(GetJobRequest { job_id: job });
+        let value = "h".repeat(bytes).parse().expect("ascii");
+        request.metadata_mut().insert("x-padding", value);
+        rt.block_on(async { anyhow::Ok(client().await?.get(request).await.map(|_| ())) })
+    };
+    get_with_header(15 << 10)?.map_err(|s| anyhow::anyhow!("15 KiB of headers: {s:?}"))?;
+    let refused = get_with_header(17 << 10)?.expect_err("17 KiB of headers are refused");
+    assert_ne!(refused.code(), tonic::Code::Ok, "{refused:?}");
+    assert!(c.ctl(&["status"])?.status.success(), "the controller is alive");
+    assert_eq!(c.query("SELECT COUNT(*) FROM jobs")?[0][0], 1, "only the job of the 256-byte key");
+    Ok(())
+}

@@ -6,6 +6,8 @@
 //!   rounds), and the alert webhook (a local HTTP server) receives it opened and closed. A
 //!   throttle on a GPU whose rank keeps pace is telemetry, not the verdict. The run's receipts
 //!   are all there.
+//! - On a group of two controllers, an alert the leader delivered is not sent again by the
+//!   follower that takes over when the leader is killed; the new leader sends its closing.
 //! - An XID 79 on a GPU of a running job fails the attempt as the GPU's (`gpu_xid`: the node
 //!   blamed and drained, the job not charged), and the job finishes elsewhere.
 
@@ -14,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use trainyard_tests::{Cluster, host_file};
+use trainyard_tests::group::Member;
+use trainyard_tests::{Backend, Cluster, host_file};
 
 /// A local webhook receiver: every POST body it got, answered 200.
 fn receiver() -> Result<(String, Arc<Mutex<Vec<serde_json::Value>>>)> {
@@ -205,6 +208,71 @@ fn a_throttle_that_slows_a_rank_is_named_live_and_alerted() -> Result<()> {
         ensure!(Instant::now() < deadline, "alerts received: {got:?}");
         std::thread::sleep(Duration::from_millis(250));
     }
+    Ok(())
+}
+
+/// The alerts the webhook got of `cause`'s `event` ("opened" or "closed").
+fn alerts_of(alerts: &Mutex<Vec<serde_json::Value>>, cause: &str, event: &str) -> usize {
+    alerts.lock().unwrap().iter().filter(|a| a["cause"] == cause && a["event"] == event).count()
+}
+
+/// Two controllers on PostgreSQL, both with the webhook: the leader names a throttle live and
+/// delivers its opening alert, then is SIGKILLed. The follower takes over, finds the finding
+/// open and its opening delivered (the store says so), and sends only the closing alert when
+/// the job ends: each event once across the takeover.
+#[test]
+fn an_alert_delivered_before_a_takeover_is_not_sent_again_by_the_new_leader() -> Result<()> {
+    let (hook, alerts) = receiver()?;
+    let live = [("--alert-webhook", hook.as_str()), ("--live-diagnosis-secs", "2")];
+    let mut c = Cluster::start_on_with(Backend::Postgres, &live)?;
+    let member = Member::start_at(&c, "standby", "127.0.0.1:0", &live.map(|(k, v)| [k, v]).concat())?;
+    member.wait_log("following: another controller leads", Duration::from_secs(10))?;
+    c.agent_controllers = Some(format!("{},{}", c.url(), member.url));
+    // GPU 3 throttles from 6 s on, and its rank computes 2x slower, until the job ends.
+    let onset = now_ms() + 6_000;
+    let until = onset + 600_000;
+    let text = format!(
+        r#"{{"base": {{"sm_clock_mhz": 1980, "max_sm_clock_mhz": 1980, "util_pct": 100, "gpu_temp_c": 60}},
+            "events": [{{"at_ms": {onset}, "until_ms": {until}, "gpu": 3,
+                         "set": {{"clock_reasons": "hw_thermal_slowdown", "sm_clock_mhz": 1100, "gpu_temp_c": 91}}}}]}}"#
+    );
+    let script = c.path("telemetry.json");
+    std::fs::write(&script, text)?;
+    agent(&mut c, "node-a", 8, &script)?;
+    let (from, to) = (onset.to_string(), until.to_string());
+    let args = ["--steps", "300", "--step-ms", "100", "--slow-rank", "3", "--slow-factor", "2"];
+    let args: Vec<&str> = args.into_iter().chain(["--slow-from-ms", &from, "--slow-until-ms", &to]).collect();
+    let job = c.submit(&c.job_file("hot", 8, 8, &args, ""))?;
+    const CAUSE: &str = "gpu.thermal_throttle";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while alerts_of(&alerts, CAUSE, "opened") == 0 {
+        ensure!(Instant::now() < deadline, "no opening alert: {:?}", alerts.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ensure!(c.status(job)?["state"] == "running", "the job ended before the takeover: {}", c.status(job)?);
+    c.kill_controller();
+    member.wait_log("leading the controller group", Duration::from_secs(20))?;
+    c.addr = member.url.trim_start_matches("http://").to_string();
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(120))?;
+    ensure!(status["state"] == "succeeded", "{status}");
+    // The job's end closes the finding: the new leader alerts it, once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while alerts_of(&alerts, CAUSE, "closed") == 0 {
+        ensure!(
+            Instant::now() < deadline,
+            "no closing alert from the new leader: {:?}",
+            alerts.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let (opened, closed) = (alerts_of(&alerts, CAUSE, "opened"), alerts_of(&alerts, CAUSE, "closed"));
+    ensure!(
+        (opened, closed) == (1, 1),
+        "opened {opened}, closed {closed} times: {:?}",
+        alerts.lock().unwrap()
+    );
+    ensure!(member.logs().contains("finding closed"), "the new leader did not close it: {}", member.logs());
     Ok(())
 }
 
