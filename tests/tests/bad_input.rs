@@ -205,3 +205,130 @@ fn the_older_limits_hold_at_their_value_and_refuse_one_past() -> anyhow::Result<
     assert_eq!(c.query("SELECT COUNT(*) FROM jobs")?[0][0], 1, "only the job of the 256-byte key");
     Ok(())
 }
+
+/// A plaintext agent session on the loopback demo: says hello as `agent_id`, sends `then`, and
+/// reads what the controller answers for `wait` or until the stream ends: the answers, and how
+/// the stream ended (`Ok(true)`: closed by the controller, `Ok(false)`: still open at `wait`).
+async fn agent_session(
+    url: &str,
+    agent_id: &str,
+    then: Vec<trainyard_proto::v1::AgentMessage>,
+    wait: std::time::Duration,
+) -> (Vec<trainyard_proto::v1::ControllerMessage>, Result<bool, tonic::Status>) {
+    use trainyard_proto::v1::agents_client::AgentsClient;
+    use trainyard_proto::v1::{AgentMessage, Hello, agent_message};
+    let channel = match tonic::transport::Endpoint::from_shared(url.to_string()).expect("url").connect().await
+    {
+        Ok(channel) => channel,
+        Err(e) => return (vec![], Err(tonic::Status::unavailable(e.to_string()))),
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let hello = Hello {
+        protocol_version: trainyard_proto::PROTOCOL_VERSION,
+        agent_id: agent_id.into(),
+        address: "127.0.0.1".into(),
+        agent_version: "limits test".into(),
+        ..Default::default()
+    };
+    tokio::spawn(async move {
+        let _ = tx.send(AgentMessage { msg: Some(agent_message::Msg::Hello(hello)) }).await;
+        for m in then {
+            let _ = tx.send(m).await;
+        }
+        // Keep the request stream open while the answers are read.
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+    });
+    let client =
+        AgentsClient::new(channel).max_encoding_message_size(64 << 20).max_decoding_message_size(64 << 20);
+    let mut inbound = match client.clone().connect(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => return (vec![], Err(status)),
+    };
+    let mut got = Vec::new();
+    let deadline = tokio::time::sleep(wait);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            _ = &mut deadline => return (got, Ok(false)),
+            msg = inbound.message() => match msg {
+                Ok(Some(m)) => got.push(m),
+                Ok(None) => return (got, Ok(true)),
+                Err(status) => return (got, Err(status)),
+            },
+        }
+    }
+}
+
+/// An agent's messages at their limits and one past: a receipt batch just under 16 MiB is read
+/// (its receipts, of no job this controller knows, are held back, not acknowledged) and one over
+/// 16 MiB is refused by the transport; a telemetry batch of 1,024 windows is stored and
+/// acknowledged, and one of 1,025 ends the stream unacknowledged. The controller serves on.
+#[test]
+fn an_agents_messages_hold_their_limits_at_their_value_and_refuse_one_past() -> anyhow::Result<()> {
+    use std::time::Duration;
+    use trainyard_proto::limits::{MAX_AGENT_MESSAGE_BYTES, MAX_TELEMETRY_WINDOWS};
+    use trainyard_proto::v1::controller_message::Msg;
+    use trainyard_proto::v1::{
+        AgentMessage, GpuWindow, RankKey, Receipt, ReceiptBatch, TelemetryBatch, agent_message,
+    };
+    let c = Cluster::start()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let batch_of = |bytes: usize| {
+        // Receipts of 512 KiB (under the 1 MiB a line may have) up to `bytes` of bodies.
+        let piece = 512 << 10;
+        let receipts = (0..bytes.div_ceil(piece))
+            .map(|seq| Receipt {
+                key: Some(RankKey { job_id: 999, attempt: 0, rank: 0 }),
+                seq: seq as u64,
+                kind: "step".into(),
+                step: seq as i64,
+                body: format!("{{\"pad\":\"{}\"}}", "x".repeat(piece.min(bytes - seq * piece).saturating_sub(10))),
+            })
+            .collect();
+        AgentMessage { msg: Some(agent_message::Msg::Receipts(ReceiptBatch { receipts })) }
+    };
+    let url = c.url();
+    let (_, under) = rt.block_on(agent_session(
+        &url,
+        "big-a",
+        vec![batch_of(MAX_AGENT_MESSAGE_BYTES - (64 << 10))],
+        Duration::from_secs(3),
+    ));
+    assert_eq!(under.map_err(|s| s.to_string()), Ok(false), "a batch just under 16 MiB ended the stream");
+    let (_, over) = rt.block_on(agent_session(
+        &url,
+        "big-b",
+        vec![batch_of(MAX_AGENT_MESSAGE_BYTES + 1)],
+        Duration::from_secs(10),
+    ));
+    // Refused: the controller ends the stream (an error, or closed without an answer).
+    assert!(!matches!(over, Ok(false)), "a batch over 16 MiB kept the stream open: {over:?}");
+
+    let windows = |n: usize| {
+        let windows = (0..n)
+            .map(|i| GpuWindow {
+                gpu: (i % 8) as u32,
+                start_ms: i as i64 * 1_000,
+                end_ms: i as i64 * 1_000 + 1_000,
+                samples: 1,
+                ..Default::default()
+            })
+            .collect();
+        AgentMessage { msg: Some(agent_message::Msg::Telemetry(TelemetryBatch { id: n as u64, windows })) }
+    };
+    let acked = |got: &[trainyard_proto::v1::ControllerMessage], id: u64| {
+        got.iter().any(|m| matches!(&m.msg, Some(Msg::TelemetryAck(a)) if a.id == id))
+    };
+    let at = MAX_TELEMETRY_WINDOWS;
+    let (got, open) = rt.block_on(agent_session(&url, "tele-a", vec![windows(at)], Duration::from_secs(3)));
+    assert!(acked(&got, at as u64) && open.is_ok(), "1,024 windows: {open:?}, answers {got:?}");
+    let (got, closed) =
+        rt.block_on(agent_session(&url, "tele-b", vec![windows(at + 1)], Duration::from_secs(10)));
+    assert!(!acked(&got, at as u64 + 1), "1,025 windows acknowledged");
+    assert_eq!(closed.map_err(|s| s.to_string()), Ok(true), "1,025 windows: the stream goes on");
+    assert_eq!(c.query("SELECT COUNT(*) FROM gpu_samples WHERE agent_id = 'tele-a'")?[0][0], at as i64);
+    assert_eq!(c.query("SELECT COUNT(*) FROM gpu_samples WHERE agent_id = 'tele-b'")?[0][0], 0);
+    assert_eq!(c.query("SELECT COUNT(*) FROM receipts")?[0][0], 0, "no receipt of an unknown job stored");
+    assert!(c.ctl(&["status"])?.status.success(), "the controller is alive");
+    Ok(())
+}
