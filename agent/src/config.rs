@@ -61,6 +61,9 @@ pub struct AgentConfig {
     /// Where GPU telemetry comes from (`crate::telemetry`), how often each GPU is read, and how
     /// long a summarised window is.
     pub telemetry: TelemetrySource,
+    /// Where a launch learns which processes compute on a GPU (the same three choices:
+    /// NVML when the host has a driver, none, or a file standing in for the driver).
+    pub gpu_processes: TelemetrySource,
     pub telemetry_every: Duration,
     pub telemetry_window: Duration,
     /// Inside a Slurm allocation (`--slurm-job`): the job it joined for and its token.
@@ -122,6 +125,7 @@ impl AgentConfig {
             notice_poll: Duration::from_secs(1),
             notice_deadline: Duration::from_secs(30),
             telemetry: TelemetrySource::Auto,
+            gpu_processes: TelemetrySource::Auto,
             telemetry_every: Duration::from_secs(1),
             telemetry_window: Duration::from_secs(10),
             slurm: None,

@@ -45,6 +45,7 @@ pub mod cgroup;
 pub mod config;
 pub mod connection;
 pub mod env;
+pub mod gpu_holders;
 pub mod gpu_sample;
 pub mod launcher;
 pub mod layout;

@@ -105,7 +105,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
     let mut launcher = Launcher::new(layout, config.shim_program.clone(), inventory)
         .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?
         .allow_root_ranks(config.allow_root_ranks)
-        .with_limits(config.rank_output_cap, config.disk_floor);
+        .with_limits(config.rank_output_cap, config.disk_floor)
+        .with_gpu_holders(gpu_holders(&config.gpu_processes));
     if config.subreaper_only {
         let tracking = crate::cgroup::Tracking::Subreaper("--process-tracking subreaper".into());
         info!("{}", tracking.describe());
@@ -318,6 +319,24 @@ struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
         self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// What tells a launch which processes compute on a GPU: NVML where the host has a driver
+/// (`auto`), a file standing in for it, or nothing (the ranks' cgroups alone decide).
+fn gpu_holders(source: &crate::config::TelemetrySource) -> Option<Arc<dyn crate::gpu_holders::GpuHolders>> {
+    use crate::config::TelemetrySource;
+    use crate::gpu_holders::{NvmlHolders, ScriptedHolders};
+    match source {
+        TelemetrySource::Off => None,
+        TelemetrySource::Script(path) => Some(Arc::new(ScriptedHolders::new(path.clone()))),
+        TelemetrySource::Auto => match NvmlHolders::new() {
+            Ok(nvml) => Some(Arc::new(nvml)),
+            Err(why) => {
+                info!(reason = %why, "GPU compute processes not read: the ranks' cgroups alone say who holds a GPU");
+                None
+            }
+        },
     }
 }
 

@@ -368,3 +368,30 @@ fn receipts_past_a_jobs_quota_are_dropped_counted_and_shown() -> Result<()> {
     assert_eq!(small_steps[0][0], 1, "another job is not held back");
     Ok(())
 }
+
+/// A GPU another process computes on, by the driver's account, is never given to a rank: the
+/// launch is refused naming the process, the job fails saying so, and once the process is gone
+/// the next job runs there. This machine has no GPU, so a file stands in for NVML's list
+/// (`--gpu-processes script:FILE`); the agent reads it where it would ask the driver.
+#[test]
+fn a_gpu_another_process_computes_on_is_not_given_to_a_rank() -> Result<()> {
+    let mut c = Cluster::start()?;
+    let held = c.path("gpu-processes.json");
+    let mut squatter = std::process::Command::new("sleep").arg("120").spawn()?;
+    std::fs::write(&held, format!(r#"{{"0": [{}]}}"#, squatter.id()))?;
+    let host = host_file(c.dir.path(), "node-a", 1);
+    let source = format!("script:{}", held.display());
+    c.start_agent_env("node-a", &host, &[("TRAINYARD_GPU_PROCESSES", &source)])?;
+    let blocked = c.submit(&sh_job(&c, "blocked", "true", ""))?;
+    let status = c.wait_state(blocked, &["failed", "succeeded", "cancelled"], Duration::from_secs(60))?;
+    let said = format!("GPU 0 is in use by process {} (sleep, uid", squatter.id());
+    let text = status.to_string();
+    let _ = squatter.kill();
+    let _ = squatter.wait();
+    anyhow::ensure!(status["state"] == "failed" && text.contains(&said), "{status:#}");
+    std::fs::write(&held, "{}")?;
+    let after = c.submit(&sh_job(&c, "after", "true", ""))?;
+    let status = c.wait_state(after, &["failed", "succeeded", "cancelled"], Duration::from_secs(60))?;
+    anyhow::ensure!(status["state"] == "succeeded", "once the process is gone: {status:#}");
+    Ok(())
+}

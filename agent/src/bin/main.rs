@@ -94,6 +94,11 @@ struct Cli {
     /// script:FILE (a scripted sampler replaying FILE, for hosts without a GPU; docs/telemetry.md).
     #[arg(long, env = "TRAINYARD_TELEMETRY", default_value = "auto", global = true)]
     telemetry: String,
+    /// Which processes compute on a GPU, checked before a rank starts on it: auto (NVML when
+    /// the host has a driver, else the ranks' cgroups alone), off, or script:FILE (a JSON file
+    /// of {"GPU index": [pids]}, for hosts without a GPU; docs/security.md).
+    #[arg(long, env = "TRAINYARD_GPU_PROCESSES", default_value = "auto", global = true)]
+    gpu_processes: String,
     /// Seconds between two readings of each GPU of a running rank.
     #[arg(long, env = "TRAINYARD_TELEMETRY_EVERY_SECS", default_value_t = 1.0, global = true)]
     telemetry_every_secs: f64,
@@ -169,13 +174,13 @@ enum Command {
 }
 
 /// `auto`, `off` or `script:FILE`.
-fn telemetry_source(text: &str) -> anyhow::Result<TelemetrySource> {
+fn telemetry_source(flag: &str, text: &str) -> anyhow::Result<TelemetrySource> {
     match text {
         "auto" => Ok(TelemetrySource::Auto),
         "off" => Ok(TelemetrySource::Off),
         _ => match text.strip_prefix("script:") {
             Some(path) if !path.is_empty() => Ok(TelemetrySource::Script(PathBuf::from(path))),
-            _ => anyhow::bail!("--telemetry {text:?}: give auto, off or script:FILE"),
+            _ => anyhow::bail!("--{flag} {text:?}: give auto, off or script:FILE"),
         },
     }
 }
@@ -234,7 +239,8 @@ impl TryFrom<&Cli> for AgentConfig {
                 Some(trainyard_agent::notice::NoticeSource::parse(text).map_err(anyhow::Error::msg)?);
         }
         config.notice_deadline = std::time::Duration::from_secs(cli.preemption_deadline_secs);
-        config.telemetry = telemetry_source(&cli.telemetry)?;
+        config.telemetry = telemetry_source("telemetry", &cli.telemetry)?;
+        config.gpu_processes = telemetry_source("gpu-processes", &cli.gpu_processes)?;
         let seconds = |v: f64, flag: &str, min: f64| {
             if v.is_finite() && v >= min && v <= 3600.0 {
                 Ok(std::time::Duration::from_secs_f64(v))
@@ -383,21 +389,22 @@ fn telemetry(cli: &Cli, gpus: &[u32], count: u32, output: Output) -> ExitCode {
         eprintln!("trainyard-agent telemetry: {message}");
         ExitCode::from(2)
     };
-    let (mut sampler, all): (Box<dyn GpuSampler>, Vec<u32>) = match telemetry_source(&cli.telemetry) {
-        Err(e) => return failed(format!("{e:#}")),
-        Ok(TelemetrySource::Off) => return failed("--telemetry off reads nothing".into()),
-        Ok(TelemetrySource::Script(path)) => match ScriptedSampler::load(path) {
-            Ok(s) => (Box::new(s), vec![0]),
-            Err(e) => return failed(e),
-        },
-        Ok(TelemetrySource::Auto) => match NvmlSampler::new() {
-            Ok(s) => {
-                let all = (0..s.gpu_count()).collect();
-                (Box::new(s), all)
-            }
-            Err(why) => return failed(why),
-        },
-    };
+    let (mut sampler, all): (Box<dyn GpuSampler>, Vec<u32>) =
+        match telemetry_source("telemetry", &cli.telemetry) {
+            Err(e) => return failed(format!("{e:#}")),
+            Ok(TelemetrySource::Off) => return failed("--telemetry off reads nothing".into()),
+            Ok(TelemetrySource::Script(path)) => match ScriptedSampler::load(path) {
+                Ok(s) => (Box::new(s), vec![0]),
+                Err(e) => return failed(e),
+            },
+            Ok(TelemetrySource::Auto) => match NvmlSampler::new() {
+                Ok(s) => {
+                    let all = (0..s.gpu_count()).collect();
+                    (Box::new(s), all)
+                }
+                Err(why) => return failed(why),
+            },
+        };
     let gpus = if gpus.is_empty() { all } else { gpus.to_vec() };
     eprintln!(
         "trainyard-agent telemetry: {} ({} GPU(s), {count} reading(s))",

@@ -4,6 +4,7 @@ use tracing::warn;
 use trainyard_proto::v1::Launch;
 
 use crate::cgroup::{RankGroup, Tracking};
+use crate::gpu_holders::GpuHolders;
 use crate::layout::{DiskFloor, Layout, RankId};
 use crate::state::RankRecord;
 
@@ -37,14 +38,14 @@ pub(super) fn short_of_disk(layout: &Layout, disk_floor: DiskFloor) -> Option<St
 
 /// What rank `record` of `launch` (in run directory `run`, on GPU `gpu`) needs before it runs:
 /// the space of its exit status (`exit.slot`), its GPU free of other jobs' processes (`others`,
-/// the agent's other ranks), and its cgroups with the job's limits. `Err` is why it is not
-/// started.
+/// the agent's other ranks, and every compute process the driver lists, `holders`), and its
+/// cgroups with the job's limits. `Err` is why it is not started.
 pub(super) fn prepare<'a>(
     tracking: &Tracking,
     record: &RankRecord,
     run: &str,
     launch: &Launch,
-    gpu: u32,
+    (gpu, holders): (u32, Option<&dyn GpuHolders>),
     others: impl Iterator<Item = &'a RankRecord>,
 ) -> Result<RankGroup, String> {
     let slot = crate::layout::exit_slot_beside(&record.files.exit);
@@ -52,6 +53,9 @@ pub(super) fn prepare<'a>(
         format!("launch refused: cannot set aside {} for the rank's exit status: {e}", slot.display())
     })?;
     gpu_free(record.id, gpu, others)?;
+    if let Some(holders) = holders {
+        crate::gpu_holders::refuse_if_held(gpu, holders)?;
+    }
     tracking
         .create(
             &format!("{run}.a{}", record.id.attempt),

@@ -22,6 +22,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
@@ -43,6 +44,7 @@ use crate::account::{self, RunAs};
 use crate::bootstrap::Bootstrap;
 use crate::cgroup::{RankGroup, Tracking};
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
+use crate::gpu_holders::GpuHolders;
 use crate::layout::{
     DiskFloor, Layout, Owner, PRIVATE_FILE_MODE, RankId, STATE_DIR_MODE, make_dir, write_durable,
     write_private,
@@ -84,6 +86,8 @@ pub struct Launcher {
     disk_floor: DiskFloor,
     /// Until when the ranks of the newest launch are watched closely for their start.
     starting_until: Option<std::time::Instant>,
+    /// The compute processes on each GPU by the driver's account (none: the cgroups alone).
+    gpu_holders: Option<Arc<dyn GpuHolders>>,
 }
 
 /// How long after a launch its ranks' starts are watched every [`STARTING_TICK`]: a shim that
@@ -131,6 +135,7 @@ impl Launcher {
             output_cap: crate::output::DEFAULT_CAP_BYTES,
             disk_floor: DiskFloor::default(),
             starting_until: None,
+            gpu_holders: None,
         })
     }
 
@@ -144,6 +149,12 @@ impl Launcher {
 
     /// Holds ranks' processes as `tracking` says rather than as this host allows (tests: the
     /// subreaper on a host with cgroups).
+    /// Asks `holders` which processes compute on a GPU before a rank starts there.
+    pub fn with_gpu_holders(mut self, holders: Option<Arc<dyn GpuHolders>>) -> Self {
+        self.gpu_holders = holders;
+        self
+    }
+
     pub fn with_tracking(mut self, tracking: Tracking) -> Self {
         self.tracking = tracking;
         self
@@ -386,7 +397,9 @@ impl Launcher {
         // The exit status has its space, and the groups exist and are recorded, before
         // anything runs in them.
         let others = self.ranks.values().map(|r| &r.record);
-        let grouped = admit::prepare(&self.tracking, &record, run, launch, assignment.gpu_index, others);
+        let holders = self.gpu_holders.as_deref();
+        let grouped =
+            admit::prepare(&self.tracking, &record, run, launch, (assignment.gpu_index, holders), others);
         match grouped {
             Ok(group) => record.cgroup = group,
             Err(message) => {
