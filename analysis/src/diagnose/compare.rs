@@ -372,7 +372,17 @@ mod tests {
         assert_eq!(keys(&json), ["a", "b", "differences", "env", "provenance", "step_time_ratio", "verdict"]);
         assert_eq!(
             keys(&json["b"]),
-            ["attempt", "diagnosis", "job_id", "name", "nodes", "provenance", "state", "step_time_ms", "tokens_per_s"]
+            [
+                "attempt",
+                "diagnosis",
+                "job_id",
+                "name",
+                "nodes",
+                "provenance",
+                "state",
+                "step_time_ms",
+                "tokens_per_s"
+            ]
         );
         assert_eq!(json["b"]["nodes"][0]["interconnect_class"], "nvswitch");
         assert_eq!(json["b"]["provenance"]["torch"], "2.11.0");
