@@ -31,6 +31,7 @@ use trainyard_proto::v1::{HostInventory, Launch, RankAssignment};
 
 mod admit;
 mod engines;
+mod port;
 mod read;
 mod receipts_file;
 mod rundir;
@@ -229,7 +230,8 @@ impl Launcher {
     fn launch_or_refuse(&mut self, launch: &Launch, refusal: Option<&str>) -> Vec<RankId> {
         let mut launch = launch.clone();
         if launch.master_port == 0 {
-            launch.master_port = u32::from(self.master_port_for(&launch));
+            launch.master_port =
+                u32::from(port::master_port_for(self.ranks.values().map(|r| &r.record), &launch));
         }
         let launch = &launch;
         let run_as =
@@ -285,35 +287,6 @@ impl Launcher {
             self.starting_until = None;
         }
         watching
-    }
-
-    /// `MASTER_PORT` for a launch that came without one (this host holds rank 0): the port its
-    /// ranks already have after a re-sent launch, else a port free on this host (bind port 0 on
-    /// every interface, as torchrun does, then release it) that no live rank here was handed.
-    /// The rare race with another program taking it in between fails the job's rendezvous,
-    /// and its restart policy retries with a new port.
-    fn master_port_for(&self, launch: &Launch) -> u16 {
-        let mine = |r: &&Rank| r.record.id.job_id == launch.job_id && r.record.id.attempt == launch.attempt;
-        if let Some(port) = self.ranks.values().filter(mine).map(|r| r.record.master_port).find(|p| *p > 0) {
-            return port;
-        }
-        let taken: std::collections::BTreeSet<u16> = self
-            .ranks
-            .values()
-            .filter(|r| !matches!(r.record.phase, RankState::Exited | RankState::Lost))
-            .map(|r| r.record.master_port)
-            .collect();
-        for _ in 0..32 {
-            match std::net::TcpListener::bind(("0.0.0.0", 0)).and_then(|l| l.local_addr()) {
-                Ok(addr) if !taken.contains(&addr.port()) => return addr.port(),
-                Ok(_) => continue,
-                Err(e) => {
-                    warn!(error = %e, "cannot find a free port for MASTER_PORT");
-                    break;
-                }
-            }
-        }
-        0
     }
 
     /// Writes `launch.json` (it holds the environment overlay: the job's user's, 0600) after
