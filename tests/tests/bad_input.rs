@@ -282,7 +282,10 @@ fn an_agents_messages_hold_their_limits_at_their_value_and_refuse_one_past() -> 
                 seq: seq as u64,
                 kind: "step".into(),
                 step: seq as i64,
-                body: format!("{{\"pad\":\"{}\"}}", "x".repeat(piece.min(bytes - seq * piece).saturating_sub(10))),
+                body: format!(
+                    "{{\"pad\":\"{}\"}}",
+                    "x".repeat(piece.min(bytes - seq * piece).saturating_sub(10))
+                ),
             })
             .collect();
         AgentMessage { msg: Some(agent_message::Msg::Receipts(ReceiptBatch { receipts })) }
