@@ -60,24 +60,23 @@ pub struct AgentConfig {
     pub notice_deadline: Duration,
     /// Where GPU telemetry comes from (`crate::telemetry`), how often each GPU is read, and how
     /// long a summarised window is.
-    pub telemetry: TelemetrySource,
-    /// Where a launch learns which processes compute on a GPU (the same three choices:
-    /// NVML when the host has a driver, none, or a file standing in for the driver).
-    pub gpu_processes: TelemetrySource,
+    pub telemetry: GpuSource,
+    /// Where a launch learns which processes compute on a GPU.
+    pub gpu_processes: GpuSource,
     pub telemetry_every: Duration,
     pub telemetry_window: Duration,
     /// Inside a Slurm allocation (`--slurm-job`): the job it joined for and its token.
     pub slurm: Option<crate::slurm::SlurmAgent>,
 }
 
-/// The GPU telemetry sampler.
+/// Where the agent reads a GPU fact from (its telemetry, the processes computing on it).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TelemetrySource {
-    /// NVML when the host has a driver; otherwise none, logged as skipped with the reason.
+pub enum GpuSource {
+    /// NVML when the host has a driver; otherwise none, logged with the reason.
     Auto,
-    /// No telemetry.
+    /// Not read.
     Off,
-    /// A scripted sampler replaying this file (hosts without a GPU: tests, demos).
+    /// A file standing in for the driver (hosts without a GPU: tests, demos).
     Script(PathBuf),
 }
 
@@ -124,8 +123,8 @@ impl AgentConfig {
             preemption_notice: None,
             notice_poll: Duration::from_secs(1),
             notice_deadline: Duration::from_secs(30),
-            telemetry: TelemetrySource::Auto,
-            gpu_processes: TelemetrySource::Auto,
+            telemetry: GpuSource::Auto,
+            gpu_processes: GpuSource::Auto,
             telemetry_every: Duration::from_secs(1),
             telemetry_window: Duration::from_secs(10),
             slurm: None,

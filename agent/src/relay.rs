@@ -324,13 +324,13 @@ impl Drop for StopOnDrop {
 
 /// What tells a launch which processes compute on a GPU: NVML where the host has a driver
 /// (`auto`), a file standing in for it, or nothing (the ranks' cgroups alone decide).
-fn gpu_holders(source: &crate::config::TelemetrySource) -> Option<Arc<dyn crate::gpu_holders::GpuHolders>> {
-    use crate::config::TelemetrySource;
+fn gpu_holders(source: &crate::config::GpuSource) -> Option<Arc<dyn crate::gpu_holders::GpuHolders>> {
+    use crate::config::GpuSource;
     use crate::gpu_holders::{NvmlHolders, ScriptedHolders};
     match source {
-        TelemetrySource::Off => None,
-        TelemetrySource::Script(path) => Some(Arc::new(ScriptedHolders::new(path.clone()))),
-        TelemetrySource::Auto => match NvmlHolders::new() {
+        GpuSource::Off => None,
+        GpuSource::Script(path) => Some(Arc::new(ScriptedHolders::new(path.clone()))),
+        GpuSource::Auto => match NvmlHolders::new() {
             Ok(nvml) => Some(Arc::new(nvml)),
             Err(why) => {
                 info!(reason = %why, "GPU compute processes not read: the ranks' cgroups alone say who holds a GPU");
@@ -346,14 +346,12 @@ fn start_telemetry(
     config: &AgentConfig,
     telemetry: &crate::telemetry::Telemetry,
 ) -> anyhow::Result<Option<StopOnDrop>> {
-    use crate::config::TelemetrySource;
+    use crate::config::GpuSource;
     use crate::telemetry::{GpuSampler, nvml::NvmlSampler, script::ScriptedSampler};
     let sampler: Box<dyn GpuSampler> = match &config.telemetry {
-        TelemetrySource::Off => return Ok(None),
-        TelemetrySource::Script(path) => {
-            Box::new(ScriptedSampler::load(path.clone()).map_err(anyhow::Error::msg)?)
-        }
-        TelemetrySource::Auto => match NvmlSampler::new() {
+        GpuSource::Off => return Ok(None),
+        GpuSource::Script(path) => Box::new(ScriptedSampler::load(path.clone()).map_err(anyhow::Error::msg)?),
+        GpuSource::Auto => match NvmlSampler::new() {
             Ok(sampler) => Box::new(sampler),
             Err(why) => {
                 info!(reason = %why, "GPU telemetry skipped");

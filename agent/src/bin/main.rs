@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use trainyard_agent::AgentConfig;
-use trainyard_agent::config::{TelemetrySource, TlsFiles};
+use trainyard_agent::config::{GpuSource, TlsFiles};
 use trainyard_proto::words::Verdict;
 
 mod shim;
@@ -174,12 +174,12 @@ enum Command {
 }
 
 /// `auto`, `off` or `script:FILE`.
-fn telemetry_source(flag: &str, text: &str) -> anyhow::Result<TelemetrySource> {
+fn gpu_source(flag: &str, text: &str) -> anyhow::Result<GpuSource> {
     match text {
-        "auto" => Ok(TelemetrySource::Auto),
-        "off" => Ok(TelemetrySource::Off),
+        "auto" => Ok(GpuSource::Auto),
+        "off" => Ok(GpuSource::Off),
         _ => match text.strip_prefix("script:") {
-            Some(path) if !path.is_empty() => Ok(TelemetrySource::Script(PathBuf::from(path))),
+            Some(path) if !path.is_empty() => Ok(GpuSource::Script(PathBuf::from(path))),
             _ => anyhow::bail!("--{flag} {text:?}: give auto, off or script:FILE"),
         },
     }
@@ -239,8 +239,8 @@ impl TryFrom<&Cli> for AgentConfig {
                 Some(trainyard_agent::notice::NoticeSource::parse(text).map_err(anyhow::Error::msg)?);
         }
         config.notice_deadline = std::time::Duration::from_secs(cli.preemption_deadline_secs);
-        config.telemetry = telemetry_source("telemetry", &cli.telemetry)?;
-        config.gpu_processes = telemetry_source("gpu-processes", &cli.gpu_processes)?;
+        config.telemetry = gpu_source("telemetry", &cli.telemetry)?;
+        config.gpu_processes = gpu_source("gpu-processes", &cli.gpu_processes)?;
         let seconds = |v: f64, flag: &str, min: f64| {
             if v.is_finite() && v >= min && v <= 3600.0 {
                 Ok(std::time::Duration::from_secs_f64(v))
@@ -389,22 +389,21 @@ fn telemetry(cli: &Cli, gpus: &[u32], count: u32, output: Output) -> ExitCode {
         eprintln!("trainyard-agent telemetry: {message}");
         ExitCode::from(2)
     };
-    let (mut sampler, all): (Box<dyn GpuSampler>, Vec<u32>) =
-        match telemetry_source("telemetry", &cli.telemetry) {
-            Err(e) => return failed(format!("{e:#}")),
-            Ok(TelemetrySource::Off) => return failed("--telemetry off reads nothing".into()),
-            Ok(TelemetrySource::Script(path)) => match ScriptedSampler::load(path) {
-                Ok(s) => (Box::new(s), vec![0]),
-                Err(e) => return failed(e),
-            },
-            Ok(TelemetrySource::Auto) => match NvmlSampler::new() {
-                Ok(s) => {
-                    let all = (0..s.gpu_count()).collect();
-                    (Box::new(s), all)
-                }
-                Err(why) => return failed(why),
-            },
-        };
+    let (mut sampler, all): (Box<dyn GpuSampler>, Vec<u32>) = match gpu_source("telemetry", &cli.telemetry) {
+        Err(e) => return failed(format!("{e:#}")),
+        Ok(GpuSource::Off) => return failed("--telemetry off reads nothing".into()),
+        Ok(GpuSource::Script(path)) => match ScriptedSampler::load(path) {
+            Ok(s) => (Box::new(s), vec![0]),
+            Err(e) => return failed(e),
+        },
+        Ok(GpuSource::Auto) => match NvmlSampler::new() {
+            Ok(s) => {
+                let all = (0..s.gpu_count()).collect();
+                (Box::new(s), all)
+            }
+            Err(why) => return failed(why),
+        },
+    };
     let gpus = if gpus.is_empty() { all } else { gpus.to_vec() };
     eprintln!(
         "trainyard-agent telemetry: {} ({} GPU(s), {count} reading(s))",
