@@ -224,8 +224,6 @@ impl Session<'_> {
         notices.mark_changed();
         let mut tick = tokio::time::interval(self.config.tick);
         let mut heartbeat = tokio::time::interval(self.config.heartbeat);
-        let mut starting = tokio::time::interval(crate::launcher::STARTING_TICK);
-        starting.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -239,7 +237,6 @@ impl Session<'_> {
                 },
                 Some((launch, report)) = self.checked.recv() => self.launch_checked(launch, report).await,
                 _ = tick.tick() => self.on_tick().await,
-                _ = starting.tick(), if self.launcher.starting() => self.on_starting().await,
                 _ = heartbeat.tick() => self.send(Out::Heartbeat(Heartbeat { at_ms: now_ms() })).await,
                 Ok(()) = notices.changed() => {
                     let notice = notices.borrow_and_update().clone();
@@ -454,15 +451,6 @@ impl Session<'_> {
                 rank.tailer.ack(ack.seq);
             }
         }
-    }
-
-    /// Between ticks, while ranks are starting: each is reported `running` as soon as its
-    /// shim has exec'd it.
-    async fn on_starting(&mut self) -> Result<(), Closed> {
-        if self.launcher.poll_exits().is_empty() {
-            return Ok(());
-        }
-        self.send_rank_updates().await
     }
 
     async fn on_tick(&mut self) -> Result<(), Closed> {
