@@ -224,6 +224,8 @@ impl Session<'_> {
         notices.mark_changed();
         let mut tick = tokio::time::interval(self.config.tick);
         let mut heartbeat = tokio::time::interval(self.config.heartbeat);
+        let mut starting = tokio::time::interval(crate::launcher::STARTING_TICK);
+        starting.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -237,6 +239,7 @@ impl Session<'_> {
                 },
                 Some((launch, report)) = self.checked.recv() => self.launch_checked(launch, report).await,
                 _ = tick.tick() => self.on_tick().await,
+                _ = starting.tick(), if self.launcher.starting() => self.on_starting().await,
                 _ = heartbeat.tick() => self.send(Out::Heartbeat(Heartbeat { at_ms: now_ms() })).await,
                 Ok(()) = notices.changed() => {
                     let notice = notices.borrow_and_update().clone();
@@ -358,7 +361,10 @@ impl Session<'_> {
                 let credit = std::sync::Arc::new(tokio::sync::Semaphore::new(
                     trainyard_proto::limits::LOG_CREDIT_PIECES as usize,
                 ));
-                self.logs.insert(request.request_id, (stop.clone(), credit.clone()));
+                // A request id sent again replaces its reader: the old one stops, never orphaned.
+                if let Some((old, _)) = self.logs.insert(request.request_id, (stop.clone(), credit.clone())) {
+                    old.cancel();
+                }
                 debug!(request_id = request.request_id, job_id = id.job_id, rank = id.rank, "reading logs");
                 tokio::spawn(crate::logs::serve(request, files, self.tx.clone(), stop, credit));
             }
@@ -453,6 +459,15 @@ impl Session<'_> {
         }
     }
 
+    /// Between ticks, while ranks are starting: each is reported `running` as soon as its
+    /// shim has exec'd it.
+    async fn on_starting(&mut self) -> Result<(), Closed> {
+        if self.launcher.poll_exits().is_empty() {
+            return Ok(());
+        }
+        self.send_rank_updates().await
+    }
+
     async fn on_tick(&mut self) -> Result<(), Closed> {
         self.launcher.poll_exits();
         self.send_receipts().await?;
@@ -474,7 +489,8 @@ impl Session<'_> {
     /// Reads new receipt lines into batches while the unacknowledged window has room.
     async fn send_receipts(&mut self) -> Result<(), Closed> {
         while self.unacked_batches < self.config.max_unacked_batches {
-            let mut budget = Budget::new(self.config.max_batch_receipts, self.config.max_batch_bytes);
+            let most = self.config.max_batch_receipts.min(trainyard_proto::limits::MAX_RECEIPT_BATCH);
+            let mut budget = Budget::new(most, self.config.max_batch_bytes);
             let mut receipts = Vec::new();
             let layout = self.launcher.layout().clone();
             for rank in self.launcher.ranks_mut() {

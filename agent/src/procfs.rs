@@ -71,21 +71,43 @@ pub fn cloexec_from(first: u32) {
 }
 
 /// Whether `pid` is a live process started at `start_time` that runs `program` (an upgraded
-/// binary's " (deleted)" path counts as the same) under this process's own uid: a shim of this
-/// agent, never a user's process that reused the pid (after a reboot, start times repeat) or
-/// copied the shim's arguments.
+/// binary's " (deleted)" path counts as the same) with this process's effective uid as its
+/// real uid: a shim of this agent, never a user's process that reused the pid (after a reboot,
+/// start times repeat) or copied the shim's arguments.
+///
+/// The real uid, not the owner of `/proc/<pid>`: a shim looks at a rank's paths with the
+/// rank user's effective ids for a moment ([`crate::supervise`]), and some kernels show the
+/// effective uid as that owner, so a shim looked at in that moment would seem another's.
 pub fn is_own_process(pid: u32, start_time: u64, program: &std::path::Path) -> bool {
-    use std::os::unix::fs::MetadataExt as _;
-    if !is_same_live_process(pid, start_time) {
-        return false;
-    }
     // SAFETY: geteuid cannot fail.
     let me = unsafe { libc::geteuid() };
-    let owner = std::fs::metadata(format!("/proc/{pid}")).map(|m| m.uid()).ok();
-    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
-    let exe = exe.as_ref().and_then(|p| p.to_str()).map(|p| p.trim_end_matches(" (deleted)").to_string());
+    is_same_live_process(pid, start_time) && real_uid(pid) == Some(me) && runs(pid, program)
+}
+
+/// The real uid of `pid`: the first of the `Uid:` fields of `/proc/<pid>/status`.
+pub fn real_uid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    line.split_whitespace().next()?.parse().ok()
+}
+
+/// Whether `pid` runs `program`: its `/proc/<pid>/exe` link, or, where the link may not be
+/// followed, its command name. A process that changed its effective ids is not dumpable, and
+/// then only a holder of CAP_SYS_PTRACE may follow the link (an agent in a container may lack it).
+fn runs(pid: u32, program: &std::path::Path) -> bool {
     let wanted = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf());
-    owner == Some(me) && exe.is_some_and(|e| std::path::Path::new(&e) == wanted)
+    match std::fs::read_link(format!("/proc/{pid}/exe")) {
+        Ok(exe) => {
+            exe.to_str().is_some_and(|e| std::path::Path::new(e.trim_end_matches(" (deleted)")) == wanted)
+        }
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+            // The kernel keeps the first 15 bytes of the file name as the command name.
+            let name = wanted.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default();
+            let comm = std::fs::read(format!("/proc/{pid}/comm")).unwrap_or_default();
+            !name.is_empty() && comm.strip_suffix(b"\n").unwrap_or(&comm) == &name[..name.len().min(15)]
+        }
+        Err(_) => false,
+    }
 }
 
 /// Sends `signal` to the process group `pgid`. `Ok(false)` when the group no longer exists.
@@ -156,6 +178,45 @@ mod tests {
         let s = stat(pid).unwrap();
         assert!(is_same_live_process(pid, s.start_time));
         assert!(!is_same_live_process(pid, s.start_time + 1));
+    }
+
+    #[test]
+    fn this_process_is_its_own() {
+        let pid = std::process::id();
+        let start = stat(pid).unwrap().start_time;
+        let me = std::env::current_exe().unwrap();
+        assert!(is_own_process(pid, start, &me));
+        assert!(!is_own_process(pid, start, std::path::Path::new("/bin/true")));
+        assert!(!is_own_process(pid, start + 1, &me));
+    }
+
+    /// A process of this uid that runs as another user for a moment (as a shim does while it
+    /// looks at a rank's paths) is still this uid's own: a launcher looking at it in that moment
+    /// once declared the shim vanished and lost the rank.
+    #[test]
+    fn a_process_with_another_effective_uid_is_still_its_real_owners() {
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(std::env::var_os("CI").is_none(), "CI runs as root: this must run there");
+            println!("skipped: changing the effective uid needs root");
+            return;
+        }
+        let mut child = std::process::Command::new("setpriv")
+            .args(["--euid", "65534", "--egid", "65534", "--clear-groups", "sleep", "30"])
+            .spawn()
+            .expect("setpriv (util-linux) runs");
+        let pid = child.id();
+        let started = std::time::Instant::now();
+        while std::fs::read(format!("/proc/{pid}/comm")).unwrap_or_default() != b"sleep\n" {
+            assert!(started.elapsed() < std::time::Duration::from_secs(10), "sleep never started");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let start = stat(pid).unwrap().start_time;
+        let sleep = std::fs::canonicalize("/usr/bin/sleep").unwrap();
+        let ours = is_own_process(pid, start, &sleep);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(real_uid(pid), None, "gone after the wait");
+        assert!(ours, "a root process with effective uid 65534 is root's own");
     }
 
     #[test]

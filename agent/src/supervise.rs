@@ -361,6 +361,10 @@ fn as_user<T>(user: Option<&SwitchUser>, f: impl FnOnce() -> T) -> Result<T, Str
         {
             return Err(os("back to root after checking the launch as the rank's user"));
         }
+        // The kernel made the shim undumpable when its effective uid changed; back to root,
+        // it is an ordinary root process again, so an agent without CAP_SYS_PTRACE can still
+        // read its /proc/<pid>/exe to know it as its own.
+        libc::prctl(libc::PR_SET_DUMPABLE, 1);
         Ok(out)
     }
 }
@@ -391,4 +395,27 @@ pub fn check_launch(program: &str, workdir: &Path, path_var: &str) -> Result<(),
 /// Reads the pid file the shim writes; `None` until it is there.
 pub fn read_pid_file(path: &Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The environment file's limit: a file of exactly [`MAX_ENV_FILE_BYTES`] is read; one
+    /// byte more is refused, naming the file and the limit.
+    #[test]
+    fn the_env_file_is_read_at_its_limit_and_refused_one_past() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("env.json");
+        let file_of = |bytes: u64| {
+            let pad = bytes as usize - r#"{"A":""}"#.len();
+            std::fs::write(&path, format!(r#"{{"A":"{}"}}"#, "x".repeat(pad))).unwrap();
+        };
+        file_of(MAX_ENV_FILE_BYTES);
+        let env = read_env_file(&path).expect("a file at the limit is read");
+        assert_eq!(env["A"].len() as u64, MAX_ENV_FILE_BYTES - 8);
+        file_of(MAX_ENV_FILE_BYTES + 1);
+        let refused = read_env_file(&path).expect_err("one byte past the limit is refused");
+        assert!(refused.contains("over 4194304 bytes") && refused.contains("env.json"), "{refused}");
+    }
 }

@@ -94,7 +94,8 @@ impl Harness {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        panic!("rank {id} never became {what}");
+        let r = &self.launcher.get(id).expect("rank is known").record;
+        panic!("rank {id} never became {what}: it is {:?} ({:?})", r.phase, r.message);
     }
 }
 
