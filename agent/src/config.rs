@@ -26,7 +26,7 @@ pub struct AgentConfig {
     pub tick: Duration,
     /// Heartbeat period on the stream.
     pub heartbeat: Duration,
-    /// Receipts per batch, at most.
+    /// Receipts per batch, at most (never above [`trainyard_proto::limits::MAX_RECEIPT_BATCH`]).
     pub max_batch_receipts: usize,
     /// Bytes of receipt bodies per batch, at most (a single longer line still goes alone).
     pub max_batch_bytes: usize,

@@ -217,6 +217,9 @@ pub fn describe(url: &str, status: &Status, job: Option<u64>) -> anyhow::Error {
         }
         (Code::PermissionDenied, _) => anyhow!("permission denied: {message}"),
         (Code::DeadlineExceeded, _) => anyhow!("the controller at {url} did not answer in time"),
+        (Code::OutOfRange | Code::ResourceExhausted, _) if message.contains("message length too large") => {
+            anyhow!("the controller's answer is larger than ctl takes (64 MiB); ask for less ({message})")
+        }
         (code, _) => anyhow!("controller error ({code:?}): {message}"),
     }
 }

@@ -49,6 +49,10 @@ pub const MAX_SHORT_STRING_BYTES: usize = 256;
 /// never buffered whole.
 pub const MAX_RECEIPT_LINE_BYTES: usize = 1 << 20;
 
+/// Receipts in one `ReceiptBatch`: a larger batch is a protocol error, and the controller ends
+/// the stream (the agent sends at most 2,000).
+pub const MAX_RECEIPT_BATCH: usize = 20_000;
+
 /// A piece of a rank's stdout or stderr relayed for `ctl logs`.
 pub const MAX_LOG_CHUNK_BYTES: usize = 64 << 10;
 

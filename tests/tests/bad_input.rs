@@ -262,7 +262,8 @@ async fn agent_session(
 /// An agent's messages at their limits and one past: a receipt batch just under 16 MiB is read
 /// (its receipts, of no job this controller knows, are held back, not acknowledged) and one over
 /// 16 MiB is refused by the transport; a telemetry batch of 1,024 windows is stored and
-/// acknowledged, and one of 1,025 ends the stream unacknowledged. The controller serves on.
+/// acknowledged, and one of 1,025 ends the stream unacknowledged; a batch of 20,000 receipts is
+/// read and one of 20,001 ends the stream. The controller serves on.
 #[test]
 fn an_agents_messages_hold_their_limits_at_their_value_and_refuse_one_past() -> anyhow::Result<()> {
     use std::time::Duration;
@@ -329,6 +330,25 @@ fn an_agents_messages_hold_their_limits_at_their_value_and_refuse_one_past() -> 
         rt.block_on(agent_session(&url, "tele-b", vec![windows(at + 1)], Duration::from_secs(10)));
     assert!(!acked(&got, at as u64 + 1), "1,025 windows acknowledged");
     assert_eq!(closed.map_err(|s| s.to_string()), Ok(true), "1,025 windows: the stream goes on");
+    // A batch's receipt count: 20,000 small receipts are read, 20,001 end the stream.
+    let receipts = |n: usize| {
+        let receipts = (0..n)
+            .map(|seq| Receipt {
+                key: Some(RankKey { job_id: 999, attempt: 0, rank: 1 }),
+                seq: seq as u64,
+                kind: "step".into(),
+                step: seq as i64,
+                body: "{}".into(),
+            })
+            .collect();
+        AgentMessage { msg: Some(agent_message::Msg::Receipts(ReceiptBatch { receipts })) }
+    };
+    let most = trainyard_proto::limits::MAX_RECEIPT_BATCH;
+    let (_, open) = rt.block_on(agent_session(&url, "count-a", vec![receipts(most)], Duration::from_secs(3)));
+    assert_eq!(open.map_err(|s| s.to_string()), Ok(false), "20,000 receipts in a batch ended the stream");
+    let (_, closed) =
+        rt.block_on(agent_session(&url, "count-b", vec![receipts(most + 1)], Duration::from_secs(10)));
+    assert_eq!(closed.map_err(|s| s.to_string()), Ok(true), "20,001 receipts in a batch: the stream goes on");
     assert_eq!(c.query("SELECT COUNT(*) FROM gpu_samples WHERE agent_id = 'tele-a'")?[0][0], at as i64);
     assert_eq!(c.query("SELECT COUNT(*) FROM gpu_samples WHERE agent_id = 'tele-b'")?[0][0], 0);
     assert_eq!(c.query("SELECT COUNT(*) FROM receipts")?[0][0], 0, "no receipt of an unknown job stored");

@@ -12,6 +12,10 @@ use super::launch::request_of;
 use super::reconcile::ActiveJob;
 use super::shared::Shared;
 use super::{ControllerError, LogEvent, Result};
+
+/// The bytes of jobs one `List` answer carries: the response limit, less room for the rest of
+/// the message and gRPC's framing.
+pub const LIST_BUDGET: usize = trainyard_proto::limits::MAX_RESPONSE_BYTES - (64 << 10);
 use trainyard_model::spec::{self, JobSpec};
 use trainyard_placement::scheduler;
 use trainyard_store::{Allocation, JobEventRecord, JobId, JobOwner, JobRecord, JobState, StoreError};
@@ -236,18 +240,44 @@ impl Jobs<'_> {
     }
 
     /// Jobs newest first (only those `submitted_by` submitted, when given), with their ranks
-    /// but without events.
-    pub async fn list(self, active_only: bool, submitted_by: Option<&str>, limit: u32) -> Result<Vec<Job>> {
+    /// but without events, as many as fit in one answer ([`LIST_BUDGET`] bytes encoded); the
+    /// second value counts the jobs asked for that did not fit.
+    pub async fn list(
+        self,
+        active_only: bool,
+        submitted_by: Option<&str>,
+        limit: u32,
+    ) -> Result<(Vec<Job>, u32)> {
+        self.list_within(active_only, submitted_by, limit, LIST_BUDGET).await
+    }
+
+    /// [`Jobs::list`] within `budget` bytes of encoded jobs.
+    pub async fn list_within(
+        self,
+        active_only: bool,
+        submitted_by: Option<&str>,
+        limit: u32,
+        budget: usize,
+    ) -> Result<(Vec<Job>, u32)> {
+        use prost::Message as _;
         let limit = if limit == 0 { 100 } else { limit.min(10_000) };
-        let mut jobs = Vec::new();
-        for record in self.c.store.list_jobs(active_only, submitted_by, limit).await? {
+        let records = self.c.store.list_jobs(active_only, submitted_by, limit).await?;
+        let (mut jobs, mut used, asked) = (Vec::new(), 0usize, records.len());
+        for record in records {
             let warning = self.c.quotas.warning(record.id);
-            jobs.push(
+            let job =
                 super::view::summary(self.c.store.as_ref(), &self.c.core, self.c.now_ms(), record, warning)
-                    .await?,
-            );
+                    .await?;
+            // The job's bytes with its field tag and length prefix, as the response encodes it.
+            let bytes = job.encoded_len() + 1 + prost::length_delimiter_len(job.encoded_len());
+            if used + bytes > budget {
+                break;
+            }
+            used += bytes;
+            jobs.push(job);
         }
-        Ok(jobs)
+        let left_off = (asked - jobs.len()) as u32;
+        Ok((jobs, left_off))
     }
 
     /// One job's record; `None` when no job has that id.

@@ -369,3 +369,38 @@ async fn an_ended_job_waits_for_a_turn_to_record_its_outcome() {
         .expect("recorded once a turn is free")
         .ok();
 }
+
+/// A `List` answer carries as many jobs as fit its byte budget, newest first, whole, and counts
+/// the jobs it asked for and left off: at a budget of exactly three jobs' bytes three come, one
+/// byte less and two come. The real budget leaves 64 KiB of the 64 MiB response limit.
+#[tokio::test]
+async fn a_list_answer_fits_its_budget_and_counts_what_it_left_off() {
+    let store = store().await;
+    let c = controller(&store).await;
+    let _agent = connect(&c, "a", 1, None).await;
+    for i in 0..5 {
+        let mut big = spec(1);
+        big.env.insert("PAD".into(), format!("{i}{}", "x".repeat(100_000)));
+        c.jobs().submit(big, None).await.expect("submit");
+    }
+    let (all, left_off) = c.jobs().list_within(false, None, 0, usize::MAX).await.expect("list");
+    assert_eq!((all.len(), left_off), (5, 0));
+    let bytes = |jobs: &[trainyard_proto::v1::Job]| {
+        prost::Message::encoded_len(&trainyard_proto::v1::ListJobsResponse {
+            jobs: jobs.to_vec(),
+            left_off: 0,
+        })
+    };
+    let three = bytes(&all[..3]);
+    let (jobs, left_off) = c.jobs().list_within(false, None, 0, three).await.expect("list");
+    assert_eq!((jobs.len(), left_off), (3, 2), "at a budget of three jobs' bytes");
+    assert_eq!(
+        jobs.iter().map(|j| j.id).collect::<Vec<_>>(),
+        all[..3].iter().map(|j| j.id).collect::<Vec<_>>()
+    );
+    let (jobs, left_off) = c.jobs().list_within(false, None, 0, three - 1).await.expect("list");
+    assert_eq!((jobs.len(), left_off), (2, 3), "one byte under three jobs' bytes");
+    assert_eq!(super::jobs::LIST_BUDGET + (64 << 10), trainyard_proto::limits::MAX_RESPONSE_BYTES);
+    let (jobs, left_off) = c.jobs().list(false, None, 3).await.expect("list");
+    assert_eq!((jobs.len(), left_off), (3, 0), "the limit asked for is not a job left off");
+}

@@ -18,9 +18,6 @@ use super::Result;
 use super::agents::{rank_id, rank_key};
 use super::shared::Shared;
 
-/// Largest batch an agent may send; larger ones are refused as a protocol error.
-pub const MAX_BATCH: usize = 20_000;
-
 /// Receipts one fold pass reads.
 const FOLD_PASS: u32 = 100_000;
 

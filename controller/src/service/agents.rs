@@ -29,8 +29,8 @@ use trainyard_proto::v1::agents_server::Agents;
 use trainyard_proto::v1::{AgentMessage, ControllerMessage, agent_message, controller_message};
 
 use crate::auth::pki;
-use crate::core::{Controller, ControllerError, MAX_BATCH};
-use trainyard_proto::limits::MAX_TELEMETRY_WINDOWS;
+use crate::core::{Controller, ControllerError};
+use trainyard_proto::limits::{MAX_RECEIPT_BATCH, MAX_TELEMETRY_WINDOWS};
 
 /// Messages queued towards one agent before the controller considers it stuck.
 const OUTBOX: usize = 1_024;
@@ -334,11 +334,11 @@ async fn receipts(
     tx: &mpsc::Sender<ControllerMessage>,
 ) -> Flow {
     let quietly = Flow::End(Ok(()));
-    if batch.receipts.len() > MAX_BATCH {
+    if batch.receipts.len() > MAX_RECEIPT_BATCH {
         tracing::error!(
             agent_id,
             receipts = batch.receipts.len(),
-            max = MAX_BATCH,
+            max = MAX_RECEIPT_BATCH,
             "batch too large; closing"
         );
         return quietly;

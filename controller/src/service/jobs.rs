@@ -215,8 +215,9 @@ impl Jobs for JobsService {
         let req = request.into_inner();
         // Only admins see every job.
         let only = (!caller.admin).then_some(caller.name.as_str());
-        let jobs = self.controller.jobs().list(req.active_only, only, req.limit).await.map_err(to_status)?;
-        Ok(Response::new(ListJobsResponse { jobs }))
+        let (jobs, left_off) =
+            self.controller.jobs().list(req.active_only, only, req.limit).await.map_err(to_status)?;
+        Ok(Response::new(ListJobsResponse { jobs, left_off }))
     }
 
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {

@@ -33,10 +33,18 @@ async fn one(ctl: &mut Controller, job_id: u64, json: bool) -> anyhow::Result<()
 
 async fn list(ctl: &mut Controller, json: bool) -> anyhow::Result<()> {
     let request = ListJobsRequest { active_only: false, limit: 0 };
-    let jobs = match ctl.jobs.list(request).await {
-        Ok(r) => r.into_inner().jobs,
+    let (jobs, left_off) = match ctl.jobs.list(request).await {
+        Ok(r) => {
+            let r = r.into_inner();
+            (r.jobs, r.left_off)
+        }
         Err(status) => return Err(ctl.error(status, None)),
     };
+    if left_off > 0 {
+        eprintln!(
+            "note: {left_off} more job(s) did not fit in one answer from the controller (64 MiB); the newest are shown"
+        );
+    }
     ctl.words(jobs.as_slice())?;
     if json {
         let jobs: Vec<JobJson> = jobs.iter().map(JobJson::from).collect();

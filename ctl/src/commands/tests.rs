@@ -96,7 +96,7 @@ impl Jobs for Fake {
 
     async fn list(&self, _: Request<ListJobsRequest>) -> Result<Response<ListJobsResponse>, Status> {
         let jobs = vec![self.job.lock().expect("lock").clone()];
-        Ok(Response::new(ListJobsResponse { jobs }))
+        Ok(Response::new(ListJobsResponse { jobs, left_off: 0 }))
     }
 
     async fn cancel(&self, _: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
@@ -324,4 +324,37 @@ async fn diagnose_follow_prints_findings_as_they_open_and_close_until_the_job_en
         .expect("follow");
     let err = super::diagnose::follow(&mut ctl, 8, true).await.expect_err("no job 8");
     assert_eq!(err.to_string(), "job 8 not found");
+}
+
+/// The response limit (64 MiB) where ctl reads: a `List` answer of exactly 64 MiB encoded is
+/// read whole; one byte more is refused with a line that says what happened.
+#[tokio::test]
+async fn an_answer_of_64_mib_is_read_and_one_byte_more_is_refused() {
+    use prost::Message as _;
+    let limit = trainyard_proto::limits::MAX_RESPONSE_BYTES;
+    let sized = |bytes: usize| {
+        let mut job = job("running", 1);
+        job.reason = "x".repeat(bytes);
+        let over = ListJobsResponse { jobs: vec![job.clone()], left_off: 0 }.encoded_len() - bytes;
+        job.reason = "x".repeat(bytes - over);
+        while (ListJobsResponse { jobs: vec![job.clone()], left_off: 0 }).encoded_len() > bytes {
+            job.reason.pop();
+        }
+        assert_eq!(ListJobsResponse { jobs: vec![job.clone()], left_off: 0 }.encoded_len(), bytes);
+        job
+    };
+    let at = sized(limit);
+    let want = at.reason.len();
+    let mut ctl =
+        serve(Fake { job: Mutex::new(at), gets_until_stopped: Mutex::new(0), events: vec![] }).await;
+    let request = ListJobsRequest { active_only: false, limit: 0 };
+    let got = ctl.jobs.list(request).await.expect("64 MiB is read");
+    assert_eq!(got.into_inner().jobs[0].reason.len(), want, "the whole job");
+    let past = Fake { job: Mutex::new(sized(limit + 1)), gets_until_stopped: Mutex::new(0), events: vec![] };
+    let mut ctl = serve(past).await;
+    let err = super::status::run(&mut ctl, None, false).await.expect_err("one byte past 64 MiB");
+    assert!(
+        err.to_string().starts_with("the controller's answer is larger than ctl takes (64 MiB)"),
+        "{err}"
+    );
 }
