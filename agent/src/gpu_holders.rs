@@ -95,13 +95,12 @@ pub fn refuse_if_held(gpu: u32, holders: &dyn GpuHolders) -> Result<(), String> 
     }
 }
 
-/// "sleep, uid 1000" from `/proc` (the driver's pid may be of another PID namespace: then
-/// "not visible here").
+/// "sleep, uid 1000" from `/proc`, the real uid (the driver's pid may be of another PID
+/// namespace: then "not visible here").
 fn describe(pid: u32) -> String {
-    use std::os::unix::fs::MetadataExt as _;
-    let dir = PathBuf::from(format!("/proc/{pid}"));
-    match (std::fs::read_to_string(dir.join("comm")), std::fs::metadata(&dir)) {
-        (Ok(comm), Ok(meta)) => format!("{}, uid {}", comm.trim(), meta.uid()),
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"));
+    match (comm, crate::procfs::real_uid(pid)) {
+        (Ok(comm), Some(uid)) => format!("{}, uid {uid}", comm.trim()),
         _ => "not visible here".to_string(),
     }
 }
