@@ -319,9 +319,27 @@ async fn the_shim_gets_a_clean_environment_and_run_files_are_private() {
     let mut h = Harness::new();
     let overlay =
         [("LD_PRELOAD", "/nonexistent/trainyard-test.so"), ("GCONV_PATH", "/tmp/x"), ("FOO", "bar")];
+    // A descriptor the agent holds without close-on-exec (as one a service manager passes).
+    // SAFETY: dup of stderr; closed below.
+    let leaked = unsafe { libc::dup(2) };
+    assert!(leaked > 2);
     h.launcher.launch(&launch(11, 1, &h.workdir(), &["sleep", "30"], &overlay));
     h.wait_for(id(11, 0), "running", |p, pid| p == RankState::Running && pid.is_some()).await;
+    // SAFETY: closes the descriptor duplicated above.
+    unsafe { libc::close(leaked) };
     let r = h.launcher.get(id(11, 0)).unwrap().record.clone();
+    let (shim_pid, rank_pid) = (r.shim_pid.unwrap() as i32, r.pid.unwrap() as i32);
+    // SAFETY: getsid with pids of live processes of this test.
+    let sessions = unsafe { (libc::getsid(shim_pid), libc::getsid(rank_pid)) };
+    assert_eq!(sessions, (shim_pid, shim_pid), "the shim leads a session of its own, the rank is in it");
+    let fds: Vec<String> = std::fs::read_dir(format!("/proc/{rank_pid}/fd"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        fds.iter().all(|fd| fd.parse::<i32>().unwrap() <= 2),
+        "the rank has only stdin, stdout and stderr open: {fds:?}"
+    );
     let shim = std::fs::read(format!("/proc/{}/environ", r.shim_pid.unwrap())).unwrap();
     let shim: Vec<&[u8]> = shim.split(|b| *b == 0).filter(|v| !v.is_empty()).collect();
     assert_eq!(
