@@ -269,12 +269,24 @@ pub trait FleetStore: Send + Sync {
     async fn snapshot(&self) -> Result<Snapshot>;
 }
 
+/// The wait for a queued receipt batch's commit: how many of its rows were new
+/// ([`ReceiptStore::queue_receipts`]).
+pub type Queued<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64>> + Send + 'a>>;
+
 /// Receipts: the hot path. Every method is one transaction.
 #[async_trait]
 pub trait ReceiptStore: Send + Sync {
     /// Stores a batch in one transaction; receipts already stored are skipped. Returns how many
     /// rows were new.
-    async fn insert_receipts(&self, receipts: &[NewReceipt], now_ms: i64) -> Result<u64>;
+    async fn insert_receipts(&self, receipts: &[NewReceipt], now_ms: i64) -> Result<u64> {
+        self.queue_receipts(receipts.to_vec(), now_ms).await
+    }
+
+    /// [`ReceiptStore::insert_receipts`] in two halves: the batch joins the next commit group
+    /// now, in the order of the calls (so one agent's batches are written in the order they
+    /// came, however their waits overlap), and the returned future waits for its commit. The
+    /// ingest path queues a stream's next batch while the one before is being written.
+    fn queue_receipts(&self, receipts: Vec<NewReceipt>, now_ms: i64) -> Queued<'_>;
 
     /// Receipts of a job with `position > after`, in position order, at most `limit`.
     async fn receipts_after(&self, job: JobId, after: u64, limit: u32) -> Result<Vec<StoredReceiptRecord>>;

@@ -6,22 +6,25 @@ use crate::group::{Next, answer_each};
 use crate::rows::{self, int};
 use crate::sql::Conn;
 use crate::waiting::Pending;
-use crate::{JobId, NewReceipt, ReceiptStore, Result, SqlStore, StoredReceiptRecord, postgres, sqlite};
+use crate::{
+    JobId, NewReceipt, Queued, ReceiptStore, Result, SqlStore, StoredReceiptRecord, postgres, sqlite,
+};
 
 #[async_trait]
 impl ReceiptStore for SqlStore {
-    async fn insert_receipts(&self, receipts: &[NewReceipt], now_ms: i64) -> Result<u64> {
-        if receipts.is_empty() {
-            return Ok(0);
+    fn queue_receipts(&self, rows: Vec<NewReceipt>, now_ms: i64) -> Queued<'_> {
+        if rows.is_empty() {
+            return Box::pin(std::future::ready(Ok(0)));
         }
-        let rows = receipts.to_vec();
         let mut waiter = self.receipt_group.enqueue(|done| Pending { rows, now_ms, done });
-        loop {
-            match waiter.next().await {
-                Next::Answered(stored) => return stored,
-                Next::Write(group) => write_group(self, group).await,
+        Box::pin(async move {
+            loop {
+                match waiter.next().await {
+                    Next::Answered(stored) => return stored,
+                    Next::Write(group) => write_group(self, group).await,
+                }
             }
-        }
+        })
     }
 
     async fn receipts_after(&self, job: JobId, after: u64, limit: u32) -> Result<Vec<StoredReceiptRecord>> {
@@ -140,20 +143,27 @@ async fn write_group(store: &SqlStore, mut group: Vec<Pending>) {
             rows <= GROUP_ROWS || rows == p.rows.len()
         });
         let n = take.count().max(1);
-        let round: Vec<Pending> = group.drain(..n).collect();
-        let batches: Vec<(&[NewReceipt], i64)> =
-            round.iter().map(|p| (p.rows.as_slice(), p.now_ms)).collect();
+        let mut round: Vec<Pending> = group.drain(..n).collect();
+        // The rows move into the statement's arguments (each body bound without a copy); a
+        // PostgreSQL transaction retried after a conflict reads them again from the moved
+        // vectors, which its closure keeps.
+        let batches: Vec<(Vec<NewReceipt>, i64)> =
+            round.iter_mut().map(|p| (std::mem::take(&mut p.rows), p.now_ms)).collect();
         // The hot path: each database gets each batch in the form it takes fastest.
         let result = store
-            .write_receipts("insert_receipts", async |c| match c {
+            .write_receipts("insert_receipts", async move |c| match c {
                 Conn::Sqlite(c) => {
                     let mut counts = Vec::with_capacity(batches.len());
-                    for (rows, now_ms) in &batches {
-                        counts.push(sqlite::insert_receipts(c, rows, *now_ms).await?);
+                    for (rows, now_ms) in batches {
+                        counts.push(sqlite::insert_receipts(c, rows, now_ms).await?);
                     }
                     Ok(counts)
                 }
-                Conn::Postgres(c) => postgres::insert_receipt_group(c, &batches).await,
+                Conn::Postgres(c) => {
+                    let borrowed: Vec<(&[NewReceipt], i64)> =
+                        batches.iter().map(|(rows, now_ms)| (rows.as_slice(), *now_ms)).collect();
+                    postgres::insert_receipt_group(c, &borrowed).await
+                }
             })
             .await;
         answer_each(round, result, |w| w.done);

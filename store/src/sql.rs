@@ -268,6 +268,19 @@ pub(crate) fn pow2_chunks<T>(mut items: &[T], max_log2: u32) -> impl Iterator<It
     })
 }
 
+/// The log2 sizes [`pow2_chunks`] cuts `len` items into, for a caller that consumes its items
+/// by value.
+pub(crate) fn pow2_sizes(mut len: usize, max_log2: u32) -> impl Iterator<Item = u32> {
+    std::iter::from_fn(move || {
+        if len == 0 {
+            return None;
+        }
+        let log2 = len.ilog2().min(max_log2);
+        len -= 1 << log2;
+        Some(log2)
+    })
+}
+
 /// The multi-row inserts of `1, 2, 4, .. 2^max_log2` rows, indexed by log2: built once per size
 /// by the caller (in a `OnceLock`), so each size's text, the key of sqlx's statement cache, is
 /// the same every time ([`pow2_chunks`] cuts the rows to fit).
@@ -288,7 +301,7 @@ pub(crate) fn multi_row_insert(marks: Marks, head: &str, columns: usize, rows: u
 
 #[cfg(test)]
 mod tests {
-    use super::{Marks, multi_row_insert, pow2_chunks};
+    use super::{Marks, multi_row_insert, pow2_chunks, pow2_sizes};
 
     #[test]
     fn chunks_are_powers_of_two_largest_first_and_cover_everything() {
@@ -297,6 +310,8 @@ mod tests {
         assert_eq!(sizes.iter().sum::<usize>(), items.len());
         assert!(pow2_chunks(&items, 10).all(|(log2, c)| c.len() == 1 << log2 && log2 <= 10));
         assert!(sizes.windows(2).all(|w| w[0] >= w[1]), "largest first: {sizes:?}");
+        let by_value: Vec<usize> = pow2_sizes(items.len(), 10).map(|log2| 1 << log2).collect();
+        assert_eq!(by_value, sizes);
     }
 
     #[test]

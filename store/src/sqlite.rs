@@ -22,7 +22,7 @@ use sqlx::sqlite::{
 };
 
 use crate::rows::int;
-use crate::sql::{Conn, Marks, pow2_chunks, pow2_inserts};
+use crate::sql::{Conn, Marks, pow2_inserts, pow2_sizes};
 use crate::{NewReceipt, Result};
 
 /// Connections in the pool. SQLite has one writer at a time anyway; a few connections let
@@ -211,27 +211,28 @@ impl Sqlite {
 }
 
 /// Stores a receipt batch in multi-row inserts of power-of-two sizes; returns how many rows
-/// were new.
+/// were new. The rows' strings move into the arguments: sqlx copies a borrowed one first.
 pub(crate) async fn insert_receipts(
     c: &mut SqliteConnection,
-    receipts: &[NewReceipt],
+    receipts: Vec<NewReceipt>,
     now_ms: i64,
 ) -> Result<u64> {
     let mut inserted = 0;
-    for (log2, chunk) in pow2_chunks(receipts, MAX_CHUNK_LOG2) {
+    let mut rows = receipts.into_iter();
+    for log2 in pow2_sizes(rows.len(), MAX_CHUNK_LOG2) {
         let mut query = sqlx::query(sqlx::AssertSqlSafe(insert_receipts_sql(log2)));
-        for r in chunk {
-            let m = r.metrics.clone().unwrap_or_default();
+        for r in rows.by_ref().take(1 << log2) {
+            let m = r.metrics.unwrap_or_default();
             query = query
                 .bind(int(r.id.job_id)?)
                 .bind(i64::from(r.id.attempt))
                 .bind(i64::from(r.id.rank))
                 .bind(int(r.seq)?)
-                .bind(r.kind.as_str())
+                .bind(kind_text(&r.kind))
                 .bind(r.step)
-                .bind(r.body.as_str())
+                .bind(r.body)
                 .bind(now_ms)
-                .bind(r.problem.as_deref())
+                .bind(r.problem)
                 .bind(m.step_time_ms)
                 .bind(m.fwd_bwd_ms)
                 .bind(m.optimizer_ms)
@@ -248,6 +249,16 @@ pub(crate) async fn insert_receipts(
         inserted += query.execute(&mut *c).await?.rows_affected();
     }
     Ok(inserted)
+}
+
+/// A receipt's kind as a shared string: the common kinds are one allocation each for the
+/// life of the process, bound by a reference count; any other is copied.
+fn kind_text(kind: &str) -> Arc<str> {
+    static KNOWN: OnceLock<Vec<Arc<str>>> = OnceLock::new();
+    let known = KNOWN.get_or_init(|| {
+        trainyard_model::domain::ReceiptKind::ALL.iter().map(|k| Arc::from(k.as_str())).collect()
+    });
+    known.iter().find(|k| ***k == *kind).cloned().unwrap_or_else(|| Arc::from(kind))
 }
 
 /// The receipt insert for `2^log2` rows, built once per size, so the statement text (the key

@@ -35,6 +35,7 @@ macro_rules! store_suite {
             snapshot_after_reopen,
             receipts_dedup,
             concurrent_batches_commit_together_and_each_learns_its_count,
+            queued_batches_are_written_in_the_order_they_were_queued,
             receipts_after_pages_by_cursor,
             last_seqs_and_counts,
             preflight_round_trip_with_checks_in_order,
@@ -722,6 +723,24 @@ pub mod suite {
             assert_eq!(t.await.unwrap(), vec![100, 100, 100, 100, 100]);
         }
         assert_eq!(s.receipt_count(j.id).await.unwrap(), 40 * 500);
+    }
+
+    /// An agent's stream queues its next batch while the one before is written: batches are
+    /// written in the order they were queued, whichever wait is polled first, and each learns
+    /// its own count.
+    pub async fn queued_batches_are_written_in_the_order_they_were_queued(h: &impl Harness) {
+        let s = h.open().await;
+        let j = s.create_job(&spec("queued", 1), None, "submitted", 1).await.unwrap();
+        let id = RankId { job_id: j.id, attempt: 0, rank: 0 };
+        let first = s.queue_receipts(receipts(id, 0, 300), 10);
+        let second = s.queue_receipts(receipts(id, 300, 300), 11);
+        let replay = s.queue_receipts(receipts(id, 200, 200), 12);
+        // The last queued is waited for first: it writes the whole group, in queue order.
+        assert_eq!(replay.await.unwrap(), 0);
+        assert_eq!((second.await.unwrap(), first.await.unwrap()), (300, 300));
+        let stored = s.receipts_after(j.id, 0, 1_000).await.unwrap();
+        let seqs: Vec<u64> = stored.iter().map(|r| r.seq).collect();
+        assert_eq!(seqs, (0..600).collect::<Vec<u64>>(), "positions follow the queue's order");
     }
 
     pub async fn step_rollups_fold_each_receipt_once(h: &impl Harness) {

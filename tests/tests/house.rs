@@ -658,12 +658,7 @@ fn each_service_of_the_core_is_one_impl_in_one_file() {
     rust_files(&core, &mut files);
     for (file, service) in SERVICES {
         let impls = |text: &str| {
-            text.lines()
-                .filter(|l| {
-                    let c = code(l);
-                    c.starts_with(&format!("impl {service} ")) || c.starts_with(&format!("impl {service}<"))
-                })
-                .count()
+            text.lines().filter(|l| inherent_impl_of(code(l)).is_some_and(|name| name == service)).count()
         };
         for f in &files {
             let text = std::fs::read_to_string(f).expect("read a core file");

@@ -21,15 +21,40 @@ use super::shared::Shared;
 /// Receipts one fold pass reads.
 const FOLD_PASS: u32 = 100_000;
 
+/// A receipt batch checked and queued for the store ([`Receipts::queue`]): what is left is
+/// its commit, after which the agent may forget it.
+pub struct QueuedBatch<'c> {
+    c: &'c Shared,
+    commit: trainyard_store::Queued<'c>,
+    /// Whether any row was queued (the reconciler is woken after the commit).
+    any: bool,
+    /// Receipts received, held back (unknown job), flagged.
+    counts: (u64, u64, u64),
+    arrived: std::time::Instant,
+    ack: ReceiptAck,
+}
+
+impl QueuedBatch<'_> {
+    /// Waits for the batch's commit; returns the ack to send back (the highest seq per rank).
+    /// Takes no lock on the controller's state.
+    pub async fn stored(self) -> Result<ReceiptAck> {
+        let stored = self.commit.await?;
+        if self.any {
+            self.c.bump();
+        }
+        let (received, held_back, flagged) = self.counts;
+        count_batch(received, stored, held_back, flagged, self.arrived);
+        Ok(self.ack)
+    }
+}
+
 /// Receipts and telemetry, in and out ([`super::Controller::receipts`]).
 #[derive(Clone, Copy)]
 pub struct Receipts<'c> {
     pub(super) c: &'c Shared,
 }
 
-impl Receipts<'_> {
-    /// Stores a batch of receipts (one transaction) and returns the ack to send back: the
-    /// highest seq per rank of the batch. Takes no lock on the controller's state.
+impl<'c> Receipts<'c> {
     /// Reads from the store what the batch's jobs not seen since this controller started have
     /// stored of their quota; returns the unfinished jobs, whose use counts against their users'.
     async fn seed_quotas(
@@ -81,7 +106,17 @@ impl Receipts<'_> {
         }
     }
 
+    /// Stores a batch of receipts (one transaction) and returns the ack to send back: the
+    /// highest seq per rank of the batch ([`Receipts::queue`], then its commit).
     pub async fn ingest(self, agent_id: &str, batch: ReceiptBatch) -> Result<ReceiptAck> {
+        self.queue(agent_id, batch).await?.stored().await
+    }
+
+    /// Checks a batch and queues its rows for the store's next commit group; the returned
+    /// [`QueuedBatch`] waits for the commit and makes the ack. Batches queued one after
+    /// another are written in that order, so an agent's stream may queue its next batch while
+    /// the one before is being written.
+    pub async fn queue(self, agent_id: &str, batch: ReceiptBatch) -> Result<QueuedBatch<'c>> {
         let arrived = std::time::Instant::now();
         let received = batch.receipts.len() as u64;
         let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();
@@ -148,14 +183,16 @@ impl Receipts<'_> {
         }
         news.retain(|(job_id, _), _| highest.keys().any(|id| id.job_id == *job_id));
         self.c.steps.note(news);
-        let mut stored = 0;
-        if !rows.is_empty() {
-            stored = self.c.store.insert_receipts(&rows, self.c.now_ms()).await?;
-            self.c.bump();
-        }
-        count_batch(received, stored, held_back, flagged as u64, arrived);
+        let any = !rows.is_empty();
         let acks = highest.into_iter().map(|(id, seq)| RankAck { key: Some(rank_key(id)), seq }).collect();
-        Ok(ReceiptAck { acks })
+        Ok(QueuedBatch {
+            c: self.c,
+            commit: self.c.store.queue_receipts(rows, self.c.now_ms()),
+            any,
+            counts: (received, held_back, flagged as u64),
+            arrived,
+            ack: ReceiptAck { acks },
+        })
     }
 
     /// Stores a batch of GPU windows and returns its ack. Takes the core lock only to act on
