@@ -153,26 +153,9 @@ fn survive_termination_signals() -> std::io::Result<()> {
     Ok(())
 }
 
-/// The shim's first act: a session of its own (so a terminal's or the agent's process group
-/// signals never reach it, nor the rank after it), and every descriptor it inherited beyond
-/// stdin, stdout and stderr (a service manager's sockets, a test harness's pipes) marked
-/// close-on-exec, so the rank gets none of them. `EPERM` from `setsid` means the shim already
-/// leads a process group of its own (started by hand under `setsid`): nothing to do.
-pub fn detach() {
-    // SAFETY: setsid takes no arguments.
-    if unsafe { libc::setsid() } == -1 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EPERM) {
-            eprintln!("trainyard-agent supervise: cannot start a session of its own: {e}");
-        }
-    }
-    crate::procfs::cloexec_from(3);
-}
-
 /// Runs the shim to the end; returns the shim's own exit code (0 once `exit.json` is written).
 /// Problems go to stderr, which the agent pointed at the rank's `stderr.log`.
 pub fn supervise(args: &SuperviseArgs) -> i32 {
-    detach();
     if let Err(e) = survive_termination_signals() {
         eprintln!("trainyard-agent supervise: failed to install signal handlers: {e}");
     }
