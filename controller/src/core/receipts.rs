@@ -26,6 +26,10 @@ const FOLD_PASS: u32 = 100_000;
 pub struct QueuedBatch<'c> {
     c: &'c Shared,
     commit: trainyard_store::Queued<'c>,
+    /// Jobs whose first receipt over quota came in this batch: noted as events after the
+    /// commit. Nothing between queueing a batch and waiting for its commit may wait for a store
+    /// write: the batch queued before it, not polled meanwhile, may hold the writer's turn.
+    over_quota: Vec<(JobId, String)>,
     /// Whether any row was queued (the reconciler is woken after the commit).
     any: bool,
     /// Receipts received, held back (unknown job), flagged.
@@ -39,6 +43,7 @@ impl QueuedBatch<'_> {
     /// Takes no lock on the controller's state.
     pub async fn stored(self) -> Result<ReceiptAck> {
         let stored = self.commit.await?;
+        (Receipts { c: self.c }).note_over_quota(self.over_quota).await;
         if self.any {
             self.c.bump();
         }
@@ -156,7 +161,6 @@ impl<'c> Receipts<'c> {
         if not_objects > 0 {
             tracing::warn!(not_objects, "dropping receipts whose body is not a JSON object");
         }
-        self.note_over_quota(over_quota).await;
         if flagged > 0 {
             tracing::debug!(
                 flagged,
@@ -188,6 +192,7 @@ impl<'c> Receipts<'c> {
         Ok(QueuedBatch {
             c: self.c,
             commit: self.c.store.queue_receipts(rows, self.c.now_ms()),
+            over_quota,
             any,
             counts: (received, held_back, flagged as u64),
             arrived,
