@@ -15,7 +15,6 @@
 //! audited) with a token this group did not make, under a name not of that job, or once the
 //! job has ended.
 
-use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -27,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use trainyard_proto::PROTOCOL_VERSION;
 use trainyard_proto::v1::agents_server::Agents;
-use trainyard_proto::v1::{AgentMessage, ControllerMessage, ReceiptAck, agent_message, controller_message};
+use trainyard_proto::v1::{AgentMessage, ControllerMessage, agent_message, controller_message};
 
 use crate::auth::pki;
 use crate::core::{Controller, ControllerError};
@@ -212,27 +211,13 @@ async fn serve(
 ) -> Result<(), Status> {
     let (ahead_tx, mut ahead) = mpsc::channel(READ_AHEAD);
     let reader = tokio::spawn(read_ahead(controller.clone(), agent_id.to_string(), inbound, ahead_tx));
-    // Receipt batches queued for the store and not yet acknowledged, oldest first.
-    let mut committing: VecDeque<Committing<'_>> = VecDeque::new();
     let result = loop {
         let msg = tokio::select! {
-            biased;
             _ = shutdown.cancelled() => break Ok(()),
-            // Acks go back in the order the batches came.
-            done = async { committing.front_mut().expect("checked not empty").await }, if !committing.is_empty() => {
-                committing.pop_front();
-                match acknowledge(agent_id, done, &tx).await {
-                    Flow::Go => continue,
-                    Flow::End(result) => break result,
-                }
-            }
-            next = ahead.recv(), if committing.len() < COMMITTING => match next {
+            next = ahead.recv() => match next {
                 Some(msg) => msg,
                 // The stream ended (or broke) and everything read from it is handled.
-                None => match finish(agent_id, &mut committing, &tx).await {
-                    Flow::Go => break Ok(()),
-                    Flow::End(result) => break result,
-                },
+                None => break Ok(()),
             },
         };
         if controller.nodes().stream_fenced(conn_id) {
@@ -245,51 +230,13 @@ async fn serve(
                 "this host was declared lost (silent past the agent timeout); say hello again",
             ));
         }
-        let msg = match msg {
-            agent_message::Msg::Receipts(batch) => match queue(controller, agent_id, batch).await {
-                Ok(batch) => {
-                    committing.push_back(Box::pin(batch.stored()));
-                    continue;
-                }
-                Err(flow) => flow,
-            },
-            // Anything else is handled once the receipts before it are stored: a rank's exit
-            // finds its last steps in the store.
-            other => match finish(agent_id, &mut committing, &tx).await {
-                Flow::Go => handle(controller, agent_id, other, &tx).await,
-                end => end,
-            },
-        };
-        if let Flow::End(result) = msg {
-            break result;
+        match handle(controller, agent_id, msg, &tx).await {
+            Flow::Go => {}
+            Flow::End(result) => break result,
         }
     };
     reader.abort();
     result
-}
-
-/// Receipt batches one stream may have queued for the store before the first is acknowledged:
-/// the next batch is checked while the one before is written.
-const COMMITTING: usize = 4;
-
-/// A queued batch's commit, then its ack.
-type Committing<'c> =
-    Pin<Box<dyn std::future::Future<Output = Result<ReceiptAck, ControllerError>> + Send + 'c>>;
-
-/// Waits for every batch `committing` holds, oldest first, sending each ack; `End` when the
-/// stream must end.
-async fn finish(
-    agent_id: &str,
-    committing: &mut VecDeque<Committing<'_>>,
-    tx: &mpsc::Sender<ControllerMessage>,
-) -> Flow {
-    while let Some(next) = committing.pop_front() {
-        if let Flow::End(result) = acknowledge(agent_id, next.await, tx).await {
-            committing.clear();
-            return Flow::End(result);
-        }
-    }
-    Flow::Go
 }
 
 /// Reads an agent's stream as it arrives, notes each message as a sign of life, and passes it
@@ -336,12 +283,7 @@ async fn handle(
 ) -> Flow {
     let quietly = Flow::End(Ok(()));
     match msg {
-        agent_message::Msg::Receipts(batch) => {
-            return match queue(controller, agent_id, batch).await {
-                Ok(queued) => acknowledge(agent_id, queued.stored().await, tx).await,
-                Err(flow) => flow,
-            };
-        }
+        agent_message::Msg::Receipts(batch) => return receipts(controller, agent_id, batch, tx).await,
         agent_message::Msg::RankUpdate(update) => {
             let Some(report) = update.report else { return Flow::Go };
             match controller.jobs().rank_report(agent_id, &report).await {
@@ -384,13 +326,14 @@ async fn handle(
     Flow::Go
 }
 
-/// A receipt batch: checked and queued for the store through the receipts service (its ack
-/// follows its commit, [`acknowledge`]); `Err` is how the stream ends when it is refused.
-async fn queue<'c>(
-    controller: &'c Controller,
+/// A receipt batch: stored through the receipts service and acknowledged on the stream.
+async fn receipts(
+    controller: &Controller,
     agent_id: &str,
     batch: trainyard_proto::v1::ReceiptBatch,
-) -> Result<crate::core::QueuedBatch<'c>, Flow> {
+    tx: &mpsc::Sender<ControllerMessage>,
+) -> Flow {
+    let quietly = Flow::End(Ok(()));
     if batch.receipts.len() > MAX_RECEIPT_BATCH {
         tracing::error!(
             agent_id,
@@ -398,27 +341,9 @@ async fn queue<'c>(
             max = MAX_RECEIPT_BATCH,
             "batch too large; closing"
         );
-        return Err(Flow::End(Ok(())));
+        return quietly;
     }
-    match controller.receipts().queue(agent_id, batch).await {
-        Ok(queued) => Ok(queued),
-        Err(e @ ControllerError::NotYours(_)) => Err(Flow::End(refused(agent_id, e))),
-        Err(e) => {
-            tracing::error!(agent_id, error = %e, "failed to store receipts; closing so the agent resends");
-            Err(Flow::End(Ok(())))
-        }
-    }
-}
-
-/// Sends a stored batch's ack on the stream; a batch that could not be stored ends the
-/// stream quietly, so the agent resends it.
-async fn acknowledge(
-    agent_id: &str,
-    stored: Result<ReceiptAck, ControllerError>,
-    tx: &mpsc::Sender<ControllerMessage>,
-) -> Flow {
-    let quietly = Flow::End(Ok(()));
-    let ack = match stored {
+    let ack = match controller.receipts().ingest(agent_id, batch).await {
         Ok(ack) => ack,
         Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
         Err(e) => {
