@@ -113,4 +113,4 @@ pub use follow::{MIRROR_EVERY, Role};
 pub use jobs::Jobs;
 pub use logs::LogEvent;
 pub use nodes::{Nodes, PREFLIGHT_RUN_LEVELS, PREFLIGHT_RUN_TIMEOUT};
-pub use receipts::{QueuedBatch, Receipts};
+pub use receipts::Receipts;

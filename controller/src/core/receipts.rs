@@ -23,7 +23,7 @@ const FOLD_PASS: u32 = 100_000;
 
 /// A receipt batch checked and queued for the store ([`Receipts::queue`]): what is left is
 /// its commit, after which the agent may forget it.
-pub struct QueuedBatch<'c> {
+struct QueuedBatch<'c> {
     c: &'c Shared,
     commit: trainyard_store::Queued<'c>,
     /// Jobs whose first receipt over quota came in this batch: noted as events after the
@@ -41,7 +41,7 @@ pub struct QueuedBatch<'c> {
 impl QueuedBatch<'_> {
     /// Waits for the batch's commit; returns the ack to send back (the highest seq per rank).
     /// Takes no lock on the controller's state.
-    pub async fn stored(self) -> Result<ReceiptAck> {
+    async fn stored(self) -> Result<ReceiptAck> {
         let stored = self.commit.await?;
         (Receipts { c: self.c }).note_over_quota(self.over_quota).await;
         if self.any {
@@ -118,10 +118,8 @@ impl<'c> Receipts<'c> {
     }
 
     /// Checks a batch and queues its rows for the store's next commit group; the returned
-    /// [`QueuedBatch`] waits for the commit and makes the ack. Batches queued one after
-    /// another are written in that order, so an agent's stream may queue its next batch while
-    /// the one before is being written.
-    pub async fn queue(self, agent_id: &str, batch: ReceiptBatch) -> Result<QueuedBatch<'c>> {
+    /// [`QueuedBatch`] waits for the commit and makes the ack.
+    async fn queue(self, agent_id: &str, batch: ReceiptBatch) -> Result<QueuedBatch<'c>> {
         let arrived = std::time::Instant::now();
         let received = batch.receipts.len() as u64;
         let mut highest: BTreeMap<RankId, u64> = BTreeMap::new();

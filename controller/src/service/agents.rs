@@ -202,6 +202,13 @@ const READ_AHEAD: usize = 256;
 
 /// Handles one agent's messages in order until the stream ends, fails, or we shut down; an
 /// error is the status a refused message ends the stream with.
+///
+/// One message at a time, a receipt batch stored before the next is read: an agent that says
+/// hello again resumes each rank after the highest seq the store holds for it
+/// (`Nodes::hello`), which is right only while no batch of a stream is stored once one before
+/// it failed. Writing a stream's next batch while the one before commits (tried, 3ede3bf)
+/// broke that: a batch failed while the database was lost, the next one committed when it was
+/// back, and the agent, told of the later seq, passed over the failed batch's receipts.
 async fn serve(
     controller: &Arc<Controller>,
     (agent_id, conn_id): (&str, u64),
