@@ -3,7 +3,7 @@
 //! docs/status.md quotes): five floods of 8 x 15,000 receipts into SQLite, each followed by the
 //! raw loop on the same rows ([`trainyard_tests::raw_insert`]), and the median ratio held against
 //! a floor. These are debug builds of our own code (dependencies optimised); they measure about
-//! 0.4 on a 2-core machine where the bench, with release binaries, measures about 0.6: a
+//! 0.4 on a 2-core machine where the bench, with release binaries, measures 0.45 to 0.55: a
 //! regression of the kind that once halved ingest unnoticed fails it.
 //!
 //! The only test in its binary, so no other test of this suite shares the cores while it runs
