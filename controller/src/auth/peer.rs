@@ -26,12 +26,23 @@ pub fn loopback_peer_uid(peer: SocketAddr) -> Option<u32> {
     uid_of_local_address(&text, &want)
 }
 
-/// The uid column of the row of a `/proc/net/tcp` table whose local address is `want`.
+/// The uid column of the established connections of a `/proc/net/tcp` table whose local
+/// address is `want`; `None` when there is none, or when two disagree. Only established rows
+/// count: a closed connection that used the same local port lingers in the table (`TIME_WAIT`,
+/// shown with uid 0), and taking it first let another account's call in as root's. Two live
+/// connections may share a local port towards different peers: then whose call this is cannot
+/// be told from the address, and the answer is no one's.
 fn uid_of_local_address(table: &str, want: &str) -> Option<u32> {
-    table.lines().skip(1).find_map(|line| {
+    const ESTABLISHED: &str = "01";
+    let mut uids = table.lines().skip(1).filter_map(|line| {
         let fields: Vec<&str> = line.split_whitespace().collect();
-        (fields.get(1) == Some(&want)).then(|| fields.get(7)?.parse().ok()).flatten()
-    })
+        if fields.get(1) != Some(&want) || fields.get(3) != Some(&ESTABLISHED) {
+            return None;
+        }
+        fields.get(7)?.parse::<u32>().ok()
+    });
+    let first = uids.next()?;
+    uids.all(|uid| uid == first).then_some(first)
 }
 
 /// Whether a tokenless call from `peer` comes from this process's own account (`None`: the
@@ -66,6 +77,17 @@ mod tests {
         assert_eq!(uid_of_local_address(table, "0100007F:9C40"), Some(65534));
         assert_eq!(uid_of_local_address(table, "0100007F:1F90"), Some(0));
         assert_eq!(uid_of_local_address(table, "0100007F:0001"), None);
+        // A closed connection of root's that used the same local port earlier (TIME_WAIT, 06)
+        // comes first in the table: the live one is nobody's, and so is the call.
+        let reused = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+                      0: 0100007F:9C40 0100007F:0050 06 00000000:00000000 03:00000000 00000000     0        0 0\n\
+                      1: 0100007F:9C40 0100007F:1F90 01 00000000:00000000 00:00000000 00000000  65534        0 1\n";
+        assert_eq!(uid_of_local_address(reused, "0100007F:9C40"), Some(65534));
+        // Two live connections on one local port, of two accounts: no one's.
+        let shared = format!(
+            "{reused}   2: 0100007F:9C40 0100007F:0050 01 00000000:00000000 00:00000000 00000000     0        0 2\n"
+        );
+        assert_eq!(uid_of_local_address(&shared, "0100007F:9C40"), None);
         // A real connection on this machine: our own socket is ours.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
