@@ -447,6 +447,9 @@ impl Session<'_> {
             // Idempotent relaunch: tell the controller where the rank is again.
             self.reported.remove(&id);
         }
+        // Ranks whose shims have already started them are reported `running`, not first
+        // `launching` and a tick later `running`: each report is a transaction on the controller.
+        self.launcher.poll_exits();
         self.send_rank_updates().await
     }
 

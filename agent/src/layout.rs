@@ -337,6 +337,11 @@ pub fn write_replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     write_whole(path, bytes, PRIVATE_FILE_MODE, None, false)
 }
 
+/// [`write_replace`] with the file's `mode` and, when given, its owner.
+pub fn write_replace_as(path: &Path, bytes: &[u8], mode: u32, owner: Option<Owner>) -> std::io::Result<()> {
+    write_whole(path, bytes, mode, owner, false)
+}
+
 fn write_whole(
     path: &Path,
     bytes: &[u8],

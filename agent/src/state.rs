@@ -5,7 +5,10 @@
 //! how far its receipts were acknowledged. The file is written durably (a temporary file,
 //! fsynced, renamed, the directory fsynced: [`crate::layout::write_atomic`]) before any report of
 //! the change leaves the agent, so the controller never knows more than the disk, even after a
-//! power cut. Acknowledged positions are persisted at most once a second
+//! power cut. One change is not synced: a rank's start (`running`, its pid and binding), which
+//! a power cut ends with the rank; the restarted agent reports the rank lost from either record
+//! (synced, a launch's ranks each waited about 1 ms for the disk, one after another, before the
+//! first was reported). Acknowledged positions are persisted at most once a second
 //! ([`crate::launcher::Launcher::persist_acks`]): losing the last second of them only resends
 //! receipts the store deduplicates.
 

@@ -36,7 +36,7 @@ use std::process::{Command, ExitStatus};
 use serde::{Deserialize, Serialize};
 
 use crate::cgroup::{Joiner, RankGroup, Usage};
-use crate::layout::write_atomic;
+use crate::layout::{write_atomic, write_replace};
 use crate::pinning::Binding;
 
 /// How long the shim waits for the rank's leftover processes to die after SIGKILL.
@@ -282,7 +282,9 @@ fn run_rank(args: &SuperviseArgs, copiers: &mut Copiers) -> Result<ExitStatus, S
             copiers.dropped.push(d);
         }
     }
-    if let Err(e) = write_atomic(&args.pid_file, child.id().to_string().as_bytes()) {
+    // Whole but not synced: a pid means nothing after a power cut, which ends the rank too.
+    // Synced, each rank's start waited for the disk, behind every other rank's write.
+    if let Err(e) = write_replace(&args.pid_file, child.id().to_string().as_bytes()) {
         eprintln!("trainyard-agent supervise: failed to write {}: {e}", args.pid_file.display());
     }
     // std's wait retries on EINTR, so a caught SIGTERM does not end the wait.

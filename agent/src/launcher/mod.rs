@@ -10,11 +10,9 @@
 //!   processes) and what a rank needs before it runs (its exit status's space, its cgroups).
 //! - `engines`: what a launch runs (the engine's argv) and `launch.json`.
 //! - `rundir`: the job's run directories, named by the controller and never reused.
-//! - `shim`: the shim's command: the rank's output files, the user switch, the binding, the
-//!   rank's cgroups, the start.
+//! - `shim`: the shim's command (output files, user switch, binding, cgroups) and its start.
 //! - `watch`: reading what a rank's shim left, and terminating every process of a rank.
-//! - `read` and `receipts_file`: reading a rank each tick, and what the agent appends to its
-//!   receipts file (printed steps' receipts, its exit receipt with the rank's usage).
+//! - `read`, `receipts_file`: reading a rank each tick; the receipts the agent appends for it.
 //!
 //! The launcher is owned by the connection task and used without locks: nothing here awaits,
 //! and the work per call is a few small file operations.
@@ -39,6 +37,8 @@ mod shim;
 mod watch;
 
 use engines::{exec_engine, launch_json};
+pub use read::Rank;
+pub use watch::{STARTING_TICK, STARTING_WATCH};
 use watch::{find_unrecorded_shim, observe, terminate};
 
 use crate::account::{self, RunAs};
@@ -47,22 +47,13 @@ use crate::cgroup::{RankGroup, Tracking};
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::gpu_holders::GpuHolders;
 use crate::layout::{
-    DiskFloor, Layout, Owner, PRIVATE_FILE_MODE, RankId, STATE_DIR_MODE, make_dir, write_durable,
-    write_private,
+    DiskFloor, Layout, Owner, PRIVATE_FILE_MODE, RankId, STATE_DIR_MODE, make_dir, write_private,
+    write_replace_as,
 };
 use crate::state::{self, RankRecord};
 use crate::supervise::{SHIM_PATH, SPAWN_FAILED_EXIT_CODE};
-use crate::tail::{Position, Tailer};
+use crate::tail::Position;
 use trainyard_proto::words::RankState;
-
-/// A rank the agent knows: its durable record, the tailer of its receipts and the reader of its
-/// printed step lines ([`read`]).
-#[derive(Debug)]
-pub struct Rank {
-    pub record: RankRecord,
-    pub tailer: Tailer,
-    pub printed: Option<crate::printed::Printed>,
-}
 
 /// Starts, watches and stops the ranks of this host.
 #[derive(Debug)]
@@ -90,14 +81,6 @@ pub struct Launcher {
     /// The compute processes on each GPU by the driver's account (none: the cgroups alone).
     gpu_holders: Option<Arc<dyn GpuHolders>>,
 }
-
-/// How long after a launch its ranks' starts are watched every [`STARTING_TICK`]: a shim that
-/// has not started its rank by then is seen at the ordinary tick.
-pub const STARTING_WATCH: Duration = Duration::from_secs(2);
-
-/// How often ranks just launched are looked at (their pid files: a rank is `running` once its
-/// shim has exec'd it), so a submit is not answered a whole tick late.
-pub const STARTING_TICK: Duration = Duration::from_millis(5);
 
 /// How often acknowledged positions reach the state files (each write is fsynced): a crash
 /// loses at most this much of them, which only resends receipts the store deduplicates.
@@ -249,6 +232,7 @@ impl Launcher {
             if refusal.is_none() { admit::short_of_disk(&self.layout, self.disk_floor) } else { None };
         let refusal = refusal.or(bad_name.as_deref()).or(low_disk.as_deref());
         let mut ids = Vec::new();
+        let mut recorded = Vec::new();
         for assignment in &launch.ranks {
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
             ids.push(id);
@@ -256,8 +240,7 @@ impl Launcher {
                 info!(rank_id = %id, "rank already known; launch is idempotent");
                 continue;
             }
-            let record = self.start_rank(&run, id, launch, assignment, &run_as, refusal);
-            let record = match record {
+            let record = match self.record_rank(&run, id, launch, assignment, &run_as, refusal) {
                 Ok(record) => record,
                 Err(e) => {
                     // Not recorded, so not started: the controller sees no report for it.
@@ -265,17 +248,56 @@ impl Launcher {
                     continue;
                 }
             };
-            // Its shim's pid, written whole but not synced: an agent that dies before the disk
-            // has it finds the shim by its command line, as when it dies before this write.
-            if let Err(e) = record.note(&self.layout) {
-                warn!(rank_id = %id, error = %e, "failed to write rank state file");
-            }
             if record.phase == RankState::Launching {
-                self.starting_until = Some(std::time::Instant::now() + STARTING_WATCH);
+                recorded.push((id, assignment));
+            } else if let Err(e) = record.note(&self.layout) {
+                warn!(rank_id = %id, error = %e, "failed to write rank state file");
             }
             self.ranks.insert(id, Rank::open(record));
         }
+        // Every rank recorded and its groups made, the shims are spawned back to back: their
+        // moves into their cgroups share one RCU grace period (architecture.md).
+        for (id, assignment) in recorded {
+            self.spawn_recorded(id, launch, assignment, &run_as);
+        }
         ids
+    }
+
+    /// Spawns a recorded rank's shim and notes its pid (a failed spawn: exited, with why).
+    fn spawn_recorded(
+        &mut self,
+        id: RankId,
+        launch: &Launch,
+        assignment: &RankAssignment,
+        run_as: &Result<RunAs, String>,
+    ) {
+        let Some(rank) = self.ranks.get(&id) else { return };
+        shim::failpoint("before-spawn");
+        let spawned = self.spawn_shim(&rank.record, launch, assignment, run_as);
+        if spawned.is_ok() {
+            shim::failpoint("after-spawn");
+        }
+        let Some(rank) = self.ranks.get_mut(&id) else { return };
+        let record = &mut rank.record;
+        match spawned {
+            Ok((pid, start_time)) => {
+                info!(rank_id = %id, shim_pid = pid, "rank started");
+                record.shim_pid = Some(pid);
+                record.shim_start_time = Some(start_time);
+                self.starting_until = Some(std::time::Instant::now() + STARTING_WATCH);
+            }
+            Err(message) => {
+                warn!(rank_id = %id, %message, "rank could not be started");
+                let _ = record.cgroup.remove();
+                record.phase = RankState::Exited;
+                record.exit_code = Some(SPAWN_FAILED_EXIT_CODE);
+                record.message = message;
+            }
+        }
+        // Not synced: an agent that dies before the disk has it finds the shim by its argv.
+        if let Err(e) = record.note(&self.layout) {
+            warn!(rank_id = %id, error = %e, "failed to write rank state file");
+        }
     }
 
     /// Whether ranks launched in the last [`STARTING_WATCH`] are still starting: until they
@@ -289,14 +311,14 @@ impl Launcher {
         watching
     }
 
-    /// Writes `launch.json` (it holds the environment overlay: the job's user's, 0600) after
-    /// making the job's run directories private to the job's user.
+    /// Writes `launch.json` (the environment overlay in it: the job's user's, 0600; read by people,
+    /// never by the agent, so not synced) after making the job's run directories the user's.
     fn write_launch_json(&self, run: &str, launch: &Launch, owner: Option<Owner>) -> std::io::Result<()> {
         self.make_run_dirs(run, launch.job_id, launch.attempt, None, owner)?;
         let bytes = serde_json::to_vec_pretty(&launch_json(launch, run, &self.inventory, &self.layout))
             .map_err(std::io::Error::other)?;
         let path = self.layout.launch_json(run, launch.attempt);
-        write_durable(&path, &bytes, PRIVATE_FILE_MODE, owner)
+        write_replace_as(&path, &bytes, PRIVATE_FILE_MODE, owner)
     }
 
     /// Creates the job's run directories ([`rundir::make`]); a directory of that name this agent
@@ -321,12 +343,11 @@ impl Launcher {
         )
     }
 
-    /// Records the rank (phase `launching`, no shim yet) durably, then spawns its shim. The
-    /// record comes first so that an agent killed in between never starts the rank twice:
-    /// after a restart, [`Launcher::adopt`] finds the shim if it was spawned, and marks the
-    /// rank lost if it was not, instead of the re-sent launch starting it again. Fails only
-    /// when the record cannot be written, and then nothing was started.
-    fn start_rank(
+    /// Records the rank durably (`launching`, exit slot and cgroups made, no shim yet) for
+    /// [`Launcher::spawn_recorded`]: an agent killed in between never starts it twice, as
+    /// [`Launcher::adopt`] finds the shim if it was spawned and marks the rank lost if not.
+    /// Fails only when the record cannot be written, and then nothing was started.
+    fn record_rank(
         &self,
         run: &str,
         id: RankId,
@@ -384,25 +405,6 @@ impl Launcher {
             }
         }
         record.save(&self.layout)?;
-        shim::failpoint("before-spawn");
-        let spawned = self.spawn_shim(&record, launch, assignment, run_as);
-        if spawned.is_ok() {
-            shim::failpoint("after-spawn");
-        }
-        match spawned {
-            Ok((pid, start_time)) => {
-                info!(rank_id = %id, shim_pid = pid, "rank started");
-                record.shim_pid = Some(pid);
-                record.shim_start_time = Some(start_time);
-            }
-            Err(message) => {
-                warn!(rank_id = %id, %message, "rank could not be started");
-                let _ = record.cgroup.remove();
-                record.phase = RankState::Exited;
-                record.exit_code = Some(SPAWN_FAILED_EXIT_CODE);
-                record.message = message;
-            }
-        }
         Ok(record)
     }
 
@@ -469,10 +471,13 @@ impl Launcher {
         let mut changed = Vec::new();
         for rank in self.ranks.values_mut() {
             if !rank.record.phase.is_done() && observe(&mut rank.record, &self.shim_program) {
-                let receipt =
-                    rank.record.phase.is_done() && rank.record.pid.is_some() && !rank.record.exit_receipt;
+                let done = rank.record.phase.is_done();
+                let receipt = done && rank.record.pid.is_some() && !rank.record.exit_receipt;
                 rank.record.exit_receipt |= receipt;
-                if let Err(e) = rank.record.save(&self.layout) {
+                // Only an end is synced before its report: a power cut ends a started rank too.
+                let (record, layout) = (&rank.record, &self.layout);
+                let saved = if done { record.save(layout) } else { record.note(layout) };
+                if let Err(e) = saved {
                     warn!(rank_id = %rank.record.id, error = %e, "failed to write rank state file");
                 }
                 // After the save: an agent killed in between loses this receipt, never doubles it.

@@ -6,10 +6,19 @@ use std::time::Instant;
 use tracing::warn;
 use trainyard_proto::v1::Receipt;
 
-use super::Rank;
 use crate::layout::Layout;
 use crate::printed::{Merge, Parser, Printed};
+use crate::state::RankRecord;
 use crate::tail::{Budget, Tailer};
+
+/// A rank the agent knows: its durable record, the tailer of its receipts and the reader of its
+/// printed step lines ([`Rank::read`]).
+#[derive(Debug)]
+pub struct Rank {
+    pub record: RankRecord,
+    pub tailer: Tailer,
+    pub printed: Option<crate::printed::Printed>,
+}
 
 impl Rank {
     /// The rank as its record describes it, read from where the record says it was read to.

@@ -4,7 +4,7 @@
 use tracing::warn;
 
 use crate::account::RunAs;
-use crate::layout::{Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankId, make_dir, write_durable};
+use crate::layout::{Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankId, make_dir, write_replace_as};
 
 /// Makes `runs/<run>` this agent's: a directory of that name it did not make (no marker in
 /// `state/runs/`) and holding none of its ranks (`ours` false), left by a restored database's
@@ -26,7 +26,9 @@ pub(super) fn claim(layout: &Layout, run: &str, ours: bool) -> std::io::Result<(
             "a run directory this agent did not make was in the way of a launch; moved aside, not reused"
         );
     }
-    write_durable(&marker, b"", PRIVATE_FILE_MODE, None)
+    // Not synced: a marker a power cut loses only makes a later launch move this agent's own
+    // directory aside (never reuse one it did not make), and every launch waited for it.
+    write_replace_as(&marker, b"", PRIVATE_FILE_MODE, None)
 }
 
 /// Creates the run directory `run`, the attempt's of `id` and (with `rank_dir`) the rank's,

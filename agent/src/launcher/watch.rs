@@ -14,6 +14,14 @@ use crate::procfs;
 use crate::state::RankRecord;
 use crate::supervise::{ExitFile, read_pid_file};
 
+/// How long after a launch its ranks' starts are watched every [`STARTING_TICK`]: a shim that
+/// has not started its rank by then is seen at the ordinary tick.
+pub const STARTING_WATCH: Duration = Duration::from_secs(2);
+
+/// How often ranks just launched are looked at (their pid files: a rank is `running` once its
+/// shim has exec'd it), so a submit is not answered a whole tick late.
+pub const STARTING_TICK: Duration = Duration::from_millis(2);
+
 /// For a rank recorded as launching with no shim (the agent stopped between recording it and
 /// recording its shim): adopts the shim if one runs for it, else marks the rank lost, since it
 /// was never started (or its shim is gone without a trace) and must not be started twice.

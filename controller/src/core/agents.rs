@@ -48,16 +48,19 @@ pub(super) async fn observe(r: &Reconciler<'_>, agent_id: &str, report: &RankRep
         let job = core.jobs.get_mut(&id.job_id).expect("job looked up above");
         if port > 0 && started && job.master_port.is_none() {
             job.master_port = Some(port);
-            let sent = super::launch::send_launches(&mut core, id.job_id, None);
+            // Not to the reporting agent again: it has its launch, and a second one costs it
+            // a durable rewrite of launch.json and a report of every rank while they start.
+            let to = super::launch::LaunchTo::AllBut(agent_id);
+            let sent = super::launch::send_launches(&mut core, id.job_id, to);
             if let Some(job) = core.jobs.get_mut(&id.job_id) {
-                job.launches_sent = job.launches_sent.max(sent);
+                job.launches_sent += sent;
             }
             tracing::info!(
                 job_id = id.job_id,
                 attempt = id.attempt,
                 agent_id,
                 port,
-                waiting = sent.saturating_sub(1),
+                waiting = sent,
                 "MASTER_PORT chosen by the rank-0 host; launching the others"
             );
         }

@@ -37,13 +37,29 @@ pub(super) fn forget(core: &mut Core, job_id: JobId) {
     }
 }
 
-/// Sends `Launch` to every agent of the job (or only `only`); returns how many were sent.
-pub(super) fn send_launches(core: &mut Core, job_id: JobId, only: Option<&str>) -> usize {
+/// Which agents of a job [`send_launches`] sends to.
+#[derive(Clone, Copy)]
+pub(super) enum LaunchTo<'a> {
+    /// Every agent of the job (those that may launch yet: see [`launch_messages`]).
+    All,
+    /// This agent only (it missed its launch).
+    Only(&'a str),
+    /// Every agent but this one (the rank-0 agent, launched first, reported its port).
+    AllBut(&'a str),
+}
+
+/// Sends `Launch` to the job's agents `to` names; returns how many were sent.
+pub(super) fn send_launches(core: &mut Core, job_id: JobId, to: LaunchTo<'_>) -> usize {
     let Some(job) = core.jobs.get(&job_id) else { return 0 };
     let launches = launch_messages(core, job);
     let mut sent = 0;
     for (agent, launch) in launches {
-        if only.is_none_or(|o| o == agent) && send(&mut *core, &agent, Msg::Launch(launch)) {
+        let named = match to {
+            LaunchTo::All => true,
+            LaunchTo::Only(only) => only == agent,
+            LaunchTo::AllBut(but) => but != agent,
+        };
+        if named && send(&mut *core, &agent, Msg::Launch(launch)) {
             sent += 1;
         }
     }

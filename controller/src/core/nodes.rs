@@ -334,7 +334,7 @@ impl Nodes<'_> {
         }
         for job_id in relaunch {
             tracing::info!(job_id, agent_id, "agent missed a launch; sending it again");
-            let sent = super::launch::send_launches(core, job_id, Some(agent_id));
+            let sent = super::launch::send_launches(core, job_id, super::launch::LaunchTo::Only(agent_id));
             if let Some(job) = core.jobs.get_mut(&job_id) {
                 job.launches_sent += sent;
             }

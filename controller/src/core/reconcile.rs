@@ -382,7 +382,8 @@ impl Reconciler<'_> {
                             job.master_port = None;
                             job.launches_sent = 0;
                         }
-                        let sent = super::launch::send_launches(&mut core, job_id, None);
+                        let sent =
+                            super::launch::send_launches(&mut core, job_id, super::launch::LaunchTo::All);
                         if let Some(job) = core.jobs.get_mut(&job_id) {
                             job.launches_sent = sent;
                         }

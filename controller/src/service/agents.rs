@@ -26,7 +26,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use trainyard_proto::PROTOCOL_VERSION;
 use trainyard_proto::v1::agents_server::Agents;
-use trainyard_proto::v1::{AgentMessage, ControllerMessage, agent_message, controller_message};
+use trainyard_proto::v1::{
+    AgentMessage, ControllerMessage, RankReport, RankUpdate, agent_message, controller_message,
+};
 
 use crate::auth::pki;
 use crate::core::{Controller, ControllerError};
@@ -218,13 +220,18 @@ async fn serve(
 ) -> Result<(), Status> {
     let (ahead_tx, mut ahead) = mpsc::channel(READ_AHEAD);
     let reader = tokio::spawn(read_ahead(controller.clone(), agent_id.to_string(), inbound, ahead_tx));
+    // A message read past a run of rank updates, handled next.
+    let mut held: Option<agent_message::Msg> = None;
     let result = loop {
-        let msg = tokio::select! {
-            _ = shutdown.cancelled() => break Ok(()),
-            next = ahead.recv() => match next {
-                Some(msg) => msg,
-                // The stream ended (or broke) and everything read from it is handled.
-                None => break Ok(()),
+        let msg = match held.take() {
+            Some(msg) => msg,
+            None => tokio::select! {
+                _ = shutdown.cancelled() => break Ok(()),
+                next = ahead.recv() => match next {
+                    Some(msg) => msg,
+                    // The stream ended (or broke) and everything read from it is handled.
+                    None => break Ok(()),
+                },
             },
         };
         if controller.nodes().stream_fenced(conn_id) {
@@ -237,13 +244,76 @@ async fn serve(
                 "this host was declared lost (silent past the agent timeout); say hello again",
             ));
         }
-        match handle(controller, agent_id, msg, &tx).await {
+        let flow = match msg {
+            agent_message::Msg::RankUpdate(first) => {
+                let (run, next) = rank_update_run(first, &mut ahead);
+                held = next;
+                rank_updates(controller, agent_id, run).await
+            }
+            msg => handle(controller, agent_id, msg, &tx).await,
+        };
+        match flow {
             Flow::Go => {}
             Flow::End(result) => break result,
         }
     };
     reader.abort();
     result
+}
+
+/// The rank updates already queued behind `first`, each about another rank (a rank's second
+/// update ends the run, so one rank's updates stay in order), and the message after the run.
+fn rank_update_run(
+    first: RankUpdate,
+    ahead: &mut mpsc::Receiver<agent_message::Msg>,
+) -> (Vec<RankReport>, Option<agent_message::Msg>) {
+    let mut run: Vec<RankReport> = first.report.into_iter().collect();
+    while let Ok(msg) = ahead.try_recv() {
+        match msg {
+            agent_message::Msg::RankUpdate(RankUpdate { report: Some(report) })
+                if run.iter().all(|r| r.key != report.key) =>
+            {
+                run.push(report)
+            }
+            other => return (run, Some(other)),
+        }
+    }
+    (run, None)
+}
+
+/// Applies a run of rank updates about distinct ranks together: their rows are stored in one
+/// transaction, not one each (a launch's 8 ranks report at once), then each is acted on.
+async fn rank_updates(controller: &Controller, agent_id: &str, run: Vec<RankReport>) -> Flow {
+    let results = join_all(run.iter().map(|report| controller.jobs().rank_report(agent_id, report))).await;
+    for result in results {
+        match result {
+            Ok(()) => {}
+            Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
+            Err(e) => {
+                tracing::error!(agent_id, error = %e, "failed to apply a rank update; closing so the agent resends");
+                return Flow::End(Ok(()));
+            }
+        }
+    }
+    Flow::Go
+}
+
+/// Polls every future of `futures` until all are done; their outputs in order.
+async fn join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut pending: Vec<Pin<Box<F>>> = futures.map(Box::pin).collect();
+    let mut done: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut waiting = false;
+        for (future, out) in pending.iter_mut().zip(done.iter_mut()).filter(|(_, out)| out.is_none()) {
+            match future.as_mut().poll(cx) {
+                std::task::Poll::Ready(value) => *out = Some(value),
+                std::task::Poll::Pending => waiting = true,
+            }
+        }
+        if waiting { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+    })
+    .await;
+    done.into_iter().map(|out| out.expect("every future ran to its end")).collect()
 }
 
 /// Reads an agent's stream as it arrives, notes each message as a sign of life, and passes it
@@ -292,15 +362,7 @@ async fn handle(
     match msg {
         agent_message::Msg::Receipts(batch) => return receipts(controller, agent_id, batch, tx).await,
         agent_message::Msg::RankUpdate(update) => {
-            let Some(report) = update.report else { return Flow::Go };
-            match controller.jobs().rank_report(agent_id, &report).await {
-                Ok(()) => {}
-                Err(e @ ControllerError::NotYours(_)) => return Flow::End(refused(agent_id, e)),
-                Err(e) => {
-                    tracing::error!(agent_id, error = %e, "failed to apply a rank update; closing so the agent resends");
-                    return quietly;
-                }
-            }
+            return rank_updates(controller, agent_id, update.report.into_iter().collect()).await;
         }
         agent_message::Msg::Notice(notice) => {
             if let Err(e) = controller.nodes().notice(agent_id, &notice).await {
@@ -389,4 +451,57 @@ async fn telemetry(
     };
     let msg = ControllerMessage { msg: Some(controller_message::Msg::TelemetryAck(ack)) };
     if tx.send(msg).await.is_err() { quietly } else { Flow::Go }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trainyard_proto::v1::{Heartbeat, RankKey};
+
+    fn update(rank: u32, state: &str) -> agent_message::Msg {
+        let key = Some(RankKey { job_id: 7, attempt: 0, rank });
+        agent_message::Msg::RankUpdate(RankUpdate {
+            report: Some(RankReport { key, state: state.to_string(), ..Default::default() }),
+        })
+    }
+
+    fn first(msg: agent_message::Msg) -> RankUpdate {
+        match msg {
+            agent_message::Msg::RankUpdate(u) => u,
+            _ => unreachable!("an update"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_run_of_updates_stops_at_a_rank_seen_twice_and_at_another_message() {
+        let (tx, mut rx) = mpsc::channel(16);
+        for msg in [update(1, "running"), update(2, "running"), update(1, "exited")] {
+            tx.send(msg).await.unwrap();
+        }
+        let (run, next) = rank_update_run(first(update(0, "running")), &mut rx);
+        let ranks: Vec<u32> = run.iter().map(|r| r.key.unwrap().rank).collect();
+        assert_eq!(ranks, [0, 1, 2], "rank 1's second update waits for the next run");
+        let Some(agent_message::Msg::RankUpdate(held)) = next else { panic!("rank 1's exit held") };
+        assert_eq!(held.report.unwrap().state, "exited");
+
+        tx.send(update(3, "running")).await.unwrap();
+        tx.send(agent_message::Msg::Heartbeat(Heartbeat::default())).await.unwrap();
+        tx.send(update(4, "running")).await.unwrap();
+        let (run, next) = rank_update_run(first(update(2, "exited")), &mut rx);
+        assert_eq!(run.len(), 2, "an update of another kind of message ends the run");
+        assert!(matches!(next, Some(agent_message::Msg::Heartbeat(_))));
+        let (run, next) = rank_update_run(first(update(5, "running")), &mut rx);
+        assert_eq!((run.len(), next.is_none()), (2, true), "an empty queue ends the run");
+    }
+
+    #[tokio::test]
+    async fn join_all_runs_every_future_and_keeps_their_order() {
+        let delays = [30u64, 0, 10];
+        let outs = join_all(delays.iter().map(|ms| async move {
+            tokio::time::sleep(std::time::Duration::from_millis(*ms)).await;
+            *ms
+        }))
+        .await;
+        assert_eq!(outs, delays);
+    }
 }
