@@ -218,20 +218,16 @@ async fn serve(
     tx: mpsc::Sender<ControllerMessage>,
     shutdown: CancellationToken,
 ) -> Result<(), Status> {
-    let (ahead_tx, mut ahead) = mpsc::channel(READ_AHEAD);
+    let (ahead_tx, ahead) = mpsc::channel(READ_AHEAD);
     let reader = tokio::spawn(read_ahead(controller.clone(), agent_id.to_string(), inbound, ahead_tx));
-    // A message read past a run of rank updates, handled next.
-    let mut held: Option<agent_message::Msg> = None;
+    let mut inbox = Inbox { ahead, held: None };
     let result = loop {
-        let msg = match held.take() {
-            Some(msg) => msg,
-            None => tokio::select! {
-                _ = shutdown.cancelled() => break Ok(()),
-                next = ahead.recv() => match next {
-                    Some(msg) => msg,
-                    // The stream ended (or broke) and everything read from it is handled.
-                    None => break Ok(()),
-                },
+        let msg = tokio::select! {
+            _ = shutdown.cancelled() => break Ok(()),
+            next = inbox.next() => match next {
+                Some(msg) => msg,
+                // The stream ended (or broke) and everything read from it is handled.
+                None => break Ok(()),
             },
         };
         if controller.nodes().stream_fenced(conn_id) {
@@ -244,15 +240,7 @@ async fn serve(
                 "this host was declared lost (silent past the agent timeout); say hello again",
             ));
         }
-        let flow = match msg {
-            agent_message::Msg::RankUpdate(first) => {
-                let (run, next) = rank_update_run(first, &mut ahead);
-                held = next;
-                rank_updates(controller, agent_id, run).await
-            }
-            msg => handle(controller, agent_id, msg, &tx).await,
-        };
-        match flow {
+        match handle(controller, agent_id, msg, &tx, &mut inbox).await {
             Flow::Go => {}
             Flow::End(result) => break result,
         }
@@ -261,24 +249,42 @@ async fn serve(
     result
 }
 
-/// The rank updates already queued behind `first`, each about another rank (a rank's second
-/// update ends the run, so one rank's updates stay in order), and the message after the run.
-fn rank_update_run(
-    first: RankUpdate,
-    ahead: &mut mpsc::Receiver<agent_message::Msg>,
-) -> (Vec<RankReport>, Option<agent_message::Msg>) {
-    let mut run: Vec<RankReport> = first.report.into_iter().collect();
-    while let Ok(msg) = ahead.try_recv() {
-        match msg {
-            agent_message::Msg::RankUpdate(RankUpdate { report: Some(report) })
-                if run.iter().all(|r| r.key != report.key) =>
-            {
-                run.push(report)
-            }
-            other => return (run, Some(other)),
+/// What the handling loop reads: the messages read ahead, and one held back (read past a run
+/// of rank updates, it is handled next).
+struct Inbox {
+    ahead: mpsc::Receiver<agent_message::Msg>,
+    held: Option<agent_message::Msg>,
+}
+
+impl Inbox {
+    /// The next message; `None` once the stream ended and everything read from it is handled.
+    async fn next(&mut self) -> Option<agent_message::Msg> {
+        match self.held.take() {
+            Some(msg) => Some(msg),
+            None => self.ahead.recv().await,
         }
     }
-    (run, None)
+
+    /// `first` and the rank updates already queued behind it, each about another rank (a rank's
+    /// second update ends the run, so one rank's updates stay in order); the message after the
+    /// run is held for [`Inbox::next`].
+    fn rank_update_run(&mut self, first: RankUpdate) -> Vec<RankReport> {
+        let mut run: Vec<RankReport> = first.report.into_iter().collect();
+        while let Ok(msg) = self.ahead.try_recv() {
+            match msg {
+                agent_message::Msg::RankUpdate(RankUpdate { report: Some(report) })
+                    if run.iter().all(|r| r.key != report.key) =>
+                {
+                    run.push(report)
+                }
+                other => {
+                    self.held = Some(other);
+                    break;
+                }
+            }
+        }
+        run
+    }
 }
 
 /// Applies a run of rank updates about distinct ranks together: their rows are stored in one
@@ -357,12 +363,14 @@ async fn handle(
     agent_id: &str,
     msg: agent_message::Msg,
     tx: &mpsc::Sender<ControllerMessage>,
+    inbox: &mut Inbox,
 ) -> Flow {
     let quietly = Flow::End(Ok(()));
     match msg {
         agent_message::Msg::Receipts(batch) => return receipts(controller, agent_id, batch, tx).await,
-        agent_message::Msg::RankUpdate(update) => {
-            return rank_updates(controller, agent_id, update.report.into_iter().collect()).await;
+        agent_message::Msg::RankUpdate(first) => {
+            let run = inbox.rank_update_run(first);
+            return rank_updates(controller, agent_id, run).await;
         }
         agent_message::Msg::Notice(notice) => {
             if let Err(e) = controller.nodes().notice(agent_id, &notice).await {
@@ -474,11 +482,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_run_of_updates_stops_at_a_rank_seen_twice_and_at_another_message() {
-        let (tx, mut rx) = mpsc::channel(16);
+        let (tx, ahead) = mpsc::channel(16);
+        let mut inbox = Inbox { ahead, held: None };
         for msg in [update(1, "running"), update(2, "running"), update(1, "exited")] {
             tx.send(msg).await.unwrap();
         }
-        let (run, next) = rank_update_run(first(update(0, "running")), &mut rx);
+        let run = inbox.rank_update_run(first(update(0, "running")));
+        let next = inbox.held.take();
         let ranks: Vec<u32> = run.iter().map(|r| r.key.unwrap().rank).collect();
         assert_eq!(ranks, [0, 1, 2], "rank 1's second update waits for the next run");
         let Some(agent_message::Msg::RankUpdate(held)) = next else { panic!("rank 1's exit held") };
@@ -487,10 +497,12 @@ mod tests {
         tx.send(update(3, "running")).await.unwrap();
         tx.send(agent_message::Msg::Heartbeat(Heartbeat::default())).await.unwrap();
         tx.send(update(4, "running")).await.unwrap();
-        let (run, next) = rank_update_run(first(update(2, "exited")), &mut rx);
+        let run = inbox.rank_update_run(first(update(2, "exited")));
+        let next = inbox.held.take();
         assert_eq!(run.len(), 2, "an update of another kind of message ends the run");
         assert!(matches!(next, Some(agent_message::Msg::Heartbeat(_))));
-        let (run, next) = rank_update_run(first(update(5, "running")), &mut rx);
+        let run = inbox.rank_update_run(first(update(5, "running")));
+        let next = inbox.held.take();
         assert_eq!((run.len(), next.is_none()), (2, true), "an empty queue ends the run");
     }
 
