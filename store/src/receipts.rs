@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use crate::group::{Next, answer_each};
 use crate::rows::{self, int};
 use crate::sql::Conn;
-use crate::waiting::Pending;
+use crate::waiting::{Batch, Pending};
 use crate::{
     JobId, NewReceipt, Queued, ReceiptStore, Result, SqlStore, StoredReceiptRecord, postgres, sqlite,
 };
@@ -16,7 +16,16 @@ impl ReceiptStore for SqlStore {
         if rows.is_empty() {
             return Box::pin(std::future::ready(Ok(0)));
         }
-        let mut waiter = self.receipt_group.enqueue(|done| Pending { rows, now_ms, done });
+        let count = rows.len();
+        // SQLite's values are bound here, while another caller's group may be writing.
+        let batch = match self.sqlite_pool() {
+            Some(_) => match sqlite::bind_receipts(rows, now_ms) {
+                Ok(inserts) => Batch::Bound(inserts),
+                Err(e) => return Box::pin(std::future::ready(Err(e))),
+            },
+            None => Batch::Rows(rows, now_ms),
+        };
+        let mut waiter = self.receipt_group.enqueue(|done| Pending { batch, rows: count, done });
         Box::pin(async move {
             loop {
                 match waiter.next().await {
@@ -139,29 +148,37 @@ async fn write_group(store: &SqlStore, mut group: Vec<Pending>) {
     while !group.is_empty() {
         let mut rows = 0;
         let take = group.iter().take_while(|p| {
-            rows += p.rows.len();
-            rows <= GROUP_ROWS || rows == p.rows.len()
+            rows += p.rows;
+            rows <= GROUP_ROWS || rows == p.rows
         });
         let n = take.count().max(1);
         let mut round: Vec<Pending> = group.drain(..n).collect();
-        // The rows move into the statement's arguments (each body bound without a copy); a
-        // PostgreSQL transaction retried after a conflict reads them again from the moved
-        // vectors, which its closure keeps.
-        let batches: Vec<(Vec<NewReceipt>, i64)> =
-            round.iter_mut().map(|p| (std::mem::take(&mut p.rows), p.now_ms)).collect();
+        // A PostgreSQL transaction retried after a conflict reads the rows again from the
+        // moved batches, which its closure keeps.
+        let batches: Vec<Batch> =
+            round.iter_mut().map(|p| std::mem::replace(&mut p.batch, Batch::Bound(Vec::new()))).collect();
         // The hot path: each database gets each batch in the form it takes fastest.
         let result = store
             .write_receipts("insert_receipts", async move |c| match c {
                 Conn::Sqlite(c) => {
                     let mut counts = Vec::with_capacity(batches.len());
-                    for (rows, now_ms) in batches {
-                        counts.push(sqlite::insert_receipts(c, rows, now_ms).await?);
+                    for batch in batches {
+                        let inserts = match batch {
+                            Batch::Bound(inserts) => inserts,
+                            Batch::Rows(rows, now_ms) => sqlite::bind_receipts(rows, now_ms)?,
+                        };
+                        counts.push(sqlite::insert_receipts(c, inserts).await?);
                     }
                     Ok(counts)
                 }
                 Conn::Postgres(c) => {
-                    let borrowed: Vec<(&[NewReceipt], i64)> =
-                        batches.iter().map(|(rows, now_ms)| (rows.as_slice(), *now_ms)).collect();
+                    let borrowed: Vec<(&[NewReceipt], i64)> = batches
+                        .iter()
+                        .map(|b| match b {
+                            Batch::Rows(rows, now_ms) => (rows.as_slice(), *now_ms),
+                            Batch::Bound(_) => (&[][..], 0),
+                        })
+                        .collect();
                     postgres::insert_receipt_group(c, &borrowed).await
                 }
             })

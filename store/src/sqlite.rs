@@ -16,10 +16,11 @@ use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use sqlx::SqlitePool;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
+    SqliteArguments, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions,
+    SqliteSynchronous,
 };
+use sqlx::{Arguments as _, SqlitePool};
 
 use crate::rows::int;
 use crate::sql::{Conn, Marks, pow2_inserts, pow2_sizes};
@@ -210,42 +211,58 @@ impl Sqlite {
     }
 }
 
-/// Stores a receipt batch in multi-row inserts of power-of-two sizes; returns how many rows
-/// were new. The rows' strings move into the arguments: sqlx copies a borrowed one first.
-pub(crate) async fn insert_receipts(
-    c: &mut SqliteConnection,
-    receipts: Vec<NewReceipt>,
-    now_ms: i64,
-) -> Result<u64> {
-    let mut inserted = 0;
+/// One multi-row receipt insert with its values bound: its statement (one of
+/// [`MAX_CHUNK_LOG2`] + 1 texts) and its arguments.
+pub(crate) type Insert = (Arc<str>, SqliteArguments);
+
+/// Binds a receipt batch into multi-row inserts of power-of-two sizes. The caller does this
+/// before its batch joins a commit group, so the group's writer only executes: binding ran
+/// inside the transaction before, between statements, while SQLite's thread waited. The
+/// rows' strings move into the arguments (each body bound without a copy).
+pub(crate) fn bind_receipts(receipts: Vec<NewReceipt>, now_ms: i64) -> Result<Vec<Insert>> {
+    let mut inserts = Vec::new();
     let mut rows = receipts.into_iter();
     for log2 in pow2_sizes(rows.len(), MAX_CHUNK_LOG2) {
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(insert_receipts_sql(log2)));
+        let mut a = SqliteArguments::default();
+        a.reserve(RECEIPT_PARAMS << log2, 0);
         for r in rows.by_ref().take(1 << log2) {
             let m = r.metrics.unwrap_or_default();
-            query = query
-                .bind(int(r.id.job_id)?)
-                .bind(i64::from(r.id.attempt))
-                .bind(i64::from(r.id.rank))
-                .bind(int(r.seq)?)
-                .bind(kind_text(&r.kind))
-                .bind(r.step)
-                .bind(r.body)
-                .bind(now_ms)
-                .bind(r.problem)
-                .bind(m.step_time_ms)
-                .bind(m.fwd_bwd_ms)
-                .bind(m.optimizer_ms)
-                .bind(m.optimizer_reduce_ms)
-                .bind(m.optimizer_compute_gather_ms)
-                .bind(m.optimizer_wait_ms)
-                .bind(m.tokens_per_s)
-                .bind(m.mfu)
-                .bind(m.loss)
-                .bind(m.mem_allocated_bytes)
-                .bind(m.mem_reserved_bytes)
-                .bind(m.mem_peak_allocated_bytes);
+            add(&mut a, int(r.id.job_id)?)?;
+            add(&mut a, i64::from(r.id.attempt))?;
+            add(&mut a, i64::from(r.id.rank))?;
+            add(&mut a, int(r.seq)?)?;
+            add(&mut a, kind_text(&r.kind))?;
+            add(&mut a, r.step)?;
+            add(&mut a, r.body)?;
+            add(&mut a, now_ms)?;
+            add(&mut a, r.problem)?;
+            for v in [m.step_time_ms, m.fwd_bwd_ms, m.optimizer_ms, m.optimizer_reduce_ms] {
+                add(&mut a, v)?;
+            }
+            for v in [m.optimizer_compute_gather_ms, m.optimizer_wait_ms, m.tokens_per_s, m.mfu, m.loss] {
+                add(&mut a, v)?;
+            }
+            for v in [m.mem_allocated_bytes, m.mem_reserved_bytes, m.mem_peak_allocated_bytes] {
+                add(&mut a, v)?;
+            }
         }
+        inserts.push((insert_receipts_sql(log2), a));
+    }
+    Ok(inserts)
+}
+
+fn add<T>(a: &mut SqliteArguments, value: T) -> Result<()>
+where
+    T: sqlx::Encode<'static, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>,
+{
+    a.add(value).map_err(|e| crate::StoreError::Database(sqlx::Error::Encode(e)))
+}
+
+/// Runs a batch's bound inserts; returns how many rows were new.
+pub(crate) async fn insert_receipts(c: &mut SqliteConnection, inserts: Vec<Insert>) -> Result<u64> {
+    let mut inserted = 0;
+    for (sql, arguments) in inserts {
+        let query = sqlx::query_with(sqlx::AssertSqlSafe(sql), arguments);
         inserted += query.execute(&mut *c).await?.rows_affected();
     }
     Ok(inserted)
