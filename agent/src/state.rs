@@ -18,7 +18,9 @@ use serde::{Deserialize, Serialize};
 use trainyard_proto::v1::RankReport;
 use trainyard_proto::words::RankState;
 
-use crate::layout::{Layout, RankFiles, RankId, write_atomic, write_replace};
+use crate::layout::{
+    Layout, RankFiles, RankId, sync_dir, write_atomic, write_atomic_unlisted, write_replace,
+};
 use crate::tail::Position;
 
 /// The durable state of one rank.
@@ -80,11 +82,51 @@ pub struct RankRecord {
 }
 
 impl RankRecord {
+    /// The record of a rank a launch is about to start: `launching`, nothing observed yet.
+    pub fn launching(
+        id: RankId,
+        launch: &trainyard_proto::v1::Launch,
+        assignment: &trainyard_proto::v1::RankAssignment,
+        files: RankFiles,
+    ) -> Self {
+        RankRecord {
+            id,
+            local_rank: assignment.local_rank,
+            node_rank: launch.node_rank,
+            gpu_index: assignment.gpu_index,
+            files,
+            phase: RankState::Launching,
+            shim_pid: None,
+            shim_start_time: None,
+            pid: None,
+            exit_code: None,
+            signal: None,
+            message: String::new(),
+            acked: Position::default(),
+            forget: false,
+            effective_cpus: String::new(),
+            effective_mems: String::new(),
+            master_port: u16::try_from(launch.master_port).unwrap_or(0),
+            printed: crate::bootstrap::printed_state(launch),
+            cgroup: crate::cgroup::RankGroup::default(),
+            usage: Default::default(),
+            leftover_killed: None,
+            output_dropped_bytes: None,
+            exit_receipt: false,
+        }
+    }
+
     /// Writes the record to its state file. On a full disk (a job's output filled it), the
     /// agent's reserve ([`Layout::reserve`]) is given up and the write tried again: the agent's
     /// records never share the fate of ranks' output.
     pub fn save(&self, layout: &Layout) -> std::io::Result<()> {
         self.write_with(layout, write_atomic)
+    }
+
+    /// [`RankRecord::save`] but for the fsync of the state directory, which [`list_saved`]
+    /// then does once for all the records a launch saved.
+    pub fn save_unlisted(&self, layout: &Layout) -> std::io::Result<()> {
+        self.write_with(layout, write_atomic_unlisted)
     }
 
     /// [`RankRecord::save`] without waiting for the disk ([`write_replace`]): for what a
@@ -137,6 +179,12 @@ impl RankRecord {
             master_port: u32::from(self.master_port),
         }
     }
+}
+
+/// Makes the names of state files saved with [`RankRecord::save_unlisted`] durable: one fsync
+/// of the state directory for every record a launch saved (none when `any` is false).
+pub fn list_saved(layout: &Layout, any: bool) -> std::io::Result<()> {
+    if any { sync_dir(&layout.state_dir()) } else { Ok(()) }
 }
 
 /// Reads every state file. A file that cannot be read or parsed (torn by a crash of a disk

@@ -43,7 +43,7 @@ use watch::{find_unrecorded_shim, observe, terminate};
 
 use crate::account::{self, RunAs};
 use crate::bootstrap::Bootstrap;
-use crate::cgroup::{RankGroup, Tracking};
+use crate::cgroup::Tracking;
 use crate::env::{HostContext, PREFLIGHT_REPORT, VISIBLE_DEVICES, rank_env};
 use crate::gpu_holders::GpuHolders;
 use crate::layout::{
@@ -52,7 +52,6 @@ use crate::layout::{
 };
 use crate::state::{self, RankRecord};
 use crate::supervise::{SHIM_PATH, SPAWN_FAILED_EXIT_CODE};
-use crate::tail::Position;
 use trainyard_proto::words::RankState;
 
 /// Starts, watches and stops the ranks of this host.
@@ -255,25 +254,31 @@ impl Launcher {
             }
             self.ranks.insert(id, Rank::open(record));
         }
-        // Every rank recorded and its groups made, the shims are spawned back to back: their
-        // moves into their cgroups share one RCU grace period (architecture.md).
+        // Every rank recorded (the records' names made durable by one fsync) and its groups
+        // made, the shims are spawned back to back: their moves into their cgroups share one
+        // RCU grace period (architecture.md).
+        let listed = crate::state::list_saved(&self.layout, !recorded.is_empty()).map_err(|e| e.to_string());
         for (id, assignment) in recorded {
-            self.spawn_recorded(id, launch, assignment, &run_as);
+            self.spawn_recorded(id, launch, assignment, (&run_as, &listed));
         }
         ids
     }
 
-    /// Spawns a recorded rank's shim and notes its pid (a failed spawn: exited, with why).
+    /// Spawns a recorded rank's shim, once its record is durable (`listed`), and notes its pid
+    /// (a failed spawn: exited, with why).
     fn spawn_recorded(
         &mut self,
         id: RankId,
         launch: &Launch,
         assignment: &RankAssignment,
-        run_as: &Result<RunAs, String>,
+        (run_as, listed): (&Result<RunAs, String>, &Result<(), String>),
     ) {
         let Some(rank) = self.ranks.get(&id) else { return };
         shim::failpoint("before-spawn");
-        let spawned = self.spawn_shim(&rank.record, launch, assignment, run_as);
+        let spawned = match listed {
+            Ok(()) => self.spawn_shim(&rank.record, launch, assignment, run_as),
+            Err(e) => Err(format!("the agent could not make the rank's record durable ({e}); not started")),
+        };
         if spawned.is_ok() {
             shim::failpoint("after-spawn");
         }
@@ -357,31 +362,7 @@ impl Launcher {
         refusal: Option<&str>,
     ) -> std::io::Result<RankRecord> {
         let files = self.layout.rank_files(run, id);
-        let mut record = RankRecord {
-            id,
-            local_rank: assignment.local_rank,
-            node_rank: launch.node_rank,
-            gpu_index: assignment.gpu_index,
-            files: files.clone(),
-            phase: RankState::Launching,
-            shim_pid: None,
-            shim_start_time: None,
-            pid: None,
-            exit_code: None,
-            signal: None,
-            message: String::new(),
-            acked: Position::default(),
-            forget: false,
-            effective_cpus: String::new(),
-            effective_mems: String::new(),
-            master_port: u16::try_from(launch.master_port).unwrap_or(0),
-            printed: crate::bootstrap::printed_state(launch),
-            cgroup: RankGroup::default(),
-            usage: Default::default(),
-            leftover_killed: None,
-            output_dropped_bytes: None,
-            exit_receipt: false,
-        };
+        let mut record = RankRecord::launching(id, launch, assignment, files);
         if let Some(reason) = refusal {
             record.phase = RankState::Lost;
             record.message = reason.to_string();
@@ -404,7 +385,7 @@ impl Launcher {
                 return Ok(record);
             }
         }
-        record.save(&self.layout)?;
+        record.save_unlisted(&self.layout)?;
         Ok(record)
     }
 
