@@ -326,21 +326,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// [`write_atomic`] with the file's `mode` and, when given, its owner.
 pub fn write_durable(path: &Path, bytes: &[u8], mode: u32, owner: Option<Owner>) -> std::io::Result<()> {
-    write_whole(path, bytes, mode, owner, Synced::FileAndDir)
-}
-
-/// [`write_atomic`] but for the directory's fsync, left to the caller: one [`sync_dir`] after
-/// several files written into the same directory makes all their names durable at once.
-pub fn write_atomic_unlisted(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    write_whole(path, bytes, PRIVATE_FILE_MODE, None, Synced::File)
-}
-
-/// What [`write_whole`] waits for the disk to have.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Synced {
-    Nothing,
-    File,
-    FileAndDir,
+    write_whole(path, bytes, mode, owner, true)
 }
 
 /// Replaces `path` whole (a fresh temporary file renamed over it), without the fsyncs of
@@ -348,12 +334,12 @@ enum Synced {
 /// content or the new; a power cut may leave the old. For what a restarted agent can also
 /// find out by itself.
 pub fn write_replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    write_whole(path, bytes, PRIVATE_FILE_MODE, None, Synced::Nothing)
+    write_whole(path, bytes, PRIVATE_FILE_MODE, None, false)
 }
 
 /// [`write_replace`] with the file's `mode` and, when given, its owner.
 pub fn write_replace_as(path: &Path, bytes: &[u8], mode: u32, owner: Option<Owner>) -> std::io::Result<()> {
-    write_whole(path, bytes, mode, owner, Synced::Nothing)
+    write_whole(path, bytes, mode, owner, false)
 }
 
 fn write_whole(
@@ -361,7 +347,7 @@ fn write_whole(
     bytes: &[u8],
     mode: u32,
     owner: Option<Owner>,
-    synced: Synced,
+    sync: bool,
 ) -> std::io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
@@ -381,14 +367,11 @@ fn write_whole(
         std::os::unix::fs::fchown(&file, Some(o.uid), Some(o.gid))?;
     }
     file.write_all(bytes)?;
-    if synced != Synced::Nothing {
+    if sync {
         file.sync_all()?;
     }
     std::fs::rename(&tmp, path)?;
-    match synced {
-        Synced::FileAndDir => sync_dir(path.parent().unwrap_or(Path::new("."))),
-        Synced::Nothing | Synced::File => Ok(()),
-    }
+    if sync { sync_dir(path.parent().unwrap_or(Path::new("."))) } else { Ok(()) }
 }
 
 /// Writes a small private file (`mode`, created or truncated, never through a link) without

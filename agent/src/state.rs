@@ -18,9 +18,7 @@ use serde::{Deserialize, Serialize};
 use trainyard_proto::v1::RankReport;
 use trainyard_proto::words::RankState;
 
-use crate::layout::{
-    Layout, RankFiles, RankId, sync_dir, write_atomic, write_atomic_unlisted, write_replace,
-};
+use crate::layout::{Layout, RankFiles, RankId, write_atomic, write_replace};
 use crate::tail::Position;
 
 /// The durable state of one rank.
@@ -123,12 +121,6 @@ impl RankRecord {
         self.write_with(layout, write_atomic)
     }
 
-    /// [`RankRecord::save`] but for the fsync of the state directory, which [`list_saved`]
-    /// then does once for all the records a launch saved.
-    pub fn save_unlisted(&self, layout: &Layout) -> std::io::Result<()> {
-        self.write_with(layout, write_atomic_unlisted)
-    }
-
     /// [`RankRecord::save`] without waiting for the disk ([`write_replace`]): for what a
     /// restarted agent also finds by itself (a shim just spawned: [`crate::launcher::Launcher::adopt`]
     /// finds it by its command line).
@@ -179,12 +171,6 @@ impl RankRecord {
             master_port: u32::from(self.master_port),
         }
     }
-}
-
-/// Makes the names of state files saved with [`RankRecord::save_unlisted`] durable: one fsync
-/// of the state directory for every record a launch saved (none when `any` is false).
-pub fn list_saved(layout: &Layout, any: bool) -> std::io::Result<()> {
-    if any { sync_dir(&layout.state_dir()) } else { Ok(()) }
 }
 
 /// Reads every state file. A file that cannot be read or parsed (torn by a crash of a disk

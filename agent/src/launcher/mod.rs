@@ -254,31 +254,25 @@ impl Launcher {
             }
             self.ranks.insert(id, Rank::open(record));
         }
-        // Every rank recorded (the records' names made durable by one fsync) and its groups
-        // made, the shims are spawned back to back: their moves into their cgroups share one
-        // RCU grace period (architecture.md).
-        let listed = crate::state::list_saved(&self.layout, !recorded.is_empty()).map_err(|e| e.to_string());
+        // Every rank recorded and its groups made, the shims are spawned back to back: their
+        // moves into their cgroups share one RCU grace period (architecture.md).
         for (id, assignment) in recorded {
-            self.spawn_recorded(id, launch, assignment, (&run_as, &listed));
+            self.spawn_recorded(id, launch, assignment, &run_as);
         }
         ids
     }
 
-    /// Spawns a recorded rank's shim, once its record is durable (`listed`), and notes its pid
-    /// (a failed spawn: exited, with why).
+    /// Spawns a recorded rank's shim and notes its pid (a failed spawn: exited, with why).
     fn spawn_recorded(
         &mut self,
         id: RankId,
         launch: &Launch,
         assignment: &RankAssignment,
-        (run_as, listed): (&Result<RunAs, String>, &Result<(), String>),
+        run_as: &Result<RunAs, String>,
     ) {
         let Some(rank) = self.ranks.get(&id) else { return };
         shim::failpoint("before-spawn");
-        let spawned = match listed {
-            Ok(()) => self.spawn_shim(&rank.record, launch, assignment, run_as),
-            Err(e) => Err(format!("the agent could not make the rank's record durable ({e}); not started")),
-        };
+        let spawned = self.spawn_shim(&rank.record, launch, assignment, run_as);
         if spawned.is_ok() {
             shim::failpoint("after-spawn");
         }
@@ -385,7 +379,7 @@ impl Launcher {
                 return Ok(record);
             }
         }
-        record.save_unlisted(&self.layout)?;
+        record.save(&self.layout)?;
         Ok(record)
     }
 
