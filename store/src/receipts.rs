@@ -152,12 +152,10 @@ async fn write_group(store: &SqlStore, mut group: Vec<Pending>) {
             rows <= GROUP_ROWS || rows == p.rows
         });
         let n = take.count().max(1);
-        let mut round: Vec<Pending> = group.drain(..n).collect();
-        // A PostgreSQL transaction retried after a conflict reads the rows again from the
-        // moved batches, which its closure keeps.
-        let batches: Vec<Batch> =
-            round.iter_mut().map(|p| std::mem::replace(&mut p.batch, Batch::Bound(Vec::new()))).collect();
-        // The hot path: each database gets each batch in the form it takes fastest.
+        let (batches, answers): (Vec<Batch>, Vec<_>) = group.drain(..n).map(|p| (p.batch, p.done)).unzip();
+        // The hot path: each database gets each batch in the form it takes fastest. A
+        // PostgreSQL transaction retried after a conflict reads the rows again from the moved
+        // batches, which its closure keeps.
         let result = store
             .write_receipts("insert_receipts", async move |c| match c {
                 Conn::Sqlite(c) => {
@@ -172,17 +170,19 @@ async fn write_group(store: &SqlStore, mut group: Vec<Pending>) {
                     Ok(counts)
                 }
                 Conn::Postgres(c) => {
-                    let borrowed: Vec<(&[NewReceipt], i64)> = batches
+                    let borrowed = batches
                         .iter()
                         .map(|b| match b {
-                            Batch::Rows(rows, now_ms) => (rows.as_slice(), *now_ms),
-                            Batch::Bound(_) => (&[][..], 0),
+                            Batch::Rows(rows, now_ms) => Ok((rows.as_slice(), *now_ms)),
+                            Batch::Bound(_) => Err(sqlx::Error::Protocol(
+                                "a receipt batch bound for SQLite reached PostgreSQL".into(),
+                            )),
                         })
-                        .collect();
+                        .collect::<std::result::Result<Vec<(&[NewReceipt], i64)>, _>>()?;
                     postgres::insert_receipt_group(c, &borrowed).await
                 }
             })
             .await;
-        answer_each(round, result, |w| w.done);
+        answer_each(answers, result, |done| done);
     }
 }

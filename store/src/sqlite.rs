@@ -236,10 +236,9 @@ pub(crate) fn bind_receipts(receipts: Vec<NewReceipt>, now_ms: i64) -> Result<Ve
             add(&mut a, r.body)?;
             add(&mut a, now_ms)?;
             add(&mut a, r.problem)?;
-            for v in [m.step_time_ms, m.fwd_bwd_ms, m.optimizer_ms, m.optimizer_reduce_ms] {
-                add(&mut a, v)?;
-            }
-            for v in [m.optimizer_compute_gather_ms, m.optimizer_wait_ms, m.tokens_per_s, m.mfu, m.loss] {
+            let times = [m.step_time_ms, m.fwd_bwd_ms, m.optimizer_ms, m.optimizer_reduce_ms];
+            let rest = [m.optimizer_compute_gather_ms, m.optimizer_wait_ms, m.tokens_per_s, m.mfu, m.loss];
+            for v in times.into_iter().chain(rest) {
                 add(&mut a, v)?;
             }
             for v in [m.mem_allocated_bytes, m.mem_reserved_bytes, m.mem_peak_allocated_bytes] {
