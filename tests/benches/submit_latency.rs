@@ -90,6 +90,12 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
 }
 
 fn main() -> anyhow::Result<()> {
+    // `cargo bench` hands this process an `LD_LIBRARY_PATH` of some 45 build directories, which
+    // the cluster's processes inherit: every program `ctl`, a rank or its shell runs would look
+    // for each shared library in each of them first (some 130 failed opens an exec). No
+    // operator's `ctl` or agent has it; the release binaries find libtorch by their RUNPATH.
+    // SAFETY: at the start of `main`, before this process starts any thread.
+    unsafe { std::env::remove_var("LD_LIBRARY_PATH") };
     trainyard_tests::build_release_binaries()?;
     let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let mut out = Results::create(&results_dir(), "submit_latency", &named)?;
