@@ -231,43 +231,32 @@ impl Launcher {
             if refusal.is_none() { admit::short_of_disk(&self.layout, self.disk_floor) } else { None };
         let refusal = refusal.or(bad_name.as_deref()).or(low_disk.as_deref());
         let mut ids = Vec::new();
-        let mut ready = Vec::new();
+        let mut recorded = Vec::new();
         for assignment in &launch.ranks {
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
             ids.push(id);
-            if self.ranks.contains_key(&id) || ready.iter().any(|(known, _, _)| *known == id) {
+            if self.ranks.contains_key(&id) {
                 info!(rank_id = %id, "rank already known; launch is idempotent");
                 continue;
             }
-            let record = match self.prepare_rank(&run, id, launch, assignment, &run_as, refusal) {
+            let record = match self.record_rank(&run, id, launch, assignment, &run_as, refusal) {
                 Ok(record) => record,
                 Err(e) => {
                     // Not recorded, so not started: the controller sees no report for it.
-                    warn!(rank_id = %id, error = %e, "cannot prepare the rank's directories; not started");
+                    warn!(rank_id = %id, error = %e, "cannot record the rank before starting it; not started");
                     continue;
                 }
             };
             if record.phase == RankState::Launching {
-                ready.push((id, assignment, record));
-                continue;
-            }
-            if let Err(e) = record.note(&self.layout) {
+                recorded.push((id, assignment));
+            } else if let Err(e) = record.note(&self.layout) {
                 warn!(rank_id = %id, error = %e, "failed to write rank state file");
             }
             self.ranks.insert(id, Rank::open(record));
         }
-        // Every rank's groups are made before any shim starts (a `mkdir` in a cgroup file system
-        // waits behind a move in progress); then each rank is recorded and its shim spawned at
-        // once, so the first move's RCU grace period passes while the next ranks are recorded,
-        // and the moves that follow share it (architecture.md).
-        for (id, assignment, record) in ready {
-            if let Err(e) = record.save(&self.layout) {
-                // Not recorded, so not started: the controller sees no report for it.
-                warn!(rank_id = %id, error = %e, "cannot record the rank before starting it; not started");
-                let _ = record.cgroup.remove();
-                continue;
-            }
-            self.ranks.insert(id, Rank::open(record));
+        // Every rank recorded and its groups made, the shims are spawned back to back: their
+        // moves into their cgroups share one RCU grace period (architecture.md).
+        for (id, assignment) in recorded {
             self.spawn_recorded(id, launch, assignment, &run_as);
         }
         ids
@@ -353,12 +342,11 @@ impl Launcher {
         )
     }
 
-    /// Makes what the rank needs before it runs (its run directories, exit slot and cgroups) and
-    /// returns its `launching` record, not yet saved: saved (synced) just before
-    /// [`Launcher::spawn_recorded`], an agent killed in between never starts it twice, as
+    /// Records the rank durably (`launching`, exit slot and cgroups made, no shim yet) for
+    /// [`Launcher::spawn_recorded`]: an agent killed in between never starts it twice, as
     /// [`Launcher::adopt`] finds the shim if it was spawned and marks the rank lost if not.
-    /// Fails only when the run directories cannot be made, and then nothing was started.
-    fn prepare_rank(
+    /// Fails only when the record cannot be written, and then nothing was started.
+    fn record_rank(
         &self,
         run: &str,
         id: RankId,
@@ -391,6 +379,7 @@ impl Launcher {
                 return Ok(record);
             }
         }
+        record.save(&self.layout)?;
         Ok(record)
     }
 
