@@ -4,7 +4,10 @@
 //! Starts a real controller and one agent standing in for an 8-GPU node, submits trivial jobs
 //! one after another (each waits for the previous to finish), and reads the times back from the
 //! store: `submitted → running` from the job's events, and `ctl start → running` against the
-//! wall clock of this process (same machine, same clock). Prints medians and p90s.
+//! wall clock of this process (same machine, same clock). Prints medians and p90s, and beside
+//! them the raw launch ([`raw`]): the same ranks started by one thread with nothing of
+//! trainyard around them, the machine's floor, and `trainyard / raw` (`ctl start → running`
+//! over the raw launch's median), the figure that travels between machines.
 //!
 //! Two clusters: the loopback demo (plaintext, no credentials) and a secure one (TLS with agent
 //! certificates, ctl with a token, ranks run as the user's account: `nobody` under root). Named
@@ -23,6 +26,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
 use trainyard_tests::Cluster;
+
+#[path = "submit_latency/raw.rs"]
+mod raw;
 use trainyard_tests::results::{Results, results_dir};
 
 const JOBS: usize = 25;
@@ -65,15 +71,18 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
     for v in [&mut in_controller, &mut end_to_end, &mut ctl_part, &mut placing, &mut launching] {
         v.sort_unstable();
     }
+    let raw = raw::launch_times(ranks, JOBS)?;
+    let raw_p50 = percentile(&raw, 0.5).max(1);
     let (in_p50, in_p90) = (percentile(&in_controller, 0.5), percentile(&in_controller, 0.9));
     let (end_p50, end_p90) = (percentile(&end_to_end, 0.5), percentile(&end_to_end, 0.9));
     let (ctl_p50, placing_p50, launching_p50) =
         (percentile(&ctl_part, 0.5), percentile(&placing, 0.5), percentile(&launching, 0.5));
+    let ratio = end_p50 as f64 / raw_p50 as f64;
     println!(
         "{label}: {ranks} rank(s), {JOBS} jobs: submitted→running median {in_p50} ms (p90 {in_p90} ms); \
          ctl start→running median {end_p50} ms (p90 {end_p90} ms); target median < {TARGET_MEDIAN_MS} ms; \
          medians of the parts: ctl start→stored {ctl_p50} ms, stored→placed {placing_p50} ms, \
-         placed→running {launching_p50} ms"
+         placed→running {launching_p50} ms; raw launch median {raw_p50} ms (trainyard / raw {ratio:.2})"
     );
     out.line(&json!({
         "cluster": label, "ranks": ranks, "jobs": JOBS,
@@ -81,11 +90,14 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
         "ctl_start_to_running_p50_ms": end_p50, "ctl_start_to_running_p90_ms": end_p90,
         "ctl_start_to_stored_p50_ms": ctl_p50, "stored_to_placed_p50_ms": placing_p50,
         "placed_to_running_p50_ms": launching_p50,
+        "raw_launch_p50_ms": raw_p50, "raw_launch_p90_ms": percentile(&raw, 0.9),
+        "ctl_start_to_running_over_raw": (ratio * 100.0).round() / 100.0,
         "target_median_ms": TARGET_MEDIAN_MS,
     }))?;
     Ok(json!({
         "cluster": label, "ranks": ranks,
         "submitted_to_running_p50_ms": in_p50, "ctl_start_to_running_p50_ms": end_p50,
+        "raw_launch_p50_ms": raw_p50,
     }))
 }
 
