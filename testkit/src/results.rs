@@ -22,13 +22,29 @@ pub struct Results {
     written: u64,
 }
 
+/// `dir/<name>.jsonl`, or the first of `<name>-2.jsonl`, `<name>-3.jsonl`, ... not there yet.
+fn create_new(dir: &Path, name: &str) -> Result<(PathBuf, std::fs::File)> {
+    for n in 1.. {
+        let path = match n {
+            1 => dir.join(format!("{name}.jsonl")),
+            n => dir.join(format!("{name}-{n}.jsonl")),
+        };
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+            Ok(file) => return Ok((path, file)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e).with_context(|| path.display().to_string()),
+        }
+    }
+    unreachable!("the suffixes run out only past usize::MAX")
+}
+
 impl Results {
-    /// Creates `dir/<bench>-<date>.jsonl` and writes its header line.
+    /// Creates `dir/<bench>-<date>.jsonl` (`-2`, `-3`, ... before `.jsonl` when a run of the
+    /// same minute made it already: a result is never written over) and writes its header line.
     pub fn create(dir: &Path, bench: &str, args: &[String]) -> Result<Results> {
         std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
         let stamp = utc_stamp();
-        let path = dir.join(format!("{bench}-{stamp}.jsonl"));
-        let file = std::fs::File::create(&path).with_context(|| path.display().to_string())?;
+        let (path, file) = create_new(dir, &format!("{bench}-{stamp}"))?;
         let mut r = Results { path, file, written: 0 };
         let (commit, dirty) = checkout();
         r.line(&json!({
@@ -124,4 +140,27 @@ fn disk_gib(path: &Path) -> u64 {
         return 0;
     }
     (s.f_blocks as u64).saturating_mul(s.f_frsize as u64) >> 30
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_runs_of_one_minute_keep_both_files() {
+        let dir = std::env::temp_dir().join(format!("trainyard-results-test-{}", std::process::id()));
+        let first = Results::create(&dir, "twice", &[]).unwrap();
+        let second = Results::create(&dir, "twice", &[]).unwrap();
+        let third = Results::create(&dir, "twice", &[]).unwrap();
+        let names: Vec<String> = [&first, &second, &third]
+            .iter()
+            .map(|r| r.path().file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        // Three runs in one minute (or, rarely, across a minute's edge): three distinct files.
+        assert_ne!(names[0], names[1]);
+        assert_ne!(names[1], names[2]);
+        assert_ne!(names[0], names[2]);
+        assert!(names.iter().all(|n| n.starts_with("twice-") && n.ends_with(".jsonl")), "{names:?}");
+    }
 }
