@@ -95,13 +95,17 @@ pub fn real_uid(pid: u32) -> Option<u32> {
 /// followed, its command name. A process that changed its effective ids is not dumpable, and
 /// then only a holder of CAP_SYS_PTRACE may follow the link (an agent in a container may lack it).
 fn runs(pid: u32, program: &std::path::Path) -> bool {
-    let wanted = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf());
+    // The agent's own path comes from /proc/self/exe, already canonical: resolved again only
+    // when it differs (every look at every rank would otherwise walk the path's links).
+    let canonical = || std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf());
     match std::fs::read_link(format!("/proc/{pid}/exe")) {
-        Ok(exe) => {
-            exe.to_str().is_some_and(|e| std::path::Path::new(e.trim_end_matches(" (deleted)")) == wanted)
-        }
+        Ok(exe) => exe.to_str().is_some_and(|e| {
+            let exe = std::path::Path::new(e.trim_end_matches(" (deleted)"));
+            exe == program || exe == canonical()
+        }),
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
             // The kernel keeps the first 15 bytes of the file name as the command name.
+            let wanted = canonical();
             let name = wanted.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default();
             let comm = std::fs::read(format!("/proc/{pid}/comm")).unwrap_or_default();
             !name.is_empty() && comm.strip_suffix(b"\n").unwrap_or(&comm) == &name[..name.len().min(15)]
