@@ -268,6 +268,13 @@ fn run_rank(args: &SuperviseArgs, copiers: &mut Copiers) -> Result<ExitStatus, S
         command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
     }
     let mut child = command.spawn().map_err(|e| format!("spawn failed: {program}: {e}"))?;
+    // The rank runs: the agent learns it from this file, before the log copiers start (the
+    // pipes hold what the rank writes meanwhile). Whole but not synced: a pid means nothing
+    // after a power cut, which ends the rank too; synced, each rank's start waited for the
+    // disk, behind every other rank's write.
+    if let Err(e) = write_replace(&args.pid_file, child.id().to_string().as_bytes()) {
+        eprintln!("trainyard-agent supervise: failed to write {}: {e}", args.pid_file.display());
+    }
     if let Some([out, err]) = &args.logs {
         use std::os::fd::AsFd as _;
         let own = |fd: std::os::fd::BorrowedFd<'_>| fd.try_clone_to_owned().map(std::fs::File::from);
@@ -281,11 +288,6 @@ fn run_rank(args: &SuperviseArgs, copiers: &mut Copiers) -> Result<ExitStatus, S
             copiers.handles.push(h);
             copiers.dropped.push(d);
         }
-    }
-    // Whole but not synced: a pid means nothing after a power cut, which ends the rank too.
-    // Synced, each rank's start waited for the disk, behind every other rank's write.
-    if let Err(e) = write_replace(&args.pid_file, child.id().to_string().as_bytes()) {
-        eprintln!("trainyard-agent supervise: failed to write {}: {e}", args.pid_file.display());
     }
     // std's wait retries on EINTR, so a caught SIGTERM does not end the wait.
     child.wait().map_err(|e| format!("wait for rank failed: {e}"))
