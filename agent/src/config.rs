@@ -4,6 +4,16 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// The shim's own binary, looked for beside the agent's ([`AgentConfig::new`]).
+pub const SHIM_BINARY: &str = "trainyard-shim";
+
+/// `trainyard-shim` beside the agent's executable `me` where it is, else `me` (whose `supervise`
+/// is the same shim, in a binary ten times the size).
+pub fn shim_beside(me: PathBuf) -> PathBuf {
+    let beside = me.with_file_name(SHIM_BINARY);
+    if beside.is_file() { beside } else { me }
+}
+
 /// Everything the agent daemon needs to run.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -19,8 +29,8 @@ pub struct AgentConfig {
     /// What other hosts dial for `MASTER_ADDR` when this host holds rank 0; `None`: the local
     /// address of the connection to the controller ([`crate::address::detect`]).
     pub address: Option<String>,
-    /// Program run as `PROGRAM supervise ...` for every rank. The daemon passes its own
-    /// executable; tests pass the built `trainyard-agent` binary.
+    /// Program run as `PROGRAM supervise ...` for every rank: `trainyard-shim` beside the
+    /// daemon's executable, else that executable; tests pass a built binary.
     pub shim_program: PathBuf,
     /// How often the connection reads receipts and checks ranks.
     pub tick: Duration,
@@ -97,9 +107,10 @@ impl TlsFiles {
 }
 
 impl AgentConfig {
-    /// Settings with the documented defaults; the shim is this process's own executable.
+    /// Settings with the documented defaults; the shim is `trainyard-shim` beside this process's
+    /// executable, or this executable itself (its `supervise`) where there is none.
     pub fn new(controller: impl Into<String>, host_file: Option<PathBuf>, data_dir: PathBuf) -> Self {
-        let shim_program = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("trainyard-agent"));
+        let shim_program = shim_beside(std::env::current_exe().unwrap_or_else(|_| "trainyard-agent".into()));
         Self {
             controller: controller.into(),
             host_file,
@@ -129,5 +140,23 @@ impl AgentConfig {
             telemetry_window: Duration::from_secs(10),
             slurm: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shim_is_the_small_binary_beside_the_agent_where_there_is_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = dir.path().join("trainyard-agent");
+        std::fs::write(&agent, b"").unwrap();
+        assert_eq!(shim_beside(agent.clone()), agent, "no shim beside: the agent's own supervise");
+        std::fs::create_dir(dir.path().join(SHIM_BINARY)).unwrap();
+        assert_eq!(shim_beside(agent.clone()), agent, "a directory of that name is no binary");
+        std::fs::remove_dir(dir.path().join(SHIM_BINARY)).unwrap();
+        std::fs::write(dir.path().join(SHIM_BINARY), b"").unwrap();
+        assert_eq!(shim_beside(agent), dir.path().join(SHIM_BINARY));
     }
 }

@@ -2,6 +2,7 @@
 //! calls into libc stay few and small.
 
 use std::io;
+use std::path::{Path, PathBuf};
 
 /// A process as `/proc/<pid>/stat` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,18 +71,18 @@ pub fn cloexec_from(first: u32) {
     }
 }
 
-/// Whether `pid` is a live process started at `start_time` that runs `program` (an upgraded
-/// binary's " (deleted)" path counts as the same) with this process's effective uid as its
+/// Whether `pid` is a live process started at `start_time` that runs one of `programs` (an
+/// upgraded binary's " (deleted)" path counts as the same) with this process's effective uid as its
 /// real uid: a shim of this agent, never a user's process that reused the pid (after a reboot,
 /// start times repeat) or copied the shim's arguments.
 ///
 /// The real uid, not the owner of `/proc/<pid>`: a shim looks at a rank's paths with the
 /// rank user's effective ids for a moment ([`crate::supervise`]), and some kernels show the
 /// effective uid as that owner, so a shim looked at in that moment would seem another's.
-pub fn is_own_process(pid: u32, start_time: u64, program: &std::path::Path) -> bool {
+pub fn is_own_process(pid: u32, start_time: u64, programs: &[PathBuf]) -> bool {
     // SAFETY: geteuid cannot fail.
     let me = unsafe { libc::geteuid() };
-    is_same_live_process(pid, start_time) && real_uid(pid) == Some(me) && runs(pid, program)
+    is_same_live_process(pid, start_time) && real_uid(pid) == Some(me) && runs(pid, programs)
 }
 
 /// The real uid of `pid`: the first of the `Uid:` fields of `/proc/<pid>/status`.
@@ -91,24 +92,27 @@ pub fn real_uid(pid: u32) -> Option<u32> {
     line.split_whitespace().next()?.parse().ok()
 }
 
-/// Whether `pid` runs `program`: its `/proc/<pid>/exe` link, or, where the link may not be
-/// followed, its command name. A process that changed its effective ids is not dumpable, and
+/// Whether `pid` runs one of `programs`: its `/proc/<pid>/exe` link, or, where the link may not
+/// be followed, its command name. A process that changed its effective ids is not dumpable, and
 /// then only a holder of CAP_SYS_PTRACE may follow the link (an agent in a container may lack it).
-fn runs(pid: u32, program: &std::path::Path) -> bool {
-    // The agent's own path comes from /proc/self/exe, already canonical: resolved again only
-    // when it differs (every look at every rank would otherwise walk the path's links).
-    let canonical = || std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf());
+fn runs(pid: u32, programs: &[PathBuf]) -> bool {
+    // The agent's paths come from /proc/self/exe, already canonical: resolved again only when
+    // they differ (every look at every rank would otherwise walk the paths' links).
+    let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     match std::fs::read_link(format!("/proc/{pid}/exe")) {
         Ok(exe) => exe.to_str().is_some_and(|e| {
-            let exe = std::path::Path::new(e.trim_end_matches(" (deleted)"));
-            exe == program || exe == canonical()
+            let exe = Path::new(e.trim_end_matches(" (deleted)"));
+            programs.iter().any(|p| exe == p) || programs.iter().any(|p| exe == canonical(p))
         }),
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
             // The kernel keeps the first 15 bytes of the file name as the command name.
-            let wanted = canonical();
-            let name = wanted.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default();
             let comm = std::fs::read(format!("/proc/{pid}/comm")).unwrap_or_default();
-            !name.is_empty() && comm.strip_suffix(b"\n").unwrap_or(&comm) == &name[..name.len().min(15)]
+            let comm = comm.strip_suffix(b"\n").unwrap_or(&comm);
+            programs.iter().any(|p| {
+                let wanted = canonical(p);
+                let name = wanted.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default();
+                !name.is_empty() && comm == &name[..name.len().min(15)]
+            })
         }
         Err(_) => false,
     }
@@ -189,9 +193,11 @@ mod tests {
         let pid = std::process::id();
         let start = stat(pid).unwrap().start_time;
         let me = std::env::current_exe().unwrap();
-        assert!(is_own_process(pid, start, &me));
-        assert!(!is_own_process(pid, start, std::path::Path::new("/bin/true")));
-        assert!(!is_own_process(pid, start + 1, &me));
+        let other = PathBuf::from("/bin/true");
+        assert!(is_own_process(pid, start, std::slice::from_ref(&me)));
+        assert!(is_own_process(pid, start, &[other.clone(), me.clone()]), "any of the programs");
+        assert!(!is_own_process(pid, start, &[other]));
+        assert!(!is_own_process(pid, start + 1, &[me]));
     }
 
     /// A process of this uid that runs as another user for a moment (as a shim does while it
@@ -216,7 +222,7 @@ mod tests {
         }
         let start = stat(pid).unwrap().start_time;
         let sleep = std::fs::canonicalize("/usr/bin/sleep").unwrap();
-        let ours = is_own_process(pid, start, &sleep);
+        let ours = is_own_process(pid, start, &[sleep]);
         let _ = child.kill();
         let _ = child.wait();
         assert_eq!(real_uid(pid), None, "gone after the wait");

@@ -59,6 +59,9 @@ use trainyard_proto::words::RankState;
 pub struct Launcher {
     layout: Layout,
     shim_program: PathBuf,
+    /// What a shim of this agent may run: `shim_program`, and the agent's own binary (its
+    /// `supervise`), which an earlier agent may have started shims as.
+    shims: Vec<PathBuf>,
     inventory: HostInventory,
     ranks: BTreeMap<RankId, Rank>,
     /// Local id of the preflight report the next ranks start under (`TRAINYARD_PREFLIGHT_REPORT`).
@@ -105,9 +108,13 @@ impl Launcher {
             Ok(false) => warn!("no room on the data directory's file system for the agent's reserve"),
             Err(e) => warn!(error = %e, "cannot allocate the agent's reserve"),
         }
+        info!(shim = %shim_program.display(), "ranks start under this shim");
+        let mut shims = vec![shim_program.clone()];
+        shims.extend(std::env::current_exe().ok().filter(|me| *me != shim_program));
         Ok(Self {
             layout,
             shim_program,
+            shims,
             inventory,
             ranks: BTreeMap::new(),
             preflight_report: None,
@@ -164,7 +171,7 @@ impl Launcher {
         let count = records.len();
         for mut record in records {
             if record.phase == RankState::Launching && record.shim_pid.is_none() {
-                find_unrecorded_shim(&mut record, &self.shim_program);
+                find_unrecorded_shim(&mut record, &self.shims);
                 if let Err(e) = record.save(&self.layout) {
                     warn!(rank_id = %record.id, error = %e, "failed to write rank state file");
                 }
@@ -445,7 +452,7 @@ impl Launcher {
     pub fn poll_exits(&mut self) -> Vec<RankId> {
         let mut changed = Vec::new();
         for rank in self.ranks.values_mut() {
-            if !rank.record.phase.is_done() && observe(&mut rank.record, &self.shim_program) {
+            if !rank.record.phase.is_done() && observe(&mut rank.record, &self.shims) {
                 let done = rank.record.phase.is_done();
                 let receipt = done && rank.record.pid.is_some() && !rank.record.exit_receipt;
                 rank.record.exit_receipt |= receipt;

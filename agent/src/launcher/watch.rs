@@ -1,7 +1,7 @@
 //! How the launcher follows a rank it started: reading what its shim left (pid file,
 //! `exit.json`), finding a shim it had not recorded, and terminating a rank's process group.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use tracing::{info, warn};
@@ -25,9 +25,9 @@ pub const STARTING_TICK: Duration = Duration::from_millis(2);
 /// For a rank recorded as launching with no shim (the agent stopped between recording it and
 /// recording its shim): adopts the shim if one runs for it, else marks the rank lost, since it
 /// was never started (or its shim is gone without a trace) and must not be started twice.
-pub(super) fn find_unrecorded_shim(record: &mut RankRecord, shim: &Path) {
+pub(super) fn find_unrecorded_shim(record: &mut RankRecord, shims: &[PathBuf]) {
     let found = procfs::find_by_argument("--status-file", record.files.exit.as_os_str());
-    let ours = found.into_iter().find(|(pid, stat)| procfs::is_own_process(*pid, stat.start_time, shim));
+    let ours = found.into_iter().find(|(pid, stat)| procfs::is_own_process(*pid, stat.start_time, shims));
     if let Some((pid, stat)) = ours {
         info!(rank_id = %record.id, shim_pid = pid, "found the shim of a rank the agent had not recorded as started");
         record.shim_pid = Some(pid);
@@ -39,14 +39,14 @@ pub(super) fn find_unrecorded_shim(record: &mut RankRecord, shim: &Path) {
     }
 }
 
-/// Looks at one unfinished rank whose shim runs the program `shim`; returns whether its record
-/// changed.
-pub(super) fn observe(record: &mut RankRecord, shim: &Path) -> bool {
+/// Looks at one unfinished rank whose shim runs one of the programs `shims`; returns whether its
+/// record changed.
+pub(super) fn observe(record: &mut RankRecord, shims: &[PathBuf]) -> bool {
     // Liveness first: the shim writes exit.json before it exits, so a shim seen gone before
     // exit.json is looked for really left without writing it. Only the agent's own process
     // counts as the shim (its uid, its binary, its start time).
     let shim_alive = match (record.shim_pid, record.shim_start_time) {
-        (Some(pid), Some(start)) => procfs::is_own_process(pid, start, shim),
+        (Some(pid), Some(start)) => procfs::is_own_process(pid, start, shims),
         _ => false,
     };
     let mut changed = false;

@@ -83,7 +83,7 @@ pub async fn start(host: &str) -> Fake {
     let data = dir.path().join("data");
     let mut config =
         AgentConfig::new(format!("http://{addr}"), Some(dir.path().join("host.json")), data.clone());
-    config.shim_program = env!("CARGO_BIN_EXE_trainyard-agent").into();
+    config.shim_program = env!("CARGO_BIN_EXE_trainyard-shim").into();
     // These tests run as root on CI machines; their launches name no Unix account.
     config.allow_root_ranks = true;
     let (stop, stop_rx) = oneshot::channel::<()>();
