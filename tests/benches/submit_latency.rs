@@ -15,6 +15,9 @@
 //! instead of a cgroup each (`--process-tracking subreaper`), what a launch cost before
 //! per-rank cgroups.
 //!
+//! First, one shim's start ([`shim`]): the small `trainyard-shim` and the agent's own binary
+//! supervising a rank that exits at once, against the rank forked and exec'd bare.
+//!
 //! Every run writes its figures to `docs/results/submit_latency-<date>.jsonl`
 //! ([`trainyard_tests::results`]): one line per cluster and rank count (medians and p90s), then
 //! the summary.
@@ -29,6 +32,8 @@ use trainyard_tests::Cluster;
 
 #[path = "submit_latency/raw.rs"]
 mod raw;
+#[path = "submit_latency/shim.rs"]
+mod shim;
 use trainyard_tests::results::{Results, results_dir};
 
 const JOBS: usize = 25;
@@ -101,6 +106,33 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
     }))
 }
 
+/// One shim's start, both binaries, and the bare rank: a line of the results.
+fn shim_starts(out: &mut Results) -> anyhow::Result<()> {
+    let [small, agent, bare] = shim::start_costs()?;
+    let over =
+        |c: shim::Cost| (c.cpu_mean_us as f64 / bare.cpu_mean_us.max(1) as f64 * 100.0).round() / 100.0;
+    let ms = |us: i64| us as f64 / 1000.0;
+    println!(
+        "shim start, {} each, alternating (wall median, CPU mean): trainyard-shim {:.2} ms, {:.2} ms CPU \
+         ({:.2} times the bare rank's CPU); trainyard-agent supervise {:.2} ms, {:.2} ms CPU ({:.2} times); \
+         the bare rank {:.2} ms, {:.2} ms CPU",
+        shim::STARTS,
+        ms(small.wall_p50_us),
+        ms(small.cpu_mean_us),
+        over(small),
+        ms(agent.wall_p50_us),
+        ms(agent.cpu_mean_us),
+        over(agent),
+        ms(bare.wall_p50_us),
+        ms(bare.cpu_mean_us),
+    );
+    let cost = |c: shim::Cost| json!({"wall_p50_us": c.wall_p50_us, "cpu_mean_us": c.cpu_mean_us, "cpu_over_bare": over(c)});
+    out.line(&json!({"shim_start": {
+        "starts": shim::STARTS, "trainyard_shim": cost(small), "trainyard_agent_supervise": cost(agent),
+        "bare_rank": {"wall_p50_us": bare.wall_p50_us, "cpu_mean_us": bare.cpu_mean_us},
+    }}))
+}
+
 fn main() -> anyhow::Result<()> {
     // `cargo bench` hands this process an `LD_LIBRARY_PATH` of some 45 build directories, which
     // the cluster's processes inherit: every program `ctl`, a rank or its shell runs would look
@@ -111,6 +143,7 @@ fn main() -> anyhow::Result<()> {
     trainyard_tests::build_release_binaries()?;
     let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let mut out = Results::create(&results_dir(), "submit_latency", &named)?;
+    shim_starts(&mut out)?;
     let mut medians = Vec::new();
     for label in ["demo", "secure", "demo-subreaper"] {
         let by_default = label != "demo-subreaper";
