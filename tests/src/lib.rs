@@ -725,9 +725,20 @@ impl Cluster {
     /// root included (`--allow-root-ranks`); a secure cluster's agents never do, and present
     /// a certificate `issue-agent-cert` makes for `name`.
     pub fn start_agent_env(&mut self, name: &str, host: &Path, env: &[(&str, &str)]) -> Result<()> {
-        let agent = bin("trainyard-agent")?;
+        self.start_agent_program(&bin("trainyard-agent")?, name, host, env)
+    }
+
+    /// [`Cluster::start_agent_env`] with the agent binary at `agent` (a copy elsewhere: the
+    /// agent starts ranks under the `trainyard-shim` beside it, or under its own `supervise`).
+    pub fn start_agent_program(
+        &mut self,
+        agent: &Path,
+        name: &str,
+        host: &Path,
+        env: &[(&str, &str)],
+    ) -> Result<()> {
         let mut command = match (&self.lab, self.agent_hosts.get(name)) {
-            (Some(lab), Some(&i)) => lab.command(i, &agent),
+            (Some(lab), Some(&i)) => lab.command(i, agent),
             _ => Command::new(agent),
         };
         match &self.pki {

@@ -175,6 +175,41 @@ fn agent_killed_between_spawn_and_record_adopts_the_rank_it_started() -> anyhow:
     Ok(())
 }
 
+/// An agent upgraded while its rank runs: the old agent had no `trainyard-shim` beside it and
+/// started the rank under its own binary's `supervise`; the new one, with the small shim beside
+/// it, adopts that shim instead of losing the rank. One attempt, every step once.
+#[test]
+fn an_agent_given_the_small_shim_adopts_a_rank_its_own_binary_started() -> anyhow::Result<()> {
+    let mut c = Cluster::start()?;
+    let bin = c.path("bin");
+    std::fs::create_dir(&bin)?;
+    let agent = bin.join("trainyard-agent");
+    std::fs::copy(trainyard_tests::bin("trainyard-agent")?, &agent)?;
+    let host = trainyard_tests::host_file(c.dir.path(), "node-a", 1);
+    c.start_agent_program(&agent, "node-a", &host, &[])?;
+    let job = c.submit(&c.job_file("upgraded", 1, 1, &["--steps", "100", "--step-ms", "50"], ""))?;
+    c.wait_state(job, &["running"], Duration::from_secs(60))?;
+    let before = c.logs("agent-node-a");
+    assert!(
+        before.contains(&format!("shim={}", agent.display())),
+        "the old agent's shim is itself:\n{before}"
+    );
+    c.kill_agent("node-a");
+    std::fs::copy(trainyard_tests::bin("trainyard-shim")?, bin.join("trainyard-shim"))?;
+    c.start_agent_program(&agent, "node-a", &host, &[])?;
+    let status = c.wait_state(job, &["succeeded", "failed", "cancelled"], Duration::from_secs(60))?;
+    let after = c.logs("agent-node-a");
+    assert!(after.contains(&format!("shim={}", bin.join("trainyard-shim").display())), "{after}");
+    assert_eq!(status["state"], "succeeded", "{status}\n{after}");
+    assert_eq!(status["attempt"], 0, "{status}");
+    let counts = c.query(&format!(
+        "SELECT COUNT(*) FILTER (WHERE kind = 'launch'), COUNT(*) FILTER (WHERE kind = 'step'), \
+         COUNT(DISTINCT step) FROM receipts WHERE job_id = {job}"
+    ))?;
+    assert_eq!(counts[0], vec![1, 100, 100], "the rank ran once and its steps were stored once");
+    Ok(())
+}
+
 /// The controller SIGKILLed while 8 ranks stream receipts into PostgreSQL at 40,000 per second:
 /// after its restart every receipt is stored exactly once.
 #[test]
