@@ -58,9 +58,8 @@ use trainyard_proto::words::RankState;
 #[derive(Debug)]
 pub struct Launcher {
     layout: Layout,
-    shim_program: PathBuf,
-    /// What a shim of this agent may run: `shim_program`, and the agent's own binary (its
-    /// `supervise`), which an earlier agent may have started shims as.
+    /// What a shim of this agent may run: first the program ranks start under, then the agent's
+    /// own binary (its `supervise`), which an earlier agent may have started shims as.
     shims: Vec<PathBuf>,
     inventory: HostInventory,
     ranks: BTreeMap<RankId, Rank>,
@@ -109,11 +108,10 @@ impl Launcher {
             Err(e) => warn!(error = %e, "cannot allocate the agent's reserve"),
         }
         info!(shim = %shim_program.display(), "ranks start under this shim");
-        let mut shims = vec![shim_program.clone()];
-        shims.extend(std::env::current_exe().ok().filter(|me| *me != shim_program));
+        let me = std::env::current_exe().ok().filter(|me| *me != shim_program);
+        let shims = std::iter::once(shim_program).chain(me).collect();
         Ok(Self {
             layout,
-            shim_program,
             shims,
             inventory,
             ranks: BTreeMap::new(),
@@ -422,7 +420,8 @@ impl Launcher {
             .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
             .filter(|(name, _)| name != VISIBLE_DEVICES)
             .collect();
-        let mut command = tokio::process::Command::new(&self.shim_program);
+        let program = &self.shims[0];
+        let mut command = tokio::process::Command::new(program);
         command.env_clear().env("PATH", SHIM_PATH).current_dir("/");
         command.arg("supervise").arg("--status-file").arg(&files.exit).arg("--pid-file").arg(&files.pid);
         command.arg("--env-file").arg(files.env()).arg("--workdir").arg(&exec.workdir);
@@ -444,7 +443,7 @@ impl Launcher {
         write_private(&files.env(), &bytes, PRIVATE_FILE_MODE)
             .map_err(|e| format!("cannot write {}: {e}", files.env().display()))?;
         command.arg("--").args(&exec.argv).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
-        shim::start(command, &self.shim_program)
+        shim::start(command, program)
     }
 
     /// Checks every rank that has not ended yet; returns the ids of those that changed (their
