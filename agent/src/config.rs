@@ -60,6 +60,8 @@ pub struct AgentConfig {
     pub subreaper_only: bool,
     /// What is kept of each of a rank's streams, in bytes (`--rank-output-cap-mib`).
     pub rank_output_cap: u64,
+    /// The interpreters the Python bootstrap is compiled with (a name is looked up on `PATH`).
+    pub bootstrap_pythons: Vec<PathBuf>,
     /// No launch and no rank output while the data directory is under this
     /// (`--disk-floor-mib`, `--disk-floor-percent`).
     pub disk_floor: crate::layout::DiskFloor,
@@ -88,6 +90,20 @@ pub enum GpuSource {
     Off,
     /// A file standing in for the driver (hosts without a GPU: tests, demos).
     Script(PathBuf),
+}
+
+impl GpuSource {
+    /// `auto`, `off` or `script:FILE`, as given to the flag `--{flag}`.
+    pub fn parse(flag: &str, text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(Self::Auto),
+            "off" => Ok(Self::Off),
+            _ => match text.strip_prefix("script:") {
+                Some(path) if !path.is_empty() => Ok(Self::Script(PathBuf::from(path))),
+                _ => Err(format!("--{flag} {text:?}: give auto, off or script:FILE")),
+            },
+        }
+    }
 }
 
 /// The PEM files of an agent's TLS (`trainyard-controller init-pki` writes them as
@@ -130,6 +146,7 @@ impl AgentConfig {
             allow_root_ranks: false,
             subreaper_only: false,
             rank_output_cap: crate::output::DEFAULT_CAP_BYTES,
+            bootstrap_pythons: vec!["python3".into()],
             disk_floor: crate::layout::DiskFloor::default(),
             preemption_notice: None,
             notice_poll: Duration::from_secs(1),

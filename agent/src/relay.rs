@@ -106,7 +106,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<(
         .with_context(|| format!("prepare data directory {}", config.data_dir.display()))?
         .allow_root_ranks(config.allow_root_ranks)
         .with_limits(config.rank_output_cap, config.disk_floor)
-        .with_gpu_holders(gpu_holders(&config.gpu_processes));
+        .with_gpu_holders(gpu_holders(&config.gpu_processes))
+        .precompile_bootstrap(&config.bootstrap_pythons);
     if config.subreaper_only {
         let tracking = crate::cgroup::Tracking::Subreaper("--process-tracking subreaper".into());
         info!("{}", tracking.describe());

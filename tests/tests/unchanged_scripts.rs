@@ -195,6 +195,20 @@ fn unchanged_ddp_loops_get_a_receipt_per_rank_and_step_with_what_their_loggers_l
     let summary = status["goodput"]["summary"].as_str().unwrap_or_default();
     ensure!(summary.starts_with("unknown (no step receipts)"), "{status}");
     ensure!(status["goodput"]["goodput"].is_null(), "{status}");
+
+    // The agent compiled its bootstrap once, with the python3 on its PATH: no rank compiles it.
+    let boot = std::fs::read_dir(c.path("agent-a").join("bootstrap"))?
+        .filter_map(|e| Some(e.ok()?.path()))
+        .find(|p| p.join("sitecustomize.py").is_file())
+        .context("the agent's bootstrap directory")?;
+    let pyc = std::fs::read_dir(boot.join("__pycache__"))
+        .with_context(|| format!("{}: no __pycache__", boot.display()))?
+        .filter_map(|e| Some(e.ok()?.path()))
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("sitecustomize.cpython-")))
+        .with_context(|| format!("no compiled sitecustomize in {}", boot.display()))?;
+    // Flags 3 (checked hash) as the agent compiles; a rank's interpreter would write 0 (timestamp).
+    let flags = std::fs::read(&pyc)?.get(4..8).map(|f| u32::from_le_bytes(f.try_into().unwrap()));
+    ensure!(flags == Some(3), "{}: flags {flags:?}", pyc.display());
     Ok(())
 }
 

@@ -74,6 +74,16 @@ struct Cli {
     /// to `<name>.1`, the oldest output dropped and counted.
     #[arg(long, env = "TRAINYARD_RANK_OUTPUT_CAP_MIB", default_value_t = 512, global = true, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     rank_output_cap_mib: u64,
+    /// A Python that ranks run under, to compile the bootstrap with once (so that each rank's
+    /// interpreter need not); repeat for several versions (docs/receipts.md).
+    #[arg(
+        long,
+        env = "TRAINYARD_BOOTSTRAP_PYTHON",
+        value_delimiter = ',',
+        default_value = "python3",
+        global = true
+    )]
+    bootstrap_python: Vec<PathBuf>,
     /// No launch and no rank output while the data directory's file system has less free than
     /// the larger of this many MiB and --disk-floor-percent of its size.
     #[arg(long, env = "TRAINYARD_DISK_FLOOR_MIB", default_value_t = 1024, global = true)]
@@ -173,18 +183,6 @@ enum Command {
     Supervise(Box<shim::ShimCli>),
 }
 
-/// `auto`, `off` or `script:FILE`.
-fn gpu_source(flag: &str, text: &str) -> anyhow::Result<GpuSource> {
-    match text {
-        "auto" => Ok(GpuSource::Auto),
-        "off" => Ok(GpuSource::Off),
-        _ => match text.strip_prefix("script:") {
-            Some(path) if !path.is_empty() => Ok(GpuSource::Script(PathBuf::from(path))),
-            _ => anyhow::bail!("--{flag} {text:?}: give auto, off or script:FILE"),
-        },
-    }
-}
-
 impl TryFrom<&Cli> for AgentConfig {
     type Error = anyhow::Error;
 
@@ -227,6 +225,7 @@ impl TryFrom<&Cli> for AgentConfig {
         config.subreaper_only = cli.process_tracking == ProcessTracking::Subreaper
             || (slurm.is_some() && trainyard_agent::account::effective_uid() != 0);
         config.rank_output_cap = cli.rank_output_cap_mib << 20;
+        config.bootstrap_pythons = cli.bootstrap_python.clone();
         config.disk_floor = trainyard_agent::layout::DiskFloor {
             bytes: cli.disk_floor_mib << 20,
             percent: cli.disk_floor_percent,
@@ -239,8 +238,9 @@ impl TryFrom<&Cli> for AgentConfig {
                 Some(trainyard_agent::notice::NoticeSource::parse(text).map_err(anyhow::Error::msg)?);
         }
         config.notice_deadline = std::time::Duration::from_secs(cli.preemption_deadline_secs);
-        config.telemetry = gpu_source("telemetry", &cli.telemetry)?;
-        config.gpu_processes = gpu_source("gpu-processes", &cli.gpu_processes)?;
+        config.telemetry = GpuSource::parse("telemetry", &cli.telemetry).map_err(anyhow::Error::msg)?;
+        config.gpu_processes =
+            GpuSource::parse("gpu-processes", &cli.gpu_processes).map_err(anyhow::Error::msg)?;
         let seconds = |v: f64, flag: &str, min: f64| {
             if v.is_finite() && v >= min && v <= 3600.0 {
                 Ok(std::time::Duration::from_secs_f64(v))
@@ -389,21 +389,22 @@ fn telemetry(cli: &Cli, gpus: &[u32], count: u32, output: Output) -> ExitCode {
         eprintln!("trainyard-agent telemetry: {message}");
         ExitCode::from(2)
     };
-    let (mut sampler, all): (Box<dyn GpuSampler>, Vec<u32>) = match gpu_source("telemetry", &cli.telemetry) {
-        Err(e) => return failed(format!("{e:#}")),
-        Ok(GpuSource::Off) => return failed("--telemetry off reads nothing".into()),
-        Ok(GpuSource::Script(path)) => match ScriptedSampler::load(path) {
-            Ok(s) => (Box::new(s), vec![0]),
+    let (mut sampler, all): (Box<dyn GpuSampler>, Vec<u32>) =
+        match GpuSource::parse("telemetry", &cli.telemetry) {
             Err(e) => return failed(e),
-        },
-        Ok(GpuSource::Auto) => match NvmlSampler::new() {
-            Ok(s) => {
-                let all = (0..s.gpu_count()).collect();
-                (Box::new(s), all)
-            }
-            Err(why) => return failed(why),
-        },
-    };
+            Ok(GpuSource::Off) => return failed("--telemetry off reads nothing".into()),
+            Ok(GpuSource::Script(path)) => match ScriptedSampler::load(path) {
+                Ok(s) => (Box::new(s), vec![0]),
+                Err(e) => return failed(e),
+            },
+            Ok(GpuSource::Auto) => match NvmlSampler::new() {
+                Ok(s) => {
+                    let all = (0..s.gpu_count()).collect();
+                    (Box::new(s), all)
+                }
+                Err(why) => return failed(why),
+            },
+        };
     let gpus = if gpus.is_empty() { all } else { gpus.to_vec() };
     eprintln!(
         "trainyard-agent telemetry: {} ({} GPU(s), {count} reading(s))",

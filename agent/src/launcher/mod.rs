@@ -135,14 +135,31 @@ impl Launcher {
         self
     }
 
-    /// Holds ranks' processes as `tracking` says rather than as this host allows (tests: the
-    /// subreaper on a host with cgroups).
+    /// Compiles the Python bootstrap with `pythons`, once per bootstrap (docs/receipts.md), on a
+    /// thread of its own: a rank that starts before it is done compiles the source itself.
+    pub fn precompile_bootstrap(self, pythons: &[PathBuf]) -> Self {
+        let (bootstrap, pythons) = (self.bootstrap.clone(), pythons.to_vec());
+        let compile = move || {
+            for failed in bootstrap.precompile(&pythons) {
+                warn!(
+                    "cannot compile the Python bootstrap with {failed}; ranks of that Python compile it at every start"
+                );
+            }
+        };
+        if let Err(e) = std::thread::Builder::new().name("bootstrap-compile".into()).spawn(compile) {
+            warn!(error = %e, "cannot start the thread that compiles the Python bootstrap");
+        }
+        self
+    }
+
     /// Asks `holders` which processes compute on a GPU before a rank starts there.
     pub fn with_gpu_holders(mut self, holders: Option<Arc<dyn GpuHolders>>) -> Self {
         self.gpu_holders = holders;
         self
     }
 
+    /// Holds ranks' processes as `tracking` says rather than as this host allows (tests: the
+    /// subreaper on a host with cgroups).
     pub fn with_tracking(mut self, tracking: Tracking) -> Self {
         self.tracking = tracking;
         self
