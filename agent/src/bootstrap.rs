@@ -103,6 +103,24 @@ ok = compileall.compile_dir(sys.argv[1], quiet=2, workers=1,
                             invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
 sys.exit(0 if ok else 3)";
 
+/// A compile of the bootstrap under way ([`Bootstrap::compile_in_background`]).
+#[derive(Debug)]
+pub struct Compiling(std::sync::Mutex<std::sync::mpsc::Receiver<()>>);
+
+impl Compiling {
+    /// Waits for the compile to end, at most `limit` (ranks started before it ends compile the
+    /// source themselves, at the cost of their start).
+    pub fn wait(self, limit: Duration) {
+        let done = self.0.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = done.recv_timeout(limit) {
+            tracing::warn!(
+                "the Python bootstrap is still compiling after {}s; ranks starting now compile it themselves",
+                limit.as_secs()
+            );
+        }
+    }
+}
+
 fn compile_with(python: &Path, dir: &Path) -> Result<(), String> {
     let name = python.display();
     // -I: the agent's own PYTHONPATH and user site never reach the compiler.
@@ -169,6 +187,24 @@ impl Bootstrap {
             let _ = std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o755));
         }
         failed
+    }
+
+    /// [`Bootstrap::precompile`] on a thread of its own, each failure a warning in the log.
+    pub fn compile_in_background(&self, pythons: Vec<PathBuf>) -> Compiling {
+        let (done, compiling) = std::sync::mpsc::channel();
+        let bootstrap = self.clone();
+        let compile = move || {
+            for failed in bootstrap.precompile(&pythons) {
+                tracing::warn!(
+                    "cannot compile the Python bootstrap with {failed}; ranks of that Python compile it at every start"
+                );
+            }
+            let _ = done.send(());
+        };
+        if let Err(e) = std::thread::Builder::new().name("bootstrap-compile".into()).spawn(compile) {
+            tracing::warn!(error = %e, "cannot start the thread that compiles the Python bootstrap");
+        }
+        Compiling(std::sync::Mutex::new(compiling))
     }
 
     /// Puts the bootstrap into a rank's environment `env` (the agent's, the account's and the

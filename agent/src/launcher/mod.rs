@@ -69,6 +69,8 @@ pub struct Launcher {
     root_ranks: bool,
     /// The Python bootstrap `exec` ranks get on their path.
     bootstrap: Bootstrap,
+    /// The bootstrap's compile, until the first launch has waited for it.
+    compiling: Option<crate::bootstrap::Compiling>,
     /// When acknowledged positions were last written to the state files.
     acks_persisted_at: std::time::Instant,
     /// How every process of a rank is held: its cgroups, or its shim as a subreaper.
@@ -118,6 +120,7 @@ impl Launcher {
             preflight_report: None,
             root_ranks: false,
             bootstrap,
+            compiling: None,
             acks_persisted_at: std::time::Instant::now(),
             tracking,
             output_cap: crate::output::DEFAULT_CAP_BYTES,
@@ -135,20 +138,10 @@ impl Launcher {
         self
     }
 
-    /// Compiles the Python bootstrap with `pythons`, once per bootstrap (docs/receipts.md), on a
-    /// thread of its own: a rank that starts before it is done compiles the source itself.
-    pub fn precompile_bootstrap(self, pythons: &[PathBuf]) -> Self {
-        let (bootstrap, pythons) = (self.bootstrap.clone(), pythons.to_vec());
-        let compile = move || {
-            for failed in bootstrap.precompile(&pythons) {
-                warn!(
-                    "cannot compile the Python bootstrap with {failed}; ranks of that Python compile it at every start"
-                );
-            }
-        };
-        if let Err(e) = std::thread::Builder::new().name("bootstrap-compile".into()).spawn(compile) {
-            warn!(error = %e, "cannot start the thread that compiles the Python bootstrap");
-        }
+    /// Compiles the Python bootstrap with `pythons` (once per bootstrap, docs/receipts.md) on a
+    /// thread of its own; the first launch waits for it, so no rank starts while it runs.
+    pub fn precompile_bootstrap(mut self, pythons: &[PathBuf]) -> Self {
+        self.compiling = Some(self.bootstrap.compile_in_background(pythons.to_vec()));
         self
     }
 
@@ -232,6 +225,9 @@ impl Launcher {
     }
 
     fn launch_or_refuse(&mut self, launch: &Launch, refusal: Option<&str>) -> Vec<RankId> {
+        if let Some(compiling) = self.compiling.take() {
+            compiling.wait(Duration::from_secs(2));
+        }
         let mut launch = launch.clone();
         if launch.master_port == 0 {
             launch.master_port =
