@@ -319,9 +319,13 @@ async fn the_shim_gets_a_clean_environment_and_run_files_are_private() {
     let mut h = Harness::new();
     let overlay =
         [("LD_PRELOAD", "/nonexistent/trainyard-test.so"), ("GCONV_PATH", "/tmp/x"), ("FOO", "bar")];
-    // A descriptor the agent holds without close-on-exec (as one a service manager passes).
-    // SAFETY: dup of stderr; closed below.
-    let leaked = unsafe { libc::dup(2) };
+    // A descriptor the agent holds without close-on-exec (as one a service manager passes, or
+    // a device a C library opened).
+    let inherited = h.dir.path().join("inherited");
+    std::fs::write(&inherited, b"").unwrap();
+    let path = std::ffi::CString::new(inherited.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path; the descriptor is closed below.
+    let leaked = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY) };
     assert!(leaked > 2);
     h.launcher.launch(&launch(11, 1, &h.workdir(), &["sleep", "30"], &overlay));
     h.wait_for(id(11, 0), "running", |p, pid| p == RankState::Running && pid.is_some()).await;
@@ -340,6 +344,12 @@ async fn the_shim_gets_a_clean_environment_and_run_files_are_private() {
         fds.iter().all(|fd| fd.parse::<i32>().unwrap() <= 2),
         "the rank has only stdin, stdout and stderr open: {fds:?}"
     );
+    // Nor does the shim hold it open (it closes what it inherited first thing).
+    let held = std::fs::read_dir(format!("/proc/{shim_pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .any(|target| target == inherited);
+    assert!(!held, "the shim holds the descriptor its agent inherited");
     let shim = std::fs::read(format!("/proc/{}/environ", r.shim_pid.unwrap())).unwrap();
     let shim: Vec<&[u8]> = shim.split(|b| *b == 0).filter(|v| !v.is_empty()).collect();
     assert_eq!(
