@@ -9,6 +9,9 @@
 //! trainyard around them, the machine's floor, and `trainyard / raw` (`ctl start → running`
 //! over the raw launch's median), the figure that travels between machines.
 //!
+//! Beside them, the agent's side of each launch from its own log ([`agent_log`]): how long it
+//! took from the launch to its first shim, and between two shims.
+//!
 //! Two clusters: the loopback demo (plaintext, no credentials) and a secure one (TLS with agent
 //! certificates, ctl with a token, ranks run as the user's account: `nobody` under root). Named
 //! only, `demo-subreaper`: the demo with its agent's ranks held by their shims as subreapers
@@ -30,6 +33,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde_json::json;
 use trainyard_tests::Cluster;
 
+#[path = "submit_latency/agent_log.rs"]
+mod agent_log;
 #[path = "submit_latency/raw.rs"]
 mod raw;
 #[path = "submit_latency/shim.rs"]
@@ -57,9 +62,11 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
     let (mut in_controller, mut end_to_end) = (Vec::new(), Vec::new());
     // Where the time goes: ctl's start to the job stored, stored to placed, placed to running.
     let (mut ctl_part, mut placing, mut launching) = (Vec::new(), Vec::new(), Vec::new());
+    let mut jobs = Vec::with_capacity(JOBS);
     for _ in 0..JOBS {
         let t0 = now_ms();
         let job = c.submit(&file)?;
+        jobs.push(job);
         c.wait_state(job, &["succeeded"], Duration::from_secs(30))?;
         let rows = c.query(&format!(
             "SELECT MIN(CASE WHEN to_state = 'pending' THEN at_ms END), \
@@ -76,6 +83,7 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
     for v in [&mut in_controller, &mut end_to_end, &mut ctl_part, &mut placing, &mut launching] {
         v.sort_unstable();
     }
+    let agent = agent_log::read(&c.path("agent-node-a.log"), &jobs)?;
     let raw = raw::launch_times(ranks, JOBS)?;
     let raw_p50 = percentile(&raw, 0.5).max(1);
     let (in_p50, in_p90) = (percentile(&in_controller, 0.5), percentile(&in_controller, 0.9));
@@ -87,7 +95,9 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
         "{label}: {ranks} rank(s), {JOBS} jobs: submitted→running median {in_p50} ms (p90 {in_p90} ms); \
          ctl start→running median {end_p50} ms (p90 {end_p90} ms); target median < {TARGET_MEDIAN_MS} ms; \
          medians of the parts: ctl start→stored {ctl_p50} ms, stored→placed {placing_p50} ms, \
-         placed→running {launching_p50} ms; raw launch median {raw_p50} ms (trainyard / raw {ratio:.2})"
+         placed→running {launching_p50} ms; raw launch median {raw_p50} ms (trainyard / raw {ratio:.2}); \
+         in the agent: launch→first shim {:.1} ms, between two shims {:.2} ms",
+        agent.launch_to_first_shim_ms, agent.shim_gap_ms
     );
     out.line(&json!({
         "cluster": label, "ranks": ranks, "jobs": JOBS,
@@ -95,6 +105,8 @@ fn measure(out: &mut Results, c: &Cluster, label: &str, ranks: u32) -> anyhow::R
         "ctl_start_to_running_p50_ms": end_p50, "ctl_start_to_running_p90_ms": end_p90,
         "ctl_start_to_stored_p50_ms": ctl_p50, "stored_to_placed_p50_ms": placing_p50,
         "placed_to_running_p50_ms": launching_p50,
+        "agent_launch_to_first_shim_p50_ms": (agent.launch_to_first_shim_ms * 100.0).round() / 100.0,
+        "agent_shim_gap_p50_ms": (agent.shim_gap_ms * 100.0).round() / 100.0,
         "raw_launch_p50_ms": raw_p50, "raw_launch_p90_ms": percentile(&raw, 0.9),
         "ctl_start_to_running_over_raw": (ratio * 100.0).round() / 100.0,
         "target_median_ms": TARGET_MEDIAN_MS,
