@@ -51,25 +51,9 @@ pub fn children_of(parent: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Closes every descriptor from `first` up: the shim's first act, so that nothing its agent
-/// held without close-on-exec (a device a C library opened, a service manager's socket) stays
-/// open in it for the rank's life.
-pub fn close_from(first: u32) {
-    // SAFETY: close_range and close with integer arguments.
-    unsafe {
-        if libc::syscall(libc::SYS_close_range, first, u32::MAX, 0) == 0 {
-            return;
-        }
-        let max = libc::sysconf(libc::_SC_OPEN_MAX).clamp(0, 1 << 20) as i32;
-        for fd in first as i32..max {
-            libc::close(fd);
-        }
-    }
-}
-
 /// Marks every descriptor from `first` up close-on-exec, so a program started next inherits
-/// only its stdin, stdout and stderr. Async-signal-safe and allocates nothing; marks rather than
-/// closes, so the pipe std reports an exec failure on keeps working.
+/// only its stdin, stdout and stderr. Between fork and exec: async-signal-safe, allocates
+/// nothing; marks rather than closes, so the pipe std reports an exec failure on keeps working.
 pub fn cloexec_from(first: u32) {
     // SAFETY: close_range and fcntl with integer arguments.
     unsafe {

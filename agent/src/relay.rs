@@ -75,10 +75,6 @@ const REFUSED_RETRY: Duration = Duration::from_secs(30);
 /// unusable data directory); after start-up, problems are logged and retried. Ranks keep
 /// running when this returns.
 pub async fn run(config: AgentConfig, shutdown: impl Future) -> anyhow::Result<()> {
-    // Nothing this process inherited (a service manager's sockets, a test harness's pipes)
-    // reaches its children: shims start by posix_spawn, with no code of ours between the fork
-    // and the exec that could close it there.
-    crate::procfs::cloexec_from(3);
     let host = probe(&config)?;
     let mut inventory = host.inventory()?;
     crate::pinning::reserve_cpus(&mut inventory, config.reserve_cpus);

@@ -344,7 +344,7 @@ async fn the_shim_gets_a_clean_environment_and_run_files_are_private() {
         fds.iter().all(|fd| fd.parse::<i32>().unwrap() <= 2),
         "the rank has only stdin, stdout and stderr open: {fds:?}"
     );
-    // Nor does the shim hold it open (it closes what it inherited first thing).
+    // Nor does the shim hold it open (it is marked close-on-exec before the shim's exec).
     let held = std::fs::read_dir(format!("/proc/{shim_pid}/fd"))
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())

@@ -64,12 +64,6 @@ pub struct ShimCli {
 
 /// Runs the shim to the end; its exit code is 0 once `exit.json` is written.
 pub fn run(shim: ShimCli) -> ExitCode {
-    // A session of its own, away from the agent's terminal and signals: the agent starts the
-    // shim by posix_spawn and runs nothing between fork and exec to do it there.
-    // SAFETY: setsid takes no pointers; it fails only where the shim already leads a group.
-    unsafe { libc::setsid() };
-    // Nothing it inherited beyond its stdio stays open, in it or in the rank.
-    trainyard_agent::procfs::close_from(3);
     let ShimCli {
         status_file,
         pid_file,

@@ -88,12 +88,22 @@ pub(super) fn logs(command: &mut Command, files: &RankFiles, cap: u64, floor: Di
     command.arg("--keep-free-percent").arg(floor.percent.to_string());
 }
 
-/// Starts the shim; returns its pid and start time. The shim is reaped when it ends, so it
-/// never lingers as a zombie of the agent. No code runs between fork and exec, so the standard
-/// library starts it with posix_spawn (a vfork: the agent's address space is never copied,
-/// which a fork of it cost every rank); the shim makes its own session itself, and the agent
-/// marked what it inherited close-on-exec when it started ([`crate::relay::run`]).
+/// Starts the shim in a session of its own; returns its pid and start time. The shim is
+/// reaped when it ends, so it never lingers as a zombie of the agent.
 pub(super) fn start(mut command: Command, program: &Path) -> Result<(u32, u64), String> {
+    // SAFETY: setsid, close_range and fcntl are async-signal-safe, the only calls between fork
+    // and exec.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Nothing the agent inherited (a service manager's sockets, a test harness's pipes)
+            // reaches the shim, nor the rank after it.
+            procfs::cloexec_from(3);
+            Ok(())
+        });
+    }
     let mut child =
         command.spawn().map_err(|e| format!("spawn failed: supervisor {}: {e}", program.display()))?;
     let pid = child.id().ok_or("spawn failed: supervisor exited at once")?;
