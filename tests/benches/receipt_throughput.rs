@@ -6,9 +6,9 @@
 //! Two agents with 4 ranks each run `examples/flood.py`, which writes receipts stamped with their
 //! write time. Two phases: *burst* (as fast as the ranks can write: the sustained store rate is
 //! receipts over the span between the first and the last `stored_at_ms`) and *paced* (a steady
-//! offered load below that rate: the rank-to-row latency `stored_at_ms - t_ms` per receipt; a
-//! burst's latency only measures its own backlog). On this machine the ranks, the agents and the
-//! controller share the same 2 cores.
+//! offered load below that rate, into SQLite half what the raw loop stored: the rank-to-row
+//! latency `stored_at_ms - t_ms` per receipt; a burst's latency only measures its own backlog).
+//! On this machine the ranks, the agents and the controller share the same 2 cores.
 //!
 //! After each burst the same rows go through a plain sqlx loop into a fresh SQLite file or a
 //! fresh database on the same PostgreSQL server ([`trainyard_tests::raw_insert`]):
@@ -39,12 +39,15 @@ use trainyard_tests::{Backend, Cluster};
 const PER_RANK: i64 = 50_000;
 const RUNS: usize = 3;
 
-/// Offered load of the paced phase, receipts per second per rank (8 ranks): 80,000/s into
-/// SQLite, and half PostgreSQL's 50,000/s target (25,000/s) into PostgreSQL.
-fn paced_per_rank(backend: Backend) -> i64 {
-    match backend {
-        Backend::Sqlite => 10_000,
-        Backend::Postgres => 3_125,
+/// Offered load of the paced phase, receipts per second per rank (8 ranks): into SQLite half
+/// what the raw loop stored in the burst phase on this machine (`raw_rate`, its median), so
+/// that the latency target means the same on any machine; into PostgreSQL half its 50,000/s
+/// target (25,000/s).
+fn paced_per_rank(backend: Backend, raw_rate: Option<f64>) -> i64 {
+    match (backend, raw_rate) {
+        (Backend::Sqlite, Some(raw)) => ((raw / 2.0 / 8.0) as i64 / 100 * 100).max(100),
+        (Backend::Sqlite, None) => 10_000,
+        (Backend::Postgres, _) => 3_125,
     }
 }
 
@@ -83,7 +86,11 @@ fn bench(out: &mut Results, backend: Backend, secure: bool) -> anyhow::Result<()
     c.start_agent("node-a", 4)?;
     c.start_agent("node-b", 4)?;
     let mut summary = json!({"store": label, "target_rate": target});
-    for (phase, per_rank) in [("burst", 0), ("paced", paced_per_rank(backend))] {
+    for phase in ["burst", "paced"] {
+        let per_rank = match phase {
+            "burst" => 0,
+            _ => paced_per_rank(backend, summary["raw_rate"].as_f64()),
+        };
         let mut results = Vec::new();
         for run in 0..RUNS {
             let f = flood(&c, &format!("flood-{run}-{per_rank}"), PER_RANK, per_rank)?;
