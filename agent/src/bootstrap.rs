@@ -178,8 +178,11 @@ impl Bootstrap {
             return Vec::new();
         }
         let failed = pythons.iter().filter_map(|python| compile_with(python, &self.dir).err()).collect();
-        // Readable by every job's user, whatever the agent's umask.
-        for cache in [self.dir.join("__pycache__"), self.dir.join("trainyard_receipts/__pycache__")] {
+        // Readable by every job's user, whatever the agent's umask: the cache beside each of
+        // the carried files' directories.
+        let dirs: std::collections::BTreeSet<&Path> =
+            FILES.iter().filter_map(|(name, _)| Path::new(name).parent()).collect();
+        for cache in dirs.into_iter().map(|d| self.dir.join(d).join("__pycache__")) {
             let files = std::fs::read_dir(&cache).into_iter().flatten().filter_map(Result::ok);
             for file in files {
                 let _ = std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o644));
