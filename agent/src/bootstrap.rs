@@ -197,11 +197,17 @@ impl Bootstrap {
         let (done, compiling) = std::sync::mpsc::channel();
         let bootstrap = self.clone();
         let compile = move || {
+            let started = Instant::now();
             for failed in bootstrap.precompile(&pythons) {
                 tracing::warn!(
                     "cannot compile the Python bootstrap with {failed}; ranks of that Python compile it at every start"
                 );
             }
+            tracing::info!(
+                dir = %bootstrap.dir.display(),
+                ms = started.elapsed().as_millis() as u64,
+                "{BOOTSTRAP_READY}"
+            );
             let _ = done.send(());
         };
         if let Err(e) = std::thread::Builder::new().name("bootstrap-compile".into()).spawn(compile) {
@@ -231,6 +237,10 @@ impl Bootstrap {
         }
     }
 }
+
+/// What the agent logs once its bootstrap compile ended, whether or not every interpreter
+/// could compile it: from then on no process of the agent's own runs beside the ranks.
+pub const BOOTSTRAP_READY: &str = "the Python bootstrap is ready for ranks";
 
 /// The variable that carries the bootstrap's hash into the launch receipt.
 pub const HASH: &str = "TRAINYARD_BOOTSTRAP_HASH";

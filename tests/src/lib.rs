@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use sqlx::Row;
+use trainyard_agent::bootstrap::BOOTSTRAP_READY;
 use trainyard_testkit::pg_server::{Durability, TempPostgres};
 
 pub mod chaos;
@@ -737,6 +738,9 @@ impl Cluster {
         host: &Path,
         env: &[(&str, &str)],
     ) -> Result<()> {
+        // The agent's bootstrap compile is a Python process of its own: tests that count
+        // the ranks' processes start once it ended.
+        let compiled_before = self.logs(&format!("agent-{name}")).matches(BOOTSTRAP_READY).count();
         let mut command = match (&self.lab, self.agent_hosts.get(name)) {
             (Some(lab), Some(&i)) => lab.command(i, agent),
             _ => Command::new(agent),
@@ -766,7 +770,30 @@ impl Cluster {
             .spawn()
             .context("start trainyard-agent")?;
         self.agents.insert(name.to_string(), child);
-        self.wait_agent_connected(name, Duration::from_secs(20))
+        self.wait_agent_connected(name, Duration::from_secs(20))?;
+        self.wait_agent_log_count(name, BOOTSTRAP_READY, compiled_before + 1, Duration::from_secs(20))
+    }
+
+    /// Waits until agent `name`'s log holds `line` at least `count` times (its log is appended
+    /// to across restarts).
+    pub fn wait_agent_log_count(
+        &self,
+        name: &str,
+        line: &str,
+        count: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        while self.logs(&format!("agent-{name}")).matches(line).count() < count {
+            if Instant::now() > deadline {
+                bail!(
+                    "agent {name} did not log {line:?} within {timeout:?}:\n{}",
+                    self.logs(&format!("agent-{name}"))
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     /// The TLS directory of agent `name` of a secure cluster, issued on first use.
