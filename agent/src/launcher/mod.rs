@@ -254,8 +254,7 @@ impl Launcher {
         for assignment in &launch.ranks {
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
             ids.push(id);
-            // A rank named twice (here, or in this launch) is started once, as first named.
-            match self.ranks.contains_key(&id) || new.iter().any(|&(n, _)| n == id) {
+            match self.ranks.contains_key(&id) {
                 true => info!(rank_id = %id, "rank already known; launch is idempotent"),
                 false => new.push((id, assignment)),
             }
