@@ -34,7 +34,6 @@ mod read;
 mod receipts_file;
 mod rundir;
 mod shim;
-mod side_by_side;
 mod watch;
 
 use engines::{exec_engine, launch_json};
@@ -250,24 +249,15 @@ impl Launcher {
             if refusal.is_none() { admit::short_of_disk(&self.layout, self.disk_floor) } else { None };
         let refusal = refusal.or(bad_name.as_deref()).or(low_disk.as_deref());
         let mut ids = Vec::new();
-        let mut new = Vec::new();
+        let mut recorded = Vec::new();
         for assignment in &launch.ranks {
             let id = RankId { job_id: launch.job_id, attempt: launch.attempt, rank: assignment.rank };
             ids.push(id);
-            match self.ranks.contains_key(&id) {
-                true => info!(rank_id = %id, "rank already known; launch is idempotent"),
-                false => new.push((id, assignment)),
+            if self.ranks.contains_key(&id) {
+                info!(rank_id = %id, "rank already known; launch is idempotent");
+                continue;
             }
-        }
-        // The ranks are recorded side by side, then (every group made) their shims are spawned
-        // side by side: their moves into their cgroups share one RCU grace period
-        // (architecture.md), and each one's waits on the disk and the kernel overlap the others'.
-        let records = side_by_side::each(&new, |&(id, assignment)| {
-            self.record_rank(&run, id, launch, assignment, &run_as, refusal)
-        });
-        let mut recorded = Vec::new();
-        for ((id, assignment), record) in new.into_iter().zip(records) {
-            let record = match record {
+            let record = match self.record_rank(&run, id, launch, assignment, &run_as, refusal) {
                 Ok(record) => record,
                 Err(e) => {
                     // Not recorded, so not started: the controller sees no report for it.
@@ -282,23 +272,28 @@ impl Launcher {
             }
             self.ranks.insert(id, Rank::open(record));
         }
-        let spawned = side_by_side::each(&recorded, |&(id, assignment)| {
-            shim::failpoint("before-spawn");
-            let record = &self.ranks.get(&id).expect("a rank recorded above").record;
-            let spawned = self.spawn_shim(record, launch, assignment, &run_as);
-            if spawned.is_ok() {
-                shim::failpoint("after-spawn");
-            }
-            spawned
-        });
-        for ((id, _), spawned) in recorded.into_iter().zip(spawned) {
-            self.note_spawned(id, spawned);
+        // Every rank recorded and its groups made, the shims are spawned back to back: their
+        // moves into their cgroups share one RCU grace period (architecture.md).
+        for (id, assignment) in recorded {
+            self.spawn_recorded(id, launch, assignment, &run_as);
         }
         ids
     }
 
-    /// Notes a recorded rank's spawned shim and its pid (a failed spawn: exited, with why).
-    fn note_spawned(&mut self, id: RankId, spawned: Result<(u32, u64), String>) {
+    /// Spawns a recorded rank's shim and notes its pid (a failed spawn: exited, with why).
+    fn spawn_recorded(
+        &mut self,
+        id: RankId,
+        launch: &Launch,
+        assignment: &RankAssignment,
+        run_as: &Result<RunAs, String>,
+    ) {
+        let Some(rank) = self.ranks.get(&id) else { return };
+        shim::failpoint("before-spawn");
+        let spawned = self.spawn_shim(&rank.record, launch, assignment, run_as);
+        if spawned.is_ok() {
+            shim::failpoint("after-spawn");
+        }
         let Some(rank) = self.ranks.get_mut(&id) else { return };
         let record = &mut rank.record;
         match spawned {
@@ -366,7 +361,7 @@ impl Launcher {
     }
 
     /// Records the rank durably (`launching`, exit slot and cgroups made, no shim yet) for
-    /// its shim's spawn: an agent killed in between never starts it twice, as
+    /// [`Launcher::spawn_recorded`]: an agent killed in between never starts it twice, as
     /// [`Launcher::adopt`] finds the shim if it was spawned and marks the rank lost if not.
     /// Fails only when the record cannot be written, and then nothing was started.
     fn record_rank(

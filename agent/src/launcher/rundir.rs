@@ -10,10 +10,6 @@ use crate::layout::{Layout, Owner, PRIVATE_FILE_MODE, RUN_DIR_MODE, RankId, make
 /// `state/runs/`) and holding none of its ranks (`ours` false), left by a restored database's
 /// job or another controller's, is moved aside (`<run>.moved-<ms>`), never reused or re-owned.
 pub(super) fn claim(layout: &Layout, run: &str, ours: bool) -> std::io::Result<()> {
-    // One claim at a time: a launch's ranks are recorded side by side, and one rank's check
-    // must never see the directory another rank just made before its marker is written.
-    static CLAIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _claiming = CLAIMING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let marker = layout.made_runs_dir().join(run);
     if marker.exists() {
         return Ok(());
