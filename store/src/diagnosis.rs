@@ -36,19 +36,19 @@ impl DiagnosisStore for SqlStore {
         .await
     }
 
-    async fn step_samples_after(
+    async fn latest_step_samples_after(
         &self,
         job: JobId,
         attempt: u32,
         after: u64,
         limit: u32,
     ) -> Result<Vec<(u64, StepSample)>> {
-        self.read("step_samples_after", async |c| {
+        self.read("latest_step_samples_after", async |c| {
             let found = c
                 .query(
-                    "SELECT position, rank, step, step_time_ms, fwd_bwd_ms, optimizer_ms, tokens_per_s, problem \
-                     FROM receipts WHERE job_id = $1 AND position > $2 AND attempt = $3 AND kind = 'step' \
-                     ORDER BY position LIMIT $4",
+                    "SELECT * FROM (SELECT position, rank, step, step_time_ms, fwd_bwd_ms, optimizer_ms, \
+                     tokens_per_s, problem FROM receipts WHERE job_id = $1 AND position > $2 AND attempt = $3 \
+                     AND kind = 'step' ORDER BY position DESC LIMIT $4) AS newest ORDER BY position",
                 )
                 .bind(int(job)?)
                 .bind(int(after)?)

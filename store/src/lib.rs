@@ -326,10 +326,12 @@ pub trait DiagnosisStore: Send + Sync {
         attempt: u32,
     ) -> Result<Vec<trainyard_analysis::diagnose::StepSample>>;
 
-    /// The step receipts of one attempt stored after receipt position `after` (oldest first, at
-    /// most `limit`), with their positions: what the live diagnosis reads each round. Uses the
-    /// `(job_id, position)` index, so a round costs the new receipts, not the whole run.
-    async fn step_samples_after(
+    /// The newest `limit` step receipts of one attempt stored after receipt position `after`
+    /// (returned oldest first), with their positions: what the live diagnosis reads each round.
+    /// Read backwards on the `(job_id, position)` index, so a round costs at most `limit` rows
+    /// however far the reader fell behind; fewer than `limit` means nothing after `after` was
+    /// left out.
+    async fn latest_step_samples_after(
         &self,
         job: JobId,
         attempt: u32,

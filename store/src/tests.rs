@@ -1098,14 +1098,20 @@ pub mod suite {
         assert_eq!(after_first.len(), 1, "incremental reads start after the row given");
         assert_eq!(s.attempt_gpu_windows(j.id, 0, 100).await.unwrap(), vec![w.clone(), later.clone()]);
         assert_eq!(s.node_gpu_windows("sxm-a", 0, 100).await.unwrap(), vec![w, idle, later.clone()]);
-        // The live diagnosis reads step receipts incrementally, by position.
+        // The live diagnosis reads the newest step receipts after a position, oldest first.
         let rank0 = RankId { job_id: j.id, attempt: 0, rank: 0 };
         s.insert_receipts(&fixtures::receipts(rank0, 0, 5), 1).await.unwrap();
         s.insert_receipts(&fixtures::receipts(RankId { attempt: 1, ..rank0 }, 0, 2), 1).await.unwrap();
-        let first = s.step_samples_after(j.id, 0, 0, 3).await.unwrap();
-        assert_eq!(first.iter().map(|(_, x)| x.step).collect::<Vec<_>>(), vec![0, 1, 2]);
-        assert_eq!(first[0].1.step_time_ms, Some(100.0));
-        let rest = s.step_samples_after(j.id, 0, first[2].0, 100).await.unwrap();
+        let newest = s.latest_step_samples_after(j.id, 0, 0, 3).await.unwrap();
+        assert_eq!(
+            newest.iter().map(|(_, x)| x.step).collect::<Vec<_>>(),
+            vec![2, 3, 4],
+            "the newest of this attempt, oldest first"
+        );
+        let all = s.latest_step_samples_after(j.id, 0, 0, 100).await.unwrap();
+        assert_eq!(all.iter().map(|(_, x)| x.step).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+        assert_eq!(all[0].1.step_time_ms, Some(100.0));
+        let rest = s.latest_step_samples_after(j.id, 0, all[2].0, 100).await.unwrap();
         assert_eq!(
             rest.iter().map(|(_, x)| x.step).collect::<Vec<_>>(),
             vec![3, 4],

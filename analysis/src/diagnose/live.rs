@@ -46,6 +46,13 @@ impl Rolling {
         }
     }
 
+    /// Drops every step receipt held and adds `new` (the newest of a backlog whose older part
+    /// was not read: nothing older may sit beside them with a gap between).
+    pub fn replace_samples(&mut self, new: impl IntoIterator<Item = StepSample>) {
+        self.samples.clear();
+        self.add_samples(new);
+    }
+
     /// Adds new windows and drops those that ended more than [`LIVE_SPAN_MS`] before the newest.
     pub fn add_windows(&mut self, new: impl IntoIterator<Item = GpuWindowRecord>) {
         self.windows.extend(new);
@@ -185,5 +192,18 @@ mod tests {
         let (samples, windows) = r.sizes();
         assert_eq!(samples, 4 * (LIVE_STEPS as usize + 1));
         assert_eq!(windows, (LIVE_SPAN_MS / 1_000) as usize + 1);
+    }
+
+    #[test]
+    fn newest_receipts_of_a_backlog_replace_what_was_held() {
+        let sample = |rank, step| StepSample { rank, step, step_time_ms: Some(1.0), ..Default::default() };
+        let mut r = Rolling::default();
+        r.add_samples((0..50).map(|step| sample(0, step)));
+        // Steps 50..1,000 were never read; the newest 20 of rank 0 and 1 arrive.
+        r.replace_samples((990..1_000).flat_map(|step| [sample(0, step), sample(1, step)]));
+        assert_eq!(r.sizes().0, 20, "nothing held from before the gap");
+        assert_eq!(r.last_step(), 999);
+        r.add_samples([sample(0, 1_000)]);
+        assert_eq!(r.sizes().0, 21);
     }
 }

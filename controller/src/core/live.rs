@@ -8,14 +8,16 @@
 //! never the controller.
 //!
 //! After a restart the open findings come back from the store, so a finding that is still there
-//! is neither stored nor alerted twice; the rolling data is read again page by page, and
-//! nothing is judged until it has caught up (old windows must not raise new alerts).
+//! is neither stored nor alerted twice; the windows are read again page by page, and nothing is
+//! judged until they have caught up (old windows must not raise new alerts). Step receipts are
+//! read newest first, at most what the rolling data keeps, so a diagnosis that fell behind a
+//! flood of receipts (or a restart after a long run) catches up in one round.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use trainyard_analysis::diagnose::live::{Rolling, Tracker};
+use trainyard_analysis::diagnose::live::{LIVE_STEPS, Rolling, Tracker};
 use trainyard_analysis::diagnose::{Finding, Input, NodeFacts};
 use trainyard_store::{Allocation, JobId, JobRecord, JobState, LiveFinding};
 
@@ -24,9 +26,18 @@ use super::{Clock, Result};
 use crate::alerts::{Alert, RETRY_CAP, Webhooks};
 use trainyard_store::Store;
 
-/// Rows read per round at most (a round after a restart pages through a long run).
+/// Windows read per round at most (a round after a restart pages through a long run).
 const WINDOW_PAGE: u32 = 20_000;
+/// Step receipts read per round at most, whatever the job's size.
 const RECEIPT_PAGE: u32 = 200_000;
+
+/// Step receipts a round reads at most for `ranks` ranks: the newest, twice what the rolling
+/// data keeps ([`LIVE_STEPS`] steps of every rank), so a round costs the same however far
+/// behind the diagnosis fell (a flood of receipts, a restart after a long run).
+fn receipt_limit(ranks: usize) -> u32 {
+    let kept = (LIVE_STEPS as usize + 1).saturating_mul(ranks.max(1)).saturating_mul(2);
+    u32::try_from(kept).unwrap_or(u32::MAX).min(RECEIPT_PAGE)
+}
 
 /// One running attempt as the live diagnosis follows it.
 struct LiveJob {
@@ -139,7 +150,7 @@ async fn live_round(
     }
     for (id, context) in running {
         let job = jobs.entry(id).or_insert_with(|| LiveJob::new(context.record.attempt));
-        let caught_up = read_new(store, id, job).await?;
+        let caught_up = read_new(store, id, job, context.allocations.len()).await?;
         if !caught_up {
             continue;
         }
@@ -183,22 +194,30 @@ pub(super) fn running_contexts(core: &Core) -> BTreeMap<JobId, Context> {
         .collect()
 }
 
-/// Reads the attempt's new windows and step receipts; `false` while a page came back full
-/// (more to read: not judged yet).
-async fn read_new(store: &dyn Store, id: JobId, job: &mut LiveJob) -> Result<bool> {
+/// Reads the attempt's new windows and its newest step receipts; `false` while a page of
+/// windows came back full (more to read: not judged yet). Step receipts older than the newest
+/// [`receipt_limit`] are never read: when some were left out, the rolling steps start afresh
+/// from the newest (what they keep of a long backlog anyway), so no gap hides inside them.
+async fn read_new(store: &dyn Store, id: JobId, job: &mut LiveJob, ranks: usize) -> Result<bool> {
     let windows = store.job_gpu_windows_after(id, job.after_window, WINDOW_PAGE).await?;
     let full_windows = windows.len() == WINDOW_PAGE as usize;
     if let Some((last, _)) = windows.last() {
         job.after_window = *last;
     }
     job.rolling.add_windows(windows.into_iter().map(|(_, w)| w).filter(|w| w.attempt == Some(job.attempt)));
-    let samples = store.step_samples_after(id, job.attempt, job.after_receipt, RECEIPT_PAGE).await?;
-    let full_samples = samples.len() == RECEIPT_PAGE as usize;
+    let limit = receipt_limit(ranks);
+    let samples = store.latest_step_samples_after(id, job.attempt, job.after_receipt, limit).await?;
+    let skipped = samples.len() == limit as usize;
     if let Some((last, _)) = samples.last() {
         job.after_receipt = *last;
     }
-    job.rolling.add_samples(samples.into_iter().map(|(_, s)| s));
-    Ok(!full_windows && !full_samples)
+    let samples = samples.into_iter().map(|(_, s)| s);
+    if skipped {
+        job.rolling.replace_samples(samples);
+    } else {
+        job.rolling.add_samples(samples);
+    }
+    Ok(!full_windows)
 }
 
 /// Stores a finding seen this round: opened, or its numbers updated.
