@@ -34,6 +34,13 @@ const CHUNK_BYTES: usize = 64 * 1024;
 /// stay in the file, to be sent again on the next stream.
 pub const MAX_UNACKED_BYTES: u64 = 64 << 20;
 
+/// Ranks in the order a batch reads them (`ids` sorted): from the one after `filled_by`, the
+/// rank that filled the last full batch, round to it.
+pub fn reading_order(ids: &[RankId], filled_by: Option<RankId>) -> impl Iterator<Item = RankId> + '_ {
+    let first = filled_by.map_or(0, |last| ids.partition_point(|id| *id <= last));
+    ids[first..].iter().chain(&ids[..first]).copied()
+}
+
 /// A point in a receipts file: the start of line `next_seq`, with `skipped` lines skipped
 /// before it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

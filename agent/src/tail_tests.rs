@@ -439,3 +439,16 @@ fn reading_waits_at_the_unacknowledged_window() {
     assert!(!t.held());
     assert_eq!(sent.len(), lines, "the rest follows once acknowledged");
 }
+
+#[test]
+fn ranks_take_turns_after_the_one_that_filled_a_batch() {
+    let id = |rank| RankId { job_id: 1, attempt: 0, rank };
+    let ids = [id(0), id(1), id(2), id(3)];
+    let order = |filled| reading_order(&ids, filled).map(|i| i.rank).collect::<Vec<_>>();
+    assert_eq!(order(None), [0, 1, 2, 3]);
+    assert_eq!(order(Some(id(0))), [1, 2, 3, 0]);
+    assert_eq!(order(Some(id(3))), [0, 1, 2, 3]);
+    // The rank that filled it has ended and was forgotten since: the next one on.
+    assert_eq!(order(Some(RankId { job_id: 1, attempt: 0, rank: 9 })), [0, 1, 2, 3]);
+    assert_eq!(reading_order(&ids[..2], Some(id(1))).map(|i| i.rank).collect::<Vec<_>>(), [0, 1]);
+}
