@@ -24,10 +24,15 @@
 //! `soak [SECONDS [OFFERED]]` offers SQLite half what the raw loop stores on this machine (one
 //! burst and its raw loop first), or `OFFERED` receipts/s, for 180 s or `SECONDS`: each whole
 //! minute's p99 rank-to-row latency (target: under 1 s in every minute), and the last minute's
-//! stored rate against the first's (target: no slower by more than 15 %).
+//! stored rate against the first's (target: no slower by more than 15 %), and each rank's worst
+//! latency (ranks take turns: none waits behind the others). With `apart`, the agents'
+//! directories (the ranks' receipts files) are on tmpfs, as on a fleet where the ranks write to
+//! their node's disk and the controller's store has a disk of its own: on one disk the kernel
+//! writes the flood's rank files back every 30 s (its dirty-page expiry, about 400 MB at once)
+//! and the store's commits wait behind that writeback.
 //!
 //! Run: `cargo bench -p trainyard-tests --bench receipt_throughput
-//! [-- sqlite|postgres|secure|soak [SECONDS [OFFERED]]]` (sqlite and postgres when none is named). The bench
+//! [-- sqlite|postgres|secure|soak [SECONDS [OFFERED]] [apart]]` (sqlite and postgres when none is named). The bench
 //! builds and runs the release binaries. PostgreSQL runs with its default, durable settings
 //! (`fsync`, `synchronous_commit` on).
 
@@ -67,7 +72,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(at) = named.iter().position(|n| n == "soak") {
         let seconds = named.get(at + 1).and_then(|s| s.parse().ok()).unwrap_or(180);
         let offered = named.get(at + 2).and_then(|s| s.parse().ok());
-        soak(&mut out, seconds, offered)?;
+        soak(&mut out, seconds, offered, named.iter().any(|n| n == "apart"))?;
     }
     println!("results: {}", out.path().display());
     Ok(())
@@ -162,10 +167,21 @@ fn round2(v: f64) -> f64 {
 /// minute), and the last minute's rate against the first's (target: no slower by more than
 /// 15 %). Paced, so the ranks' own writing costs the same CPU in every minute (unpaced, they
 /// finish writing early and the later minutes run faster).
-fn soak(out: &mut Results, seconds: u64, offered: Option<i64>) -> anyhow::Result<()> {
+fn soak(out: &mut Results, seconds: u64, offered: Option<i64>, apart: bool) -> anyhow::Result<()> {
+    // Declared before the cluster: removed after its processes are gone.
+    let tmpfs = apart
+        .then(|| tempfile::Builder::new().prefix("trainyard-soak-").tempdir_in("/dev/shm"))
+        .transpose()?;
     let mut c = Cluster::start_on(Backend::Sqlite)?;
-    c.start_agent("node-a", 4)?;
-    c.start_agent("node-b", 4)?;
+    for node in ["node-a", "node-b"] {
+        if let Some(tmpfs) = &tmpfs {
+            let dir = tmpfs.path().join(node);
+            std::fs::create_dir(&dir)?;
+            std::os::unix::fs::symlink(&dir, c.path(&format!("agent-{node}")))?;
+        }
+        c.start_agent(node, 4)?;
+    }
+    let disks = if apart { "rank files on tmpfs, store on disk" } else { "rank files and store on one disk" };
     let (offered, raw) = match offered {
         Some(offered) => (offered, None),
         None => {
@@ -180,7 +196,7 @@ fn soak(out: &mut Results, seconds: u64, offered: Option<i64>) -> anyhow::Result
             (8 * paced_per_rank(Backend::Sqlite, Some(raw)), Some(raw))
         }
     };
-    println!("== SQLite, one flood of {seconds} s at {offered} receipts/s offered");
+    println!("== SQLite, one flood of {seconds} s at {offered} receipts/s offered ({disks})");
     let per_rank = offered * seconds as i64 / 8;
     let job = flood_job(&c, "soak", per_rank, offered / 8)?;
     let minutes = rate_per_minute(&c, job)?;
@@ -188,6 +204,12 @@ fn soak(out: &mut Results, seconds: u64, offered: Option<i64>) -> anyhow::Result
         println!("minute {}: {rate:.0} receipts/s stored, p99 rank-to-row latency {p99} ms", i + 1);
         out.line(&json!({"store": "sqlite-soak", "minute": i + 1, "rate": rate.round(), "p99_ms": p99}))?;
     }
+    let ranks = c.query(&format!(
+        "SELECT rank, MAX(stored_at_ms - json_extract(body, '$.t_ms')) FROM receipts \
+         WHERE job_id = {job} AND kind = 'step' GROUP BY rank ORDER BY rank"
+    ))?;
+    let worst_by_rank: Vec<i64> = ranks.iter().map(|r| r[1]).collect();
+    println!("each rank's worst rank-to-row latency (ms), ranks 0-7: {worst_by_rank:?}");
     anyhow::ensure!(minutes.len() >= 2, "the flood lasted less than two whole minutes");
     let (first, last) = (minutes[0].0, minutes[minutes.len() - 1].0);
     let worst = minutes.iter().map(|m| m.1).max().unwrap_or_default();
@@ -199,6 +221,7 @@ fn soak(out: &mut Results, seconds: u64, offered: Option<i64>) -> anyhow::Result
     );
     out.line(&json!({"summary": {
         "store": "sqlite-soak", "seconds": seconds, "offered_per_s": offered, "raw_rate": raw.map(f64::round),
+        "disks": disks, "worst_ms_by_rank": worst_by_rank,
         "receipts": 8 * per_rank, "worst_minute_p99_ms": worst,
         "first_minute_rate": first.round(), "last_minute_rate": last.round(), "last_over_first": round2(last / first),
     }}))
