@@ -200,7 +200,7 @@ async fn run(out: &mut Results, minutes: i64) -> anyhow::Result<()> {
             after_window = *id;
         }
         rolling.add_windows(new_windows.into_iter().map(|(_, w)| w));
-        let samples = store.step_samples_after(1, 0, after_receipt, 200_000).await?;
+        let samples = store.latest_step_samples_after(1, 0, after_receipt, 200_000).await?;
         if let Some((position, _)) = samples.last() {
             after_receipt = *position;
         }
