@@ -27,9 +27,9 @@
 //! stored rate against the first's (target: no slower by more than 15 %), and each rank's worst
 //! latency (ranks take turns: none waits behind the others). With `apart`, the agents'
 //! directories (the ranks' receipts files) are on tmpfs, as on a fleet where the ranks write to
-//! their node's disk and the controller's store has a disk of its own: on one disk the kernel
-//! writes the flood's rank files back every 30 s (its dirty-page expiry, about 400 MB at once)
-//! and the store's commits wait behind that writeback.
+//! their node's disk and the controller's store has a disk of its own (on one disk the agent
+//! starts the writeback of what it read, so the kernel's periodic writeback of the flood's rank
+//! files does not hold the store's commits).
 //!
 //! Run: `cargo bench -p trainyard-tests --bench receipt_throughput
 //! [-- sqlite|postgres|secure|soak [SECONDS [OFFERED]] [apart]]` (sqlite and postgres when none is named). The bench
