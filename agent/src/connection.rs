@@ -168,7 +168,7 @@ struct Session<'a> {
     unacked_batches: usize,
     /// The rank whose lines filled the last full batch: the next batch reads from the rank
     /// after it, so under a backlog the ranks take turns (read from the first rank every time,
-    /// the last rank of a node fell 28 s behind in a 48,000 receipts/s soak).
+    /// the last rank of a node fell tens of seconds behind in a 48,000 receipts/s soak).
     filled_by: Option<RankId>,
     /// When the metrics gauges were last refreshed.
     metrics_at: std::time::Instant,
