@@ -184,7 +184,7 @@ fn backfill_never_takes_what_the_head_job_waits_for() {
     busy(&mut fleet[0], &[0, 1, 2, 3, 4, 5]);
     busy(&mut fleet[1], &[0, 1, 2, 3]);
     // Job 1 (8 GPUs) is the head: it waits for node-01, which needs fewer busy GPUs to end.
-    let out = schedule(&[req(1, 8, 0), req(2, 2, 0), req(3, 4, 0)], &fleet);
+    let out = schedule(&[req(1, 8, 0), req(2, 2, 0), req(3, 4, 0), req(4, 4, 0)], &fleet);
     let placed: Vec<u64> = out.placements.iter().map(|p| p.job_id).collect();
     assert_eq!(placed, vec![2], "job 2 fits beside the reservation; job 3 would sit on it");
     assert_eq!(one_node(&out.placements[0]), ("node-00", vec![6, 7]));
@@ -194,6 +194,8 @@ fn backfill_never_takes_what_the_head_job_waits_for() {
         "needs 8 GPUs on one node; largest free set is 4; holding GPUs node-01 0-7 for it as they free up"
     );
     assert!(reasons[&3].contains("held for job 1"), "{}", reasons[&3]);
+    // Job 4 has job 3's shape: it waits for the same reason, known without a search.
+    assert_eq!(reasons[&4], reasons[&3]);
 }
 
 #[test]
@@ -275,6 +277,21 @@ fn waiting_reason_names_the_class_and_the_largest_free_set() {
         "{}",
         out.waiting[0].1
     );
+}
+
+#[test]
+fn a_model_matches_in_any_case_within_one_pass() {
+    let nodes = make_test_nodes(1, 8);
+    let jobs: Vec<Request> = ["H100", "h100", "h200", "Nvidia H100"]
+        .iter()
+        .enumerate()
+        .map(|(i, model)| Request { gpu_model: model.to_string(), ..req(i as u64 + 1, 1, 0) })
+        .collect();
+    let out = schedule(&jobs, &nodes);
+    let placed: Vec<u64> = out.placements.iter().map(|p| p.job_id).collect();
+    assert_eq!(placed, vec![1, 2, 4], "each spelling of the node's model is found; h200 is not");
+    assert_eq!(out.waiting.len(), 1);
+    assert!(out.waiting[0].1.contains("h200"), "{:?}", out.waiting);
 }
 
 #[test]
