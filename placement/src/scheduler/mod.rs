@@ -69,14 +69,10 @@ pub fn feasible(req: &Request, nodes: &[NodeView]) -> Result<(), String> {
 /// reservation (see the module documentation). Returns the placements and why the rest wait.
 pub fn schedule(queue: &[Request], nodes: &[NodeView]) -> Outcome {
     let mut order: Vec<&Request> = queue.iter().collect();
-    order.sort_unstable_by_key(|r| (std::cmp::Reverse(r.priority), r.job_id));
+    order.sort_by_key(|r| (std::cmp::Reverse(r.priority), r.job_id));
     let mut fleet = Fleet::new(nodes);
     let mut outcome = Outcome::default();
     for req in order {
-        if let Some(reason) = fleet.known_wait(req) {
-            outcome.waiting.push((req.job_id, reason));
-            continue;
-        }
         match fleet.place_now(req) {
             Some(found) => outcome.placements.push(fleet.commit(req, found)),
             // The first job left waiting also gets the reservation (see the module docs).

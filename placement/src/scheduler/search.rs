@@ -5,8 +5,7 @@
 //! so a `k`-GPU search starts at the nodes that fit it most tightly and stops at the first set
 //! that no other node could beat; link matrices come parsed with the views; and
 //! a request shape that failed once in a pass fails again without a search (capacity only
-//! shrinks during a pass): once its waiting reason is known, a later job of that shape costs
-//! one hash lookup and a copy of the reason (most of a long queue).
+//! shrinks during a pass).
 
 use std::cell::OnceCell;
 use std::cmp::Reverse;
@@ -106,9 +105,8 @@ pub(super) struct Fleet<'a> {
     nodes: Vec<NodeState<'a>>,
     /// (available GPUs, node) for every node with at least one.
     by_avail: BTreeSet<(u32, usize)>,
-    /// Eligible GPU masks per node, by (model as the request spells it, min memory); absent
-    /// key: every GPU. Keyed by the request's own string: no lowercased copy per lookup.
-    eligible: HashMap<(&'a str, u64), Rc<Vec<u64>>>,
+    /// Eligible GPU masks per node, by (model, min memory); absent key: every GPU.
+    eligible: HashMap<(String, u64), Rc<Vec<u64>>>,
     info: HashMap<ShapeKey<'a>, ShapeInfo>,
     /// Shapes that could not be placed in this pass, with their reason once computed.
     failed: HashMap<ShapeKey<'a>, Option<String>>,
@@ -149,20 +147,20 @@ impl<'a> Fleet<'a> {
         }
     }
 
-    fn elig(&mut self, req: &'a Request) -> Option<Rc<Vec<u64>>> {
+    fn elig(&mut self, req: &Request) -> Option<Rc<Vec<u64>>> {
         if req.gpu_model.is_empty() && req.min_gpu_memory_mib == 0 {
             return None;
         }
+        let key = (req.gpu_model.to_lowercase(), req.min_gpu_memory_mib);
         let nodes = &self.nodes;
-        let masks = self.eligible.entry((&req.gpu_model, req.min_gpu_memory_mib)).or_insert_with(|| {
-            let (model, memory) = (req.gpu_model.to_lowercase(), req.min_gpu_memory_mib);
+        let masks = self.eligible.entry(key.clone()).or_insert_with(|| {
             Rc::new(
                 nodes
                     .iter()
                     .map(|n| {
                         n.view.gpus.iter().enumerate().fold(0u64, |m, (p, g)| {
-                            let model_ok = model.is_empty() || g.model.to_lowercase().contains(&model);
-                            if model_ok && g.memory_mib >= memory { m | 1 << p } else { m }
+                            let model_ok = key.0.is_empty() || g.model.to_lowercase().contains(&key.0);
+                            if model_ok && g.memory_mib >= key.1 { m | 1 << p } else { m }
                         })
                     })
                     .collect(),
@@ -207,12 +205,6 @@ impl<'a> Fleet<'a> {
         })
     }
 
-    /// Why `req` waits, when a request of its shape already waits in this pass with its reason
-    /// known: one lookup, no search (most of a long queue).
-    pub(super) fn known_wait(&self, req: &'a Request) -> Option<String> {
-        self.failed.get(&shape(req)).cloned().flatten()
-    }
-
     /// Finds where the job goes on free, unreserved GPUs now.
     pub(super) fn place_now(&mut self, req: &'a Request) -> Option<Found> {
         if req.gpus == 0 || self.failed.contains_key(&shape(req)) {
@@ -230,7 +222,7 @@ impl<'a> Fleet<'a> {
         found
     }
 
-    fn single_node(&mut self, req: &'a Request, mode: Mode) -> Option<Found> {
+    fn single_node(&mut self, req: &Request, mode: Mode) -> Option<Found> {
         let k = req.gpus;
         let elig = self.elig(req);
         let elig_of = |i: usize| elig.as_ref().map_or(u64::MAX, |e| e[i]);
@@ -278,7 +270,7 @@ impl<'a> Fleet<'a> {
         Some(Found { nodes: vec![(i, mask)], worst: score.worst_link })
     }
 
-    fn multi_node(&mut self, req: &'a Request, info: ShapeInfo, mode: Mode) -> Option<Found> {
+    fn multi_node(&mut self, req: &Request, info: ShapeInfo, mode: Mode) -> Option<Found> {
         let elig = self.elig(req);
         let elig_of = |i: usize| elig.as_ref().map_or(u64::MAX, |e| e[i]);
         let per_node = req.gpus_per_node;
