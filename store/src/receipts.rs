@@ -56,9 +56,19 @@ impl ReceiptStore for SqlStore {
     async fn last_seqs(&self, job: JobId, attempt: u32) -> Result<Vec<(u32, u64)>> {
         self.read("last_seqs", async |c| {
             let found = c
+                // Rank by rank down the (job_id, attempt, rank, seq) index, a few probes each:
+                // a `GROUP BY rank` read every receipt of the attempt, and an agent's hello
+                // after a failover waited seconds for it on a job of millions of receipts.
                 .query(
-                    "SELECT rank, max(seq) AS seq FROM receipts WHERE job_id = $1 AND attempt = $2 \
-                     GROUP BY rank ORDER BY rank",
+                    "WITH RECURSIVE ranks(rank) AS ( \
+                       SELECT min(rank) FROM receipts WHERE job_id = $1 AND attempt = $2 \
+                       UNION ALL \
+                       SELECT (SELECT min(rank) FROM receipts \
+                               WHERE job_id = $1 AND attempt = $2 AND rank > ranks.rank) \
+                       FROM ranks WHERE ranks.rank IS NOT NULL) \
+                     SELECT rank, (SELECT max(seq) FROM receipts \
+                                   WHERE job_id = $1 AND attempt = $2 AND rank = ranks.rank) AS seq \
+                     FROM ranks WHERE rank IS NOT NULL ORDER BY rank",
                 )
                 .bind(int(job)?)
                 .bind(i64::from(attempt))
