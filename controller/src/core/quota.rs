@@ -5,8 +5,9 @@
 //! Step receipts, which every analysis reads, get the larger budget; other kinds a smaller one.
 //!
 //! Sizes are the characters of the receipts' bodies, as stored. A job's use is read from the
-//! store the first time it sends receipts after a controller start, then kept here (a few
-//! numbers a job, for the controller's life); a finished job's use no longer counts against
+//! store the first time it sends receipts after a controller start (one read a job, however
+//! many of its agents send at once), then kept here (a few numbers a job, for the controller's
+//! life); a finished job's use no longer counts against
 //! its user's. The first receipt a job drops is an event of the job (`job_events`).
 
 use std::collections::HashMap;
@@ -43,6 +44,8 @@ pub(super) enum Admit {
 #[derive(Debug, Default)]
 pub(super) struct Quotas {
     jobs: Mutex<HashMap<JobId, Usage>>,
+    /// Held while jobs' use is read from the store ([`Quotas::seed_each`]).
+    seeding: tokio::sync::Mutex<()>,
 }
 
 impl Quotas {
@@ -58,6 +61,32 @@ impl Quotas {
     /// Job `job` of `user` has stored `step` and `other` bytes of receipts (read from the store).
     pub(super) fn seed(&self, job: JobId, user: &str, step: u64, other: u64) {
         self.jobs().entry(job).or_insert(Usage { user: user.to_string(), step, other, ..Default::default() });
+    }
+
+    /// Seeds every job of `jobs` (with its user) not known yet with its stored use, `read` from
+    /// the store, one read at a time: after a controller starts (a failover), every agent of a
+    /// job sends its first batch at once, and each reading the same sum over the job's receipts
+    /// (millions of rows) held the store's connections the batches waited for.
+    pub(super) async fn seed_each<E, F>(
+        &self,
+        jobs: Vec<(JobId, String)>,
+        read: impl Fn(JobId) -> F,
+    ) -> Result<(), E>
+    where
+        F: std::future::Future<Output = Result<(u64, u64), E>>,
+    {
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        let _one_at_a_time = self.seeding.lock().await;
+        for (job, user) in jobs {
+            // Another batch's read may have seeded it while this one waited.
+            if !self.knows(job) {
+                let (step, other) = read(job).await?;
+                self.seed(job, &user, step, other);
+            }
+        }
+        Ok(())
     }
 
     /// What each user's unfinished jobs (`active`) have stored: once per batch, for
@@ -145,6 +174,28 @@ fn human(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_jobs_use_is_read_once_when_its_agents_send_at_once() {
+        let q = Quotas::default();
+        let reads = std::sync::atomic::AtomicUsize::new(0);
+        let read = |_job: JobId| {
+            reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                Ok::<_, ()>((700, 30))
+            }
+        };
+        let batch = || q.seed_each(vec![(1, "alice".to_string())], read);
+        let seeded = tokio::join!(batch(), batch(), batch(), batch());
+        assert_eq!(seeded, (Ok(()), Ok(()), Ok(()), Ok(())));
+        assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 1, "four batches at once, one read");
+        assert_eq!(q.users(&|_| true)["alice"], 730);
+        // A failed read seeds nothing: the next batch reads again.
+        let failed = q.seed_each(vec![(2, "bob".to_string())], |_| async { Err::<(u64, u64), _>("down") });
+        assert_eq!(failed.await, Err("down"));
+        assert!(!q.knows(2));
+    }
 
     #[test]
     fn a_job_and_a_user_stop_at_their_quotas_and_a_finished_job_stops_counting() {

@@ -83,10 +83,7 @@ impl<'c> Receipts<'c> {
                 .collect();
             (users, active)
         };
-        for (job, user) in users {
-            let (step, other) = self.c.store.receipt_bytes(job).await?;
-            self.c.quotas.seed(job, &user, step, other);
-        }
+        self.c.quotas.seed_each(users, |job| self.c.store.receipt_bytes(job)).await?;
         Ok(active)
     }
 
