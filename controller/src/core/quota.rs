@@ -7,8 +7,8 @@
 //! Sizes are the characters of the receipts' bodies, as stored. A job's use is read from the
 //! store the first time it sends receipts after a controller start (one read a job, however
 //! many of its agents send at once), then kept here (a few numbers a job, for the controller's
-//! life); a finished job's use no longer counts against
-//! its user's. The first receipt a job drops is an event of the job (`job_events`).
+//! life); a finished job's use no longer counts against its user's. The first receipt a job
+//! drops is an event of the job (`job_events`).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
